@@ -1,0 +1,46 @@
+# ampx front end. Everything installs what it needs (Debian packages; the
+# LibTorch 2.6 leg also a cached Debian 13 chroot), then builds and runs.
+#
+#   make run        build against the host's LibTorch and run the main job
+#   make test       build and run every test on both LibTorch legs
+#   make test-host  LibTorch 1.13 (Debian 12, this machine) only
+#   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
+#   make bench      the micro-benchmarks (host leg)
+
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+HOST_BUILD := build/host
+TRIXIE_BUILD := build/trixie
+CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release
+
+.PHONY: all deps build run test test-host test-2x bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
+	  || { cat $(HOST_BUILD).configure.log; exit 1; }
+	@cmake --build $(HOST_BUILD) -j$(JOBS)
+
+run: build
+	$(HOST_BUILD)/examples/autocast_scaler_example
+
+test-host: build
+	@echo "== ampx tests, LibTorch 1.13 (Debian 12 host) =="
+	cd $(HOST_BUILD) && ctest --output-on-failure -j$(JOBS)
+
+test-2x: deps
+	@echo "== ampx tests, LibTorch 2.6 (Debian 13 chroot) =="
+	scripts/trixie.sh bash -c 'cmake -S /src -B /src/$(TRIXIE_BUILD) $(CMAKE_FLAGS) >/dev/null \
+	  && cmake --build /src/$(TRIXIE_BUILD) -j$(JOBS) \
+	  && cd /src/$(TRIXIE_BUILD) && ctest --output-on-failure -j$(JOBS)'
+
+test: test-host test-2x
+
+bench: build
+	$(HOST_BUILD)/bench/ampx_bench
+
+clean:
+	rm -rf build

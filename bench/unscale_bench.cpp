@@ -1,0 +1,143 @@
+// Non-finite check + unscale over 100M fp32 gradient elements against a plain
+// copy of the same bytes, at 1 and 2 threads, in one run:
+//
+//   build/host/bench/ampx_bench [--benchmark_filter=...] [--elements=N]
+//
+// Both move 2 x 400 MB (read + write) per iteration; bytes_per_second is that
+// traffic over the time. At the end a table prints each kernel's bandwidth as
+// a fraction of the copy's at the same thread count.
+
+#include "ampx/detail/compat.h"
+#include "ampx/detail/kernels.h"
+#include "ampx/kernels.h"
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+
+namespace {
+
+int64_t g_elements = 100'000'000;
+
+struct Buffers {
+  torch::Tensor src, dst, grad, found, inv;
+  static Buffers& get() {
+    static Buffers b = [] {
+      Buffers x;
+      x.src = torch::randn({g_elements});
+      x.dst = torch::empty_like(x.src);
+      x.grad = x.src.clone();
+      x.found = torch::zeros({1});
+      x.inv = torch::ones({1});  // keeps values stable across iterations
+      return x;
+    }();
+    return b;
+  }
+};
+
+void set_traffic(benchmark::State& state) {
+  state.SetBytesProcessed(state.iterations() * g_elements * int64_t(sizeof(float)) * 2);
+  state.counters["threads"] = static_cast<double>(at::get_num_threads());
+}
+
+void BM_Copy(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto& b = Buffers::get();
+  for (auto _ : state) {
+    b.dst.copy_(b.src);
+    benchmark::DoNotOptimize(b.dst.data_ptr());
+    benchmark::ClobberMemory();
+  }
+  set_traffic(state);
+}
+
+void BM_UnscaleAmpxCpu(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto& b = Buffers::get();
+  for (auto _ : state) {
+    ampx::detail::cpu::non_finite_check_and_unscale_({b.grad}, b.found, b.inv);
+    benchmark::ClobberMemory();
+  }
+  set_traffic(state);
+}
+
+void BM_UnscaleComposite(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto& b = Buffers::get();
+  for (auto _ : state) {
+    ampx::detail::non_finite_check_and_unscale_composite_({b.grad}, b.found, b.inv);
+    benchmark::ClobberMemory();
+  }
+  set_traffic(state);
+}
+
+void BM_UnscaleAten(benchmark::State& state) {
+  if (!ampx::detail::compat::has_native_kernel("aten::_amp_foreach_non_finite_check_and_unscale_",
+                                               c10::DeviceType::CPU)) {
+    state.SkipWithError("this LibTorch has no CPU _amp_foreach_non_finite_check_and_unscale_");
+    return;
+  }
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto& b = Buffers::get();
+  for (auto _ : state) {
+    at::_amp_foreach_non_finite_check_and_unscale_({b.grad}, b.found, b.inv);
+    benchmark::ClobberMemory();
+  }
+  set_traffic(state);
+}
+
+#define AMPX_BANDWIDTH_BENCH(fn) \
+  BENCHMARK(fn)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0)
+
+AMPX_BANDWIDTH_BENCH(BM_Copy);
+AMPX_BANDWIDTH_BENCH(BM_UnscaleAmpxCpu);
+AMPX_BANDWIDTH_BENCH(BM_UnscaleAten);
+AMPX_BANDWIDTH_BENCH(BM_UnscaleComposite);
+
+// Console output plus a closing table of bandwidth relative to BM_Copy.
+class RatioReporter : public benchmark::ConsoleReporter {
+ public:
+  void ReportRuns(const std::vector<Run>& runs) override {
+    ConsoleReporter::ReportRuns(runs);
+    for (const auto& run : runs) {
+      if (run.error_occurred) continue;
+      const auto it = run.counters.find("bytes_per_second");
+      if (it != run.counters.end()) gbps_[run.benchmark_name()] = it->second.value / 1e9;
+    }
+  }
+  void Finalize() override {
+    ConsoleReporter::Finalize();
+    std::printf("\n%-28s %8s %10s %10s\n", "kernel (threads)", "GB/s", "copy GB/s", "vs copy");
+    for (const auto& entry : gbps_) {
+      const auto slash = entry.first.find('/');
+      const std::string threads = entry.first.substr(slash);
+      const auto copy = gbps_.find("BM_Copy" + threads);
+      if (copy == gbps_.end() || entry.first.rfind("BM_Copy", 0) == 0) continue;
+      std::printf("%-28s %8.2f %10.2f %9.0f%%\n", entry.first.c_str(), entry.second, copy->second,
+                  100.0 * entry.second / copy->second);
+    }
+  }
+
+ private:
+  std::map<std::string, double> gbps_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--elements=", 11) == 0) g_elements = std::atoll(argv[i] + 11);
+  }
+  benchmark::Initialize(&argc, argv);
+  std::printf("LibTorch %s, %lld fp32 elements (%.0f MB per buffer)\n",
+              ampx::detail::compat::torch_version(), static_cast<long long>(g_elements),
+              g_elements * 4 / 1e6);
+  RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  return 0;
+}

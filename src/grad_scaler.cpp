@@ -1,0 +1,262 @@
+// GradScaler's state machine. Error texts are PyTorch's (torch/amp/grad_scaler.py)
+// so that users porting a Python loop meet the same messages.
+
+#include "ampx/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+
+namespace ampx {
+
+GradScaler::GradScaler(GradScalerOptions options)
+    : enabled_(options.enabled()),
+      rule_{options.growth_factor(), options.backoff_factor(), options.growth_interval(),
+            options.hysteresis(), options.min_scale(), options.max_scale()},
+      init_scale_(options.init_scale()),
+      init_hysteresis_tracker_(options.hysteresis()) {
+  if (!enabled_) {
+    return;
+  }
+  // PyTorch's two assertions, verbatim, then the checks PyTorch lacks.
+  TORCH_CHECK(options.growth_factor() > 1.0, "The growth factor must be > 1.0.");
+  TORCH_CHECK(options.backoff_factor() < 1.0, "The backoff factor must be < 1.0.");
+  TORCH_CHECK_VALUE(options.backoff_factor() > 0.0,
+                    "GradScaler: backoff_factor must be > 0, got ", options.backoff_factor());
+  TORCH_CHECK_VALUE(std::isfinite(options.init_scale()) && options.init_scale() > 0.0,
+                    "GradScaler: init_scale must be finite and > 0, got ", options.init_scale());
+  TORCH_CHECK_VALUE(options.growth_interval() > 0,
+                    "GradScaler: growth_interval must be > 0, got ", options.growth_interval());
+  TORCH_CHECK_VALUE(options.hysteresis() >= 1, "GradScaler: hysteresis must be >= 1, got ",
+                    options.hysteresis());
+  if (options.min_scale()) {
+    TORCH_CHECK_VALUE(*options.min_scale() > 0.0, "GradScaler: min_scale must be > 0, got ",
+                      *options.min_scale());
+  }
+  if (options.min_scale() && options.max_scale()) {
+    TORCH_CHECK_VALUE(*options.min_scale() <= *options.max_scale(),
+                      "GradScaler: min_scale (", *options.min_scale(),
+                      ") must not exceed max_scale (", *options.max_scale(), ")");
+  }
+}
+
+void GradScaler::lazy_init(const c10::Device& device) {
+  TORCH_INTERNAL_ASSERT(!growth_tracker_.defined(), "_growth_tracker initialized before _scale");
+  const auto on = at::TensorOptions().device(device);
+  scale_ = at::full({}, init_scale_, on.dtype(at::kFloat));
+  growth_tracker_ = at::full({}, init_growth_tracker_, on.dtype(at::kInt));
+  hysteresis_tracker_ = at::full({}, init_hysteresis_tracker_, on.dtype(at::kInt));
+}
+
+void GradScaler::check_initialized(const char* funcname) const {
+  static const char* fix =
+      "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the "
+      "iteration.";
+  TORCH_CHECK(scale_.defined(), "Attempted ", funcname, " but _scale is None.  ", fix);
+  TORCH_CHECK(growth_tracker_.defined(), "Attempted ", funcname,
+              " but _growth_tracker is None.  ", fix);
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& outputs) {
+  if (!enabled_) {
+    return outputs;
+  }
+  TORCH_CHECK_VALUE(outputs.defined(), "GradScaler.scale: outputs is an undefined tensor");
+  if (!scale_.defined()) {
+    lazy_init(outputs.device());
+  }
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+}
+
+std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
+  if (!enabled_) {
+    return outputs;
+  }
+  std::vector<at::Tensor> scaled;
+  scaled.reserve(outputs.size());
+  std::unordered_map<c10::Device, at::Tensor> per_device;  // one copy per device
+  for (const auto& out : outputs) {
+    TORCH_CHECK_VALUE(out.defined(), "outputs must be a Tensor or an iterable of Tensors");
+    if (!scale_.defined()) {
+      lazy_init(out.device());
+    }
+    auto it = per_device.find(out.device());
+    if (it == per_device.end()) {
+      it = per_device.emplace(out.device(), scale_.to(out.device(), /*non_blocking=*/true)).first;
+    }
+    scaled.push_back(out * it->second);
+  }
+  return scaled;
+}
+
+std::unordered_map<c10::Device, at::Tensor> GradScaler::unscale_grads(
+    torch::optim::Optimizer& optimizer, const at::Tensor& inv_scale, const at::Tensor& found_inf,
+    bool allow_fp16) {
+  // Gradients grouped by device, then dtype: one kernel call per group.
+  std::unordered_map<c10::Device, std::unordered_map<int, std::vector<at::Tensor>>> groups;
+  at::NoGradGuard no_grad;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& param : group.params()) {
+      if (!param.grad().defined()) {
+        continue;
+      }
+      if (!allow_fp16 && param.grad().scalar_type() == at::kHalf) {
+        TORCH_CHECK_VALUE(false, "Attempting to unscale FP16 gradients.");
+      }
+      at::Tensor to_unscale;
+      if (param.grad().is_sparse()) {
+        // fp16 sparse grads may hold duplicate indices whose sum overflows:
+        // coalesce first (this replaces .grad, as in PyTorch) so the check sees it.
+        if (param.grad().scalar_type() == at::kHalf) {
+          param.mutable_grad() = param.grad().coalesce();
+        }
+        to_unscale = param.grad()._values();
+      } else {
+        to_unscale = param.grad();
+      }
+      groups[to_unscale.device()][static_cast<int>(to_unscale.scalar_type())].push_back(
+          to_unscale);
+    }
+  }
+  std::unordered_map<c10::Device, at::Tensor> per_device_found_inf;
+  for (auto& device_group : groups) {
+    const auto& device = device_group.first;
+    auto found = found_inf.to(device, /*non_blocking=*/true, /*copy=*/true);
+    const auto inv = inv_scale.to(device, /*non_blocking=*/true);
+    for (auto& dtype_group : device_group.second) {
+      non_finite_check_and_unscale_(dtype_group.second, found, inv);
+    }
+    per_device_found_inf.emplace(device, found);
+  }
+  return per_device_found_inf;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) {
+    return;
+  }
+  check_initialized("unscale_");
+  auto& state = per_optimizer_[&optimizer];
+  TORCH_CHECK(state.stage != OptState::kUnscaled,
+              "unscale_() has already been called on this optimizer since the last update().");
+  TORCH_CHECK(state.stage != OptState::kStepped, "unscale_() is being called after step().");
+  // The reciprocal is taken in double, as PyTorch does, then rounded once.
+  const auto inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  const auto found_inf = at::zeros({}, scale_.options());
+  state.found_inf_per_device = unscale_grads(optimizer, inv_scale, found_inf, false);
+  state.stage = OptState::kUnscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!enabled_) {
+    optimizer.step();
+    return true;
+  }
+  check_initialized("step");
+  auto& state = per_optimizer_[&optimizer];
+  TORCH_CHECK(state.stage != OptState::kStepped,
+              "step() has already been called since the last update().");
+  if (state.stage == OptState::kReady) {
+    unscale_(optimizer);
+  }
+  auto& recorded = per_optimizer_[&optimizer];
+  TORCH_CHECK(!recorded.found_inf_per_device.empty(),
+              "No inf checks were recorded for this optimizer.");
+  double found = 0.0;
+  for (const auto& entry : recorded.found_inf_per_device) {
+    found += entry.second.item<double>();  // the one host sync, as in PyTorch
+  }
+  const bool stepped = found == 0.0;
+  if (stepped) {
+    optimizer.step();
+  }
+  recorded.stage = OptState::kStepped;
+  return stepped;
+}
+
+void GradScaler::update() {
+  if (!enabled_) {
+    return;
+  }
+  check_initialized("update");
+  std::vector<at::Tensor> found_infs;
+  for (const auto& entry : per_optimizer_) {
+    for (const auto& device_found : entry.second.found_inf_per_device) {
+      found_infs.push_back(device_found.second.to(scale_.device(), /*non_blocking=*/true));
+    }
+  }
+  TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
+  auto combined = found_infs[0].clone();
+  for (size_t i = 1; i < found_infs.size(); ++i) {
+    combined.add_(found_infs[i]);
+  }
+  update_scale_(scale_, growth_tracker_, hysteresis_tracker_, combined, rule_);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!enabled_) {
+    return;
+  }
+  check_initialized("update");
+  scale_.fill_(new_scale);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(const at::Tensor& new_scale) {
+  if (!enabled_) {
+    return;
+  }
+  check_initialized("update");
+  static const char* reason =
+      "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor "
+      "with requires_grad=False.";
+  TORCH_CHECK(new_scale.defined() && new_scale.device().type() == scale_.device().type(), reason);
+  TORCH_CHECK(new_scale.numel() == 1, reason);
+  TORCH_CHECK(!new_scale.requires_grad(), reason);
+  scale_.copy_(new_scale.reshape({}));
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!enabled_) {
+    return 1.0;
+  }
+  return scale_.defined() ? scale_.item<double>() : init_scale_;
+}
+
+int64_t GradScaler::get_growth_tracker() const {
+  if (!enabled_) {
+    return 0;
+  }
+  return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : init_growth_tracker_;
+}
+
+int64_t GradScaler::get_hysteresis_tracker() const {
+  if (!enabled_) {
+    return 0;
+  }
+  return hysteresis_tracker_.defined() ? hysteresis_tracker_.item<int64_t>()
+                                       : init_hysteresis_tracker_;
+}
+
+OptState GradScaler::stage(const torch::optim::Optimizer& optimizer) const {
+  const auto it = per_optimizer_.find(&optimizer);
+  return it == per_optimizer_.end() ? OptState::kReady : it->second.stage;
+}
+
+std::vector<at::Tensor> GradScaler::found_inf_per_device(
+    const torch::optim::Optimizer& optimizer) const {
+  std::vector<at::Tensor> out;
+  const auto it = per_optimizer_.find(&optimizer);
+  if (it != per_optimizer_.end()) {
+    for (const auto& entry : it->second.found_inf_per_device) {
+      out.push_back(entry.second);
+    }
+  }
+  return out;
+}
+
+}  // namespace ampx

@@ -1,0 +1,97 @@
+#include "ampx/serialize.h"
+
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace ampx {
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) {
+    return ".";
+  }
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+void save_state_dict(const StateDict& dict, const std::string& path) {
+  c10::impl::GenericDict generic(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& entry : dict) {
+    generic.insert(entry.first, entry.second);
+  }
+  const std::vector<char> bytes = torch::pickle_save(c10::IValue(generic));
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "save_state_dict: cannot create '", tmp, "': ", errno_text());
+  size_t written = 0;
+  while (written < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, "save_state_dict: writing '", tmp, "' failed: ", why);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "save_state_dict: flushing '", tmp, "' failed: ", why);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "save_state_dict: renaming '", tmp, "' to '", path, "' failed: ", why);
+  }
+  // Make the rename itself durable.
+  const int dir = ::open(dir_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+StateDict load_state_dict(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "load_state_dict: cannot open '", path, "': ", errno_text());
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
+                                std::istreambuf_iterator<char>());
+  TORCH_CHECK(!bytes.empty(), "load_state_dict: '", path, "' is empty");
+  c10::IValue value;
+  try {
+    value = torch::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "load_state_dict: '", path, "' is not a readable torch.save file (",
+                e.what_without_backtrace(), ")");
+  }
+  TORCH_CHECK(value.isGenericDict(), "load_state_dict: '", path,
+              "' holds a ", value.tagKind(), ", not a dict");
+  StateDict dict;
+  for (const auto& entry : value.toGenericDict()) {
+    TORCH_CHECK(entry.key().isString(), "load_state_dict: '", path,
+                "' has a non-string key of type ", entry.key().tagKind());
+    dict.emplace(entry.key().toStringRef(), entry.value());
+  }
+  return dict;
+}
+
+}  // namespace ampx

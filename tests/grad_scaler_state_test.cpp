@@ -1,0 +1,234 @@
+// GradScaler state: PyTorch-compatible state dicts, LibTorch archives, files
+// exchanged with Python's torch, bitwise resume, and the update rule over long
+// random overflow patterns against tests/reference/torch_reference.py.
+
+#include "ampx/grad_scaler.h"
+#include "ampx/serialize.h"
+
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <fstream>
+#include <limits>
+
+namespace {
+
+using ampx::GradScaler;
+using ampx::GradScalerOptions;
+using ampx::StateDict;
+using ampx::test::error_text;
+
+TEST(GradScalerStateTest, StateDictHasPyTorchsKeysAndTypes) {
+  GradScaler s(GradScalerOptions().init_scale(512.0).growth_interval(11));
+  const auto d = s.state_dict();
+  EXPECT_EQ(d.at("scale").toDouble(), 512.0);
+  EXPECT_EQ(d.at("growth_factor").toDouble(), 2.0);
+  EXPECT_EQ(d.at("backoff_factor").toDouble(), 0.5);
+  EXPECT_EQ(d.at("growth_interval").toInt(), 11);
+  EXPECT_EQ(d.at("_growth_tracker").toInt(), 0);
+  EXPECT_EQ(d.at("hysteresis").toInt(), 1);
+  EXPECT_TRUE(d.at("min_scale").isNone());
+  EXPECT_EQ(d.at("max_scale").toDouble(), 16777216.0);
+  EXPECT_EQ(d.at("_ampx_state_version").toInt(), 1);
+}
+
+TEST(GradScalerStateTest, EmptyStateDictIsPyTorchsError) {
+  GradScaler s;
+  EXPECT_EQ(error_text([&] { s.load_state_dict(StateDict()); }),
+            "The source state dict is empty, possibly because it was saved from a disabled "
+            "instance of GradScaler.");
+}
+
+TEST(GradScalerStateTest, BadStateDictNamesTheKeyAndChangesNothing) {
+  GradScaler s(GradScalerOptions().init_scale(256.0));
+  auto d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
+  d.erase("growth_interval");
+  auto text = error_text([&] { s.load_state_dict(d); });
+  EXPECT_NE(text.find("missing key 'growth_interval'"), std::string::npos) << text;
+  d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
+  d["growth_interval"] = c10::IValue(std::string("often"));
+  text = error_text([&] { s.load_state_dict(d); });
+  EXPECT_NE(text.find("'growth_interval' must be an int, got String"), std::string::npos) << text;
+  d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
+  d["scale"] = std::numeric_limits<double>::infinity();
+  text = error_text([&] { s.load_state_dict(d); });
+  EXPECT_NE(text.find("'scale' must be finite and > 0, got inf"), std::string::npos) << text;
+  d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
+  d["_ampx_state_version"] = int64_t(99);
+  text = error_text([&] { s.load_state_dict(d); });
+  EXPECT_NE(text.find("'_ampx_state_version' is 99"), std::string::npos) << text;
+  EXPECT_EQ(s.get_scale(), 256.0) << "a rejected state dict must change nothing";
+}
+
+TEST(GradScalerStateTest, LoadsBeforeAndAfterTheScaleExists) {
+  GradScaler src(GradScalerOptions().init_scale(64.0).growth_factor(4.0).hysteresis(3));
+  GradScaler before_init, after_init;
+  after_init.scale(torch::ones({}));
+  before_init.load_state_dict(src.state_dict());
+  after_init.load_state_dict(src.state_dict());
+  for (auto* s : {&before_init, &after_init}) {
+    EXPECT_EQ(s->get_scale(), 64.0);
+    EXPECT_EQ(s->get_growth_factor(), 4.0);
+    EXPECT_EQ(s->get_hysteresis(), 3);
+    EXPECT_EQ(s->get_hysteresis_tracker(), 3);
+  }
+  EXPECT_EQ(before_init.scale(torch::ones({})).item<float>(), 64.f);
+}
+
+// ---- bitwise resume through a LibTorch archive
+
+struct TrainingRun {
+  torch::nn::Sequential net{torch::nn::Linear(6, 12), torch::nn::Tanh(), torch::nn::Linear(12, 1)};
+  torch::optim::SGD opt{net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)};
+  GradScaler scaler{GradScalerOptions().init_scale(1024.0).growth_interval(3).hysteresis(2)};
+  std::vector<double> losses;
+
+  void train(int from, int to) {
+    for (int step = from; step < to; ++step) {
+      auto g = at::detail::createCPUGenerator(100 + step);
+      auto x = at::randn({16, 6}, g);
+      auto y = x.cos().sum(1, true);
+      opt.zero_grad();
+      auto loss = torch::mse_loss(net->forward(x), y);
+      losses.push_back(loss.item<double>());
+      scaler.scale(loss).backward();
+      if (step == 5 || step == 6 || step == 7 || step == 17) {  // overflows
+        net->parameters()[0].mutable_grad().view(-1)[1] = std::numeric_limits<float>::infinity();
+      }
+      scaler.step(opt);
+      scaler.update();
+    }
+  }
+};
+
+TEST(GradScalerStateTest, ArchiveRoundTripResumesBitwise) {
+  torch::manual_seed(1);
+  TrainingRun straight;
+  torch::manual_seed(1);
+  TrainingRun first;
+  straight.train(0, 30);
+  first.train(0, 14);
+  const std::string path = ::testing::TempDir() + "ampx_resume.pt";
+  {
+    torch::serialize::OutputArchive archive;
+    first.net->save(archive);
+    first.opt.save(archive);
+    archive << first.scaler;
+    archive.save_to(path);
+  }
+  torch::manual_seed(999);  // a different init that the load must overwrite
+  TrainingRun resumed;
+  {
+    torch::serialize::InputArchive archive;
+    archive.load_from(path);
+    resumed.net->load(archive);
+    resumed.opt.load(archive);
+    archive >> resumed.scaler;
+  }
+  EXPECT_EQ(resumed.scaler.get_scale(), first.scaler.get_scale());
+  EXPECT_EQ(resumed.scaler.get_growth_tracker(), first.scaler.get_growth_tracker());
+  EXPECT_EQ(resumed.scaler.get_hysteresis_tracker(), first.scaler.get_hysteresis_tracker());
+  resumed.losses = first.losses;
+  resumed.train(14, 30);
+  EXPECT_EQ(resumed.losses, straight.losses);
+  EXPECT_EQ(resumed.scaler.get_scale(), straight.scaler.get_scale());
+  EXPECT_EQ(resumed.scaler.get_growth_tracker(), straight.scaler.get_growth_tracker());
+  const auto a = straight.net->parameters(), b = resumed.net->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "param " << i;
+  std::remove(path.c_str());
+}
+
+TEST(GradScalerStateTest, ArchiveWithoutScalerStateIsAClearError) {
+  const std::string path = ::testing::TempDir() + "ampx_noscaler.pt";
+  torch::serialize::OutputArchive out;
+  out.write("something", torch::ones({1}));
+  out.save_to(path);
+  torch::serialize::InputArchive in;
+  in.load_from(path);
+  GradScaler s;
+  const auto text = error_text([&] { in >> s; });
+  EXPECT_NE(text.find("holds no GradScaler state"), std::string::npos) << text;
+  std::remove(path.c_str());
+}
+
+// ---- files exchanged with Python's torch
+
+TEST(GradScalerStateTest, LoadsAStateDictSavedByPythonTorch) {
+  const auto expected = ampx::test::load_reference("python_scaler_state.json");
+  ASSERT_FALSE(expected.is_null());
+  GradScaler s;
+  s.load_state_dict(ampx::load_state_dict(ampx::test::reference_dir() + "/python_scaler_state.pt"));
+  EXPECT_EQ(s.get_scale(), expected["scale"].get<double>());
+  EXPECT_EQ(s.get_growth_factor(), expected["growth_factor"].get<double>());
+  EXPECT_EQ(s.get_backoff_factor(), expected["backoff_factor"].get<double>());
+  EXPECT_EQ(s.get_growth_interval(), expected["growth_interval"].get<int64_t>());
+  EXPECT_EQ(s.get_growth_tracker(), expected["_growth_tracker"].get<int64_t>());
+  // ampx's own keys were absent: ours are kept.
+  EXPECT_EQ(s.get_hysteresis(), 1);
+  EXPECT_EQ(s.get_max_scale().value(), 16777216.0);
+}
+
+TEST(GradScalerStateTest, SavedFileRoundTripsAndCorruptFilesAreRejected) {
+  const std::string path = ::testing::TempDir() + "ampx_scaler_state.pt";
+  GradScaler s(GradScalerOptions().init_scale(32.0).min_scale(2.0));
+  ampx::save_state_dict(s.state_dict(), path);
+  GradScaler t;
+  t.load_state_dict(ampx::load_state_dict(path));
+  EXPECT_EQ(t.get_scale(), 32.0);
+  EXPECT_EQ(t.get_min_scale().value(), 2.0);
+
+  // Truncate a copy: a clear error naming the file, the original untouched.
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string bad = ::testing::TempDir() + "ampx_truncated.pt";
+  std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  auto text = error_text([&] { ampx::load_state_dict(bad); });
+  EXPECT_NE(text.find("'" + bad + "' is not a readable torch.save file"), std::string::npos)
+      << text;
+  text = error_text([&] { ampx::load_state_dict(bad + ".missing"); });
+  EXPECT_NE(text.find("cannot open"), std::string::npos) << text;
+  std::remove(path.c_str());
+  std::remove(bad.c_str());
+}
+
+// ---- the update rule over long random overflow patterns
+
+TEST(GradScalerStateTest, UpdateRuleMatchesReferenceOverLongRandomSequences) {
+  const auto ref = ampx::test::load_reference("scaler_sequences.json");
+  ASSERT_FALSE(ref.is_null());
+  ASSERT_GE(ref["cases"].size(), 10u);
+  for (const auto& c : ref["cases"]) {
+    const auto& rule = c["rule"];
+    auto opts = GradScalerOptions()
+                    .init_scale(rule["init_scale"].get<double>())
+                    .growth_factor(rule["growth_factor"].get<double>())
+                    .backoff_factor(rule["backoff_factor"].get<double>())
+                    .growth_interval(rule["growth_interval"].get<int64_t>())
+                    .hysteresis(rule["hysteresis"].get<int64_t>())
+                    .min_scale(rule["min_scale"].is_null()
+                                   ? c10::nullopt
+                                   : c10::optional<double>(rule["min_scale"].get<double>()))
+                    .max_scale(rule["max_scale"].is_null()
+                                   ? c10::nullopt
+                                   : c10::optional<double>(rule["max_scale"].get<double>()));
+    GradScaler scaler(opts);
+    auto p = torch::zeros({3}, torch::requires_grad());
+    torch::optim::SGD opt({p}, 0.0);
+    const auto& found = c["found_inf"];
+    const auto& expected = c["expected"];
+    for (size_t step = 0; step < found.size(); ++step) {
+      scaler.scale(torch::ones({}));
+      p.mutable_grad() = torch::full({3}, found[step].get<int>() ? INFINITY : 1.0f);
+      scaler.step(opt);
+      scaler.update();
+      ASSERT_EQ(scaler.get_scale(), expected[step][0].get<double>())
+          << "step " << step << " of " << rule.dump();
+      ASSERT_EQ(scaler.get_growth_tracker(), expected[step][1].get<int64_t>()) << step;
+      ASSERT_EQ(scaler.get_hysteresis_tracker(), expected[step][2].get<int64_t>()) << step;
+    }
+  }
+}
+
+}  // namespace

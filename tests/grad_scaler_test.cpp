@@ -1,0 +1,529 @@
+// GradScaler: PyTorch's semantics, defaults and error texts, on real training.
+
+#include "ampx/grad_scaler.h"
+
+#include "ampx/autocast.h"
+#include "ampx/serialize.h"
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+namespace {
+
+using ampx::GradScaler;
+using ampx::GradScalerOptions;
+using ampx::OptState;
+using ampx::test::error_text;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+Batch make_batch(int64_t seed, int64_t n = 32) {
+  auto g = at::detail::createCPUGenerator(seed);
+  auto x = at::randn({n, 8}, g);
+  auto y = x.sum(1, true).sin();
+  return {x, y};
+}
+
+std::vector<torch::Tensor> snapshot(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+bool same_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!torch::equal(a[i], b[i])) return false;
+  }
+  return true;
+}
+
+void copy_params(const torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  const auto src = from.parameters();
+  auto dst = to.parameters();
+  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+}
+
+void poison_grad(torch::nn::Module& m, float value = kInf) {
+  auto g = m.parameters()[0].mutable_grad();
+  g.view(-1)[0] = value;
+}
+
+TEST(GradScalerTest, DefaultsArePyTorchsPlusApexCeiling) {
+  GradScaler s;
+  EXPECT_TRUE(s.is_enabled());
+  EXPECT_EQ(s.get_scale(), 65536.0);
+  EXPECT_EQ(s.get_growth_factor(), 2.0);
+  EXPECT_EQ(s.get_backoff_factor(), 0.5);
+  EXPECT_EQ(s.get_growth_interval(), 2000);
+  EXPECT_EQ(s.get_hysteresis(), 1);
+  EXPECT_FALSE(s.get_min_scale().has_value());
+  EXPECT_EQ(s.get_max_scale().value(), 16777216.0);
+  EXPECT_FALSE(s.get_scale_async().defined());  // lazily created, as in PyTorch
+}
+
+TEST(GradScalerTest, ScaleMultipliesOnTheOutputsDevice) {
+  GradScaler s(GradScalerOptions().init_scale(8.0));
+  auto loss = torch::tensor(1.5f);
+  EXPECT_EQ(s.scale(loss).item<float>(), 12.f);
+  ASSERT_TRUE(s.get_scale_async().defined());
+  EXPECT_EQ(s.get_scale_async().dim(), 0);
+  EXPECT_EQ(s.get_scale_async().scalar_type(), torch::kFloat);
+  auto many = s.scale(std::vector<torch::Tensor>{torch::ones({2}), torch::full({3}, 2.f)});
+  EXPECT_TRUE(torch::equal(many[1], torch::full({3}, 16.f)));
+}
+
+TEST(GradScalerTest, BacksOffAndSkipsOnInf) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().growth_interval(3));
+  auto b = make_batch(1);
+  opt.zero_grad();
+  scaler.scale(torch::mse_loss(net->forward(b.x), b.y)).backward();
+  poison_grad(*net);
+  const auto before = snapshot(*net);
+  EXPECT_FALSE(scaler.step(opt));
+  EXPECT_TRUE(same_bits(before, snapshot(*net))) << "a step with inf grads must be skipped";
+  EXPECT_EQ(scaler.stage(opt), OptState::kStepped);
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+  EXPECT_EQ(scaler.get_growth_tracker(), 0);
+  EXPECT_EQ(scaler.stage(opt), OptState::kReady);
+
+  // A clean step steps, with gradients in real units.
+  opt.zero_grad();
+  auto loss = torch::mse_loss(net->forward(b.x), b.y);
+  scaler.scale(loss).backward();
+  scaler.unscale_(opt);
+  EXPECT_EQ(scaler.stage(opt), OptState::kUnscaled);
+  EXPECT_TRUE(scaler.step(opt));
+  EXPECT_FALSE(same_bits(before, snapshot(*net)));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+  EXPECT_EQ(scaler.get_growth_tracker(), 1);
+  EXPECT_EQ(scaler.found_inf_per_device(opt).size(), 0u);  // reset by update()
+}
+
+TEST(GradScalerTest, UnscaledGradientsEqualUnscaledTrainingBitwise) {
+  // Power-of-two scales are exact: scaled-then-unscaled fp32 grads are the
+  // plain grads bit for bit, so the two trainings coincide exactly.
+  torch::manual_seed(0);
+  Net a, b;
+  copy_params(*a, *b);
+  torch::optim::SGD oa(a->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ob(b->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  GradScaler scaler(GradScalerOptions().growth_interval(4));
+  for (int step = 0; step < 20; ++step) {
+    auto batch = make_batch(step);
+    oa.zero_grad();
+    torch::mse_loss(a->forward(batch.x), batch.y).backward();
+    oa.step();
+    ob.zero_grad();
+    scaler.scale(torch::mse_loss(b->forward(batch.x), batch.y)).backward();
+    ASSERT_TRUE(scaler.step(ob));
+    scaler.update();
+  }
+  EXPECT_EQ(scaler.get_scale(), 65536.0 * 32);  // grew every 4 clean steps
+  EXPECT_TRUE(same_bits(snapshot(*a), snapshot(*b)));
+}
+
+TEST(GradScalerTest, GrowsAfterGrowthIntervalCleanSteps) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  GradScaler scaler(GradScalerOptions().init_scale(4.0).growth_interval(5));
+  std::vector<double> scales;
+  for (int step = 0; step < 12; ++step) {
+    auto b = make_batch(step);
+    opt.zero_grad();
+    scaler.scale(torch::mse_loss(net->forward(b.x), b.y)).backward();
+    scaler.step(opt);
+    scaler.update();
+    scales.push_back(scaler.get_scale());
+  }
+  const std::vector<double> want = {4, 4, 4, 4, 8, 8, 8, 8, 8, 16, 16, 16};
+  EXPECT_EQ(scales, want);
+  EXPECT_EQ(scaler.get_growth_tracker(), 2);
+}
+
+TEST(GradScalerTest, HysteresisSkipsButHoldsTheScale) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  GradScaler scaler(GradScalerOptions().init_scale(1024.0).hysteresis(2));
+  auto b = make_batch(0);
+  std::vector<double> scales;
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    scaler.scale(torch::mse_loss(net->forward(b.x), b.y)).backward();
+    poison_grad(*net);
+    EXPECT_FALSE(scaler.step(opt));
+    scaler.update();
+    scales.push_back(scaler.get_scale());
+  }
+  EXPECT_EQ(scales, (std::vector<double>{1024, 512, 256}));
+}
+
+TEST(GradScalerTest, MisuseErrorsArePyTorchs) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler scaler;
+  EXPECT_EQ(error_text([&] { scaler.update(); }),
+            "Attempted update but _scale is None.  This may indicate your script did not use "
+            "scaler.scale(loss or outputs) earlier in the iteration.");
+  EXPECT_EQ(error_text([&] { scaler.unscale_(opt); }),
+            "Attempted unscale_ but _scale is None.  This may indicate your script did not use "
+            "scaler.scale(loss or outputs) earlier in the iteration.");
+  EXPECT_EQ(error_text([&] { scaler.step(opt); }),
+            "Attempted step but _scale is None.  This may indicate your script did not use "
+            "scaler.scale(loss or outputs) earlier in the iteration.");
+
+  {
+    GradScaler fresh;
+    fresh.scale(torch::ones({}));
+    EXPECT_EQ(error_text([&] { fresh.update(); }),
+              "No inf checks were recorded prior to update.");
+    auto lonely = torch::zeros({1}, torch::requires_grad());  // never gets a grad
+    torch::optim::SGD no_grads({lonely}, 0.1);
+    EXPECT_EQ(error_text([&] { fresh.step(no_grads); }),
+              "No inf checks were recorded for this optimizer.");
+  }
+  auto b = make_batch(0);
+  auto loss = scaler.scale(torch::mse_loss(net->forward(b.x), b.y));
+  loss.backward();
+  scaler.unscale_(opt);
+  EXPECT_EQ(error_text([&] { scaler.unscale_(opt); }),
+            "unscale_() has already been called on this optimizer since the last update().");
+  scaler.step(opt);
+  EXPECT_EQ(error_text([&] { scaler.unscale_(opt); }),
+            "unscale_() is being called after step().");
+  EXPECT_EQ(error_text([&] { scaler.step(opt); }),
+            "step() has already been called since the last update().");
+  scaler.update();
+
+  const std::string reason =
+      "new_scale should be a float or a 1-element torch.cuda.FloatTensor or torch.FloatTensor "
+      "with requires_grad=False.";
+  EXPECT_EQ(error_text([&] { scaler.update(torch::ones({2})); }), reason);
+  EXPECT_EQ(error_text([&] { scaler.update(torch::ones({1}, torch::requires_grad())); }), reason);
+  scaler.update(torch::full({1}, 128.f));
+  EXPECT_EQ(scaler.get_scale(), 128.0);
+}
+
+TEST(GradScalerTest, Fp16GradientsAreRefusedByUnscale) {
+  auto p = torch::zeros({4}, torch::requires_grad());
+  p.mutable_grad() = torch::ones({4}, torch::kHalf);
+  torch::optim::SGD opt({p}, 0.1);
+  GradScaler scaler;
+  scaler.scale(torch::ones({}));
+  try {
+    scaler.unscale_(opt);
+    FAIL() << "expected a ValueError";
+  } catch (const c10::ValueError& e) {
+    EXPECT_EQ(std::string(e.what_without_backtrace()), "Attempting to unscale FP16 gradients.");
+  }
+}
+
+TEST(GradScalerTest, ConstructorChecks) {
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().growth_factor(1.0)); }),
+            "The growth factor must be > 1.0.");
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().backoff_factor(1.0)); }),
+            "The backoff factor must be < 1.0.");
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().init_scale(-1)); }),
+            "GradScaler: init_scale must be finite and > 0, got -1");
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().growth_interval(0)); }),
+            "GradScaler: growth_interval must be > 0, got 0");
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().hysteresis(0)); }),
+            "GradScaler: hysteresis must be >= 1, got 0");
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().min_scale(8.0).max_scale(4.0)); }),
+            "GradScaler: min_scale (8) must not exceed max_scale (4)");
+  // Disabled scalers check nothing, as in PyTorch.
+  EXPECT_EQ(error_text([] { GradScaler s(GradScalerOptions().enabled(false).growth_factor(0)); }),
+            "");
+}
+
+TEST(GradScalerTest, DisabledIsAPassThrough) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().enabled(false));
+  auto b = make_batch(0);
+  auto loss = torch::mse_loss(net->forward(b.x), b.y);
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  loss.backward();
+  poison_grad(*net, 1.0f);
+  const auto before = snapshot(*net);
+  scaler.unscale_(opt);
+  EXPECT_TRUE(scaler.step(opt));
+  EXPECT_FALSE(same_bits(before, snapshot(*net)));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+  EXPECT_TRUE(scaler.state_dict().empty());
+}
+
+TEST(GradScalerTest, SeveralOptimizersSkipIndependentlyAndUpdateOnce) {
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt1(net->fc1->parameters(), 0.1);
+  torch::optim::Adam opt2(net->fc2->parameters(), 0.01);
+  GradScaler scaler;
+  auto b = make_batch(0);
+  // Two losses, one backward each, as in PyTorch's multi-loss recipe.
+  auto out = net->forward(b.x);
+  auto loss1 = torch::mse_loss(out, b.y);
+  auto loss2 = out.abs().mean();
+  scaler.scale(loss1).backward({}, /*retain_graph=*/true);
+  scaler.scale(loss2).backward();
+  net->fc2->weight.mutable_grad().view(-1)[0] = kInf;  // only opt2 sees it
+  const auto fc1_before = snapshot(*net->fc1);
+  const auto fc2_before = snapshot(*net->fc2);
+  EXPECT_TRUE(scaler.step(opt1));
+  EXPECT_FALSE(scaler.step(opt2));
+  EXPECT_FALSE(same_bits(fc1_before, snapshot(*net->fc1)));
+  EXPECT_TRUE(same_bits(fc2_before, snapshot(*net->fc2)));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 32768.0);  // one backoff for the iteration
+}
+
+TEST(GradScalerTest, GradientAccumulationMatchesTheBigBatch) {
+  torch::manual_seed(0);
+  Net big, acc;
+  copy_params(*big, *acc);
+  torch::optim::SGD ob(big->parameters(), 0.1), oa(acc->parameters(), 0.1);
+  GradScaler scaler;
+  auto full = make_batch(0, 64);
+  ob.zero_grad();
+  torch::mse_loss(big->forward(full.x), full.y).backward();
+  ob.step();
+  // 4 micro-batches of 16, losses divided by 4; one unscale_/step/update.
+  oa.zero_grad();
+  for (int i = 0; i < 4; ++i) {
+    auto x = full.x.slice(0, 16 * i, 16 * (i + 1)), y = full.y.slice(0, 16 * i, 16 * (i + 1));
+    scaler.scale(torch::mse_loss(acc->forward(x), y) / 4).backward();
+  }
+  EXPECT_TRUE(scaler.step(oa));
+  scaler.update();
+  auto pa = snapshot(*acc), pb = snapshot(*big);
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::allclose(pa[i], pb[i], 1e-6, 1e-7));
+}
+
+TEST(GradScalerTest, ClippingAfterUnscaleIsInRealUnits) {
+  torch::manual_seed(0);
+  Net a, b;
+  copy_params(*a, *b);
+  torch::optim::SGD oa(a->parameters(), 0.5), ob(b->parameters(), 0.5);
+  GradScaler scaler;
+  for (int step = 0; step < 5; ++step) {
+    auto batch = make_batch(step);
+    oa.zero_grad();
+    torch::mse_loss(a->forward(batch.x), batch.y).backward();
+    const double norm_a = torch::nn::utils::clip_grad_norm_(a->parameters(), 0.01);
+    oa.step();
+    ob.zero_grad();
+    scaler.scale(torch::mse_loss(b->forward(batch.x), batch.y)).backward();
+    scaler.unscale_(ob);
+    const double norm_b = torch::nn::utils::clip_grad_norm_(b->parameters(), 0.01);
+    EXPECT_GT(norm_b, 0.01) << "clipping must be active for this test to mean anything";
+    EXPECT_EQ(norm_a, norm_b);
+    scaler.step(ob);
+    scaler.update();
+  }
+  EXPECT_TRUE(same_bits(snapshot(*a), snapshot(*b)));
+}
+
+TEST(GradScalerTest, GradientPenaltyRecipe) {
+  // PyTorch's recipe: autograd::grad of the scaled loss with create_graph,
+  // multiplied by 1/get_scale() (not unscale_), penalty added to the loss.
+  torch::manual_seed(0);
+  Net a, b;
+  copy_params(*a, *b);
+  torch::optim::SGD oa(a->parameters(), 0.1), ob(b->parameters(), 0.1);
+  GradScaler scaler;
+  for (int step = 0; step < 3; ++step) {
+    auto batch = make_batch(step);
+    auto penalized = [&](Net& net, bool scaled) {
+      auto loss = torch::mse_loss(net->forward(batch.x), batch.y);
+      auto grads = torch::autograd::grad({scaled ? scaler.scale(loss) : loss}, net->parameters(),
+                                         {}, /*retain_graph=*/true, /*create_graph=*/true);
+      torch::Tensor norm = torch::zeros({});
+      const double inv = scaled ? 1.0 / scaler.get_scale() : 1.0;
+      for (auto& g : grads) norm = norm + (g * inv).pow(2).sum();
+      return loss + norm.sqrt();
+    };
+    oa.zero_grad();
+    penalized(a, false).backward();
+    oa.step();
+    ob.zero_grad();
+    scaler.scale(penalized(b, true)).backward();
+    EXPECT_TRUE(scaler.step(ob));
+    scaler.update();
+  }
+  auto pa = snapshot(*a), pb = snapshot(*b);
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::allclose(pa[i], pb[i], 1e-5, 1e-6));
+}
+
+TEST(GradScalerTest, SparseGradientsAreUnscaledAndChecked) {
+  torch::manual_seed(0);
+  torch::nn::Embedding emb(torch::nn::EmbeddingOptions(50, 4).sparse(true));
+  torch::optim::SGD opt(emb->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(1024.0));
+  auto idx = torch::tensor({1, 3, 3, 7});
+  scaler.scale(emb->forward(idx).sum()).backward();
+  ASSERT_TRUE(emb->weight.grad().is_sparse());
+  scaler.unscale_(opt);
+  auto dense = emb->weight.grad().to_dense();
+  EXPECT_EQ(dense[3][0].item<float>(), 2.f);  // two lookups of row 3, in real units
+  EXPECT_EQ(dense[7][0].item<float>(), 1.f);
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+
+  opt.zero_grad();
+  scaler.scale(emb->forward(idx).sum()).backward();
+  emb->weight.mutable_grad()._values().view(-1)[2] = std::nanf("");
+  EXPECT_FALSE(scaler.step(opt));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 512.0);
+}
+
+TEST(GradScalerTest, FoundInfPerDeviceIsWhatStepReads) {
+  // What a data-parallel all-reduce(MAX) does: flip another rank's verdict.
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.1);
+  GradScaler scaler;
+  auto b = make_batch(0);
+  scaler.scale(torch::mse_loss(net->forward(b.x), b.y)).backward();
+  scaler.unscale_(opt);
+  auto flags = scaler.found_inf_per_device(opt);
+  ASSERT_EQ(flags.size(), 1u);
+  EXPECT_EQ(flags[0].item<float>(), 0.f);
+  flags[0].fill_(1.f);  // "another rank overflowed"
+  const auto before = snapshot(*net);
+  EXPECT_FALSE(scaler.step(opt));
+  EXPECT_TRUE(same_bits(before, snapshot(*net)));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 32768.0);
+}
+
+// ---- real float16 overflow and underflow (CPU float16 autocast: LibTorch 2.x)
+
+bool cpu_fp16_autocast() {
+  try {
+    ampx::AutocastGuard g(torch::kCPU, torch::kHalf);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+TEST(GradScalerTest, RealFp16OverflowBacksOffAndSkipsThenTrains) {
+  if (!cpu_fp16_autocast()) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no float16 CPU autocast";
+  }
+  torch::manual_seed(0);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), 0.05);
+  // 2^28: the scaled loss gradient reaching the fp16 matmuls is far past 65504.
+  GradScaler scaler(GradScalerOptions().init_scale(std::ldexp(1.0, 28)).max_scale(c10::nullopt));
+  auto b = make_batch(0, 64);
+  int skipped = 0;
+  std::vector<double> losses;
+  for (int step = 0; step < 60; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      ampx::AutocastGuard autocast(torch::kCPU, torch::kHalf);
+      auto out = net->forward(b.x);
+      EXPECT_EQ(out.scalar_type(), torch::kHalf);
+      loss = torch::mse_loss(out, b.y);
+    }
+    losses.push_back(loss.item<double>());
+    scaler.scale(loss).backward();
+    const auto before = snapshot(*net);
+    const double scale_before = scaler.get_scale();
+    const bool stepped = scaler.step(opt);
+    scaler.update();
+    if (!stepped) {
+      ++skipped;
+      EXPECT_TRUE(same_bits(before, snapshot(*net)));
+      EXPECT_EQ(scaler.get_scale(), scale_before / 2);
+    }
+  }
+  EXPECT_GE(skipped, 5) << "2^28 must overflow fp16 for several steps";
+  EXPECT_LT(skipped, 20);
+  EXPECT_LT(scaler.get_scale(), std::ldexp(1.0, 24));
+  EXPECT_LT(losses.back(), 0.7 * losses.front()) << "training must go on after the backoff";
+}
+
+TEST(GradScalerTest, ScalingRescuesFp16GradientsFromUnderflow) {
+  if (!cpu_fp16_autocast()) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no float16 CPU autocast";
+  }
+  // A loss of order 1e-9: its fp16 backward flushes to zero without scaling.
+  auto run = [](double init_scale, bool enabled) {
+    torch::manual_seed(0);
+    Net net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    GradScaler scaler(GradScalerOptions().init_scale(init_scale).enabled(enabled));
+    auto b = make_batch(0);
+    torch::Tensor loss;
+    {
+      ampx::AutocastGuard autocast(torch::kCPU, torch::kHalf);
+      loss = torch::mse_loss(net->forward(b.x), b.y) * 1e-9;
+    }
+    scaler.scale(loss).backward();
+    scaler.unscale_(opt);
+    return net->fc1->weight.grad().abs().max().item<double>();
+  };
+  EXPECT_EQ(run(1.0, false), 0.0) << "without scaling the fp16 gradients underflow";
+  EXPECT_GT(run(65536.0, true), 0.0) << "scaled by 2^16 they survive";
+}
+
+TEST(GradScalerTest, CudaTrainingStepSkipsOnOverflow) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "CUDA not available";
+  }
+  torch::manual_seed(0);
+  Net net;
+  net->to(torch::kCUDA);
+  torch::optim::SGD opt(net->parameters(), 0.05);
+  GradScaler scaler(GradScalerOptions().init_scale(std::ldexp(1.0, 28)).max_scale(c10::nullopt));
+  auto b = make_batch(0, 64);
+  auto x = b.x.cuda(), y = b.y.cuda();
+  int skipped = 0;
+  for (int step = 0; step < 30; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      ampx::AutocastGuard autocast(torch::kCUDA, torch::kHalf);
+      loss = torch::mse_loss(net->forward(x), y);
+    }
+    scaler.scale(loss).backward();
+    skipped += scaler.step(opt) ? 0 : 1;
+    scaler.update();
+  }
+  EXPECT_GE(skipped, 5);
+  EXPECT_TRUE(scaler.get_scale_async().is_cuda());
+}
+
+}  // namespace

@@ -1,0 +1,264 @@
+#!/usr/bin/env python3
+"""Reference values from PyTorch itself (Debian's python3-torch) for ampx's tests.
+
+Run with the interpreter whose torch matches the LibTorch under test (the
+host's /usr/bin/python3 for LibTorch 1.13, the trixie chroot's for 2.6).
+
+  torch_reference.py generate OUT_DIR     write every reference file
+  torch_reference.py check-state FILE     verify a GradScaler state ampx saved
+
+Files written:
+  autocast_dtypes.json   output dtype of each op under torch.autocast("cpu")
+  scaler_sequences.json  loss-scale trajectories over random overflow patterns
+  python_scaler_state.pt a GradScaler state dict saved with torch.save
+  python_scaler_state.json  the values that file holds
+"""
+import json
+import os
+import random
+import struct
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def f32(x):
+    """Round a Python float (double) to float32, as ATen stores the scale."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ---------------------------------------------------------------- autocast
+def autocast_ops():
+    """Ops by name; each takes a generator-seeded set of fp32 CPU inputs.
+    tests/autocast_test.cpp has the same names and the same calls."""
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    a, b = r(8, 8), r(8, 8)
+    a3, b3 = r(2, 8, 8), r(2, 8, 8)
+    img, w2d = r(1, 3, 8, 8), r(4, 3, 3, 3)
+    sig, w1d = r(1, 3, 16), r(4, 3, 3)
+    wt2d = r(3, 4, 3, 3)
+    logits, target = r(4, 5), torch.tensor([0, 1, 2, 3])
+    prob = torch.sigmoid(r(4, 5))
+    low = a.to(torch.bfloat16)
+    return {
+        "mm": lambda: torch.mm(a, b),
+        "matmul": lambda: torch.matmul(a, b),
+        "linear": lambda: F.linear(a, b),
+        "bmm": lambda: torch.bmm(a3, b3),
+        "addmm": lambda: torch.addmm(a, a, b),
+        "baddbmm": lambda: torch.baddbmm(a3, a3, b3),
+        "conv1d": lambda: F.conv1d(sig, w1d),
+        "conv2d": lambda: F.conv2d(img, w2d),
+        "conv_transpose2d": lambda: F.conv_transpose2d(img, wt2d),
+        "relu": lambda: torch.relu(a),
+        "exp": lambda: torch.exp(a),
+        "log_softmax": lambda: torch.log_softmax(a, 1),
+        "softmax": lambda: torch.softmax(a, 1),
+        "layer_norm": lambda: F.layer_norm(a, [8]),
+        "group_norm": lambda: F.group_norm(img, 3),
+        "batch_norm": lambda: F.batch_norm(img, None, None, training=True),
+        "mse_loss": lambda: F.mse_loss(a, b),
+        "l1_loss": lambda: F.l1_loss(a, b),
+        "cross_entropy": lambda: F.cross_entropy(logits, target),
+        "nll_loss": lambda: F.nll_loss(logits, target),
+        "binary_cross_entropy": lambda: F.binary_cross_entropy(prob, prob),
+        "cdist": lambda: torch.cdist(a, b),
+        "prod": lambda: torch.prod(a),
+        "sum": lambda: torch.sum(a),
+        "cat_mixed": lambda: torch.cat([a, low]),
+        "stack_mixed": lambda: torch.stack([a, low]),
+        "mm_of_low": lambda: torch.mm(low, low),
+        "softmax_of_low": lambda: torch.softmax(low, 1),
+        "mse_loss_of_low": lambda: F.mse_loss(low, low),
+        "layer_norm_of_low": lambda: F.layer_norm(low, [8]),
+    }
+
+
+def dtype_name(t):
+    return str(t.dtype).replace("torch.", "")
+
+
+def autocast_dtypes():
+    dtypes = [torch.bfloat16]
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            torch.mm(torch.ones(2, 2), torch.ones(2, 2))
+        if torch.get_autocast_cpu_dtype() is not None:
+            dtypes.append(torch.float16)
+    except Exception:  # 1.13: CPU autocast is bfloat16 only
+        pass
+    out = {}
+    for dt in dtypes:
+        res = {}
+        for name, fn in autocast_ops().items():
+            with torch.autocast("cpu", dtype=dt):
+                y = fn()
+            res[name] = dtype_name(y)
+        out[dtype_name(torch.empty(0, dtype=dt))] = res
+    return out
+
+
+# ---------------------------------------------------------------- scaler
+def model_update(state, found, rule):
+    """The update rule, written from its definition (ampx/kernels.h), with
+    PyTorch's arithmetic: products in double, stored as float32."""
+    scale, growth, hyst = state
+    if found:
+        growth = 0
+        hyst = max(hyst - 1, 0)
+        if hyst == 0:
+            scale = f32(scale * rule["backoff_factor"])
+    else:
+        successful = growth + 1
+        if successful == rule["growth_interval"]:
+            grown = f32(scale * rule["growth_factor"])
+            if grown not in (float("inf"), float("-inf")) and grown == grown:
+                scale = grown
+            growth = 0
+            hyst = rule["hysteresis"]
+        else:
+            growth = successful
+    if rule["min_scale"] is not None:
+        scale = max(scale, f32(rule["min_scale"]))
+    if rule["max_scale"] is not None:
+        scale = min(scale, f32(rule["max_scale"]))
+    return scale, growth, hyst
+
+
+def torch_scaler_trajectory(rule, pattern):
+    """Drive PyTorch's own GradScaler on the CPU (2.3+) with real gradients:
+    a gradient of inf on overflow steps, 1 otherwise. None if unavailable."""
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        return None
+    try:
+        scaler = torch.amp.GradScaler("cpu", init_scale=rule["init_scale"],
+                                      growth_factor=rule["growth_factor"],
+                                      backoff_factor=rule["backoff_factor"],
+                                      growth_interval=rule["growth_interval"])
+    except Exception:
+        return None
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([p], lr=0.0)
+    out = []
+    for found in pattern:
+        scaler.scale(torch.ones(()))
+        p.grad = torch.full((3,), float("inf") if found else 1.0)
+        scaler.step(opt)
+        scaler.update()
+        out.append([scaler.get_scale(), int(scaler._get_growth_tracker())])
+    return out
+
+
+def scaler_sequences():
+    rng = random.Random(1234)
+    rules = []
+    for interval in (1, 3, 7, 50):
+        for gf, bf in ((2.0, 0.5), (1.5, 0.7), (3.0, 0.25)):
+            rules.append(dict(init_scale=65536.0, growth_factor=gf, backoff_factor=bf,
+                              growth_interval=interval, hysteresis=1,
+                              min_scale=None, max_scale=None))
+    for hyst in (2, 3):
+        rules.append(dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,
+                          growth_interval=4, hysteresis=hyst, min_scale=None, max_scale=None))
+    rules.append(dict(init_scale=256.0, growth_factor=2.0, backoff_factor=0.5,
+                      growth_interval=2, hysteresis=1, min_scale=32.0, max_scale=4096.0))
+    rules.append(dict(init_scale=2.0 ** 120, growth_factor=2.0 ** 4, backoff_factor=0.5,
+                      growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=None))
+    cases = []
+    used_torch = False
+    for rule in rules:
+        p_overflow = rng.choice((0.02, 0.1, 0.3, 0.6))
+        pattern = [rng.random() < p_overflow for _ in range(600)]
+        state = (f32(rule["init_scale"]), 0, rule["hysteresis"])
+        expected = []
+        for found in pattern:
+            state = model_update(state, found, rule)
+            expected.append(list(state))
+        ref = None
+        if rule["hysteresis"] == 1 and rule["min_scale"] is None and rule["max_scale"] is None:
+            ref = torch_scaler_trajectory(rule, pattern)
+        if ref is not None:
+            used_torch = True
+            for step, (mine, theirs) in enumerate(zip(expected, ref)):
+                if mine[0] != theirs[0] or mine[1] != theirs[1]:
+                    sys.exit("reference model disagrees with torch.amp.GradScaler at step %d: "
+                             "%r vs %r for %r" % (step, mine, theirs, rule))
+        cases.append(dict(rule=rule, found_inf=[int(x) for x in pattern], expected=expected,
+                          checked_against_torch=ref is not None))
+    return dict(torch_version=torch.__version__, torch_scaler_used=used_torch, cases=cases)
+
+
+PY_STATE = {"scale": 1024.0, "growth_factor": 3.0, "backoff_factor": 0.25,
+            "growth_interval": 7, "_growth_tracker": 3}
+
+
+def python_scaler_state(out_dir):
+    """Save a state dict the way Python users do: torch.save(scaler.state_dict())."""
+    state = dict(PY_STATE)
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
+        try:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2048.0, growth_factor=3.0,
+                                          backoff_factor=0.25, growth_interval=7)
+            p = torch.nn.Parameter(torch.zeros(2))
+            opt = torch.optim.SGD([p], lr=0.0)
+            for found in (True, False, False, False):  # 2048 -> 1024, tracker 3
+                scaler.scale(torch.ones(()))
+                p.grad = torch.full((2,), float("inf") if found else 1.0)
+                scaler.step(opt)
+                scaler.update()
+            state = scaler.state_dict()
+            assert state == PY_STATE, state
+        except RuntimeError:
+            pass
+    torch.save(state, os.path.join(out_dir, "python_scaler_state.pt"))
+    with open(os.path.join(out_dir, "python_scaler_state.json"), "w") as f:
+        json.dump(state, f)
+
+
+def check_state(path):
+    """The file ampx's interop_save wrote: PyTorch must read it as a dict with
+    PyTorch's keys and types, and (2.3+) load it into its own GradScaler."""
+    state = torch.load(path)
+    expected = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.125,
+                "growth_interval": 11, "_growth_tracker": 5}
+    for key, value in expected.items():
+        assert key in state, "missing %s in %r" % (key, state)
+        assert type(state[key]) is type(value), (key, type(state[key]))
+        assert state[key] == value, (key, state[key], value)
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
+        try:
+            scaler = torch.amp.GradScaler("cpu")
+        except RuntimeError:
+            scaler = None
+        if scaler is not None:
+            scaler.load_state_dict(state)
+            assert scaler.get_scale() == 512.0
+            assert scaler.get_growth_factor() == 4.0
+            assert scaler._get_growth_tracker() == 5
+            print("loaded into torch.amp.GradScaler: scale", scaler.get_scale())
+    print("ampx state read by torch", torch.__version__, ":", state)
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "generate":
+        out = sys.argv[2]
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "autocast_dtypes.json"), "w") as f:
+            json.dump(dict(torch_version=torch.__version__, dtypes=autocast_dtypes()), f, indent=1)
+        with open(os.path.join(out, "scaler_sequences.json"), "w") as f:
+            json.dump(scaler_sequences(), f)
+        python_scaler_state(out)
+        print("reference files from torch", torch.__version__, "in", out)
+    elif len(sys.argv) == 3 and sys.argv[1] == "check-state":
+        check_state(sys.argv[2])
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
