@@ -84,15 +84,21 @@ ROOT=$CACHE_DIR/trixie-root
 # it. If namespaces are unavailable (or AMPX_TRIXIE_NO_NS=1) we stay in the
 # current namespace and rely on the cleanup trap (mounts are made rslave so
 # unmounting never propagates back). AMPX_TRIXIE_IN_NS carries the outer
-# namespace's id; we trust it only if it is our parent's namespace and ours
-# differs (unshare execs without forking), so a stray value changes nothing.
-MY_NS=$(readlink /proc/self/ns/mnt 2>/dev/null || echo unknown)
-PARENT_NS=$(readlink "/proc/$PPID/ns/mnt" 2>/dev/null || echo unknown)
+# namespace's id: we are in our own namespace only if ours differs from it and
+# from our parent's (where readable; unshare execs without forking). A valid
+# marker never leads to another unshare, so we re-execute at most once.
+MY_NS=$(readlink /proc/self/ns/mnt 2>/dev/null || true)
+PARENT_NS=$(readlink "/proc/$PPID/ns/mnt" 2>/dev/null || true)
+OUTER_NS=${AMPX_TRIXIE_IN_NS:-}
+unset AMPX_TRIXIE_IN_NS
 IN_NS=0
-if [ "$MY_NS" != unknown ] && [ "${AMPX_TRIXIE_IN_NS:-}" = "$PARENT_NS" ] &&
-   [ "$PARENT_NS" != "$MY_NS" ]; then
-  IN_NS=1
-elif [ "${AMPX_TRIXIE_NO_NS:-0}" != 1 ] && [ "$MY_NS" != unknown ] &&
+if [[ $OUTER_NS =~ ^mnt:\[[0-9]+\]$ && $MY_NS =~ ^mnt:\[[0-9]+\]$ ]]; then
+  if [ "$OUTER_NS" != "$MY_NS" ] && [ "$PARENT_NS" != "$MY_NS" ]; then
+    IN_NS=1
+  else
+    log "note: not in a private mount namespace; mounts are removed on exit"
+  fi
+elif [ "${AMPX_TRIXIE_NO_NS:-0}" != 1 ] && [ -n "$MY_NS" ] &&
      unshare --mount --propagation private true 2>/dev/null; then
   export AMPX_TRIXIE_IN_NS=$MY_NS
   exec unshare --mount --propagation private -- \
@@ -100,7 +106,6 @@ elif [ "${AMPX_TRIXIE_NO_NS:-0}" != 1 ] && [ "$MY_NS" != unknown ] &&
 else
   log "note: not using a private mount namespace; mounts are removed on exit"
 fi
-unset AMPX_TRIXIE_IN_NS
 
 # ---------------------------------------------------------------- mounts
 MOUNTED=()      # mount points made by this process, in mount order

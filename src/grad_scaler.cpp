@@ -4,6 +4,7 @@
 #include "ampx/grad_scaler.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
 #include <torch/optim/optimizer.h>
 
@@ -96,7 +97,7 @@ std::unordered_map<c10::Device, at::Tensor> GradScaler::unscale_grads(
     bool allow_fp16) {
   // Gradients grouped by device, then dtype: one kernel call per group.
   std::unordered_map<c10::Device, std::unordered_map<int, std::vector<at::Tensor>>> groups;
-  at::NoGradGuard no_grad;
+  c10::NoGradGuard no_grad;  // grads are modified in place, outside autograd
   for (auto& group : optimizer.param_groups()) {
     for (auto& param : group.params()) {
       if (!param.grad().defined()) {

@@ -1,6 +1,8 @@
 #include "ampx/serialize.h"
 
+#include <caffe2/serialize/inline_container.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/serialize.h>
 
 #include <cerrno>
@@ -27,14 +29,52 @@ std::string dir_of(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+// Only plain values: what Python's torch.load(weights_only=True) accepts.
+void check_plain(const c10::IValue& v, const std::string& key) {
+  if (v.isNone() || v.isBool() || v.isInt() || v.isDouble() || v.isString()) {
+    return;
+  }
+  if (v.isList()) {
+    for (const auto& item : v.toListRef()) check_plain(item, key);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, "save_state_dict: value of '", key, "' is a ", v.tagKind(),
+                    "; state dicts hold None, bool, int, float, str or lists of them");
+}
+
+// torch.save's zip layout (data.pkl in an archive folder), pickled without
+// TorchScript's type tags: torch::pickle_save tags dicts with
+// torch.jit._pickle.restore_type_tag, which torch.load(weights_only=True), the
+// default since PyTorch 2.6, refuses.
+std::vector<char> to_torch_save_bytes(const StateDict& dict) {
+  c10::impl::GenericDict generic(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& entry : dict) {
+    check_plain(entry.second, entry.first);
+    generic.insert(entry.first, entry.second);
+  }
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* data, size_t n) { pickled.insert(pickled.end(), data, data + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(generic);
+  pickler.stop();
+  std::vector<char> zip;
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) -> size_t {
+    const auto* bytes = static_cast<const char*>(data);
+    zip.insert(zip.end(), bytes, bytes + n);
+    return n;
+  });
+  writer.writeRecord("data.pkl", pickled.data(), pickled.size());
+  writer.writeEndOfFile();
+  return zip;
+}
+
 }  // namespace
 
 void save_state_dict(const StateDict& dict, const std::string& path) {
-  c10::impl::GenericDict generic(c10::StringType::get(), c10::AnyType::get());
-  for (const auto& entry : dict) {
-    generic.insert(entry.first, entry.second);
-  }
-  const std::vector<char> bytes = torch::pickle_save(c10::IValue(generic));
+  const std::vector<char> bytes = to_torch_save_bytes(dict);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "save_state_dict: cannot create '", tmp, "': ", errno_text());

@@ -14,7 +14,9 @@
 
 namespace ampx {
 
-/// Writes `dict` to `path` (temp file in the same folder, fsync, rename).
+/// Writes `dict` to `path` in torch.save's format (temp file in the same
+/// folder, fsync, rename). Values: None, bool, int, float, str, or lists of
+/// them, so that torch.load(path, weights_only=True) reads it.
 void save_state_dict(const StateDict& dict, const std::string& path);
 
 /// Reads a dict saved by `save_state_dict` or by Python's `torch.save(dict)`.

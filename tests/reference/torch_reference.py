@@ -202,11 +202,11 @@ def python_scaler_state(out_dir):
     state = dict(PY_STATE)
     if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
         try:
-            scaler = torch.amp.GradScaler("cpu", init_scale=2048.0, growth_factor=3.0,
+            scaler = torch.amp.GradScaler("cpu", init_scale=4096.0, growth_factor=3.0,
                                           backoff_factor=0.25, growth_interval=7)
             p = torch.nn.Parameter(torch.zeros(2))
             opt = torch.optim.SGD([p], lr=0.0)
-            for found in (True, False, False, False):  # 2048 -> 1024, tracker 3
+            for found in (True, False, False, False):  # 4096 * 0.25 = 1024, tracker 3
                 scaler.scale(torch.ones(()))
                 p.grad = torch.full((2,), float("inf") if found else 1.0)
                 scaler.step(opt)
@@ -223,7 +223,10 @@ def python_scaler_state(out_dir):
 def check_state(path):
     """The file ampx's interop_save wrote: PyTorch must read it as a dict with
     PyTorch's keys and types, and (2.3+) load it into its own GradScaler."""
-    state = torch.load(path)
+    # weights_only=True is the default from 2.6 on; 1.13's restricted unpickler
+    # cannot read floats at all (its own GradScaler state included).
+    safe = int(torch.__version__.split(".")[0]) >= 2
+    state = torch.load(path, weights_only=True) if safe else torch.load(path)
     expected = {"scale": 512.0, "growth_factor": 4.0, "backoff_factor": 0.125,
                 "growth_interval": 11, "_growth_tracker": 5}
     for key, value in expected.items():
