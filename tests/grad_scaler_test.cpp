@@ -524,6 +524,32 @@ TEST(GradScalerTest, CudaTrainingStepSkipsOnOverflow) {
   }
   EXPECT_GE(skipped, 5);
   EXPECT_TRUE(scaler.get_scale_async().is_cuda());
+  // The state dict of a CUDA scaler loads into a CPU one and back.
+  GradScaler cpu_scaler;
+  cpu_scaler.load_state_dict(scaler.state_dict());
+  EXPECT_EQ(cpu_scaler.get_scale(), scaler.get_scale());
+}
+
+TEST(GradScalerTest, CudaBf16GradientsAreUnscaledAndChecked) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "CUDA not available";
+  }
+  // bf16 params (pure bf16 training): ATen's CUDA unscale has no bf16 kernel.
+  auto p = torch::ones({1000}, torch::dtype(torch::kBFloat16).device(torch::kCUDA))
+               .requires_grad_();
+  torch::optim::SGD opt({p}, 1.0);
+  GradScaler scaler(GradScalerOptions().init_scale(256.0));
+  scaler.scale((p.to(torch::kFloat) * 2).sum()).backward();
+  scaler.unscale_(opt);
+  EXPECT_TRUE(torch::equal(p.grad().cpu(), torch::full({1000}, 2.0, torch::kBFloat16)));
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+  opt.zero_grad();
+  scaler.scale((p.to(torch::kFloat) * 2).sum()).backward();
+  p.mutable_grad()[999] = INFINITY;
+  EXPECT_FALSE(scaler.step(opt));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 128.0);
 }
 
 }  // namespace

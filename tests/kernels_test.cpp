@@ -40,7 +40,8 @@ void expect_same(const torch::Tensor& got, const torch::Tensor& want, const std:
 
 using UnscaleFn = void (*)(at::TensorList, at::Tensor&, const at::Tensor&);
 
-void check_against_definition(UnscaleFn fn, const std::string& name) {
+void check_against_definition(UnscaleFn fn, const std::string& name,
+                              torch::Device device = torch::kCPU) {
   std::mt19937 rng(7);
   const std::vector<torch::ScalarType> dtypes = {torch::kFloat, torch::kDouble, torch::kBFloat16,
                                                  torch::kHalf};
@@ -49,7 +50,7 @@ void check_against_definition(UnscaleFn fn, const std::string& name) {
   for (auto dtype : dtypes) {
     for (auto n : sizes) {
       for (int poison = 0; poison < 4; ++poison) {  // none, +inf, -inf, nan
-        auto g = (torch::randn({n}) * 1000).to(dtype);
+        auto g = (torch::randn({n}) * 1000).to(dtype).to(device);
         if (poison > 0) {
           const int64_t at = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
           const double v = poison == 1   ? std::numeric_limits<double>::infinity()
@@ -57,10 +58,11 @@ void check_against_definition(UnscaleFn fn, const std::string& name) {
                                          : std::numeric_limits<double>::quiet_NaN();
           g[at] = v;
         }
-        const auto want = expected_unscaled(g, inv);
-        auto found = torch::zeros({1});
+        const auto want = expected_unscaled(g, inv).cpu();
+        auto found = torch::zeros({1}, device);
         auto work = g.clone();
-        fn({work}, found, torch::full({1}, inv));
+        fn({work}, found, torch::full({1}, inv, device));
+        work = work.cpu();
         const std::string what = name + " " + c10::toString(dtype) + " n=" + std::to_string(n) +
                                  " poison=" + std::to_string(poison);
         expect_same(work, want, what);
@@ -80,6 +82,14 @@ TEST(KernelsTest, CompositeUnscaleMatchesDefinition) {
 
 TEST(KernelsTest, PublicUnscaleMatchesDefinition) {
   check_against_definition(&ampx::non_finite_check_and_unscale_, "public");
+}
+
+TEST(KernelsTest, CudaUnscaleMatchesDefinitionIncludingBf16) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "CUDA not available";
+  }
+  // float/double/half go to ATen's CUDA kernel, bfloat16 to the composite.
+  check_against_definition(&ampx::non_finite_check_and_unscale_, "cuda", torch::kCUDA);
 }
 
 TEST(KernelsTest, CpuUnscaleAgreesWithAtenWhereAtenHasACpuKernel) {
@@ -255,6 +265,32 @@ TEST(KernelsTest, CompositeAndNativeUpdatesAgreeWithCpuKernelOnRandomSequences) 
         ASSERT_EQ(a.growth.item<int>(), b.growth.item<int>()) << "step " << i;
         ASSERT_EQ(a.hyst.item<int>(), b.hyst.item<int>()) << "step " << i;
       }
+    }
+  }
+}
+
+TEST(KernelsTest, CudaUpdateAgreesWithCpuKernelOnRandomSequences) {
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "CUDA not available";
+  }
+  std::mt19937 rng(5);
+  for (int64_t hysteresis : {1, 3}) {  // ATen's kernel + clamp, then the composite
+    ScaleUpdateRule rule;
+    rule.growth_interval = 2;
+    rule.hysteresis = hysteresis;
+    rule.min_scale = 1.0;
+    rule.max_scale = 1e5;
+    ScaleState a(rule), b(rule);
+    b.scale = b.scale.cuda();
+    b.growth = b.growth.cuda();
+    b.hyst = b.hyst.cuda();
+    for (int i = 0; i < 300; ++i) {
+      const float f = std::bernoulli_distribution(0.35)(rng) ? 1.f : 0.f;
+      ampx::detail::cpu::update_scale_(a.scale, a.growth, a.hyst, torch::full({}, f), rule);
+      ampx::update_scale_(b.scale, b.growth, b.hyst, torch::full({}, f, torch::kCUDA), rule);
+      ASSERT_EQ(a.scale.item<float>(), b.scale.item<float>()) << "step " << i;
+      ASSERT_EQ(a.growth.item<int>(), b.growth.item<int>()) << "step " << i;
+      if (hysteresis > 1) ASSERT_EQ(a.hyst.item<int>(), b.hyst.item<int>()) << "step " << i;
     }
   }
 }
