@@ -8,7 +8,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake make pkg-config
   libtorch-dev python3-torch python3-numpy
-  libopenblas0-pthread
+  libopenblas0-pthread libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
   debootstrap

@@ -34,7 +34,7 @@ MIRROR=${AMPX_TRIXIE_MIRROR:-http://deb.debian.org/debian}
 PACKAGES=(
   build-essential cmake make
   libtorch-dev python3-torch python3-numpy
-  libopenblas0-pthread
+  libopenblas0-pthread libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev
   ca-certificates

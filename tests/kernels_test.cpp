@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <random>
 
@@ -72,8 +73,19 @@ void check_against_definition(UnscaleFn fn, const std::string& name,
   }
 }
 
-TEST(KernelsTest, CpuUnscaleMatchesDefinitionForEveryDtype) {
-  check_against_definition(&ampx::detail::cpu::non_finite_check_and_unscale_, "cpu");
+template <ampx::detail::cpu::Isa kIsa>
+void unscale_with(at::TensorList grads, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  ampx::detail::cpu::non_finite_check_and_unscale_(grads, found_inf, inv_scale, kIsa);
+}
+
+TEST(KernelsTest, CpuUnscaleMatchesDefinitionForEveryDtypeAndIsa) {
+  using ampx::detail::cpu::Isa;
+  const auto isas = ampx::detail::cpu::supported_isas();
+  check_against_definition(&unscale_with<Isa::kDefault>, "cpu default");
+  if (isas.size() > 1) check_against_definition(&unscale_with<Isa::kAvx2>, "cpu avx2");
+  if (isas.size() > 2) check_against_definition(&unscale_with<Isa::kAvx512>, "cpu avx512");
+  std::cout << "checked " << isas.size() << " CPU kernel builds, best: "
+            << ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()) << "\n";
 }
 
 TEST(KernelsTest, CompositeUnscaleMatchesDefinition) {

@@ -3,6 +3,7 @@
 // ampx's own implementations behind ampx/kernels.h, exposed for the tests and
 // benchmarks that compare them with ATen's. Users call ampx/kernels.h.
 
+#include "ampx/detail/cpu_isa.h"
 #include "ampx/kernels.h"
 
 namespace ampx {
@@ -21,6 +22,9 @@ namespace cpu {
 /// span all tensors (multi-tensor style, so many small grads parallelise too).
 void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
                                    const at::Tensor& inv_scale);
+/// The same with a chosen instruction set (tests and benchmarks run each).
+void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
+                                   const at::Tensor& inv_scale, Isa isa);
 void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
                    const at::Tensor& found_inf, const ScaleUpdateRule& rule);
 }  // namespace cpu

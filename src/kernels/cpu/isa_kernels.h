@@ -1,0 +1,40 @@
+#pragma once
+
+// Per-instruction-set kernels: each file listed as AMPX_ISA_SOURCES in
+// CMakeLists.txt is compiled once per ISA with CPU_CAPABILITY set to DEFAULT,
+// AVX2 or AVX512, which names both at::vec's and these inline namespaces.
+
+#include "ampx/detail/cpu_isa.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+
+#define AMPX_DECLARE_ISA_KERNELS(ns)                                                      \
+  namespace ns {                                                                          \
+  /* data[begin, end) *= inv in place; true if any element was inf/NaN. */                \
+  bool unscale_span(void* data, c10::ScalarType dtype, int64_t begin, int64_t end,        \
+                    float inv);                                                           \
+  }
+AMPX_DECLARE_ISA_KERNELS(DEFAULT)
+AMPX_DECLARE_ISA_KERNELS(AVX2)
+AMPX_DECLARE_ISA_KERNELS(AVX512)
+#undef AMPX_DECLARE_ISA_KERNELS
+
+using UnscaleSpanFn = bool (*)(void*, c10::ScalarType, int64_t, int64_t, float);
+
+inline UnscaleSpanFn unscale_span_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return &AVX512::unscale_span;
+    case Isa::kAvx2: return &AVX2::unscale_span;
+    default: return &DEFAULT::unscale_span;
+  }
+}
+
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx
