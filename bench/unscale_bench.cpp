@@ -3,8 +3,10 @@
 //
 //   build/host/bench/ampx_bench [--benchmark_filter=...] [--elements=N]
 //
-// Both move 2 x 400 MB (read + write) per iteration; bytes_per_second is that
-// traffic over the time. At the end a table prints each kernel's bandwidth as
+// Both are credited 2 x 400 MB (read + write) per iteration; bytes_per_second
+// is that over the time. A copy also reads its target once (write-allocate),
+// so in-place kernels can beat it; BM_InplaceMulAten (g *= s, no check) is the
+// in-place roofline. At the end a table prints each kernel's bandwidth as
 // a fraction of the copy's at the same thread count.
 
 #include "ampx/detail/compat.h"
@@ -55,6 +57,18 @@ void BM_Copy(benchmark::State& state) {
   set_traffic(state);
 }
 
+// ATen's in-place multiply of the same bytes: the fair roofline for an
+// in-place kernel (a copy also pays the write-allocate read of its target).
+void BM_InplaceMulAten(benchmark::State& state) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  auto& b = Buffers::get();
+  for (auto _ : state) {
+    b.grad.mul_(b.inv);
+    benchmark::ClobberMemory();
+  }
+  set_traffic(state);
+}
+
 void BM_UnscaleAmpxCpu(benchmark::State& state, ampx::detail::cpu::Isa isa) {
   at::set_num_threads(static_cast<int>(state.range(0)));
   auto& b = Buffers::get();
@@ -89,6 +103,7 @@ void BM_UnscaleAten(benchmark::State& state) {
   Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0)
 
 BENCHMARK(BM_Copy)->AMPX_BANDWIDTH_ARGS;
+BENCHMARK(BM_InplaceMulAten)->AMPX_BANDWIDTH_ARGS;
 BENCHMARK(BM_UnscaleComposite)->AMPX_BANDWIDTH_ARGS;
 
 // Console output plus a closing table of bandwidth relative to BM_Copy.
