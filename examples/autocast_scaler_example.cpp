@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     scaler.scale(loss).backward();
     scaler.unscale_(opt);
     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
-    const bool stepped = scaler.step(opt);
+    const bool stepped = scaler.step(opt).stepped();
     skipped += stepped ? 0 : 1;
     const double scale = scaler.get_scale();  // the scale this step used
     scaler.update();

@@ -150,31 +150,56 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   state.stage = OptState::kUnscaled;
 }
 
-bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+bool StepResult::stepped() const {
+  return known_ ? *known_ : found_inf_.item<float>() == 0.f;
+}
+
+StepResult GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (!enabled_) {
     optimizer.step();
-    return true;
+    return StepResult(true);
   }
   check_initialized("step");
   auto& state = per_optimizer_[&optimizer];
   TORCH_CHECK(state.stage != OptState::kStepped,
               "step() has already been called since the last update().");
-  if (state.stage == OptState::kReady) {
-    unscale_(optimizer);
+
+  if (auto* aware = dynamic_cast<ScalerAwareOptimizer*>(&optimizer)) {
+    // PyTorch's _step_supports_amp_scaling path: no unscale, no host sync.
+    at::Tensor grad_scale;
+    if (state.stage == OptState::kReady) {
+      // Check only (inv_scale 1), as PyTorch's _check_inf_per_device does.
+      const auto one = at::ones({}, scale_.options());
+      state.found_inf_per_device =
+          unscale_grads(optimizer, one, at::zeros({}, scale_.options()), /*allow_fp16=*/true);
+      grad_scale = scale_;
+    }
+    TORCH_CHECK(!state.found_inf_per_device.empty(),
+                "No inf checks were recorded for this optimizer.");
+    auto found_inf = at::zeros({}, scale_.options());
+    for (const auto& entry : state.found_inf_per_device) {
+      found_inf.add_(entry.second.to(scale_.device(), /*non_blocking=*/true));
+    }
+    aware->step_scaled(grad_scale, found_inf);
+    state.stage = OptState::kStepped;
+    return StepResult(found_inf);
   }
-  auto& recorded = per_optimizer_[&optimizer];
-  TORCH_CHECK(!recorded.found_inf_per_device.empty(),
+
+  if (state.stage == OptState::kReady) {
+    unscale_(optimizer);  // (unordered_map references survive the insertion)
+  }
+  TORCH_CHECK(!state.found_inf_per_device.empty(),
               "No inf checks were recorded for this optimizer.");
   double found = 0.0;
-  for (const auto& entry : recorded.found_inf_per_device) {
+  for (const auto& entry : state.found_inf_per_device) {
     found += entry.second.item<double>();  // the one host sync, as in PyTorch
   }
   const bool stepped = found == 0.0;
   if (stepped) {
     optimizer.step();
   }
-  recorded.stage = OptState::kStepped;
-  return stepped;
+  state.stage = OptState::kStepped;
+  return StepResult(stepped);
 }
 
 void GradScaler::update() {

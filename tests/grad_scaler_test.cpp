@@ -425,6 +425,78 @@ TEST(GradScalerTest, FoundInfPerDeviceIsWhatStepReads) {
   EXPECT_EQ(scaler.get_scale(), 32768.0);
 }
 
+// A scaler-aware optimizer: plain SGD that divides by grad_scale and skips on
+// found_inf inside its own step, with tensor ops only (no host sync).
+class ScaledSGD : public torch::optim::SGD, public ampx::ScalerAwareOptimizer {
+ public:
+  ScaledSGD(std::vector<torch::Tensor> params, double lr) : SGD(std::move(params), lr), lr_(lr) {}
+  void step_scaled(const torch::Tensor& grad_scale, const torch::Tensor& found_inf) override {
+    torch::NoGradGuard no_grad;
+    ++calls;
+    last_scale_defined = grad_scale.defined();
+    const auto keep = found_inf.ne(0);
+    for (auto& p : param_groups()[0].params()) {
+      auto g = p.grad().to(torch::kFloat);
+      if (grad_scale.defined()) g = g / grad_scale;
+      p.copy_(torch::where(keep, p, p - lr_ * g));
+    }
+  }
+  int calls = 0;
+  bool last_scale_defined = false;
+
+ private:
+  double lr_;
+};
+
+TEST(GradScalerTest, ScalerAwareOptimizerGetsTheScaleInsteadOfUnscaledGrads) {
+  torch::manual_seed(0);
+  Net a, b;
+  copy_params(*a, *b);
+  torch::optim::SGD plain(a->parameters(), 0.1);
+  ScaledSGD aware(b->parameters(), 0.1);
+  GradScaler scaler(GradScalerOptions().init_scale(1024.0));
+  for (int step = 0; step < 4; ++step) {
+    auto batch = make_batch(step);
+    plain.zero_grad();
+    torch::mse_loss(a->forward(batch.x), batch.y).backward();
+    plain.step();
+    aware.zero_grad();
+    scaler.scale(torch::mse_loss(b->forward(batch.x), batch.y)).backward();
+    if (step % 2 == 1) scaler.unscale_(aware);  // both paths
+    const auto scaled_grad = b->fc1->weight.grad().clone();
+    auto result = scaler.step(aware);
+    EXPECT_TRUE(result.found_inf().defined());
+    EXPECT_TRUE(result.stepped());
+    EXPECT_EQ(aware.last_scale_defined, step % 2 == 0);
+    if (step % 2 == 0) {  // not unscaled by the scaler: still scaled
+      EXPECT_TRUE(torch::equal(b->fc1->weight.grad(), scaled_grad));
+    }
+    scaler.update();
+  }
+  EXPECT_EQ(aware.calls, 4);
+  auto pa = snapshot(*a), pb = snapshot(*b);
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::allclose(pa[i], pb[i], 1e-6, 1e-7));
+
+  aware.zero_grad();
+  scaler.scale(torch::mse_loss(b->forward(make_batch(9).x), make_batch(9).y)).backward();
+  poison_grad(*b);
+  const auto before = snapshot(*b);
+  EXPECT_FALSE(scaler.step(aware));
+  EXPECT_TRUE(same_bits(before, snapshot(*b)));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 512.0);
+}
+
+TEST(GradScalerTest, ScalerAwareOptimizerMayHaveFp16Grads) {
+  auto p = torch::zeros({4}, torch::requires_grad());
+  p.mutable_grad() = torch::full({4}, 8.0, torch::kHalf);
+  ScaledSGD aware({p}, 1.0);
+  GradScaler scaler(GradScalerOptions().init_scale(8.0));
+  scaler.scale(torch::ones({}));
+  EXPECT_TRUE(scaler.step(aware));  // PyTorch allows fp16 here (allow_fp16=True)
+  EXPECT_TRUE(torch::equal(p.detach(), torch::full({4}, -1.0)));
+}
+
 // ---- real float16 overflow and underflow (CPU float16 autocast: LibTorch 2.x)
 
 bool cpu_fp16_autocast() {
@@ -461,7 +533,7 @@ TEST(GradScalerTest, RealFp16OverflowBacksOffAndSkipsThenTrains) {
     scaler.scale(loss).backward();
     const auto before = snapshot(*net);
     const double scale_before = scaler.get_scale();
-    const bool stepped = scaler.step(opt);
+    const bool stepped = scaler.step(opt).stepped();
     scaler.update();
     if (!stepped) {
       ++skipped;

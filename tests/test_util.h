@@ -17,7 +17,7 @@ namespace test {
 /// (ctest sets AMPX_REFERENCE_DIR; the fixture test generates them).
 inline std::string reference_dir() {
   const char* dir = std::getenv("AMPX_REFERENCE_DIR");
-  return dir ? dir : "reference";
+  return dir ? dir : AMPX_DEFAULT_REFERENCE_DIR;
 }
 
 /// Loads a reference JSON file; a missing file fails the test, it never skips.

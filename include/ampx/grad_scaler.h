@@ -33,6 +33,7 @@
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torch {
@@ -74,6 +75,38 @@ struct GradScalerOptions {
 /// Per-optimizer stage within one iteration (PyTorch's OptState).
 enum class OptState { kReady, kUnscaled, kStepped };
 
+/// Implemented by optimizers that unscale gradients and skip an overflowing
+/// step inside their own step, without a host synchronisation (PyTorch's
+/// `_step_supports_amp_scaling`, e.g. fused Adam). GradScaler::step hands
+/// them the scale instead of unscaling the gradients itself.
+class ScalerAwareOptimizer {
+ public:
+  virtual ~ScalerAwareOptimizer() = default;
+  /// One step. `grad_scale` (float32 [], on the scaler's device): the
+  /// gradients are still multiplied by it; undefined if unscale_() already
+  /// divided them. `found_inf` (float32 []): nonzero means a gradient was
+  /// inf/NaN and the step must leave parameters and state untouched.
+  virtual void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) = 0;
+};
+
+/// What GradScaler::step did. Converting it to bool answers "did the
+/// optimizer step?"; for a ScalerAwareOptimizer that reads the found-inf flag
+/// (a host sync on CUDA), which is why the result is not a plain bool.
+class StepResult {
+ public:
+  explicit StepResult(bool stepped) : known_(stepped) {}
+  explicit StepResult(at::Tensor found_inf) : found_inf_(std::move(found_inf)) {}
+  /// Whether the optimizer stepped (false: skipped on inf/NaN).
+  bool stepped() const;
+  explicit operator bool() const { return stepped(); }
+  /// float32 [] flag (1 = skipped), undefined for a plain bool result.
+  const at::Tensor& found_inf() const { return found_inf_; }
+
+ private:
+  c10::optional<bool> known_;
+  at::Tensor found_inf_;
+};
+
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
@@ -88,9 +121,12 @@ class GradScaler {
   void unscale_(torch::optim::Optimizer& optimizer);
 
   /// Unscales if `unscale_` was not called, then runs `optimizer.step()`
-  /// unless a gradient was inf/NaN. Returns whether the optimizer stepped.
-  /// Reads the found-inf flag on the host (one sync), as PyTorch does.
-  bool step(torch::optim::Optimizer& optimizer);
+  /// unless a gradient was inf/NaN; `if (scaler.step(opt))` tells whether it
+  /// stepped. Reads the found-inf flag on the host (one sync), as PyTorch
+  /// does, except for a ScalerAwareOptimizer, whose step_scaled() gets the
+  /// scale and the flag as tensors (grads checked, not unscaled, when
+  /// unscale_ was not called; float16 grads allowed there, as in PyTorch).
+  StepResult step(torch::optim::Optimizer& optimizer);
 
   /// Updates the scale from this iteration's overflow checks (all optimizers).
   void update();

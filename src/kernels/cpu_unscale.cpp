@@ -5,7 +5,7 @@
 
 #include "ampx/detail/kernels.h"
 
-#include "cpu/isa_kernels.h"
+#include "isa/isa_kernels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,8 +1,8 @@
 #pragma once
 
-// Per-instruction-set kernels: each file listed as AMPX_ISA_SOURCES in
-// CMakeLists.txt is compiled once per ISA with CPU_CAPABILITY set to DEFAULT,
-// AVX2 or AVX512, which names both at::vec's and these inline namespaces.
+// Per-instruction-set kernels: each file in src/kernels/isa/ is compiled once
+// per ISA with CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512, which names both
+// at::vec's inline namespace and the namespaces declared here.
 
 #include "ampx/detail/cpu_isa.h"
 
