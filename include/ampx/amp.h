@@ -1,0 +1,160 @@
+#pragma once
+
+// Apex-style opt levels: one call that casts the model, sets up master
+// weights and loss scaling, and says how the forward pass runs.
+//
+//   auto model = std::make_shared<Net>();
+//   ampx::optim::AdamW opt(model->parameters(), ampx::optim::AdamWOptions(1e-3));
+//   auto amp = ampx::initialize(model, opt, ampx::OptLevel::O2);  // bf16 on CPU
+//   for (...) {
+//     opt.zero_grad();
+//     torch::Tensor loss;
+//     {
+//       auto forward = amp.forward_guard();             // norms fp32 (O2) / autocast (O1)
+//       loss = loss_fn(model->forward(amp.cast_input(x)), y);
+//     }
+//     amp.scaler().scale(loss).backward();
+//     amp.scaler().step(opt);                           // masters updated, bf16 written back
+//     amp.scaler().update();
+//   }
+//
+// | level | params cast to | autocast op casting | norms fp32 | master weights | loss scale |
+// | O0    | fp32           | no                  | -          | no             | 1          |
+// | O1    | unchanged      | yes                 | -          | no             | dynamic    |
+// | O2    | low precision  | no                  | yes        | yes (fp32)     | dynamic    |
+// | O3    | low precision  | no                  | no         | no             | 1          |
+//
+// "dynamic" loss scaling defaults off for bfloat16 (its range is fp32's) and
+// can be forced on with AmpOptions::loss_scale.
+
+#include "ampx/grad_scaler.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace ampx {
+
+enum class OptLevel { O0, O1, O2, O3 };
+
+/// "O0".."O3" (case-sensitive, as in Apex); anything else is an error.
+OptLevel parse_opt_level(const std::string& name);
+std::string to_string(OptLevel level);
+
+/// Apex's loss_scale: "dynamic" or a fixed number.
+class LossScale {
+ public:
+  static LossScale dynamic() { return LossScale(true, 0.0); }
+  /// A scale that never changes. Steps whose gradients overflow are still
+  /// skipped (Apex would apply them).
+  static LossScale fixed(double value);
+  bool is_dynamic() const { return dynamic_; }
+  double value() const { return value_; }
+
+ private:
+  LossScale(bool dynamic, double value) : dynamic_(dynamic), value_(value) {}
+  bool dynamic_;
+  double value_;
+};
+
+struct AmpOptions {
+  explicit AmpOptions(OptLevel opt_level = OptLevel::O1) : opt_level_(opt_level) {}
+  TORCH_ARG(OptLevel, opt_level);
+  /// Low-precision dtype: float16 or bfloat16 (default: bf16 on CPU, fp16 on CUDA).
+  TORCH_ARG(c10::optional<c10::ScalarType>, dtype) = c10::nullopt;
+  /// The fields below override the level's value when set (Apex's overrides).
+  TORCH_ARG(c10::optional<bool>, cast_model_type) = c10::nullopt;        // cast params (O2/O3)
+  TORCH_ARG(c10::optional<bool>, patch_torch_functions) = c10::nullopt;  // autocast (O1)
+  TORCH_ARG(c10::optional<bool>, keep_batchnorm_fp32) = c10::nullopt;    // all norm layers
+  TORCH_ARG(c10::optional<bool>, master_weights) = c10::nullopt;
+  TORCH_ARG(c10::optional<LossScale>, loss_scale) = c10::nullopt;
+  /// dtype that amp.cast_output() returns (Apex's cast_model_outputs).
+  TORCH_ARG(c10::optional<c10::ScalarType>, cast_model_outputs) = c10::nullopt;
+  TORCH_ARG(c10::optional<double>, min_loss_scale) = c10::nullopt;
+  TORCH_ARG(double, max_loss_scale) = 16777216.0;
+  /// One loss scaler per loss (Apex's num_losses / loss_id).
+  TORCH_ARG(int64_t, num_losses) = 1;
+};
+
+/// What a level plus overrides resolved to.
+struct AmpProperties {
+  OptLevel opt_level;
+  c10::Device device{c10::kCPU};
+  c10::ScalarType dtype;
+  bool cast_model_type;
+  bool patch_torch_functions;
+  bool keep_batchnorm_fp32;
+  bool master_weights;
+  c10::optional<LossScale> loss_scale;  // nullopt: no scaling (scale 1)
+  c10::optional<c10::ScalarType> cast_model_outputs;
+  int64_t num_losses;
+  /// A two-column table, one property a line, for logs.
+  std::string to_string() const;
+};
+
+/// The forward-pass region of an opt level: autocast (O1), norm layers fed in
+/// fp32 (O2), nothing (O0, O3). Returned by Amp::forward_guard(); RAII.
+class ForwardGuard {
+ public:
+  ~ForwardGuard();
+  ForwardGuard(const ForwardGuard&) = delete;
+  ForwardGuard& operator=(const ForwardGuard&) = delete;
+  ForwardGuard(ForwardGuard&&) = delete;
+  ForwardGuard& operator=(ForwardGuard&&) = delete;
+
+ private:
+  friend class Amp;
+  explicit ForwardGuard(const AmpProperties& properties);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// What initialize() set up; owns the loss scalers.
+class Amp {
+ public:
+  const AmpProperties& properties() const { return properties_; }
+  /// The scaler of loss `loss_id` (disabled, i.e. scale 1, when the level has
+  /// no loss scaling).
+  GradScaler& scaler(int64_t loss_id = 0);
+  /// Enter the level's forward region (C++17 guaranteed elision: `auto g = amp.forward_guard();`).
+  ForwardGuard forward_guard() const { return ForwardGuard(properties_); }
+  /// Casts a floating input to the model's parameter dtype (O2/O3; Apex casts
+  /// model inputs in its patched forward, which C++ modules cannot have).
+  at::Tensor cast_input(const at::Tensor& input) const;
+  /// Casts a floating output to cast_model_outputs, if set.
+  at::Tensor cast_output(const at::Tensor& output) const;
+  /// "loss_scaler0".."loss_scalerN" -> each scaler's state dict (Apex's keys).
+  std::map<std::string, StateDict> state_dict() const;
+  void load_state_dict(const std::map<std::string, StateDict>& state);
+
+ private:
+  friend Amp initialize(const std::shared_ptr<torch::nn::Module>&,
+                        const std::vector<torch::optim::Optimizer*>&, const AmpOptions&);
+  explicit Amp(AmpProperties properties);
+  AmpProperties properties_;
+  std::vector<std::unique_ptr<GradScaler>> scalers_;
+};
+
+/// Resolves `options` against the level's table, casts `model` (O2: every
+/// floating parameter and buffer except those of norm layers; O3: all), and
+/// sets up master weights in the optimizers (ampx::optim optimizers capture
+/// fp32 copies before the cast) and the loss scalers. Call once per model,
+/// after building the optimizers and before training.
+Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
+               const std::vector<torch::optim::Optimizer*>& optimizers, const AmpOptions& options);
+Amp initialize(const std::shared_ptr<torch::nn::Module>& model, torch::optim::Optimizer& optimizer,
+               OptLevel opt_level);
+
+}  // namespace ampx

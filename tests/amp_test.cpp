@@ -1,0 +1,208 @@
+// initialize() and the opt levels: Apex's table, overrides, casting, misuse.
+
+#include "ampx/amp.h"
+
+#include "ampx/autocast.h"
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+
+namespace {
+
+using ampx::AmpOptions;
+using ampx::LossScale;
+using ampx::OptLevel;
+using ampx::test::error_text;
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(8, 16));
+    bn = register_module("bn", torch::nn::BatchNorm1d(16));
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::relu(ln(bn(fc1(x))))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+  torch::nn::LayerNorm ln{nullptr};
+};
+TORCH_MODULE(Net);
+
+TEST(AmpTest, ParsesOptLevelsAndRejectsUnknownOnes) {
+  EXPECT_EQ(ampx::parse_opt_level("O0"), OptLevel::O0);
+  EXPECT_EQ(ampx::parse_opt_level("O3"), OptLevel::O3);
+  EXPECT_EQ(ampx::to_string(OptLevel::O2), "O2");
+  EXPECT_EQ(error_text([] { ampx::parse_opt_level("O5"); }),
+            "parse_opt_level: unknown opt level 'O5'; expected O0, O1, O2 or O3 (capital letter "
+            "O, as in Apex)");
+  EXPECT_NE(error_text([] { ampx::parse_opt_level("o1"); }), "");
+}
+
+TEST(AmpTest, LevelsResolveToApexTable) {
+  struct Row {
+    OptLevel level;
+    bool cast, patch, keep_bn, master;
+  };
+  for (const auto& r :
+       {Row{OptLevel::O0, false, false, false, false}, Row{OptLevel::O1, false, true, false, false},
+        Row{OptLevel::O2, true, false, true, false},
+        Row{OptLevel::O3, true, false, false, false}}) {
+    Net net;
+    torch::optim::SGD opt(net->parameters(), 0.1);
+    // torch::optim SGD cannot hold masters: O2 here overrides master_weights off.
+    auto options = AmpOptions(r.level);
+    if (r.level == OptLevel::O2) options.master_weights(false);
+    auto amp = ampx::initialize(net.ptr(), {&opt}, options);
+    const auto& p = amp.properties();
+    EXPECT_EQ(p.dtype, torch::kBFloat16);  // the CPU default
+    EXPECT_EQ(p.cast_model_type, r.cast) << ampx::to_string(r.level);
+    EXPECT_EQ(p.patch_torch_functions, r.patch) << ampx::to_string(r.level);
+    EXPECT_EQ(p.keep_batchnorm_fp32, r.keep_bn) << ampx::to_string(r.level);
+    EXPECT_EQ(p.master_weights, r.master) << ampx::to_string(r.level);
+    EXPECT_FALSE(p.loss_scale.has_value()) << "bf16 needs no loss scaling";
+    EXPECT_FALSE(amp.scaler().is_enabled());
+    EXPECT_NE(p.to_string().find("opt_level               " + ampx::to_string(r.level)),
+              std::string::npos)
+        << p.to_string();
+  }
+}
+
+TEST(AmpTest, Fp16ScalesDynamicallyAtO1AndO2Only) {
+  for (auto level : {OptLevel::O0, OptLevel::O2, OptLevel::O3}) {  // O1 fp16: CPU 2.x only
+    Net net;
+    auto amp = ampx::initialize(
+        net.ptr(), {},
+        AmpOptions(level)
+            .dtype(torch::kHalf)
+            .master_weights(level == OptLevel::O2 ? c10::optional<bool>(false) : c10::nullopt));
+    EXPECT_EQ(amp.scaler().is_enabled(), level == OptLevel::O2) << ampx::to_string(level);
+    EXPECT_EQ(amp.properties().loss_scale.has_value(), level == OptLevel::O2);
+  }
+}
+
+TEST(AmpTest, Bf16TurnsLossScalingOffUnlessForced) {
+  Net a, b;
+  auto amp_a = ampx::initialize(a.ptr(), {}, AmpOptions(OptLevel::O1));  // CPU: bf16
+  EXPECT_EQ(amp_a.properties().dtype, torch::kBFloat16);
+  EXPECT_FALSE(amp_a.scaler().is_enabled());
+  auto amp_b =
+      ampx::initialize(b.ptr(), {}, AmpOptions(OptLevel::O1).loss_scale(LossScale::dynamic()));
+  EXPECT_TRUE(amp_b.scaler().is_enabled());
+  EXPECT_EQ(amp_b.scaler().get_max_scale().value(), 16777216.0);
+}
+
+TEST(AmpTest, O2CastsEverythingButNormLayers) {
+  Net net;
+  auto amp = ampx::initialize(net.ptr(), {}, AmpOptions(OptLevel::O2).master_weights(false));
+  EXPECT_EQ(net->fc1->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(net->fc2->bias.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(net->bn->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->bn->running_mean.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->ln->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(net->bn->num_batches_tracked.scalar_type(), torch::kLong);  // not floating
+  EXPECT_EQ(amp.cast_input(torch::ones({2, 8})).scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(amp.cast_input(torch::ones({2}, torch::kLong)).scalar_type(), torch::kLong);
+}
+
+TEST(AmpTest, O3CastsEverythingAndO0CastsBackToFp32) {
+  Net net;
+  ampx::initialize(net.ptr(), {}, AmpOptions(OptLevel::O3));
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(net->bn->running_var.scalar_type(), torch::kBFloat16);
+  Net other;
+  other->to(torch::kBFloat16);
+  ampx::initialize(other.ptr(), {}, AmpOptions(OptLevel::O0));
+  for (const auto& p : other->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+}
+
+TEST(AmpTest, O1ForwardGuardIsAutocastAndO0IsNothing) {
+  Net a, b;
+  auto o1 = ampx::initialize(a.ptr(), {}, AmpOptions(OptLevel::O1));
+  auto o0 = ampx::initialize(b.ptr(), {}, AmpOptions(OptLevel::O0));
+  a->eval();
+  {
+    auto forward = o1.forward_guard();
+    EXPECT_TRUE(ampx::is_autocast_enabled(torch::kCPU));
+    EXPECT_EQ(a->fc1->forward(torch::ones({2, 8})).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_FALSE(ampx::is_autocast_enabled(torch::kCPU));
+  {
+    auto forward = o0.forward_guard();
+    EXPECT_FALSE(ampx::is_autocast_enabled(torch::kCPU));
+  }
+}
+
+TEST(AmpTest, MisuseIsAClearError) {
+  Net net;
+  torch::optim::Adam opt(net->parameters(), 0.01);
+  ampx::initialize(net.ptr(), {&opt}, AmpOptions(OptLevel::O1));
+  auto text = error_text([&] { ampx::initialize(net.ptr(), {&opt}, AmpOptions(OptLevel::O1)); });
+  EXPECT_NE(text.find("was already initialized"), std::string::npos) << text;
+
+  Net trained;
+  torch::optim::Adam stepped(trained->parameters(), 0.01);
+  trained->forward(torch::ones({4, 8})).sum().backward();
+  stepped.step();
+  text = error_text([&] { ampx::initialize(trained.ptr(), {&stepped}, AmpOptions(OptLevel::O3)); });
+  EXPECT_NE(text.find("optimizers[0] already holds state for 8 parameters"), std::string::npos)
+      << text;
+  EXPECT_EQ(trained->fc1->weight.scalar_type(), torch::kFloat) << "a refused call casts nothing";
+
+  Net other;
+  text = error_text(
+      [&] { ampx::initialize(other.ptr(), {}, AmpOptions(OptLevel::O1).master_weights(true)); });
+  EXPECT_NE(text.find("master_weights only apply when the model is cast"), std::string::npos)
+      << text;
+  text = error_text(
+      [&] { ampx::initialize(other.ptr(), {}, AmpOptions(OptLevel::O0).dtype(torch::kFloat)); });
+  EXPECT_NE(text.find("dtype must be float16 or bfloat16, got Float"), std::string::npos) << text;
+}
+
+TEST(AmpTest, FixedLossScaleNeverChangesButStillSkipsOverflow) {
+  // (No norm layers: LibTorch 1.13's CPU autocast cannot feed a bf16 tensor
+  // into LayerNorm's fp32 weights; Python 1.13 fails the same way.)
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  auto amp = ampx::initialize(net.ptr(), {&opt},
+                              AmpOptions(OptLevel::O1).loss_scale(LossScale::fixed(128.0)));
+  auto& scaler = amp.scaler();
+  for (int step = 0; step < 4; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      auto forward = amp.forward_guard();
+      loss = net->forward(torch::ones({4, 8})).to(torch::kFloat).pow(2).mean();
+    }
+    scaler.scale(loss).backward();
+    if (step == 2)
+      net->parameters()[0].mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+    EXPECT_EQ(scaler.step(opt).stepped(), step != 2);
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), 128.0);
+  }
+}
+
+TEST(AmpTest, OneScalerPerLossAndStateDictKeys) {
+  Net net;
+  auto amp = ampx::initialize(net.ptr(), {},
+                              AmpOptions(OptLevel::O1)
+                                  .dtype(torch::kBFloat16)
+                                  .loss_scale(LossScale::dynamic())
+                                  .num_losses(2));
+  EXPECT_NE(&amp.scaler(0), &amp.scaler(1));
+  EXPECT_NE(error_text([&] { amp.scaler(2); }).find("loss_id must be in [0, num_losses=2)"),
+            std::string::npos);
+  auto state = amp.state_dict();
+  ASSERT_EQ(state.size(), 2u);
+  EXPECT_EQ(state.at("loss_scaler1").at("scale").toDouble(), 65536.0);
+  state["loss_scaler1"]["scale"] = 8.0;
+  amp.load_state_dict(state);
+  EXPECT_EQ(amp.scaler(1).get_scale(), 8.0);
+  state["loss_scaler0"].erase("growth_factor");
+  EXPECT_NE(error_text([&] { amp.load_state_dict(state); }), "");
+  EXPECT_EQ(amp.scaler(1).get_scale(), 8.0);
+}
+
+}  // namespace
