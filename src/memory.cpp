@@ -1,0 +1,90 @@
+// The tracking CPU allocator. Each block carries its size in a 64-byte
+// header in front of the data (so alignment stays LibTorch's 64 bytes and the
+// DataPtr stays "simple": data == context), and is freed through the
+// wrapped allocator's raw deleter. Counters are lock-free atomics.
+
+#include "ampx/memory.h"
+
+#include "ampx/detail/compat.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+namespace ampx {
+namespace {
+
+constexpr size_t kHeader = 64;
+
+std::atomic<int64_t> g_allocated{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_count{0};
+c10::Allocator* g_wrapped = nullptr;
+c10::DeleterFnPtr g_wrapped_free = nullptr;
+
+void tracked_free(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  int64_t size;
+  std::memcpy(&size, base, sizeof(size));
+  g_allocated.fetch_sub(size, std::memory_order_relaxed);
+  g_wrapped_free(base);
+}
+
+struct TrackingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) AMPX_ALLOCATOR_CONST override {
+    void* base = g_wrapped->raw_allocate(n + kHeader);
+    const auto size = static_cast<int64_t>(n);
+    std::memcpy(base, &size, sizeof(size));
+    const int64_t now = g_allocated.fetch_add(size, std::memory_order_relaxed) + size;
+    int64_t peak = g_peak.load(std::memory_order_relaxed);
+    while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+    g_count.fetch_add(1, std::memory_order_relaxed);
+    void* data = static_cast<char*>(base) + kHeader;
+    return {data, data, &tracked_free, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &tracked_free; }
+#if AMPX_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    std::memcpy(dest, src, count);
+  }
+#endif
+};
+
+std::once_flag g_once;
+TrackingAllocator g_allocator;
+
+}  // namespace
+
+void enable_cpu_memory_tracking() {
+  std::call_once(g_once, [] {
+    g_wrapped = c10::GetCPUAllocator();
+    g_wrapped_free = g_wrapped->raw_deleter();
+    TORCH_CHECK(g_wrapped_free != nullptr,
+                "enable_cpu_memory_tracking: the installed CPU allocator has no raw deleter, "
+                "so it cannot be wrapped");
+    c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
+  });
+  TORCH_CHECK(c10::GetCPUAllocator() == &g_allocator,
+              "enable_cpu_memory_tracking: another CPU allocator with a higher priority is "
+              "installed; ampx's tracking allocator is not in use");
+}
+
+bool cpu_memory_tracking_enabled() { return c10::GetCPUAllocator() == &g_allocator; }
+
+MemoryStats cpu_memory_stats() {
+  MemoryStats s;
+  s.allocated_bytes = g_allocated.load();
+  s.peak_allocated_bytes = g_peak.load();
+  s.allocations = g_count.load();
+  return s;
+}
+
+void reset_peak_cpu_memory() { g_peak.store(g_allocated.load()); }
+
+}  // namespace ampx
