@@ -1,0 +1,13 @@
+#pragma once
+
+// ampx::optim: mixed-precision optimizers with fp32 master weights, fused
+// CPU kernels, GradScaler-aware steps and optional stochastic rounding.
+//
+//   ampx::optim::AdamW opt(model->parameters(), ampx::optim::AdamWOptions(3e-4));
+//   ampx::GradScaler scaler;
+//   ...; scaler.scale(loss).backward(); scaler.step(opt); scaler.update();
+
+#include "ampx/optim/adamw.h"
+#include "ampx/optim/lamb.h"
+#include "ampx/optim/optimizer.h"
+#include "ampx/optim/sgd.h"

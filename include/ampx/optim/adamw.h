@@ -1,0 +1,61 @@
+#pragma once
+
+// ampx::optim::AdamW: torch::optim::AdamW's update (decoupled weight decay
+// p *= 1 - lr * wd, then Adam with bias correction) as one fused pass, with
+// fp32 master weights for bf16/fp16 params. See optimizer.h.
+//
+//   ampx::optim::AdamW opt(model->parameters(),
+//                          ampx::optim::AdamWOptions(3e-4).weight_decay(0.1).max_grad_norm(1.0));
+
+#include "ampx/optim/optimizer.h"
+
+#include <torch/arg.h>
+
+#include <tuple>
+
+namespace ampx {
+namespace optim {
+
+struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
+  using betas_t = std::tuple<double, double>;
+  AdamWOptions(double lr = 1e-3);  // NOLINT: implicit, as torch::optim::AdamWOptions
+  /// Learning rate (>= 0).
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Moment decay rates, each in [0, 1).
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator (>= 0).
+  TORCH_ARG(double, eps) = 1e-8;
+  /// Decoupled weight decay (>= 0): p *= 1 - lr * weight_decay before the Adam step.
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  /// Keep fp32 master weights for bf16/fp16 params (optimizer-wide).
+  TORCH_ARG(bool, master_weights) = true;
+  /// bf16 params without masters: round the update stochastically (needs
+  /// master_weights(false); optimizer-wide).
+  TORCH_ARG(bool, stochastic_rounding) = false;
+  /// Seed of stochastic rounding's counter-based hash (optimizer-wide).
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Clip the global 2-norm of the (unscaled) grads to this, fused into the
+  /// update (optimizer-wide; clip_grad_norm_'s formula). None: no clipping.
+  TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
+
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+class AdamW : public MixedPrecisionOptimizer {
+ public:
+  explicit AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                 AdamWOptions defaults = {});
+  explicit AdamW(std::vector<at::Tensor> params, AdamWOptions defaults = {});
+  const char* name() const override { return "AdamW"; }
+
+ protected:
+  bool uses_exp_avg(const torch::optim::OptimizerOptions&) const override { return true; }
+  bool uses_exp_avg_sq() const override { return true; }
+  void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) override;
+  void update_generic(detail::ParamWork& work, const at::Tensor& grad,
+                      const at::Tensor& skip) override;
+};
+
+}  // namespace optim
+}  // namespace ampx

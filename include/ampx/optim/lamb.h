@@ -1,0 +1,57 @@
+#pragma once
+
+// ampx::optim::LAMB (You et al. 2019, as Apex's FusedLAMB with adam_w_mode):
+// Adam moments with bias correction, update u = m_hat / (sqrt(v_hat) + eps)
+// + weight_decay * w, and a per-tensor trust ratio ||w|| / ||u|| (1 when
+// either norm is 0): w -= lr * ratio * u. Unlike Apex (which applies the
+// ratio only when weight_decay != 0 unless use_nvlamb), the ratio is always
+// applied, as in the paper. Two passes per tensor: moments + norms, then the
+// weight update. See optimizer.h for master weights.
+
+#include "ampx/optim/optimizer.h"
+
+#include <torch/arg.h>
+
+#include <tuple>
+
+namespace ampx {
+namespace optim {
+
+struct LAMBOptions : public torch::optim::OptimizerCloneableOptions<LAMBOptions> {
+  using betas_t = std::tuple<double, double>;
+  LAMBOptions(double lr = 1e-3);  // NOLINT: implicit, as LibTorch's options
+  /// Learning rate (>= 0).
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Moment decay rates, each in [0, 1).
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator (>= 0); Apex's default.
+  TORCH_ARG(double, eps) = 1e-6;
+  /// Weight decay inside the update (>= 0).
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  /// See AdamWOptions: optimizer-wide mixed-precision settings.
+  TORCH_ARG(bool, master_weights) = true;
+  TORCH_ARG(bool, stochastic_rounding) = false;
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
+
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+class LAMB : public MixedPrecisionOptimizer {
+ public:
+  explicit LAMB(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                LAMBOptions defaults = {});
+  explicit LAMB(std::vector<at::Tensor> params, LAMBOptions defaults = {});
+  const char* name() const override { return "LAMB"; }
+
+ protected:
+  bool uses_exp_avg(const torch::optim::OptimizerOptions&) const override { return true; }
+  bool uses_exp_avg_sq() const override { return true; }
+  void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) override;
+  void update_generic(detail::ParamWork& work, const at::Tensor& grad,
+                      const at::Tensor& skip) override;
+};
+
+}  // namespace optim
+}  // namespace ampx

@@ -1,0 +1,161 @@
+#pragma once
+
+// MixedPrecisionOptimizer: what ampx's optimizers (AdamW, SGD, LAMB) share.
+// FP32 master weights for low-precision params, FP32 states, one fused pass
+// per parameter, scaler-aware steps and position-keyed state files.
+//
+//   auto opt = ampx::optim::AdamW(model->parameters(), ampx::optim::AdamWOptions(3e-4));
+//   opt.capture_master_weights();   // while the params are still fp32 (initialize() does it)
+//   for (auto& p : model->parameters()) p.set_data(p.to(torch::kBFloat16));
+//   ... scaler.step(opt);            // grads unscaled and checked inside the step
+//
+// Params may be float32, bfloat16 or float16, their grads of the same dtype:
+//   fp32 param:           updated in place; states fp32.
+//   bf16/fp16 param:      fp32 master (captured or made from the param at its
+//                         first step) updated, then rounded to nearest even
+//                         into the param; states fp32.
+//   bf16 param, master_weights(false): updated in fp32 from the bf16 value and
+//                         written back rounded to nearest (updates below half
+//                         an ulp vanish) or, with stochastic_rounding(true),
+//                         rounded up with probability equal to the fraction of
+//                         the gap (unbiased), from a counter-based hash of
+//                         (seed, step, param position, element index).
+// State (masters, moments, step counts) is keyed by (group, index) position,
+// never by tensor identity, and save/load round-trips it bitwise.
+
+#include "ampx/grad_scaler.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ampx {
+namespace optim {
+
+/// Settings every ampx optimizer takes from the options it was constructed
+/// with (per-group copies of them are ignored).
+struct MixedPrecisionConfig {
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  c10::optional<double> max_grad_norm;
+};
+
+namespace detail {
+
+/// One parameter's optimizer state. Tensors are fp32 and contiguous, on the
+/// param's device; undefined when not used.
+struct ParamState {
+  at::Tensor master;      // fp32 master of a bf16/fp16 param
+  at::Tensor captured;    // fp32 snapshot from capture_master_weights(), until the first step
+  at::Tensor exp_avg;     // Adam/LAMB first moment; SGD momentum buffer
+  at::Tensor exp_avg_sq;  // Adam/LAMB second moment
+  int64_t step = 0;       // steps taken (host count; authoritative for CPU params)
+  at::Tensor step_t;      // float64 [] on the device (non-CPU params: no host sync)
+};
+
+/// One parameter that has a gradient in this step.
+struct ParamWork {
+  size_t group = 0;
+  size_t index = 0;
+  int64_t position = 0;  // index over all groups, in order (RNG key)
+  at::Tensor param;
+  at::Tensor grad;
+  ParamState* state = nullptr;
+};
+
+}  // namespace detail
+
+class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwareOptimizer {
+ public:
+  /// torch::optim interface: gradients taken as they are (unscaled), no skip.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  /// GradScaler's path: grads divided by `grad_scale` (if defined) inside the
+  /// update; nothing changes (params, masters, states, step counts) when
+  /// `found_inf` != 0. No host synchronisation for non-CPU params.
+  void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) override;
+
+  /// Snapshots an fp32 copy of every param that is float32 now. A param that
+  /// is bf16/fp16 at its first step then starts from this copy instead of
+  /// from its rounded value; one that is still fp32 drops it.
+  void capture_master_weights();
+
+  /// The fp32 master of `param` (an undefined tensor if it has none: fp32
+  /// params are their own master; low-precision ones get theirs at their
+  /// first step). Throws if `param` is not one of this optimizer's params.
+  at::Tensor master(const at::Tensor& param) const;
+  /// First moment (Adam/LAMB) or momentum buffer (SGD) of `param`, or undefined.
+  at::Tensor exp_avg(const at::Tensor& param) const;
+  /// Second moment (Adam/LAMB) of `param`, or undefined.
+  at::Tensor exp_avg_sq(const at::Tensor& param) const;
+  /// Steps `param` has taken.
+  int64_t step_count(const at::Tensor& param) const;
+
+  const MixedPrecisionConfig& config() const { return config_; }
+
+  /// Writes masters, moments, step counts, captured masters, per-group lr and
+  /// the seed under position keys ("group0.param3.exp_avg") with a version key.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads what save() wrote into an optimizer over params of the same
+  /// groups, counts and shapes. Checks everything first: on a mismatch it
+  /// throws naming it and changes nothing.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// "AdamW", "SGD", "LAMB".
+  virtual const char* name() const = 0;
+
+ protected:
+  MixedPrecisionOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                          std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+                          MixedPrecisionConfig config);
+
+  /// Whether this optimizer keeps exp_avg / exp_avg_sq for a param of `group`.
+  virtual bool uses_exp_avg(const torch::optim::OptimizerOptions& group) const = 0;
+  virtual bool uses_exp_avg_sq() const = 0;
+  /// Fused CPU update of dense CPU params (step counts already incremented).
+  /// Grads are multiplied by `grad_mul` (1/scale * clip coefficient) on the fly.
+  virtual void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) = 0;
+  /// ATen-op update for any device: `grad` is fp32, already multiplied;
+  /// state.step_t already counts this step; `skip` (bool [], on the param's
+  /// device) or undefined: where true every write must keep the old value.
+  virtual void update_generic(detail::ParamWork& work, const at::Tensor& grad,
+                              const at::Tensor& skip) = 0;
+
+  /// dst := skip ? dst : value (dst's dtype).
+  static void commit(at::Tensor& dst, const at::Tensor& value, const at::Tensor& skip);
+  /// Writes the new fp32 weight to the master (if any) and the param.
+  void write_weight(detail::ParamWork& work, const at::Tensor& new_weight,
+                    const at::Tensor& skip) const;
+  /// The fp32 weight this step reads (the master, the fp32 param, or a widened copy).
+  static at::Tensor weight_f32(const detail::ParamWork& work);
+
+ private:
+  void run_step(const at::Tensor& grad_scale, const at::Tensor& found_inf);
+  void sync_state_shape();
+  void prepare(detail::ParamWork& work) const;
+  const detail::ParamState* find_state(const at::Tensor& param) const;
+
+  MixedPrecisionConfig config_;
+  std::vector<std::vector<detail::ParamState>> states_;  // [group][index]
+};
+
+/// The tensors whose .grad() the next step reads, i.e. what to clip: the
+/// model's params themselves. ampx keeps no fp32 copy of the gradients (the
+/// fused kernels widen bf16/fp16 grads on the fly), so clipping these, e.g.
+/// with torch::nn::utils::clip_grad_norm_ after GradScaler::unscale_, clips
+/// exactly what the update consumes. For a norm computed in fp32 from the
+/// low-precision grads in the same pass, use the max_grad_norm option.
+std::vector<at::Tensor> master_params(const MixedPrecisionOptimizer& optimizer);
+
+/// The fp32 weights the optimizer updates, one per param in group order: the
+/// master of a low-precision param, the param itself when it is fp32 (or has
+/// no master yet / master_weights(false): then the param, in its dtype).
+std::vector<at::Tensor> master_weights(const MixedPrecisionOptimizer& optimizer);
+
+}  // namespace optim
+}  // namespace ampx

@@ -1,0 +1,55 @@
+#pragma once
+
+// ampx::optim::SGD: torch::optim::SGD's update (L2 weight decay added to the
+// gradient, momentum buffer started from the first gradient, dampening,
+// Nesterov) as one fused pass, with fp32 master weights. See optimizer.h.
+//
+//   ampx::optim::SGD opt(model->parameters(), ampx::optim::SGDOptions(0.1).momentum(0.9));
+
+#include "ampx/optim/optimizer.h"
+
+#include <torch/arg.h>
+
+namespace ampx {
+namespace optim {
+
+struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
+  SGDOptions(double lr);  // NOLINT: implicit, as torch::optim::SGDOptions
+  /// Learning rate (>= 0).
+  TORCH_ARG(double, lr);
+  /// Momentum factor (>= 0); 0 keeps no buffer.
+  TORCH_ARG(double, momentum) = 0;
+  /// Dampening of the momentum's gradient term.
+  TORCH_ARG(double, dampening) = 0;
+  /// L2 penalty added to the gradient (>= 0).
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Nesterov momentum (needs momentum > 0 and dampening 0).
+  TORCH_ARG(bool, nesterov) = false;
+  /// See AdamWOptions: optimizer-wide mixed-precision settings.
+  TORCH_ARG(bool, master_weights) = true;
+  TORCH_ARG(bool, stochastic_rounding) = false;
+  TORCH_ARG(uint64_t, seed) = 0;
+  TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
+
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+
+class SGD : public MixedPrecisionOptimizer {
+ public:
+  explicit SGD(std::vector<torch::optim::OptimizerParamGroup> param_groups, SGDOptions defaults);
+  explicit SGD(std::vector<at::Tensor> params, SGDOptions defaults);
+  const char* name() const override { return "SGD"; }
+  /// The momentum buffer of `param` (undefined before its first step or without momentum).
+  at::Tensor momentum_buffer(const at::Tensor& param) const { return exp_avg(param); }
+
+ protected:
+  bool uses_exp_avg(const torch::optim::OptimizerOptions& group) const override;
+  bool uses_exp_avg_sq() const override { return false; }
+  void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) override;
+  void update_generic(detail::ParamWork& work, const at::Tensor& grad,
+                      const at::Tensor& skip) override;
+};
+
+}  // namespace optim
+}  // namespace ampx

@@ -1,0 +1,107 @@
+#pragma once
+
+// Per-instruction-set fused optimizer kernels (ampx::optim). Each .cpp in
+// src/kernels/isa/ is compiled once per ISA with CPU_CAPABILITY set to
+// DEFAULT, AVX2 or AVX512 (see isa_kernels.h); this header declares the
+// optimizer span kernels in each of those namespaces.
+//
+// A span kernel updates elements [begin, end) of one parameter in a single
+// pass: it reads the gradient, the weight (fp32 master or the param itself)
+// and the fp32 states once, and writes each of them once.
+
+#include "ampx/detail/cpu_isa.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+
+/// One parameter's operands and its per-step scalars, all precomputed in
+/// double by the driver and rounded to float once.
+struct FusedParam {
+  void* param = nullptr;                // fp32, bf16 or fp16, dense, numel elements
+  float* master = nullptr;              // fp32 master or null (fp32 param / no masters)
+  const void* grad = nullptr;           // same dtype as param
+  float* exp_avg = nullptr;             // fp32 first moment / momentum buffer, or null
+  float* exp_avg_sq = nullptr;          // fp32 second moment, or null
+  c10::ScalarType dtype = c10::kFloat;  // param and grad dtype
+  bool stochastic_rounding = false;     // bf16 params without master only
+  uint64_t rng_key = 0;                 // hash of (seed, step, param index)
+
+  float grad_mul = 1.f;  // 1 / grad_scale * clip coefficient
+  float lr = 0.f;
+  float beta1 = 0.f, beta2 = 0.f, eps = 0.f;
+  float one_minus_beta1 = 1.f, one_minus_beta2 = 1.f;  // computed in double, as LibTorch
+  float weight_decay = 0.f;
+  float decay_factor = 1.f;  // AdamW: 1 - lr * weight_decay
+  float step_size = 0.f;     // AdamW: lr / bias_correction1; LAMB: lr * trust ratio
+  float bias_correction1 = 1.f;
+  float bias_correction2 = 1.f;                     // LAMB
+  float bias_correction2_sqrt = 1.f;                // AdamW
+  float momentum = 0.f, one_minus_dampening = 1.f;  // SGD
+  bool nesterov = false;
+  bool first_step = false;  // SGD: momentum buffer := d_p
+};
+
+#define AMPX_DECLARE_OPTIM_KERNELS(ns)                                                   \
+  namespace ns {                                                                         \
+  void adamw_span(const FusedParam& p, int64_t begin, int64_t end);                      \
+  void sgd_span(const FusedParam& p, int64_t begin, int64_t end);                        \
+  /* Updates exp_avg / exp_avg_sq; adds sum(w^2), sum(update^2) to sums[0], sums[1]. */  \
+  void lamb_moments_span(const FusedParam& p, int64_t begin, int64_t end, double* sums); \
+  /* w -= step_size * update, update recomputed from the new moments. */                 \
+  void lamb_apply_span(const FusedParam& p, int64_t begin, int64_t end);                 \
+  }
+AMPX_DECLARE_OPTIM_KERNELS(DEFAULT)
+AMPX_DECLARE_OPTIM_KERNELS(AVX2)
+AMPX_DECLARE_OPTIM_KERNELS(AVX512)
+#undef AMPX_DECLARE_OPTIM_KERNELS
+
+struct OptimKernels {
+  void (*adamw)(const FusedParam&, int64_t, int64_t);
+  void (*sgd)(const FusedParam&, int64_t, int64_t);
+  void (*lamb_moments)(const FusedParam&, int64_t, int64_t, double*);
+  void (*lamb_apply)(const FusedParam&, int64_t, int64_t);
+};
+
+inline OptimKernels optim_kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512:
+      return {&AVX512::adamw_span, &AVX512::sgd_span, &AVX512::lamb_moments_span,
+              &AVX512::lamb_apply_span};
+    case Isa::kAvx2:
+      return {&AVX2::adamw_span, &AVX2::sgd_span, &AVX2::lamb_moments_span, &AVX2::lamb_apply_span};
+    default:
+      return {&DEFAULT::adamw_span, &DEFAULT::sgd_span, &DEFAULT::lamb_moments_span,
+              &DEFAULT::lamb_apply_span};
+  }
+}
+
+/// Stochastic rounding's random bits: a counter-based hash (splitmix64's
+/// finalizer) of a per-(seed, step, param) key and the element index, so a
+/// rounding depends only on where and when it happens, never on threads or
+/// chunking, and a resumed run draws the same bits.
+inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+inline uint64_t sr_key(uint64_t seed, int64_t step, int64_t param_index) {
+  return mix64(mix64(seed ^ 0x5851f42d4c957f2dULL) +
+               static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL +
+               mix64(static_cast<uint64_t>(param_index) + 0x2545f4914f6cdd1dULL));
+}
+
+/// 16 random bits for element `index` under `key`.
+inline uint32_t sr_bits(uint64_t key, int64_t index) {
+  return static_cast<uint32_t>(mix64(key + static_cast<uint64_t>(index) * 0x9e3779b97f4a7c15ULL) >>
+                               48);
+}
+
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx

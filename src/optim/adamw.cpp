@@ -1,0 +1,83 @@
+#include "ampx/optim/adamw.h"
+
+#include "cpu_driver.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace ampx {
+namespace optim {
+namespace {
+
+MixedPrecisionConfig config_of(const AdamWOptions& o) {
+  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+}
+
+void check(const AdamWOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "ampx::optim::AdamW: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "ampx::optim::AdamW: eps must be >= 0, got ", o.eps());
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "ampx::optim::AdamW: betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "ampx::optim::AdamW: betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::AdamW: weight_decay must be >= 0, got ",
+              o.weight_decay());
+}
+
+}  // namespace
+
+AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
+
+AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamWOptions defaults)
+    : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<AdamWOptions>(defaults),
+                              config_of(defaults)) {
+  check(defaults);
+}
+
+AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions defaults)
+    : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+void AdamW::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
+  std::vector<detail::FusedParam> fused;
+  std::vector<int64_t> numels;
+  for (const auto& w : work) {
+    const auto& o = static_cast<const AdamWOptions&>(param_groups_[w.group].options());
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+    const auto step = static_cast<double>(w.state->step);
+    auto p = detail::fused_operands(w, config(), grad_mul);
+    // Scalars as LibTorch computes them (double), each rounded to float once.
+    p.beta1 = static_cast<float>(b1);
+    p.beta2 = static_cast<float>(b2);
+    p.one_minus_beta1 = static_cast<float>(1 - b1);
+    p.one_minus_beta2 = static_cast<float>(1 - b2);
+    p.eps = static_cast<float>(o.eps());
+    p.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
+    p.step_size = static_cast<float>(o.lr() / (1 - std::pow(b1, step)));
+    p.bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));
+    fused.push_back(p);
+    numels.push_back(w.param.numel());
+  }
+  const auto span = detail::optim_kernels().adamw;
+  detail::for_each_chunk(numels, detail::kChunkElems,
+                         [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
+}
+
+void AdamW::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {
+  const auto& o = static_cast<const AdamWOptions&>(param_groups_[w.group].options());
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  auto& st = *w.state;
+  const auto& step = st.step_t;  // float64 [], this step counted
+  const auto step_size = (o.lr() / (1 - at::pow(b1, step))).to(at::kFloat);
+  const auto bc2_sqrt = (1 - at::pow(b2, step)).sqrt().to(at::kFloat);
+  auto weight = weight_f32(w) * (1 - o.lr() * o.weight_decay());
+  const auto m = st.exp_avg * b1 + grad * (1 - b1);
+  const auto v = st.exp_avg_sq * b2 + grad * grad * (1 - b2);
+  weight = weight - step_size * m / (v.sqrt() / bc2_sqrt + o.eps());
+  commit(st.exp_avg, m, skip);
+  commit(st.exp_avg_sq, v, skip);
+  write_weight(w, weight, skip);
+}
+
+}  // namespace optim
+}  // namespace ampx

@@ -1,0 +1,106 @@
+#include "ampx/optim/lamb.h"
+
+#include "cpu_driver.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace ampx {
+namespace optim {
+namespace {
+
+MixedPrecisionConfig config_of(const LAMBOptions& o) {
+  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+}
+
+void check(const LAMBOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "ampx::optim::LAMB: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "ampx::optim::LAMB: eps must be >= 0, got ", o.eps());
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "ampx::optim::LAMB: betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "ampx::optim::LAMB: betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::LAMB: weight_decay must be >= 0, got ",
+              o.weight_decay());
+}
+
+}  // namespace
+
+LAMBOptions::LAMBOptions(double lr) : lr_(lr) {}
+
+LAMB::LAMB(std::vector<torch::optim::OptimizerParamGroup> param_groups, LAMBOptions defaults)
+    : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<LAMBOptions>(defaults),
+                              config_of(defaults)) {
+  check(defaults);
+}
+
+LAMB::LAMB(std::vector<at::Tensor> params, LAMBOptions defaults)
+    : LAMB({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+void LAMB::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
+  std::vector<detail::FusedParam> fused;
+  std::vector<int64_t> numels;
+  for (const auto& w : work) {
+    const auto& o = static_cast<const LAMBOptions&>(param_groups_[w.group].options());
+    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+    const auto step = static_cast<double>(w.state->step);
+    auto p = detail::fused_operands(w, config(), grad_mul);
+    p.beta1 = static_cast<float>(b1);
+    p.beta2 = static_cast<float>(b2);
+    p.one_minus_beta1 = static_cast<float>(1 - b1);
+    p.one_minus_beta2 = static_cast<float>(1 - b2);
+    p.eps = static_cast<float>(o.eps());
+    p.weight_decay = static_cast<float>(o.weight_decay());
+    p.bias_correction1 = static_cast<float>(1 - std::pow(b1, step));
+    p.bias_correction2 = static_cast<float>(1 - std::pow(b2, step));
+    fused.push_back(p);
+    numels.push_back(w.param.numel());
+  }
+  const auto& k = detail::optim_kernels();
+  // Pass 1: moments, and per-chunk sums of w^2 and u^2 (summed per tensor in
+  // chunk order afterwards, so the norms do not depend on the thread count).
+  const auto chunks = detail::make_chunks(numels, detail::kChunkElems);
+  std::vector<double> sums(2 * chunks.size(), 0.0);
+  detail::for_each_chunk(numels, detail::kChunkElems,
+                         [&](int64_t c, int64_t i, int64_t b, int64_t e) {
+                           k.lamb_moments(fused[i], b, e, &sums[2 * c]);
+                         });
+  std::vector<double> w_sq(fused.size(), 0.0), u_sq(fused.size(), 0.0);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    w_sq[chunks[c].param] += sums[2 * c];
+    u_sq[chunks[c].param] += sums[2 * c + 1];
+  }
+  for (size_t i = 0; i < fused.size(); ++i) {
+    const auto& o = static_cast<const LAMBOptions&>(param_groups_[work[i].group].options());
+    const double w_norm = std::sqrt(w_sq[i]), u_norm = std::sqrt(u_sq[i]);
+    const double ratio = (w_norm > 0 && u_norm > 0) ? w_norm / u_norm : 1.0;
+    fused[i].step_size = static_cast<float>(o.lr() * ratio);
+  }
+  // Pass 2: w -= lr * ratio * u, u recomputed from the new moments.
+  detail::for_each_chunk(
+      numels, detail::kChunkElems,
+      [&](int64_t, int64_t i, int64_t b, int64_t e) { k.lamb_apply(fused[i], b, e); });
+}
+
+void LAMB::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {
+  const auto& o = static_cast<const LAMBOptions&>(param_groups_[w.group].options());
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  auto& st = *w.state;
+  const auto bc1 = (1 - at::pow(b1, st.step_t)).to(at::kFloat);
+  const auto bc2 = (1 - at::pow(b2, st.step_t)).to(at::kFloat);
+  const auto weight = weight_f32(w);
+  const auto m = st.exp_avg * b1 + grad * (1 - b1);
+  const auto v = st.exp_avg_sq * b2 + grad * grad * (1 - b2);
+  const auto u = (m / bc1) / ((v / bc2).sqrt() + o.eps()) + weight * o.weight_decay();
+  const auto w_norm = weight.norm();
+  const auto u_norm = u.norm();
+  const auto ratio =
+      at::where(w_norm.gt(0).logical_and(u_norm.gt(0)), w_norm / u_norm, at::ones_like(w_norm));
+  commit(st.exp_avg, m, skip);
+  commit(st.exp_avg_sq, v, skip);
+  write_weight(w, weight - (o.lr() * ratio) * u, skip);
+}
+
+}  // namespace optim
+}  // namespace ampx

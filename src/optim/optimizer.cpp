@@ -1,0 +1,275 @@
+// MixedPrecisionOptimizer's step driver: gathers params with grads, decides
+// skip / unscale / clip once per step, sets up masters and states, then hands
+// dense CPU params to the fused kernels and everything else to ATen ops.
+
+#include "ampx/optim/optimizer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+
+namespace ampx {
+namespace optim {
+
+using detail::ParamState;
+using detail::ParamWork;
+
+MixedPrecisionOptimizer::MixedPrecisionOptimizer(
+    std::vector<torch::optim::OptimizerParamGroup> param_groups,
+    std::unique_ptr<torch::optim::OptimizerOptions> defaults, MixedPrecisionConfig config)
+    : torch::optim::Optimizer(std::move(param_groups), std::move(defaults)), config_(config) {
+  TORCH_CHECK(!(config.stochastic_rounding && config.master_weights),
+              "ampx::optim: stochastic_rounding(true) rounds bf16 params that have no fp32 "
+              "master; it needs master_weights(false)");
+  if (config.max_grad_norm) {
+    TORCH_CHECK(*config.max_grad_norm > 0.0, "ampx::optim: max_grad_norm must be > 0, got ",
+                *config.max_grad_norm);
+  }
+  sync_state_shape();
+}
+
+void MixedPrecisionOptimizer::sync_state_shape() {
+  states_.resize(param_groups_.size());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    states_[g].resize(param_groups_[g].params().size());
+  }
+}
+
+torch::Tensor MixedPrecisionOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  run_step(at::Tensor(), at::Tensor());
+  return loss;
+}
+
+void MixedPrecisionOptimizer::step_scaled(const at::Tensor& grad_scale,
+                                          const at::Tensor& found_inf) {
+  run_step(grad_scale, found_inf);
+}
+
+void MixedPrecisionOptimizer::capture_master_weights() {
+  c10::NoGradGuard no_grad;
+  sync_state_shape();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].scalar_type() == at::kFloat) {
+        states_[g][i].captured = params[i].detach().clone(at::MemoryFormat::Contiguous);
+      }
+    }
+  }
+}
+
+void MixedPrecisionOptimizer::prepare(ParamWork& w) const {
+  auto& st = *w.state;
+  const auto dtype = w.param.scalar_type();
+  if (dtype == at::kFloat) {
+    st.master = at::Tensor();  // its own master
+  } else if (config_.master_weights && !st.master.defined()) {
+    const bool use_captured = st.captured.defined() && st.captured.sizes() == w.param.sizes() &&
+                              st.captured.device() == w.param.device();
+    st.master = use_captured ? st.captured
+                             : w.param.detach().to(at::kFloat).clone(at::MemoryFormat::Contiguous);
+  }
+  st.captured = at::Tensor();
+  const auto state_opts = w.param.options().dtype(at::kFloat);
+  if (uses_exp_avg(param_groups_[w.group].options()) && !st.exp_avg.defined()) {
+    st.exp_avg = at::zeros(w.param.sizes(), state_opts);
+  }
+  if (uses_exp_avg_sq() && !st.exp_avg_sq.defined()) {
+    st.exp_avg_sq = at::zeros(w.param.sizes(), state_opts);
+  }
+}
+
+void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::Tensor& found_inf) {
+  c10::NoGradGuard no_grad;
+  sync_state_shape();
+
+  std::vector<ParamWork> work;
+  int64_t position = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i, ++position) {
+      const auto& p = params[i];
+      if (!p.grad().defined()) {
+        continue;
+      }
+      const auto dtype = p.scalar_type();
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                  "ampx::optim::", name(), ": param (group ", g, ", index ", i, ") has dtype ",
+                  dtype, "; supported: Float, BFloat16, Half");
+      TORCH_CHECK(!p.grad().is_sparse(), "ampx::optim::", name(),
+                  " does not support sparse gradients (param group ", g, ", index ", i, ")");
+      TORCH_CHECK(p.grad().scalar_type() == dtype, "ampx::optim::", name(), ": param (group ", g,
+                  ", index ", i, ") is ", dtype, " but its grad is ", p.grad().scalar_type());
+      TORCH_CHECK(!(config_.stochastic_rounding && dtype == at::kHalf), "ampx::optim::", name(),
+                  ": stochastic_rounding is for bfloat16 params; param (group ", g, ", index ", i,
+                  ") is Half");
+      work.push_back({g, i, position, p, p.grad(), &states_[g][i]});
+    }
+  }
+  if (work.empty()) {
+    return;
+  }
+
+  // Skip decision. A CPU flag is read (cheap); a device flag stays a device
+  // tensor unless CPU params need the answer on the host.
+  bool any_cpu = false;
+  for (const auto& w : work) any_cpu |= w.param.is_cpu();
+  at::Tensor skip;
+  if (found_inf.defined()) {
+    if (found_inf.is_cpu() || any_cpu) {
+      if (found_inf.item<float>() != 0.f) {
+        return;
+      }
+    } else {
+      skip = found_inf.ne(0);
+    }
+  }
+
+  // Gradient multiplier: 1/scale (rounded as GradScaler rounds it) times
+  // clip_grad_norm_'s coefficient max / (norm + 1e-6), at most 1.
+  at::Tensor grad_mul;
+  if (grad_scale.defined()) {
+    grad_mul = grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+  }
+  if (config_.max_grad_norm) {
+    std::vector<at::Tensor> norms;
+    const auto dev = grad_scale.defined() ? grad_scale.device() : work[0].grad.device();
+    for (const auto& w : work) {
+      norms.push_back(at::linalg_vector_norm(w.grad, 2, c10::nullopt, false, at::kFloat).to(dev));
+    }
+    auto total = at::stack(norms).norm();
+    if (grad_mul.defined()) {
+      total = total * grad_mul.to(dev);
+    }
+    auto coef = (*config_.max_grad_norm / (total + 1e-6)).clamp_max(1.0);
+    grad_mul = grad_mul.defined() ? grad_mul.to(dev) * coef : coef;
+  }
+  const float grad_mul_host = (any_cpu && grad_mul.defined()) ? grad_mul.item<float>() : 1.f;
+
+  std::vector<ParamWork> fused;
+  for (auto& w : work) {
+    prepare(w);
+    if (w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous()) {
+      w.state->step += 1;
+      w.state->step_t = at::Tensor();
+      fused.push_back(w);
+      continue;
+    }
+    auto& st = *w.state;
+    if (!st.step_t.defined()) {
+      st.step_t = at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
+    }
+    const auto dev_skip = skip.defined() ? skip.to(w.param.device(), true) : skip;
+    if (dev_skip.defined()) {
+      st.step_t.add_(dev_skip.logical_not().to(at::kDouble));
+    } else {
+      st.step_t.add_(1);
+    }
+    if (w.param.is_cpu()) {
+      st.step += 1;  // host count stays exact on the CPU
+    }
+    auto g32 = w.grad.to(at::kFloat);
+    if (grad_mul.defined()) {
+      g32 = g32 * grad_mul.to(w.param.device(), true);
+    }
+    update_generic(w, g32, dev_skip);
+    if (w.param.is_cpu()) {
+      st.step_t = at::Tensor();
+    }
+  }
+  if (!fused.empty()) {
+    update_cpu(fused, grad_mul_host);
+  }
+}
+
+void MixedPrecisionOptimizer::commit(at::Tensor& dst, const at::Tensor& value,
+                                     const at::Tensor& skip) {
+  if (skip.defined()) {
+    dst.copy_(at::where(skip, dst, value.to(dst.scalar_type())));
+  } else {
+    dst.copy_(value);
+  }
+}
+
+at::Tensor MixedPrecisionOptimizer::weight_f32(const ParamWork& w) {
+  if (w.state->master.defined()) {
+    return w.state->master;
+  }
+  return w.param.scalar_type() == at::kFloat ? w.param : w.param.to(at::kFloat);
+}
+
+void MixedPrecisionOptimizer::write_weight(ParamWork& w, const at::Tensor& new_weight,
+                                           const at::Tensor& skip) const {
+  auto& st = *w.state;
+  if (st.master.defined()) {
+    commit(st.master, new_weight, skip);
+    w.param.copy_(st.master);  // round to nearest even; param == round(master) always
+    return;
+  }
+  TORCH_CHECK(!(config_.stochastic_rounding && w.param.scalar_type() == at::kBFloat16),
+              "ampx::optim::", name(),
+              ": stochastic_rounding is implemented for dense CPU "
+              "params only (param on ",
+              w.param.device(), ")");
+  commit(w.param, new_weight, skip);
+}
+
+const ParamState* MixedPrecisionOptimizer::find_state(const at::Tensor& param) const {
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (params[i].is_same(param)) {
+        return (g < states_.size() && i < states_[g].size()) ? &states_[g][i] : nullptr;
+      }
+    }
+  }
+  TORCH_CHECK(false, "ampx::optim::", name(), ": the tensor is not one of this optimizer's params");
+}
+
+at::Tensor MixedPrecisionOptimizer::master(const at::Tensor& param) const {
+  const auto* st = find_state(param);
+  return st ? st->master : at::Tensor();
+}
+
+at::Tensor MixedPrecisionOptimizer::exp_avg(const at::Tensor& param) const {
+  const auto* st = find_state(param);
+  return st ? st->exp_avg : at::Tensor();
+}
+
+at::Tensor MixedPrecisionOptimizer::exp_avg_sq(const at::Tensor& param) const {
+  const auto* st = find_state(param);
+  return st ? st->exp_avg_sq : at::Tensor();
+}
+
+int64_t MixedPrecisionOptimizer::step_count(const at::Tensor& param) const {
+  const auto* st = find_state(param);
+  if (!st) return 0;
+  return st->step_t.defined() ? static_cast<int64_t>(st->step_t.item<double>()) : st->step;
+}
+
+std::vector<at::Tensor> master_params(const MixedPrecisionOptimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) out.push_back(p);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> master_weights(const MixedPrecisionOptimizer& optimizer) {
+  std::vector<at::Tensor> out;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto m = optimizer.master(p);
+      out.push_back(m.defined() ? m : p);
+    }
+  }
+  return out;
+}
+
+}  // namespace optim
+}  // namespace ampx

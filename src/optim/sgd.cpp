@@ -1,0 +1,84 @@
+#include "ampx/optim/sgd.h"
+
+#include "cpu_driver.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace ampx {
+namespace optim {
+namespace {
+
+MixedPrecisionConfig config_of(const SGDOptions& o) {
+  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+}
+
+void check(const SGDOptions& o) {
+  TORCH_CHECK(o.lr() >= 0, "ampx::optim::SGD: lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.momentum() >= 0, "ampx::optim::SGD: momentum must be >= 0, got ", o.momentum());
+  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::SGD: weight_decay must be >= 0, got ",
+              o.weight_decay());
+  TORCH_CHECK(!o.nesterov() || (o.momentum() > 0 && o.dampening() == 0),
+              "ampx::optim::SGD: nesterov needs momentum > 0 and dampening 0, got momentum ",
+              o.momentum(), ", dampening ", o.dampening());
+}
+
+}  // namespace
+
+SGDOptions::SGDOptions(double lr) : lr_(lr) {}
+
+SGD::SGD(std::vector<torch::optim::OptimizerParamGroup> param_groups, SGDOptions defaults)
+    : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<SGDOptions>(defaults),
+                              config_of(defaults)) {
+  check(defaults);
+}
+
+SGD::SGD(std::vector<at::Tensor> params, SGDOptions defaults)
+    : SGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+bool SGD::uses_exp_avg(const torch::optim::OptimizerOptions& group) const {
+  return static_cast<const SGDOptions&>(group).momentum() != 0;
+}
+
+void SGD::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
+  std::vector<detail::FusedParam> fused;
+  std::vector<int64_t> numels;
+  for (const auto& w : work) {
+    const auto& o = static_cast<const SGDOptions&>(param_groups_[w.group].options());
+    auto p = detail::fused_operands(w, config(), grad_mul);
+    if (o.momentum() == 0) {
+      p.exp_avg = nullptr;  // a buffer left from a group that had momentum is not used
+    }
+    p.lr = static_cast<float>(o.lr());
+    p.weight_decay = static_cast<float>(o.weight_decay());
+    p.momentum = static_cast<float>(o.momentum());
+    p.one_minus_dampening = static_cast<float>(1 - o.dampening());
+    p.nesterov = o.nesterov();
+    p.first_step = w.state->step == 1;  // LibTorch: buffer := d_p on first use
+    fused.push_back(p);
+    numels.push_back(w.param.numel());
+  }
+  const auto span = detail::optim_kernels().sgd;
+  detail::for_each_chunk(numels, detail::kChunkElems,
+                         [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
+}
+
+void SGD::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {
+  const auto& o = static_cast<const SGDOptions&>(param_groups_[w.group].options());
+  auto& st = *w.state;
+  auto weight = weight_f32(w);
+  auto d = grad;
+  if (o.weight_decay() != 0) {
+    d = d + weight * o.weight_decay();
+  }
+  if (o.momentum() != 0) {
+    const auto first = st.step_t.eq(1);
+    const auto buf = at::where(first, d, st.exp_avg * o.momentum() + d * (1 - o.dampening()));
+    commit(st.exp_avg, buf, skip);
+    d = o.nesterov() ? d + buf * o.momentum() : buf;
+  }
+  write_weight(w, weight + d * (-o.lr()), skip);
+}
+
+}  // namespace optim
+}  // namespace ampx
