@@ -1,0 +1,169 @@
+// The boxed kernel ampx registers on an op's Autocast key: cast the inputs on
+// the stack per policy, then call the op again with the device's Autocast key
+// excluded, as PyTorch's own autocast kernels do, so that the op and every op
+// it calls run below autocast.
+
+#include "registry.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <string>
+
+namespace ampx {
+namespace detail {
+namespace {
+
+// PyTorch's is_eligible: a defined floating tensor on the device, not float64.
+bool eligible(const at::Tensor& t, c10::DeviceType device_type) {
+  return t.defined() && t.is_floating_point() && t.device().type() == device_type &&
+         t.scalar_type() != at::kDouble;
+}
+
+// Whether the kernel may replace argument `arg` by a cast copy: not if the op
+// writes it (out=, in-place), nor batch norm's running statistics, which the
+// op updates in place although their schema type is plain `Tensor?`.
+bool castable(const c10::Argument& arg) {
+  if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) return false;
+  return arg.name() != "running_mean" && arg.name() != "running_var";
+}
+
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) f(t);
+  } else if (v.isList()) {  // Tensor?[] (index, index_put)
+    for (const c10::IValue& e : v.toListRef()) {
+      if (e.isTensor()) f(e.toTensor());
+    }
+  }
+}
+
+// A copy of `v` with every tensor mapped by `f`; lists are copied, never
+// changed in place (the caller may hold them).
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) return f(v.toTensor());
+  if (v.isTensorList()) {
+    auto list = v.toTensorList().copy();
+    for (size_t i = 0; i < list.size(); ++i) list.set(i, f(list.get(i)));
+    return list;
+  }
+  if (v.isList()) {
+    auto list = v.toList().copy();
+    for (size_t i = 0; i < list.size(); ++i) {
+      c10::IValue e = list.get(i);
+      if (e.isTensor()) list.set(i, f(e.toTensor()));
+    }
+    return list;
+  }
+  return v;
+}
+
+bool has_tensor(const c10::IValue& v) {
+  return v.isTensor() || v.isTensorList() || v.isList();
+}
+
+void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::OperatorHandle& op,
+                torch::jit::Stack* stack) {
+  // PyTorch's autocast kernels exclude the key for the op and everything it
+  // calls; so do we (casts included: a cast must not meet our own kernel).
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
+  if (policy == CastPolicy::kPassthrough) {
+    op.callBoxed(stack);
+    return;
+  }
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  const size_t first_arg = stack->size() - args.size();
+
+  // Input dtypes: the first floating one (kFp32OutputsAsInput) and the
+  // widest (kPromote).
+  c10::optional<at::ScalarType> first, widest;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!castable(args[i])) continue;
+    for_each_tensor((*stack)[first_arg + i], [&](const at::Tensor& t) {
+      if (!eligible(t, device_type)) return;
+      if (!first) first = t.scalar_type();
+      widest = widest ? at::promote_types(*widest, t.scalar_type()) : t.scalar_type();
+    });
+  }
+  if (!first) {  // nothing to cast
+    op.callBoxed(stack);
+    return;
+  }
+  at::ScalarType to = at::kFloat;
+  switch (policy) {
+    case CastPolicy::kLowerPrecision:
+      to = at::autocast::get_lower_precision_fp_from_device_type(device_type);
+      break;
+    case CastPolicy::kPromote:
+      to = *widest;
+      break;
+    default:
+      break;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto& v = (*stack)[first_arg + i];
+    if (!castable(args[i]) || !has_tensor(v)) continue;
+    // cached_cast: PyTorch's cast, weight-cast cache included (it caches
+    // lower-precision casts of fp32 leaves that require grad).
+    v = map_tensors(
+        v, [&](const at::Tensor& t) { return at::autocast::cached_cast(to, t, device_type); });
+  }
+  op.callBoxed(stack);
+
+  if (policy == CastPolicy::kFp32OutputsAsInput && *first != at::kFloat) {
+    const size_t returns = schema.returns().size();
+    for (size_t i = stack->size() - returns; i < stack->size(); ++i) {
+      auto& v = (*stack)[i];
+      if (!has_tensor(v)) continue;
+      v = map_tensors(
+          v, [&](const at::Tensor& t) { return eligible(t, device_type) ? t.to(*first) : t; });
+    }
+  }
+}
+
+template <CastPolicy P, c10::DeviceType D>
+void policy_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  run_policy(P, D, op, stack);
+}
+
+template <c10::DeviceType D>
+c10::KernelFunction kernel_for(CastPolicy policy) {
+  switch (policy) {
+    case CastPolicy::kLowerPrecision:
+      return c10::KernelFunction::makeFromBoxedFunction<
+          &policy_kernel<CastPolicy::kLowerPrecision, D>>();
+    case CastPolicy::kFp32:
+      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kFp32, D>>();
+    case CastPolicy::kPromote:
+      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kPromote, D>>();
+    case CastPolicy::kPassthrough:
+      return c10::KernelFunction::makeFromBoxedFunction<
+          &policy_kernel<CastPolicy::kPassthrough, D>>();
+    case CastPolicy::kFp32OutputsAsInput:
+      return c10::KernelFunction::makeFromBoxedFunction<
+          &policy_kernel<CastPolicy::kFp32OutputsAsInput, D>>();
+  }
+  TORCH_CHECK(false, "ampx: unknown CastPolicy ", static_cast<int>(policy));
+}
+
+}  // namespace
+
+c10::KernelFunction make_policy_kernel(PolicyEntry entry, c10::DeviceType device_type) {
+  if (entry.fallthrough) return c10::KernelFunction::makeFallthrough();
+  // Stateless kernels, one per (policy, device): nothing to keep alive while
+  // another thread drops the registration.
+  return device_type == c10::DeviceType::CUDA ? kernel_for<c10::DeviceType::CUDA>(entry.policy)
+                                              : kernel_for<c10::DeviceType::CPU>(entry.policy);
+}
+
+}  // namespace detail
+}  // namespace ampx

@@ -1,0 +1,78 @@
+#pragma once
+
+// ampx's cast-policy registry, shared by src/policy/*.cpp: one dispatcher
+// registration per (device, operator overload) that has an ampx policy.
+
+#include "ampx/policy.h"
+
+#include <ATen/core/operator_name.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/DispatchKey.h>
+#include <c10/util/Optional.h>
+
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace ampx {
+namespace detail {
+
+/// A policy as the registry stores it: a public CastPolicy, or a fallthrough
+/// (the guards' "autocast off" for ops PyTorch has autocast kernels for; no
+/// boxing cost, nested ops still meet the Autocast key).
+struct PolicyEntry {
+  CastPolicy policy = CastPolicy::kPassthrough;
+  bool fallthrough = false;
+  bool operator==(const PolicyEntry& o) const {
+    return policy == o.policy && fallthrough == o.fallthrough;
+  }
+};
+
+/// The Autocast dispatch key of a device (kCPU, kCUDA); errors for others.
+c10::DispatchKey autocast_key(c10::DeviceType device_type, const char* who);
+
+/// "ns::name" or "ns::name.overload" → the overloads it covers (see
+/// set_cast_policy). Errors when none is registered.
+std::vector<c10::OperatorName> resolve_op(const std::string& op, const char* who);
+
+/// "ns::name.overload" ("ns::name" for the default overload).
+std::string op_string(const c10::OperatorName& name);
+
+/// Every registered operator overload with a kernel for `key` (PyTorch's,
+/// ampx's or a user's).
+std::vector<c10::OperatorName> ops_with_kernel_for(c10::DispatchKey key);
+
+/// Saved per-overload state, restored in reverse order.
+class PolicySnapshot {
+ public:
+  using Item = std::tuple<c10::DeviceType, c10::OperatorName, c10::optional<PolicyEntry>>;
+  std::vector<Item> items;
+};
+
+/// Sets (entry) or drops (nullopt) ampx's policy for each overload on a
+/// device; returns the previous state for restore_policies.
+std::unique_ptr<PolicySnapshot> set_policies(
+    c10::DeviceType device_type,
+    const std::vector<std::pair<c10::OperatorName, c10::optional<PolicyEntry>>>& changes);
+
+/// Restores a snapshot (no-throw: errors are reported as warnings).
+void restore_policies(PolicySnapshot& snapshot) noexcept;
+
+c10::optional<PolicyEntry> get_policy(c10::DeviceType device_type, const c10::OperatorName& op);
+
+/// Every overload with an ampx policy on `device_type`.
+std::vector<c10::OperatorName> ops_with_policy(c10::DeviceType device_type);
+
+}  // namespace detail
+}  // namespace ampx
+
+namespace c10 {
+class KernelFunction;
+}
+namespace ampx {
+namespace detail {
+/// The Autocast-key kernel that applies `entry` on `device_type` (kernel.cpp).
+c10::KernelFunction make_policy_kernel(PolicyEntry entry, c10::DeviceType device_type);
+}  // namespace detail
+}  // namespace ampx
