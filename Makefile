@@ -5,7 +5,7 @@
 #   make test       build and run every test on both LibTorch legs
 #   make test-host  LibTorch 1.13 (Debian 12, this machine) only
 #   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
-#   make bench      the micro-benchmarks (host leg)
+#   make bench      the benchmarks (host leg): unscale, fused AdamW, O2 memory
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 HOST_BUILD := build/host
@@ -41,6 +41,8 @@ test: test-host test-2x
 
 bench: build
 	$(HOST_BUILD)/bench/ampx_bench
+	$(HOST_BUILD)/bench/ampx_optim_bench
+	$(HOST_BUILD)/bench/ampx_o2_memory
 
 clean:
 	rm -rf build

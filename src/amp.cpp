@@ -3,6 +3,8 @@
 #include "ampx/amp.h"
 
 #include "ampx/autocast.h"
+#include "ampx/optim/optimizer.h"
+#include "ampx/policy.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn.h>
@@ -169,6 +171,8 @@ void cast_model(torch::nn::Module& model, const AmpProperties& props) {
 
 // Optimizers that already hold per-parameter state (they have stepped) keep
 // it in the old dtype: casting under them would silently mix precisions.
+// Master weights live in ampx::optim optimizers, which must agree with the
+// level about keeping them.
 void check_optimizers(const AmpProperties& props,
                       const std::vector<torch::optim::Optimizer*>& optimizers) {
   for (size_t i = 0; i < optimizers.size(); ++i) {
@@ -178,6 +182,36 @@ void check_optimizers(const AmpProperties& props,
                 " parameters (it has stepped); call initialize() before training so that "
                 "its state is created for the ",
                 ampx::to_string(props.opt_level), " parameter dtypes");
+    const auto* mixed = dynamic_cast<const optim::MixedPrecisionOptimizer*>(optimizers[i]);
+    if (props.master_weights) {
+      TORCH_CHECK_VALUE(mixed != nullptr, "ampx::initialize: ", ampx::to_string(props.opt_level),
+                        " keeps fp32 master weights, which live in an ampx::optim optimizer "
+                        "(AdamW, SGD, LAMB), but optimizers[",
+                        i,
+                        "] is another torch::optim::Optimizer; use an ampx::optim one, or "
+                        "AmpOptions::master_weights(false) to step the low-precision "
+                        "parameters directly");
+      TORCH_CHECK_VALUE(mixed->config().master_weights,
+                        "ampx::initialize: ", ampx::to_string(props.opt_level),
+                        " keeps master weights but optimizers[", i, "] (", mixed->name(),
+                        ") was built with master_weights(false)");
+    } else if (props.cast_model_type && mixed != nullptr && mixed->config().master_weights) {
+      TORCH_CHECK_VALUE(false, "ampx::initialize: ", ampx::to_string(props.opt_level),
+                        " has no master weights but optimizers[", i, "] (", mixed->name(),
+                        ") keeps them (master_weights(true), its default); build it with "
+                        "master_weights(false) (and stochastic_rounding(true) for bfloat16), "
+                        "or use O2");
+    }
+  }
+}
+
+// Before the cast: masters are snapshots of the fp32 values, not of their
+// low-precision roundings.
+void capture_master_weights(const AmpProperties& props,
+                            const std::vector<torch::optim::Optimizer*>& optimizers) {
+  if (!props.master_weights) return;
+  for (auto* opt : optimizers) {
+    dynamic_cast<optim::MixedPrecisionOptimizer&>(*opt).capture_master_weights();
   }
 }
 
@@ -185,11 +219,17 @@ void check_optimizers(const AmpProperties& props,
 
 struct ForwardGuard::Impl {
   std::unique_ptr<AutocastGuard> autocast;
+  std::unique_ptr<KeepNormsFp32Guard> norms;
 };
 
 ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl>()) {
   if (p.patch_torch_functions) {
     impl_->autocast = std::make_unique<AutocastGuard>(p.device.type(), p.dtype);
+  }
+  if (p.cast_model_type && p.keep_batchnorm_fp32) {
+    // LibTorch modules have no forward hooks: norm layers get their
+    // low-precision inputs in fp32 through the dispatcher (ampx/policy.h).
+    impl_->norms = std::make_unique<KeepNormsFp32Guard>(p.device.type());
   }
 }
 
@@ -257,6 +297,7 @@ Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
   }
 
   mark_initialized(model);
+  capture_master_weights(props, optimizers);
   cast_model(*model, props);
 
   Amp amp(props);

@@ -3,6 +3,7 @@
 #include "ampx/amp.h"
 
 #include "ampx/autocast.h"
+#include "ampx/optim.h"
 #include "test_util.h"
 
 #include <torch/torch.h>
@@ -203,6 +204,107 @@ TEST(AmpTest, OneScalerPerLossAndStateDictKeys) {
   state["loss_scaler0"].erase("growth_factor");
   EXPECT_NE(error_text([&] { amp.load_state_dict(state); }), "");
   EXPECT_EQ(amp.scaler(1).get_scale(), 8.0);
+}
+
+// ---- O2/O3 end to end: master weights in ampx::optim, norms fed in fp32
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data regression_data() {
+  auto g = at::detail::createCPUGenerator(42);
+  auto x = at::randn({256, 8}, g);
+  auto y = (x.slice(1, 0, 4).sum(1, true) - x.slice(1, 4, 8).pow(2).mean(1, true)).tanh();
+  return {x, y};
+}
+
+// The loss of predicting 0 (the data's scale), for "it learned" checks.
+double regression_loss_at_start() {
+  const auto data = regression_data();
+  return data.y.pow(2).mean().item<double>();
+}
+
+double train(Net& net, torch::optim::Optimizer& opt, ampx::Amp* amp, int steps) {
+  const auto data = regression_data();
+  double loss_value = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto x = data.x.slice(0, (step % 4) * 64, (step % 4 + 1) * 64);
+    const auto y = data.y.slice(0, (step % 4) * 64, (step % 4 + 1) * 64);
+    opt.zero_grad();
+    torch::Tensor loss;
+    if (amp) {
+      auto forward = amp->forward_guard();
+      loss = torch::mse_loss(amp->cast_output(net->forward(amp->cast_input(x))), y);
+      amp->scaler().scale(loss).backward();
+      amp->scaler().step(opt);
+      amp->scaler().update();
+    } else {
+      loss = torch::mse_loss(net->forward(x), y);
+      loss.backward();
+      opt.step();
+    }
+    loss_value = loss.item<double>();
+  }
+  return loss_value;
+}
+
+TEST(AmpTest, O2TrainsWithFp32MastersAndFp32NormsLikeFp32) {
+  torch::manual_seed(0);
+  Net ref, net;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < ref->parameters().size(); ++i)
+      net->parameters()[i].copy_(ref->parameters()[i]);
+  }
+  const auto fc1_fp32 = net->fc1->weight.detach().clone();
+  ampx::optim::AdamW ref_opt(ref->parameters(), ampx::optim::AdamWOptions(3e-3));
+  ampx::optim::AdamW opt(net->parameters(), ampx::optim::AdamWOptions(3e-3));
+  auto amp = ampx::initialize(net.ptr(), {&opt},
+                              AmpOptions(OptLevel::O2).cast_model_outputs(torch::kFloat));
+  EXPECT_TRUE(amp.properties().master_weights);
+  EXPECT_EQ(net->fc1->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(net->ln->weight.scalar_type(), torch::kFloat);
+  const double ref_loss = train(ref, ref_opt, nullptr, 150);
+  const double loss = train(net, opt, &amp, 150);
+  // The master started from the fp32 value, not its bf16 rounding.
+  EXPECT_EQ(net->fc1->weight.scalar_type(), torch::kBFloat16);
+  const auto master = opt.master(net->fc1->weight);
+  ASSERT_TRUE(master.defined());
+  EXPECT_EQ(master.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(master.to(torch::kBFloat16), net->fc1->weight.detach()));
+  EXPECT_FALSE(torch::equal(master, fc1_fp32)) << "the masters must have trained";
+  EXPECT_LT(loss, 0.5 * regression_loss_at_start()) << "O2 must learn";
+  EXPECT_NEAR(loss, ref_loss, 0.1 * ref_loss + 2e-3) << "O2 within 10% of fp32";
+}
+
+TEST(AmpTest, O2RefusesTorchOptimizersAndO3RefusesMasterKeepingOnes) {
+  Net a, b;
+  torch::optim::Adam adam(a->parameters(), 0.01);
+  auto text = error_text([&] { ampx::initialize(a.ptr(), adam, OptLevel::O2); });
+  EXPECT_NE(text.find("O2 keeps fp32 master weights, which live in an ampx::optim optimizer"),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(a->fc1->weight.scalar_type(), torch::kFloat);
+  ampx::optim::AdamW with_masters(b->parameters(), ampx::optim::AdamWOptions(0.01));
+  text = error_text([&] { ampx::initialize(b.ptr(), with_masters, OptLevel::O3); });
+  EXPECT_NE(text.find("O3 has no master weights but optimizers[0] (AdamW) keeps them"),
+            std::string::npos)
+      << text;
+}
+
+TEST(AmpTest, O3TrainsPureBf16WithStochasticRounding) {
+  torch::manual_seed(0);
+  Net net;
+  ampx::optim::AdamW opt(
+      net->parameters(),
+      ampx::optim::AdamWOptions(3e-3).master_weights(false).stochastic_rounding(true));
+  auto amp = ampx::initialize(net.ptr(), {&opt},
+                              AmpOptions(OptLevel::O3).cast_model_outputs(torch::kFloat));
+  for (const auto& p : net->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  const double loss = train(net, opt, &amp, 150);
+  EXPECT_FALSE(opt.master(net->fc1->weight).defined());
+  EXPECT_LT(loss, 0.5 * regression_loss_at_start());
 }
 
 }  // namespace
