@@ -1,6 +1,7 @@
 #include "ampx/optim/adamw.h"
 
 #include "cpu_driver.h"
+#include "options_checks.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,30 +10,12 @@
 
 namespace ampx {
 namespace optim {
-namespace {
-
-MixedPrecisionConfig config_of(const AdamWOptions& o) {
-  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
-}
-
-void check(const AdamWOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "ampx::optim::AdamW: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "ampx::optim::AdamW: eps must be >= 0, got ", o.eps());
-  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-  TORCH_CHECK(b1 >= 0 && b1 < 1, "ampx::optim::AdamW: betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, "ampx::optim::AdamW: betas[1] must be in [0, 1), got ", b2);
-  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::AdamW: weight_decay must be >= 0, got ",
-              o.weight_decay());
-}
-
-}  // namespace
-
 AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
 
 AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamWOptions defaults)
     : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<AdamWOptions>(defaults),
-                              config_of(defaults)) {
-  check(defaults);
+                              detail::config_of(defaults)) {
+  detail::check_adam_family(defaults, "AdamW");
 }
 
 AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions defaults)

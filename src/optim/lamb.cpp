@@ -1,6 +1,7 @@
 #include "ampx/optim/lamb.h"
 
 #include "cpu_driver.h"
+#include "options_checks.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,30 +10,12 @@
 
 namespace ampx {
 namespace optim {
-namespace {
-
-MixedPrecisionConfig config_of(const LAMBOptions& o) {
-  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
-}
-
-void check(const LAMBOptions& o) {
-  TORCH_CHECK(o.lr() >= 0, "ampx::optim::LAMB: lr must be >= 0, got ", o.lr());
-  TORCH_CHECK(o.eps() >= 0, "ampx::optim::LAMB: eps must be >= 0, got ", o.eps());
-  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-  TORCH_CHECK(b1 >= 0 && b1 < 1, "ampx::optim::LAMB: betas[0] must be in [0, 1), got ", b1);
-  TORCH_CHECK(b2 >= 0 && b2 < 1, "ampx::optim::LAMB: betas[1] must be in [0, 1), got ", b2);
-  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::LAMB: weight_decay must be >= 0, got ",
-              o.weight_decay());
-}
-
-}  // namespace
-
 LAMBOptions::LAMBOptions(double lr) : lr_(lr) {}
 
 LAMB::LAMB(std::vector<torch::optim::OptimizerParamGroup> param_groups, LAMBOptions defaults)
     : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<LAMBOptions>(defaults),
-                              config_of(defaults)) {
-  check(defaults);
+                              detail::config_of(defaults)) {
+  detail::check_adam_family(defaults, "LAMB");
 }
 
 LAMB::LAMB(std::vector<at::Tensor> params, LAMBOptions defaults)

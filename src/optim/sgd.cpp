@@ -1,6 +1,7 @@
 #include "ampx/optim/sgd.h"
 
 #include "cpu_driver.h"
+#include "options_checks.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -8,10 +9,6 @@
 namespace ampx {
 namespace optim {
 namespace {
-
-MixedPrecisionConfig config_of(const SGDOptions& o) {
-  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
-}
 
 void check(const SGDOptions& o) {
   TORCH_CHECK(o.lr() >= 0, "ampx::optim::SGD: lr must be >= 0, got ", o.lr());
@@ -29,7 +26,7 @@ SGDOptions::SGDOptions(double lr) : lr_(lr) {}
 
 SGD::SGD(std::vector<torch::optim::OptimizerParamGroup> param_groups, SGDOptions defaults)
     : MixedPrecisionOptimizer(std::move(param_groups), std::make_unique<SGDOptions>(defaults),
-                              config_of(defaults)) {
+                              detail::config_of(defaults)) {
   check(defaults);
 }
 

@@ -1,0 +1,35 @@
+#pragma once
+
+// What the optimizers' constructors share: the mixed-precision switches every
+// options struct carries, and the checks of Adam-family hyper-parameters.
+
+#include "ampx/optim/optimizer.h"
+
+#include <c10/util/Exception.h>
+
+#include <tuple>
+
+namespace ampx {
+namespace optim {
+namespace detail {
+
+template <class Options>
+MixedPrecisionConfig config_of(const Options& o) {
+  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+}
+
+/// lr, eps, betas and weight_decay of AdamW and LAMB; `who` names the optimizer.
+template <class Options>
+void check_adam_family(const Options& o, const char* who) {
+  TORCH_CHECK(o.lr() >= 0, "ampx::optim::", who, ": lr must be >= 0, got ", o.lr());
+  TORCH_CHECK(o.eps() >= 0, "ampx::optim::", who, ": eps must be >= 0, got ", o.eps());
+  const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
+  TORCH_CHECK(b1 >= 0 && b1 < 1, "ampx::optim::", who, ": betas[0] must be in [0, 1), got ", b1);
+  TORCH_CHECK(b2 >= 0 && b2 < 1, "ampx::optim::", who, ": betas[1] must be in [0, 1), got ", b2);
+  TORCH_CHECK(o.weight_decay() >= 0, "ampx::optim::", who, ": weight_decay must be >= 0, got ",
+              o.weight_decay());
+}
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace ampx
