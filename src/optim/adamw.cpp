@@ -10,6 +10,7 @@
 
 namespace ampx {
 namespace optim {
+
 AdamWOptions::AdamWOptions(double lr) : lr_(lr) {}
 
 AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamWOptions defaults)
@@ -30,11 +31,7 @@ void AdamW::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
     const auto step = static_cast<double>(w.state->step);
     auto p = detail::fused_operands(w, config(), grad_mul);
     // Scalars as LibTorch computes them (double), each rounded to float once.
-    p.beta1 = static_cast<float>(b1);
-    p.beta2 = static_cast<float>(b2);
-    p.one_minus_beta1 = static_cast<float>(1 - b1);
-    p.one_minus_beta2 = static_cast<float>(1 - b2);
-    p.eps = static_cast<float>(o.eps());
+    detail::set_adam_moments(p, b1, b2, o.eps());
     p.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
     p.step_size = static_cast<float>(o.lr() / (1 - std::pow(b1, step)));
     p.bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));

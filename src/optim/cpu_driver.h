@@ -23,6 +23,16 @@ using cpu::FusedParam;
 FusedParam fused_operands(const ParamWork& work, const MixedPrecisionConfig& config,
                           float grad_mul);
 
+/// Adam's moment operands (betas, 1 - betas, eps), computed in double as
+/// LibTorch does and rounded to float once; AdamW and LAMB share them.
+inline void set_adam_moments(FusedParam& p, double beta1, double beta2, double eps) {
+  p.beta1 = static_cast<float>(beta1);
+  p.beta2 = static_cast<float>(beta2);
+  p.one_minus_beta1 = static_cast<float>(1 - beta1);
+  p.one_minus_beta2 = static_cast<float>(1 - beta2);
+  p.eps = static_cast<float>(eps);
+}
+
 /// The span kernels of the best instruction set this CPU runs.
 const cpu::OptimKernels& optim_kernels();
 

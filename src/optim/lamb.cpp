@@ -10,6 +10,7 @@
 
 namespace ampx {
 namespace optim {
+
 LAMBOptions::LAMBOptions(double lr) : lr_(lr) {}
 
 LAMB::LAMB(std::vector<torch::optim::OptimizerParamGroup> param_groups, LAMBOptions defaults)
@@ -29,11 +30,7 @@ void LAMB::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const auto step = static_cast<double>(w.state->step);
     auto p = detail::fused_operands(w, config(), grad_mul);
-    p.beta1 = static_cast<float>(b1);
-    p.beta2 = static_cast<float>(b2);
-    p.one_minus_beta1 = static_cast<float>(1 - b1);
-    p.one_minus_beta2 = static_cast<float>(1 - b2);
-    p.eps = static_cast<float>(o.eps());
+    detail::set_adam_moments(p, b1, b2, o.eps());
     p.weight_decay = static_cast<float>(o.weight_decay());
     p.bias_correction1 = static_cast<float>(1 - std::pow(b1, step));
     p.bias_correction2 = static_cast<float>(1 - std::pow(b2, step));
