@@ -1,7 +1,10 @@
 # ampx front end. Everything installs what it needs (Debian packages; the
 # LibTorch 2.6 leg also a cached Debian 13 chroot), then builds and runs.
 #
-#   make run        build against the host's LibTorch and run the main job
+#   make run        build against the host's LibTorch, install the datasets and run
+#                   the main job: ampx-train comparing fp32, O1 and O2 on the gpt
+#                   workload (about 5 minutes on 2 cores); RUN_ARGS adds flags
+#   make data       install the datasets only (scripts/install-data.sh)
 #   make test       build and run every test on both LibTorch legs
 #   make test-host  LibTorch 1.13 (Debian 12, this machine) only
 #   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
@@ -12,7 +15,7 @@ HOST_BUILD := build/host
 TRIXIE_BUILD := build/trixie
 CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps build run test test-host test-2x bench clean
+.PHONY: all deps data build run test test-host test-2x bench clean
 
 all: build
 
@@ -24,8 +27,12 @@ build: deps
 	  || { cat $(HOST_BUILD).configure.log; exit 1; }
 	@cmake --build $(HOST_BUILD) -j$(JOBS)
 
-run: build
-	$(HOST_BUILD)/examples/autocast_scaler_example
+data: deps
+	@scripts/install-data.sh
+
+MAIN_JOB := --workload gpt --compare fp32,O1,O2
+run: build data
+	$(HOST_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)
 
 test-host: build
 	@echo "== ampx tests, LibTorch 1.13 (Debian 12 host) =="

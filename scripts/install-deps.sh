@@ -10,7 +10,8 @@ PACKAGES=(
   libtorch-dev python3-torch python3-numpy
   libopenblas0-pthread libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev
+  libcli11-dev nlohmann-json3-dev zlib1g-dev
+  gnuplot-nox dataset-fashion-mnist curl ca-certificates
   debootstrap
 )
 

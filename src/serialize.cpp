@@ -73,14 +73,15 @@ std::vector<char> to_torch_save_bytes(const StateDict& dict) {
 
 }  // namespace
 
-void save_state_dict(const StateDict& dict, const std::string& path) {
-  const std::vector<char> bytes = to_torch_save_bytes(dict);
+void write_file_atomically(const std::string& path, const void* data, size_t size,
+                           const char* caller) {
+  const auto* bytes = static_cast<const char*>(data);
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "save_state_dict: cannot create '", tmp, "': ", errno_text());
+  TORCH_CHECK(fd >= 0, caller, ": cannot create '", tmp, "': ", errno_text());
   size_t written = 0;
-  while (written < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + written, bytes.size() - written);
+  while (written < size) {
+    const ssize_t n = ::write(fd, bytes + written, size - written);
     if (n < 0 && errno == EINTR) {
       continue;
     }
@@ -88,19 +89,19 @@ void save_state_dict(const StateDict& dict, const std::string& path) {
       const std::string why = errno_text();
       ::close(fd);
       ::unlink(tmp.c_str());
-      TORCH_CHECK(false, "save_state_dict: writing '", tmp, "' failed: ", why);
+      TORCH_CHECK(false, caller, ": writing '", tmp, "' failed: ", why);
     }
     written += static_cast<size_t>(n);
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     const std::string why = errno_text();
     ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "save_state_dict: flushing '", tmp, "' failed: ", why);
+    TORCH_CHECK(false, caller, ": flushing '", tmp, "' failed: ", why);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string why = errno_text();
     ::unlink(tmp.c_str());
-    TORCH_CHECK(false, "save_state_dict: renaming '", tmp, "' to '", path, "' failed: ", why);
+    TORCH_CHECK(false, caller, ": renaming '", tmp, "' to '", path, "' failed: ", why);
   }
   // Make the rename itself durable.
   const int dir = ::open(dir_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -108,6 +109,11 @@ void save_state_dict(const StateDict& dict, const std::string& path) {
     ::fsync(dir);
     ::close(dir);
   }
+}
+
+void save_state_dict(const StateDict& dict, const std::string& path) {
+  const std::vector<char> bytes = to_torch_save_bytes(dict);
+  write_file_atomically(path, bytes.data(), bytes.size(), "save_state_dict");
 }
 
 StateDict load_state_dict(const std::string& path) {

@@ -1,28 +1,34 @@
 #pragma once
 
-// A character-level GPT (pre-norm transformer, causal self-attention) written
-// with LibTorch's C++ modules: the model the memory benchmark trains, and the
-// shape of ampx-train's `gpt` workload.
+// The networks ampx-train trains, written with LibTorch's C++ modules:
 //
-//   GPT gpt(GPTConfig{/*vocab=*/96, /*block=*/128, /*layers=*/4, /*heads=*/8, /*d=*/256});
-//   auto logits = gpt->forward(tokens);            // tokens: int64 [B, T]
+//   GPT gpt(GPTConfig{/*vocab=*/96, /*block=*/128, /*layers=*/4, /*heads=*/4, /*d=*/256});
+//   auto logits = gpt->forward(tokens);     // tokens: int64 [B, T] -> fp [B, T, vocab]
+//   MnistCNN cnn;  cnn->forward(images);    // fp [B, 1, 28, 28] -> fp [B, 10]
+//   FashionMLP mlp; mlp->forward(images);   // fp [B, 784] -> fp [B, 10]
+//
+// The memory benchmark (bench/o2_memory.cpp) trains the same GPT.
 
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdint>
 
-namespace ampx_bench {
+namespace ampx::train {
 
+/// A character-level GPT: pre-norm transformer blocks, causal self-attention.
 struct GPTConfig {
   int64_t vocab = 96;
-  int64_t block = 128;
+  int64_t block = 128;  // context length T
   int64_t layers = 4;
-  int64_t heads = 8;
+  int64_t heads = 4;
   int64_t d = 256;
 };
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads), d(c.d) {
+    TORCH_CHECK(c.heads > 0 && c.d % c.heads == 0, "GPT: d (", c.d,
+                ") must be a multiple of heads (", c.heads, ")");
     qkv = register_module("qkv", torch::nn::Linear(c.d, 3 * c.d));
     proj = register_module("proj", torch::nn::Linear(c.d, c.d));
     mask =
@@ -84,4 +90,41 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-}  // namespace ampx_bench
+/// Two conv + batch-norm stages and a two-layer classifier (about 420k
+/// parameters); batch norm makes O2's fp32-norm rule matter.
+struct MnistCNNImpl : torch::nn::Module {
+  MnistCNNImpl() {
+    using namespace torch::nn;
+    conv1 = register_module("conv1", Conv2d(Conv2dOptions(1, 32, 3).padding(1)));
+    bn1 = register_module("bn1", BatchNorm2d(32));
+    conv2 = register_module("conv2", Conv2d(Conv2dOptions(32, 64, 3).padding(1)));
+    bn2 = register_module("bn2", BatchNorm2d(64));
+    fc1 = register_module("fc1", Linear(64 * 7 * 7, 128));
+    fc2 = register_module("fc2", Linear(128, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& images) {               // [B, 1, 28, 28] -> [B, 10]
+    auto x = torch::max_pool2d(torch::relu(bn1(conv1(images))), 2);  // [B, 32, 14, 14]
+    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);            // [B, 64, 7, 7]
+    return fc2(torch::relu(fc1(x.flatten(1))));
+  }
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(MnistCNN);
+
+/// 784-512-256-10 with ReLU (about 535k parameters).
+struct FashionMLPImpl : torch::nn::Module {
+  FashionMLPImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(784, 512));
+    fc2 = register_module("fc2", torch::nn::Linear(512, 256));
+    fc3 = register_module("fc3", torch::nn::Linear(256, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& images) {  // [B, 784] -> [B, 10]
+    return fc3(torch::relu(fc2(torch::relu(fc1(images)))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+};
+TORCH_MODULE(FashionMLP);
+
+}  // namespace ampx::train

@@ -1,0 +1,126 @@
+#include "checkpoint.h"
+
+#include <ampx/serialize.h>
+
+#include <c10/util/Exception.h>
+#include <zlib.h>
+
+#include <array>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+namespace ampx::train {
+namespace {
+
+constexpr char kMagic[8] = {'A', 'M', 'P', 'X', 'C', 'K', 'P', 'T'};
+constexpr size_t kHeaderBytes = 8 + 4 + 8 + 8 + 4;
+
+template <typename T>
+void put_le(std::string& out, T value) {
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    out.push_back(static_cast<char>((static_cast<uint64_t>(value) >> (8 * i)) & 0xff));
+  }
+}
+
+template <typename T>
+T get_le(const std::string& in, size_t offset) {
+  uint64_t value = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) {
+    value |= static_cast<uint64_t>(static_cast<unsigned char>(in[offset + i])) << (8 * i);
+  }
+  return static_cast<T>(value);
+}
+
+uint32_t crc32_of(const std::string& a, const std::string& b) {
+  uLong crc = ::crc32(0L, Z_NULL, 0);
+  // zlib takes uInt lengths: feed in pieces so files past 4 GiB work too.
+  for (const std::string* s : {&a, &b}) {
+    const auto* p = reinterpret_cast<const Bytef*>(s->data());
+    size_t left = s->size();
+    while (left > 0) {
+      const uInt n = static_cast<uInt>(std::min<size_t>(left, 1u << 30));
+      crc = ::crc32(crc, p, n);
+      p += n;
+      left -= n;
+    }
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+std::string hex32(uint32_t v) {
+  std::ostringstream s;
+  s << "0x" << std::hex << v;
+  return s.str();
+}
+
+}  // namespace
+
+void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& meta,
+                      const std::string& payload) {
+  const std::string meta_text = meta.dump();
+  std::string bytes(kMagic, sizeof(kMagic));
+  bytes.reserve(kHeaderBytes + meta_text.size() + payload.size());
+  put_le<uint32_t>(bytes, kCheckpointVersion);
+  put_le<uint64_t>(bytes, meta_text.size());
+  put_le<uint64_t>(bytes, payload.size());
+  put_le<uint32_t>(bytes, crc32_of(meta_text, payload));
+  bytes += meta_text;
+  bytes += payload;
+  ampx::write_file_atomically(path.string(), bytes.data(), bytes.size(), "ampx-train: checkpoint");
+}
+
+Checkpoint read_checkpoint(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path.string(), "'");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
+  TORCH_CHECK(
+      bytes.size() >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,
+      where, " is not an ampx-train checkpoint (no AMPXCKPT header; ", bytes.size(), " bytes)");
+  TORCH_CHECK(bytes.size() >= kHeaderBytes, where, " is truncated: ", bytes.size(),
+              " bytes, shorter than its ", kHeaderBytes, "-byte header");
+  const auto version = get_le<uint32_t>(bytes, 8);
+  TORCH_CHECK(version == kCheckpointVersion, where, " has format version ", version,
+              "; this ampx-train reads version ", kCheckpointVersion);
+  const auto meta_bytes = get_le<uint64_t>(bytes, 12);
+  const auto payload_bytes = get_le<uint64_t>(bytes, 20);
+  const auto stored_crc = get_le<uint32_t>(bytes, 28);
+  const uint64_t body = bytes.size() - kHeaderBytes;
+  // Compare without adding the two lengths: a damaged header must not overflow.
+  TORCH_CHECK(meta_bytes <= body && payload_bytes <= body - meta_bytes, where,
+              " is truncated: its header promises ", meta_bytes, " + ", payload_bytes,
+              " bytes of content, the file holds ", body);
+  TORCH_CHECK(meta_bytes + payload_bytes == body, where,
+              " is corrupted: ", body - meta_bytes - payload_bytes,
+              " bytes past the end its header gives");
+  Checkpoint c;
+  const std::string meta_text = bytes.substr(kHeaderBytes, meta_bytes);
+  c.payload = bytes.substr(kHeaderBytes + meta_bytes);
+  const uint32_t crc = crc32_of(meta_text, c.payload);
+  TORCH_CHECK(crc == stored_crc, where, " is corrupted: CRC-32 of its content is ", hex32(crc),
+              ", the header says ", hex32(stored_crc));
+  try {
+    c.meta = nlohmann::json::parse(meta_text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, where, " has an unreadable description: ", e.what());
+  }
+  TORCH_CHECK(c.meta.is_object() && c.meta.contains("run") && c.meta.contains("step"), where,
+              " has no run description or step");
+  return c;
+}
+
+void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,
+                      const nlohmann::json& expected) {
+  for (const auto& [key, value] : expected.items()) {
+    const auto it = saved.find(key);
+    const std::string have = it == saved.end() ? std::string("(none)") : it->dump();
+    TORCH_CHECK(it != saved.end() && *it == value, "ampx-train: checkpoint '", path.string(),
+                "' was written by a run with ", key, "=", have, ", this run has ", key, "=",
+                value.dump(),
+                "; resume it with the same settings, or pass another --checkpoint-dir");
+  }
+}
+
+}  // namespace ampx::train

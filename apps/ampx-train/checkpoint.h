@@ -1,0 +1,44 @@
+#pragma once
+
+// ampx-train's checkpoint files: a JSON description of the run and a LibTorch
+// archive (model, optimizer with masters and states, loss scalers, RNG, data
+// position), framed so that damage is detected before anything is restored.
+//
+//   write_checkpoint(dir / "checkpoint.ampx", meta, archive_bytes);  // atomic
+//   Checkpoint c = read_checkpoint(dir / "checkpoint.ampx");         // checked
+//   check_compatible(path, c.meta["run"], this_run);                 // same run?
+//
+// Layout, little-endian:
+//   "AMPXCKPT" | u32 version | u64 meta bytes | u64 payload bytes |
+//   u32 CRC-32 (zlib) of meta + payload | meta (JSON text) | payload
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <string>
+
+namespace ampx::train {
+
+inline constexpr uint32_t kCheckpointVersion = 1;
+
+struct Checkpoint {
+  nlohmann::json meta;
+  std::string payload;
+};
+
+/// Writes through ampx::write_file_atomically: a crash mid-write leaves the
+/// previous checkpoint at `path` intact.
+void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& meta,
+                      const std::string& payload);
+
+/// Reads and verifies a checkpoint. Errors name the path and say what is
+/// wrong: missing, not a checkpoint, newer version, truncated, corrupted.
+Checkpoint read_checkpoint(const std::filesystem::path& path);
+
+/// Errors unless every key of `expected` has the same value in `saved` (the
+/// `run` object of a checkpoint's meta); the message names the key and both
+/// values, e.g. "was written by a run with precision=O2, this run has O1".
+void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,
+                      const nlohmann::json& expected);
+
+}  // namespace ampx::train

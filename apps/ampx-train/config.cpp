@@ -1,0 +1,219 @@
+#include "config.h"
+
+#include "data.h"
+
+#include <ampx/version.h>
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+#include <thread>
+
+namespace ampx::train {
+namespace {
+
+const std::vector<std::string> kWorkloads = {"gpt", "mnist-cnn", "fashion-mlp"};
+const std::vector<std::string> kModes = {"fp32", "O1", "O2", "O3"};
+
+struct WorkloadDefaults {
+  int64_t batch_size;
+  int64_t steps;  // 0: use epochs
+  double epochs;
+  double lr;
+};
+
+WorkloadDefaults defaults_of(const std::string& workload) {
+  if (workload == "gpt") return {32, 150, 0, 1e-3};
+  if (workload == "mnist-cnn") return {128, 0, 1, 1e-3};
+  return {256, 0, 3, 1e-3};  // fashion-mlp
+}
+
+}  // namespace
+
+std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
+  CLI::App app{
+      "ampx-train: trains a reference workload on real data in one or more precision modes\n"
+      "and shows what each buys (speed, memory, accuracy). Example:\n"
+      "  ampx-train --workload gpt --compare fp32,O1,O2",
+      "ampx-train"};
+  app.option_defaults()->always_capture_default();
+  app.get_formatter()->column_width(34);
+
+  app.add_option("--workload", c.workload,
+                 "what to train: gpt (char transformer on Moby Dick), "
+                 "mnist-cnn (MNIST), fashion-mlp (Fashion-MNIST)")
+      ->check(CLI::IsMember(kWorkloads));
+  auto* precision = app.add_option("--precision", c.precision,
+                                   "precision mode of a single run: fp32, O1 (autocast), O2 (low-"
+                                   "precision weights, fp32 masters and norms), O3 (pure low "
+                                   "precision, stochastic rounding)")
+                        ->check(CLI::IsMember(kModes));
+  app.add_option("--compare", c.compare,
+                 "train once per listed mode from the same seed and compare, e.g. fp32,O1,O2")
+      ->delimiter(',')
+      ->check(CLI::IsMember(kModes))
+      ->excludes(precision);
+  app.add_option("--dtype", c.dtype,
+                 "16-bit type of the mixed modes: bf16 or fp16 "
+                 "[default: bf16 on cpu, fp16 on cuda]")
+      ->check(CLI::IsMember({"bf16", "fp16"}))
+      ->default_str("auto");
+  app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--threads", c.threads, "intra-op CPU threads [default: all cores]")
+      ->check(CLI::PositiveNumber)
+      ->default_str("auto");
+  app.add_option("--batch-size", c.batch_size,
+                 "samples (gpt: sequences) per step [default: gpt 32, mnist-cnn 128, "
+                 "fashion-mlp 256]")
+      ->check(CLI::PositiveNumber)
+      ->default_str("auto");
+  auto* steps = app.add_option("--steps", c.steps,
+                               "optimizer steps [default: gpt 150; image workloads use --epochs]")
+                    ->check(CLI::PositiveNumber)
+                    ->default_str("auto");
+  app.add_option("--epochs", c.epochs,
+                 "passes over the training split [default: mnist-cnn 1, fashion-mlp 3]")
+      ->check(CLI::PositiveNumber)
+      ->excludes(steps)
+      ->default_str("auto");
+  app.add_option("--lr", c.lr, "AdamW learning rate [default: 1e-3]")
+      ->check(CLI::PositiveNumber)
+      ->default_str("auto");
+  app.add_option("--weight-decay", c.weight_decay, "AdamW decoupled weight decay")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", c.seed, "seed of the weights, the data order and stochastic rounding");
+  app.add_option("--block-size", c.block_size, "gpt: context length in characters")
+      ->check(CLI::Range(int64_t{2}, int64_t{4096}));
+  app.add_option("--layers", c.layers, "gpt: transformer blocks")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  app.add_option("--d-model", c.d_model, "gpt: width")
+      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  app.add_option("--heads", c.heads, "gpt: attention heads (must divide --d-model)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--data-dir", c.data_dir,
+                 "datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]; "
+                 "filled by scripts/install-data.sh");
+  app.add_option("--out-dir", c.out_dir,
+                 "metrics, comparison table and plot [default: runs/<workload>]");
+  app.add_option("--checkpoint-dir", c.checkpoint_dir,
+                 "checkpoints [default: <out-dir>/checkpoints]");
+  app.add_option("--save-every", c.save_every, "write a checkpoint every N steps (0: never)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint-dir");
+  app.add_option("--eval-every", c.eval_every,
+                 "evaluate on the held-out split every N steps (0: at the end only)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--eval-batches", c.eval_batches,
+                 "gpt: held-out batches per evaluation [default: 32]")
+      ->check(CLI::NonNegativeNumber)
+      ->default_str("auto");
+  app.add_option("--log-every", c.log_every,
+                 "steps between progress lines when not on a terminal [default: ~20 per run]")
+      ->check(CLI::NonNegativeNumber)
+      ->default_str("auto");
+  app.add_option("--metrics-format", c.metrics_format, "per-step metrics file: jsonl or csv")
+      ->check(CLI::IsMember({"jsonl", "csv"}));
+  app.add_option("--progress", c.progress,
+                 "auto (a live line on a terminal, plain lines otherwise), bar, lines, none")
+      ->check(CLI::IsMember({"auto", "bar", "lines", "none"}));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  return std::nullopt;
+}
+
+void resolve_defaults(TrainConfig& c) {
+  const auto d = defaults_of(c.workload);
+  if (c.batch_size == 0) c.batch_size = d.batch_size;
+  if (c.steps == 0 && c.epochs == 0) {
+    c.steps = d.steps;
+    c.epochs = d.steps == 0 ? d.epochs : 0;
+  }
+  if (c.lr == 0) c.lr = d.lr;
+  if (c.eval_batches == 0) c.eval_batches = 32;
+  if (c.dtype.empty()) c.dtype = c.device == "cuda" ? "fp16" : "bf16";
+  if (c.threads == 0)
+    c.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (c.out_dir.empty()) c.out_dir = "runs/" + c.workload;
+  if (c.checkpoint_dir.empty()) c.checkpoint_dir = c.out_dir + "/checkpoints";
+  c.data_dir = resolve_data_dir(c.data_dir).string();
+  TORCH_CHECK(c.workload != "gpt" || c.d_model % c.heads == 0, "ampx-train: --d-model ", c.d_model,
+              " is not a multiple of --heads ", c.heads);
+  TORCH_CHECK(c.device != "cuda" || torch::cuda::is_available(),
+              "ampx-train: --device cuda, but this LibTorch (", ampx::torch_version(),
+              ") sees no CUDA device");
+  const auto modes = modes_of(c);
+  const bool mixed = std::any_of(modes.begin(), modes.end(), [](auto& m) { return m != "fp32"; });
+  const bool torch_1x = ampx::torch_version()[0] == '1' && ampx::torch_version()[1] == '.';
+  TORCH_CHECK(!(mixed && c.dtype == "fp16" && c.device == "cpu" && torch_1x),
+              "ampx-train: --dtype fp16 on --device cpu needs LibTorch 2.x; this is ",
+              ampx::torch_version(),
+              ", which has no fp16 CPU autocast or fp16 CPU matrix "
+              "products. Use --dtype bf16.");
+}
+
+std::vector<std::string> modes_of(const TrainConfig& c) {
+  if (c.compare.empty()) return {c.precision};
+  std::vector<std::string> modes;
+  for (const auto& m : c.compare) {  // keep the user's order, drop repeats
+    if (std::find(modes.begin(), modes.end(), m) == modes.end()) modes.push_back(m);
+  }
+  return modes;
+}
+
+std::string settings_table(const TrainConfig& c) {
+  std::vector<std::pair<std::string, std::string>> rows;
+  auto add = [&](const std::string& k, const auto& v) {
+    std::ostringstream s;
+    s << v;
+    rows.emplace_back(k, s.str());
+  };
+  std::string modes;
+  for (const auto& m : modes_of(c)) modes += (modes.empty() ? "" : ",") + m;
+  add("workload", c.workload);
+  add(c.compare.empty() ? "precision" : "compare", modes);
+  add("dtype", c.dtype);
+  add("device", c.device);
+  add("threads", c.threads);
+  add("batch size", c.batch_size);
+  if (c.steps > 0) {
+    add("steps", c.steps);
+  } else {
+    add("epochs", c.epochs);
+  }
+  add("lr (AdamW)", c.lr);
+  add("weight decay", c.weight_decay);
+  add("seed", c.seed);
+  if (c.workload == "gpt") {
+    std::ostringstream shape;
+    shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
+          << c.block_size;
+    add("model", shape.str());
+  }
+  add("data", c.data_dir);
+  add("output", c.out_dir);
+  if (c.save_every > 0 || c.resume) {
+    add("checkpoints",
+        c.checkpoint_dir +
+            (c.save_every > 0 ? " (every " + std::to_string(c.save_every) + ")" : std::string()));
+  }
+  if (c.resume) add("resume", "yes");
+  add("LibTorch", ampx::torch_version());
+  size_t width = 0;
+  for (const auto& r : rows) width = std::max(width, r.first.size());
+  std::ostringstream out;
+  for (const auto& r : rows) {
+    out << "  " << std::left << std::setw(static_cast<int>(width)) << r.first << "  " << r.second
+        << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace ampx::train

@@ -1,0 +1,69 @@
+#pragma once
+
+// ampx-train's settings: parsed from the command line (CLI11), completed
+// with per-workload defaults, and printed as a table when a run starts.
+//
+//   TrainConfig config;
+//   if (auto code = parse_command_line(argc, argv, config)) return *code;  // --help, bad flags
+//   resolve_defaults(config);
+//   std::cout << settings_table(config);
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ampx::train {
+
+/// Every flag of ampx-train. Zero / empty means "the workload's default",
+/// filled in by resolve_defaults().
+struct TrainConfig {
+  std::string workload = "gpt";      // gpt | mnist-cnn | fashion-mlp
+  std::string precision = "O2";      // fp32 | O1 | O2 | O3 (one run)
+  std::vector<std::string> compare;  // modes to train one after another
+  std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
+  std::string device = "cpu";        // cpu | cuda
+  int threads = 0;                   // intra-op threads; 0: all cores
+  int64_t batch_size = 0;            // per step
+  int64_t steps = 0;                 // optimizer steps (or --epochs)
+  double epochs = 0;                 // passes over the training split
+  double lr = 0;                     // AdamW learning rate
+  double weight_decay = 0.01;
+  uint64_t seed = 1337;
+  // gpt model shape
+  int64_t block_size = 128;
+  int64_t layers = 4;
+  int64_t d_model = 256;
+  int64_t heads = 4;
+  // files
+  std::string data_dir;        // --data-dir, $AMPX_DATA_DIR, ~/.cache/ampx/data
+  std::string out_dir;         // metrics, tables, plot; default runs/<workload>
+  std::string checkpoint_dir;  // default <out-dir>/checkpoints
+  int64_t save_every = 0;      // steps between checkpoints; 0: none
+  bool resume = false;
+  // reporting
+  int64_t eval_every = 0;                // steps between held-out evaluations; 0: at the end only
+  int64_t eval_batches = 0;              // gpt: held-out batches per evaluation
+  int64_t log_every = 0;                 // plain progress lines; 0: about 20 per run
+  std::string metrics_format = "jsonl";  // jsonl | csv
+  std::string progress = "auto";         // auto | bar | lines | none
+};
+
+/// Parses argv into `config`. Returns an exit code when the program should
+/// stop (0 after --help, CLI11's code after a usage error, printed to
+/// stderr), nullopt when it should run.
+std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& config);
+
+/// Fills in workload defaults (batch size, steps, lr), the dtype for the
+/// device, the thread count, the folders; checks combinations that CLI11
+/// cannot (fp16 on a 1.13 CPU, CUDA without a device, ...). Throws
+/// c10::Error naming the flag and value.
+void resolve_defaults(TrainConfig& config);
+
+/// The precision modes this run trains: --compare's list, or --precision.
+std::vector<std::string> modes_of(const TrainConfig& config);
+
+/// Two columns, one setting a line, for the start of a run.
+std::string settings_table(const TrainConfig& config);
+
+}  // namespace ampx::train

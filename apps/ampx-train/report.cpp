@@ -1,0 +1,205 @@
+#include "report.h"
+
+#include <ampx/version.h>
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace ampx::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), f, v);
+  return buf;
+}
+
+/// The fp32 run if there is one, else the first: what ratios are against.
+const RunResult& baseline_of(const std::vector<RunResult>& results) {
+  for (const auto& r : results) {
+    if (r.mode == "fp32") return r;
+  }
+  return results.front();
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown CPU";
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+bool gnuplot_installed() {
+  return std::system("command -v gnuplot >/dev/null 2>&1") == 0;
+}
+
+}  // namespace
+
+std::string comparison_table(const Workload& workload, const std::vector<RunResult>& results) {
+  TORCH_CHECK(!results.empty(), "comparison_table: no results");
+  const auto& base = baseline_of(results);
+  const bool text = workload.name() == "gpt";
+  std::ostringstream t;
+  t << "| mode | dtype | " << workload.unit() << "/s | speed-up | step ms | peak MiB | memory | "
+    << "train loss | test loss | " << (text ? "test bpc" : "test accuracy") << " | skipped | "
+    << "loss scale |\n";
+  t << "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+  for (const auto& r : results) {
+    const double mem = base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes - 1 : 0;
+    t << "| " << r.mode << " | " << r.dtype << " | " << fmt("%.0f", r.items_per_s) << " | "
+      << fmt("%.2fx", r.items_per_s / base.items_per_s) << " | " << fmt("%.1f", r.median_step_ms)
+      << " | " << fmt("%.1f", r.peak_bytes / 1048576.0) << " | "
+      << (&r == &base ? std::string("-") : fmt("%+.1f%%", 100 * mem)) << " | "
+      << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
+      << (text ? fmt("%.3f", r.eval.metric) : fmt("%.2f%%", r.eval.metric)) << " | " << r.skipped
+      << " | " << fmt("%g", r.final_scale) << " |\n";
+  }
+  return t.str();
+}
+
+nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
+                               const std::vector<RunResult>& results) {
+  const auto& base = baseline_of(results);
+  nlohmann::json modes = nlohmann::json::array();
+  for (const auto& r : results) {
+    modes.push_back({
+        {"mode", r.mode},
+        {"dtype", r.dtype},
+        {"steps", r.steps},
+        {"timed_steps", r.timed_steps},
+        {workload.unit() + "_per_s", r.items_per_s},
+        {"speedup", r.items_per_s / base.items_per_s},
+        {"median_step_ms", r.median_step_ms},
+        {"peak_allocated_bytes", r.peak_bytes},
+        {"peak_vs_baseline", base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes : 0.0},
+        {"train_loss", r.train_loss},
+        {"test_loss", r.eval.loss},
+        {workload.name() == "gpt" ? "test_bpc" : "test_accuracy", r.eval.metric},
+        {"skipped_steps", r.skipped},
+        {"final_loss_scale", r.final_scale},
+        {"metrics", r.metrics_path},
+    });
+  }
+  return {
+      {"workload", workload.name()},
+      {"baseline", base.mode},
+      {"settings",
+       {{"batch_size", c.batch_size},
+        {"steps", results.front().steps},
+        {"lr", c.lr},
+        {"seed", c.seed},
+        {"threads", c.threads},
+        {"device", c.device},
+        {"dtype", c.dtype}}},
+      {"machine", {{"cpu", cpu_model()}, {"libtorch", ampx::torch_version()}}},
+      {"modes", modes},
+  };
+}
+
+Report write_report(const TrainConfig& c, const Workload& workload,
+                    const std::vector<RunResult>& results) {
+  const fs::path out = c.out_dir;
+  fs::create_directories(out);
+  Report report;
+  const auto& base = baseline_of(results);
+  std::ostringstream table;
+  table << comparison_table(workload, results);
+  // Accuracy kept: each mode's held-out result next to the baseline's.
+  std::ostringstream parity;
+  for (const auto& r : results) {
+    if (&r == &base) continue;
+    parity << (parity.tellp() > 0 ? ", " : "") << r.mode << " "
+           << fmt("%+.2f%%", 100 * (r.eval.loss / base.eval.loss - 1));
+    if (workload.name() != "gpt")
+      parity << fmt(" (%+.2f points)", r.eval.metric - base.eval.metric);
+  }
+  if (parity.tellp() > 0) {
+    table << "\ntest loss vs " << base.mode << ": " << parity.str() << "\n";
+  }
+  report.table = table.str();
+
+  std::ostringstream md;
+  md << "# ampx-train: " << workload.name() << "\n\n"
+     << results.size() << " modes, " << results.front().steps << " steps each, batch "
+     << c.batch_size << ", seed " << c.seed << ", " << c.threads << " threads on " << c.device
+     << " (" << cpu_model() << "), LibTorch " << ampx::torch_version() << ".\n\n"
+     << report.table;
+  report.markdown_path = (out / "compare.md").string();
+  std::ofstream(report.markdown_path) << md.str();
+  report.json_path = (out / "compare.json").string();
+  std::ofstream(report.json_path) << comparison_json(c, workload, results).dump(2) << "\n";
+
+  // gnuplot input: one smoothed loss curve per mode, one throughput bar each.
+  std::ostringstream curves, bars;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const auto& r = results[i];
+    const auto dat = out / ("loss-" + r.mode + ".dat");
+    std::ofstream f(dat);
+    f << "# step loss ema(0.95, bias-corrected)\n";
+    double ema = 0, weight = 0;
+    for (size_t s = 0; s < r.losses.size(); ++s) {
+      ema = 0.95 * ema + 0.05 * r.losses[s];
+      weight = 0.95 * weight + 0.05;
+      f << s + 1 << " " << r.losses[s] << " " << ema / weight << "\n";
+    }
+    curves << (i ? ", \\\n     " : "") << shell_quote(dat.filename().string())
+           << " using 1:3 with lines lw 2 lc " << i + 1 << " title '" << r.mode << " (" << r.dtype
+           << ")'";
+  }
+  {
+    std::ofstream f(out / "throughput.dat");
+    f << "# mode " << workload.unit() << "/s\n";
+    for (const auto& r : results) f << r.mode << " " << r.items_per_s << "\n";
+  }
+  const auto script = out / "compare.gp";
+  {
+    std::ofstream f(script);
+    f << "# gnuplot " << script.filename().string() << "  (run in this folder)\n"
+      << "set terminal pngcairo size 1400,520 font ',11'\n"
+      << "set output 'compare.png'\n"
+      << "set multiplot layout 1,2 title 'ampx-train " << workload.name() << ": "
+      << results.front().steps << " steps, batch " << c.batch_size << ", " << c.threads
+      << " threads, LibTorch " << ampx::torch_version() << "'\n"
+      << "set grid\nset key top right\n"
+      << "set title 'training loss (EMA 0.95)'\nset xlabel 'step'\nset ylabel 'loss'\n"
+      << "plot " << curves.str() << "\n"
+      << "set title 'throughput'\nset xlabel 'mode'\nset ylabel '" << workload.unit()
+      << " per second'\n"
+      << "set yrange [0:*]\nset boxwidth 0.6\nset style fill solid 0.8\nunset key\n"
+      << "plot 'throughput.dat' using 0:2:xtic(1) with boxes lc rgb '#4878b0', \\\n"
+      << "     '' using 0:2:(sprintf('%.0f', $2)) with labels offset 0,1\n"
+      << "unset multiplot\n";
+  }
+  if (!gnuplot_installed()) {
+    report.plot_note =
+        "gnuplot is not installed (Debian: apt-get install gnuplot-nox); the "
+        "plot's data and script are in " +
+        out.string();
+    return report;
+  }
+  const std::string cmd =
+      "cd " + shell_quote(out.string()) + " && gnuplot compare.gp > compare.gnuplot.log 2>&1";
+  if (std::system(cmd.c_str()) == 0 && fs::exists(out / "compare.png")) {
+    report.plot_path = (out / "compare.png").string();
+  } else {
+    report.plot_note = "gnuplot failed, see " + (out / "compare.gnuplot.log").string();
+  }
+  return report;
+}
+
+}  // namespace ampx::train

@@ -1,0 +1,309 @@
+#include "trainer.h"
+
+#include "checkpoint.h"
+#include "device_memory.h"
+#include "progress.h"
+
+#include <ampx/ampx.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+
+namespace ampx::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+c10::ScalarType scalar_type_of(const std::string& dtype) {
+  return dtype == "fp16" ? torch::kHalf : torch::kBFloat16;
+}
+
+nlohmann::json to_json(const ampx::StateDict& dict) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [key, value] : dict) {
+    if (value.isDouble()) {
+      out[key] = value.toDouble();
+    } else if (value.isInt()) {
+      out[key] = value.toInt();
+    } else if (value.isBool()) {
+      out[key] = value.toBool();
+    } else if (value.isNone()) {
+      out[key] = nullptr;
+    } else {
+      TORCH_CHECK(value.isString(), "ampx-train: scaler state '", key, "' has an unexpected type");
+      out[key] = value.toStringRef();
+    }
+  }
+  return out;
+}
+
+ampx::StateDict state_dict_from_json(const nlohmann::json& j) {
+  ampx::StateDict out;
+  for (const auto& [key, value] : j.items()) {
+    if (value.is_number_float()) {
+      out[key] = value.get<double>();
+    } else if (value.is_number_integer()) {
+      out[key] = value.get<int64_t>();
+    } else if (value.is_boolean()) {
+      out[key] = value.get<bool>();
+    } else if (value.is_null()) {
+      out[key] = c10::IValue();
+    } else {
+      out[key] = value.get<std::string>();
+    }
+  }
+  return out;
+}
+
+/// The state a run needs beyond its parameters, for checkpoints.
+struct LoopState {
+  int64_t next_step = 0;
+  int64_t skipped = 0;
+  std::vector<double> losses;
+};
+
+void save(const std::string& path, const nlohmann::json& identity, const Workload& workload,
+          torch::nn::Module& model, torch::optim::Optimizer& opt, const ampx::Amp& amp,
+          const LoopState& state) {
+  torch::serialize::OutputArchive archive, model_archive, opt_archive;
+  model.save(model_archive);
+  opt.save(opt_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", opt_archive);
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    archive.write("rng/cpu", gen.get_state());
+  }
+  std::ostringstream payload;
+  archive.save_to(payload);
+  nlohmann::json amp_state = nlohmann::json::object();
+  for (const auto& [name, dict] : amp.state_dict()) amp_state[name] = to_json(dict);
+  const int64_t spe = workload.steps_per_epoch();
+  const nlohmann::json meta = {
+      {"format", "ampx-train checkpoint"},
+      {"run", identity},
+      {"step", state.next_step},
+      {"epoch", state.next_step / spe},
+      {"position_in_epoch", state.next_step % spe},
+      {"skipped", state.skipped},
+      {"losses", state.losses},
+      {"amp", amp_state},
+      {"torch_version", ampx::torch_version()},
+  };
+  fs::create_directories(fs::path(path).parent_path());
+  write_checkpoint(path, meta, payload.str());
+}
+
+void load(const std::string& path, const nlohmann::json& identity, torch::nn::Module& model,
+          torch::optim::Optimizer& opt, ampx::Amp& amp, LoopState& state) {
+  const Checkpoint c = read_checkpoint(path);
+  check_compatible(path, c.meta.at("run"), identity);
+  try {
+    std::istringstream payload(c.payload);
+    torch::serialize::InputArchive archive, model_archive, opt_archive;
+    archive.load_from(payload);
+    archive.read("model", model_archive);
+    archive.read("optimizer", opt_archive);
+    model.load(model_archive);
+    opt.load(opt_archive);
+    torch::Tensor rng;
+    archive.read("rng/cpu", rng);
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ampx-train: checkpoint '", path,
+                "' passed its checks but its content does not fit this model: ",
+                e.what_without_backtrace());
+  }
+  std::map<std::string, ampx::StateDict> amp_state;
+  for (const auto& [name, dict] : c.meta.at("amp").items()) {
+    amp_state[name] = state_dict_from_json(dict);
+  }
+  amp.load_state_dict(amp_state);
+  state.next_step = c.meta.at("step").get<int64_t>();
+  state.skipped = c.meta.at("skipped").get<int64_t>();
+  state.losses = c.meta.at("losses").get<std::vector<double>>();
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+std::string checkpoint_path_for(const TrainConfig& config, const std::string& mode) {
+  fs::path dir = config.checkpoint_dir;
+  if (!config.compare.empty()) dir /= mode;
+  return (dir / "checkpoint.ampx").string();
+}
+
+RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode) {
+  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const bool mixed = mode != "fp32";
+  RunResult result;
+  result.mode = mode;
+  result.dtype = mixed ? config.dtype : "fp32";
+  const int64_t total_steps =
+      config.steps > 0
+          ? config.steps
+          : std::max<int64_t>(
+                1, static_cast<int64_t>(std::ceil(config.epochs * workload.steps_per_epoch())));
+  result.steps = total_steps;
+
+  nlohmann::json identity = workload.identity();
+  identity["precision"] = mode;
+  identity["dtype"] = result.dtype;
+  identity["device"] = config.device;
+  identity["steps_per_epoch"] = workload.steps_per_epoch();
+
+  const std::string ckpt = checkpoint_path_for(config, mode);
+  if (config.resume) {
+    TORCH_CHECK(fs::exists(ckpt), "ampx-train: --resume, but there is no checkpoint at '", ckpt,
+                "' (--checkpoint-dir ", config.checkpoint_dir, ")");
+  } else if (config.save_every > 0) {
+    // Never overwrite a run the user may want back.
+    TORCH_CHECK(!fs::exists(ckpt), "ampx-train: '", ckpt,
+                "' already holds a checkpoint; pass --resume to continue it, or choose another "
+                "--checkpoint-dir");
+  }
+
+  const int64_t base = allocated_bytes(device);
+  reset_peak_memory(device);
+
+  torch::manual_seed(config.seed);
+  auto model = workload.build(device);
+  auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
+  if (mode == "O3") {
+    // Pure low precision: no masters; bf16 keeps small updates alive by
+    // rounding stochastically (fp16 has the mantissa to do without).
+    options.master_weights(false).stochastic_rounding(result.dtype == "bf16" && device.is_cpu());
+    options.seed(config.seed);
+  }
+  ampx::optim::AdamW optimizer(model->parameters(), options);
+  ampx::AmpOptions amp_options(mixed ? ampx::parse_opt_level(mode) : ampx::OptLevel::O0);
+  if (mixed) amp_options.dtype(scalar_type_of(config.dtype)).cast_model_outputs(torch::kFloat);
+  ampx::Amp amp = ampx::initialize(model, {&optimizer}, amp_options);
+
+  LoopState state;
+  if (config.resume) {
+    load(ckpt, identity, *model, optimizer, amp, state);
+    TORCH_CHECK(state.next_step <= total_steps, "ampx-train: checkpoint '", ckpt, "' is at step ",
+                state.next_step, ", past this run's ", total_steps, " steps; raise --steps");
+  }
+  result.losses = state.losses;
+  result.skipped = state.skipped;
+
+  fs::create_directories(config.out_dir);
+  const bool csv = config.metrics_format == "csv";
+  MetricsWriter metrics(fs::path(config.out_dir) / ("metrics-" + mode + (csv ? ".csv" : ".jsonl")),
+                        csv, config.resume ? state.next_step - 1 : -1);
+  result.metrics_path = metrics.path().string();
+  Progress progress(mode, state.next_step, total_steps, workload.unit() + "/s",
+                    Progress::style_for(config.progress), config.log_every);
+
+  auto eval_forward = [&](const torch::Tensor& input) {
+    auto forward = amp.forward_guard();
+    return amp.cast_output(workload.forward(amp.cast_input(input)));
+  };
+  auto evaluate = [&]() {
+    torch::NoGradGuard no_grad;
+    model->eval();
+    EvalResult r = workload.evaluate(eval_forward, device);
+    model->train();
+    return r;
+  };
+
+  std::vector<double> step_ms;
+  const auto run_start = std::chrono::steady_clock::now();
+  for (int64_t step = state.next_step; step < total_steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Batch batch = workload.batch(step, device);
+    optimizer.zero_grad();
+    torch::Tensor loss;
+    {
+      auto forward = amp.forward_guard();
+      auto output = amp.cast_output(workload.forward(amp.cast_input(batch.input)));
+      loss = workload.loss(output, batch.target);
+    }
+    auto& scaler = amp.scaler();
+    scaler.scale(loss).backward();
+    const bool stepped = static_cast<bool>(scaler.step(optimizer));
+    scaler.update();
+    const double loss_value = loss.item<double>();  // also waits for the device
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    step_ms.push_back(ms);
+    if (!stepped) ++result.skipped;
+    result.losses.push_back(loss_value);
+    const double scale = scaler.is_enabled() ? scaler.get_scale() : 1.0;
+    const double rate = workload.items_per_step() * 1000.0 / ms;
+    nlohmann::ordered_json record = {
+        {"mode", mode},
+        {"step", step},
+        {"epoch", static_cast<double>(step + 1) / workload.steps_per_epoch()},
+        {"loss", loss_value},
+        {"scale", scale},
+        {"skipped", !stepped},
+        {"lr", config.lr},
+        {"step_ms", ms},
+        {workload.unit() + "_per_s", rate},
+        {"elapsed_s",
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()},
+    };
+    const bool eval_now =
+        config.eval_every > 0 && (step + 1) % config.eval_every == 0 && step + 1 < total_steps;
+    if (eval_now) {
+      const EvalResult e = evaluate();
+      result.evals.emplace_back(step + 1, e);
+      record["eval_loss"] = e.loss;
+      record["eval_" + std::string(workload.name() == "gpt" ? "bpc" : "accuracy")] = e.metric;
+    }
+    metrics.write(record);
+    progress.update(step, loss_value, scale, rate);
+    state.next_step = step + 1;
+    state.skipped = result.skipped;
+    state.losses = result.losses;
+    if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps)) {
+      save(ckpt, identity, workload, *model, optimizer, amp, state);
+      result.checkpoint_path = ckpt;
+    }
+  }
+  progress.finish();
+  result.peak_bytes = peak_allocated_bytes(device) - base;
+
+  // Throughput over the steps after warm-up (the first steps pay for lazy
+  // initialisation in oneDNN, the allocator and the optimizer's state).
+  const size_t warm = std::min<size_t>(10, std::max<size_t>(1, step_ms.size() / 10));
+  if (step_ms.size() > warm) {
+    std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warm), step_ms.end());
+    double sum = 0;
+    for (double t : timed) sum += t;
+    result.timed_steps = static_cast<int64_t>(timed.size());
+    result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
+    result.median_step_ms = median(timed);
+  }
+  const size_t tail = std::max<size_t>(1, result.losses.size() / 10);
+  double tail_sum = 0;
+  for (size_t i = result.losses.size() - std::min(tail, result.losses.size());
+       i < result.losses.size(); ++i) {
+    tail_sum += result.losses[i];
+  }
+  result.train_loss = result.losses.empty() ? NAN : tail_sum / std::min(tail, result.losses.size());
+  result.final_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+  result.eval = evaluate();
+  return result;
+}
+
+}  // namespace ampx::train
