@@ -1,0 +1,292 @@
+// Kill-and-resume of the real ampx-train binary: a run SIGKILLed at a random
+// step and resumed from its last checkpoint ends with the same parameters
+// and the same per-step losses, bit for bit, as a run never interrupted. And
+// damaged or foreign checkpoints are refused, never overwritten.
+
+#include "checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+#ifdef AMPX_TRAIN_BINARY
+
+struct Exit {
+  int status = -1;  // exit code, or -1 when killed
+  bool killed = false;
+  std::string output;  // stdout + stderr
+};
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "ampx-resume-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+void write_file(const fs::path& p, const std::string& bytes) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+/// Starts ampx-train with `args`, output to `log`; returns the child's pid.
+pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    std::vector<char*> argv{const_cast<char*>(AMPX_TRAIN_BINARY)};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(AMPX_TRAIN_BINARY, argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+Exit wait_for(pid_t pid, const fs::path& log) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  Exit e;
+  e.killed = WIFSIGNALED(status);
+  e.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  e.output = read_file(log);
+  return e;
+}
+
+Exit run(const std::vector<std::string>& args, const fs::path& log) {
+  return wait_for(spawn(args, log), log);
+}
+
+/// A text of seeded random words: enough for a tiny GPT to learn something.
+void write_text(const fs::path& data_dir) {
+  std::mt19937 rng(7);
+  const std::vector<std::string> words = {"the", "whale",   "sea",   "ship",    "call",
+                                          "me",  "ishmael", "white", "captain", "harpoon"};
+  std::string text;
+  while (text.size() < 30000) text += words[rng() % words.size()] + (rng() % 9 ? " " : ".\n");
+  write_file(data_dir / "moby-dick" / "data.txt", text);
+}
+
+class ResumeTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { write_text(dir_.path() / "data"); }
+
+  /// A tiny gpt run of mode GetParam() writing into <tmp>/<name>.
+  std::vector<std::string> args(const std::string& name, int64_t steps,
+                                const std::string& precision = "",
+                                const std::string& d_model = "32") const {
+    const auto out = dir_.path() / name;
+    return {"--workload",       "gpt",
+            "--precision",      precision.empty() ? GetParam() : precision,
+            "--data-dir",       (dir_.path() / "data").string(),
+            "--out-dir",        out.string(),
+            "--checkpoint-dir", (out / "ck").string(),
+            "--layers",         "2",
+            "--d-model",        d_model,
+            "--heads",          "2",
+            "--block-size",     "16",
+            "--batch-size",     "4",
+            "--steps",          std::to_string(steps),
+            "--eval-batches",   "1",
+            "--threads",        "1",
+            "--progress",       "none",
+            "--seed",           "11"};
+  }
+  fs::path checkpoint(const std::string& name) const {
+    return dir_.path() / name / "ck" / "checkpoint.ampx";
+  }
+  fs::path metrics(const std::string& name) const {
+    return dir_.path() / name / ("metrics-" + GetParam() + ".jsonl");
+  }
+
+  TempDir dir_;
+};
+
+int64_t lines_in(const fs::path& p) {
+  std::ifstream in(p);
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+std::vector<double> losses_in_metrics(const fs::path& p) {
+  std::ifstream in(p);
+  std::vector<double> losses;
+  for (std::string line; std::getline(in, line);) {
+    losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  }
+  return losses;
+}
+
+void collect_tensors(torch::serialize::InputArchive& archive, const std::string& prefix,
+                     std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  for (const auto& key : archive.keys()) {
+    c10::IValue value;
+    if (archive.try_read(key, value) && value.isTensor()) {
+      out.emplace_back(prefix + key, value.toTensor());
+      continue;
+    }
+    torch::serialize::InputArchive child;  // a submodule
+    if (archive.try_read(key, child)) collect_tensors(child, prefix + key + ".", out);
+  }
+}
+
+/// The model parameters and buffers a checkpoint holds, by name, as stored.
+std::vector<std::pair<std::string, torch::Tensor>> model_tensors(const fs::path& path) {
+  const auto c = ampx::train::read_checkpoint(path);
+  std::istringstream payload(c.payload);
+  torch::serialize::InputArchive archive, model;
+  archive.load_from(payload);
+  archive.read("model", model);
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  collect_tensors(model, "", out);
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  return out;
+}
+
+TEST_P(ResumeTest, SigkillAtRandomStepThenResumeIsBitwiseIdenticalToUninterrupted) {
+  constexpr int64_t kSteps = 60;
+  auto ref_args = args("reference", kSteps);
+  ref_args.insert(ref_args.end(), {"--save-every", "1000"});  // final checkpoint only
+  const Exit ref = run(ref_args, dir_.path() / "reference.log");
+  ASSERT_EQ(ref.status, 0) << ref.output;
+
+  // Kill at a random step (printed, so a failure can be replayed).
+  std::random_device device;
+  const int64_t kill_after = 5 + static_cast<int64_t>(device() % 40);
+  SCOPED_TRACE("SIGKILL after step " + std::to_string(kill_after));
+  auto run_args = args("interrupted", kSteps);
+  run_args.insert(run_args.end(), {"--save-every", "1"});
+  const pid_t pid = spawn(run_args, dir_.path() / "interrupted.log");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (lines_in(metrics("interrupted")) < kill_after &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  ::kill(pid, SIGKILL);
+  const Exit killed = wait_for(pid, dir_.path() / "interrupted.log");
+  ASSERT_TRUE(killed.killed) << "the run ended before it could be killed:\n" << killed.output;
+  const int64_t done = ampx::train::read_checkpoint(checkpoint("interrupted")).meta.at("step");
+  ASSERT_LT(done, kSteps);
+
+  auto resume_args = run_args;
+  resume_args.push_back("--resume");
+  const Exit resumed = run(resume_args, dir_.path() / "resumed.log");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+
+  const auto a = ampx::train::read_checkpoint(checkpoint("reference"));
+  const auto b = ampx::train::read_checkpoint(checkpoint("interrupted"));
+  EXPECT_EQ(a.meta.at("step"), kSteps);
+  EXPECT_EQ(b.meta.at("step"), kSteps);
+  // Every step's loss, bit for bit (JSON doubles round-trip exactly).
+  EXPECT_EQ(a.meta.at("losses").get<std::vector<double>>(),
+            b.meta.at("losses").get<std::vector<double>>());
+  EXPECT_EQ(a.meta.at("amp"), b.meta.at("amp"));
+  // The metrics file of the resumed run holds each step once, same losses.
+  EXPECT_EQ(losses_in_metrics(metrics("reference")), losses_in_metrics(metrics("interrupted")));
+
+  const auto pa = model_tensors(checkpoint("reference"));
+  const auto pb = model_tensors(checkpoint("interrupted"));
+  ASSERT_EQ(pa.size(), pb.size());
+  ASSERT_GT(pa.size(), 10u);
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(pa[i].first, pb[i].first);
+    EXPECT_EQ(pa[i].second.dtype(), pb[i].second.dtype()) << pa[i].first;
+    EXPECT_TRUE(torch::equal(pa[i].second, pb[i].second)) << pa[i].first << " differs";
+  }
+  // And training did something: the weights moved and the loss fell.
+  const auto losses = a.meta.at("losses").get<std::vector<double>>();
+  EXPECT_LT(losses.back(), losses.front() - 0.5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ResumeTest, ::testing::Values("fp32", "O1", "O2", "O3"));
+
+class DamagedCheckpointTest : public ResumeTest {
+ protected:
+  /// Trains 4 steps with a checkpoint at the end; returns its bytes.
+  std::string make_checkpoint() {
+    auto a = args("run", 4);
+    a.insert(a.end(), {"--save-every", "2"});
+    const Exit e = run(a, dir_.path() / "first.log");
+    EXPECT_EQ(e.status, 0) << e.output;
+    return read_file(checkpoint("run"));
+  }
+  /// Resumes with `extra` flags; expects failure naming `needles`, and the
+  /// checkpoint left exactly as `before`.
+  void expect_refused(const std::string& before, const std::vector<std::string>& needles,
+                      const std::string& precision = "", const std::string& d_model = "32") {
+    auto a = args("run", 8, precision, d_model);
+    a.insert(a.end(), {"--save-every", "2", "--resume"});
+    const Exit e = run(a, dir_.path() / "resume.log");
+    EXPECT_EQ(e.status, 1) << e.output;
+    for (const auto& n : needles) {
+      EXPECT_NE(e.output.find(n), std::string::npos) << "missing '" << n << "' in:\n" << e.output;
+    }
+    EXPECT_EQ(read_file(checkpoint("run")), before) << "the checkpoint was modified";
+  }
+};
+
+TEST_P(DamagedCheckpointTest, FlippedByteIsRefusedAndKept) {
+  std::string bytes = make_checkpoint();
+  bytes[bytes.size() / 2] ^= 0x10;
+  write_file(checkpoint("run"), bytes);
+  expect_refused(bytes, {checkpoint("run").string(), "is corrupted"});
+}
+
+TEST_P(DamagedCheckpointTest, TruncatedFileIsRefusedAndKept) {
+  std::string bytes = make_checkpoint();
+  bytes.resize(bytes.size() * 2 / 3);
+  write_file(checkpoint("run"), bytes);
+  expect_refused(bytes, {checkpoint("run").string(), "is truncated"});
+}
+
+TEST_P(DamagedCheckpointTest, CheckpointOfAnotherPrecisionIsRefusedAndKept) {
+  const std::string bytes = make_checkpoint();
+  const std::string other = GetParam() == "O2" ? "O1" : "O2";
+  // The checkpoint sits where a single run of `other` looks for its own.
+  expect_refused(bytes,
+                 {"precision=\"" + GetParam() + "\"", "this run has precision=\"" + other + "\""},
+                 other);
+}
+
+TEST_P(DamagedCheckpointTest, CheckpointOfAnotherModelShapeIsRefusedAndKept) {
+  const std::string bytes = make_checkpoint();
+  expect_refused(bytes, {"d_model=32", "this run has d_model=64"}, "", "64");
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, DamagedCheckpointTest, ::testing::Values("O2"));
+
+#endif  // AMPX_TRAIN_BINARY
+
+}  // namespace
