@@ -37,7 +37,8 @@ Checkpoint read_checkpoint(const std::filesystem::path& path);
 
 /// Errors unless every key of `expected` has the same value in `saved` (the
 /// `run` object of a checkpoint's meta); the message names the key and both
-/// values, e.g. "was written by a run with precision=O2, this run has O1".
+/// values as JSON, e.g. `was written by a run with precision="O2", this run
+/// has precision="O1"`.
 void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,
                       const nlohmann::json& expected);
 

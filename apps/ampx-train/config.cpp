@@ -33,6 +33,20 @@ WorkloadDefaults defaults_of(const std::string& workload) {
   return {256, 0, 3, 1e-3};  // fashion-mlp
 }
 
+// CLI11's PositiveNumber reports "Value 0 not in range 0.000000 to <300
+// digits>"; this one says what is wrong.
+const CLI::Validator kPositive(
+    [](std::string& text) -> std::string {
+      double v = 0;
+      try {
+        v = std::stod(text);
+      } catch (const std::exception&) {
+        return "must be a number > 0 (got '" + text + "')";
+      }
+      return v > 0 ? std::string() : "must be > 0 (got " + text + ")";
+    },
+    "POSITIVE");
+
 }  // namespace
 
 std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
@@ -65,24 +79,24 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->default_str("auto");
   app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--threads", c.threads, "intra-op CPU threads [default: all cores]")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->default_str("auto");
   app.add_option("--batch-size", c.batch_size,
                  "samples (gpt: sequences) per step [default: gpt 32, mnist-cnn 128, "
                  "fashion-mlp 256]")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->default_str("auto");
   auto* steps = app.add_option("--steps", c.steps,
                                "optimizer steps [default: gpt 150; image workloads use --epochs]")
-                    ->check(CLI::PositiveNumber)
+                    ->check(kPositive)
                     ->default_str("auto");
   app.add_option("--epochs", c.epochs,
                  "passes over the training split [default: mnist-cnn 1, fashion-mlp 3]")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->excludes(steps)
       ->default_str("auto");
   app.add_option("--lr", c.lr, "AdamW learning rate [default: 1e-3]")
-      ->check(CLI::PositiveNumber)
+      ->check(kPositive)
       ->default_str("auto");
   app.add_option("--weight-decay", c.weight_decay, "AdamW decoupled weight decay")
       ->check(CLI::NonNegativeNumber);
@@ -94,7 +108,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--d-model", c.d_model, "gpt: width")
       ->check(CLI::Range(int64_t{8}, int64_t{8192}));
   app.add_option("--heads", c.heads, "gpt: attention heads (must divide --d-model)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   app.add_option("--data-dir", c.data_dir,
                  "datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]; "
                  "filled by scripts/install-data.sh");
