@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include "data.h"
+#include "machine.h"
 
 #include <ampx/version.h>
 
@@ -28,7 +29,7 @@ struct WorkloadDefaults {
 };
 
 WorkloadDefaults defaults_of(const std::string& workload) {
-  if (workload == "gpt") return {32, 150, 0, 1e-3};
+  if (workload == "gpt") return {32, 200, 0, 1e-3};
   if (workload == "mnist-cnn") return {128, 0, 1, 1e-3};
   return {256, 0, 3, 1e-3};  // fashion-mlp
 }
@@ -87,7 +88,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->check(kPositive)
       ->default_str("auto");
   auto* steps = app.add_option("--steps", c.steps,
-                               "optimizer steps [default: gpt 150; image workloads use --epochs]")
+                               "optimizer steps [default: gpt 200; image workloads use --epochs]")
                     ->check(kPositive)
                     ->default_str("auto");
   app.add_option("--epochs", c.epochs,
@@ -135,6 +136,9 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--progress", c.progress,
                  "auto (a live line on a terminal, plain lines otherwise), bar, lines, none")
       ->check(CLI::IsMember({"auto", "bar", "lines", "none"}));
+  // Internal: a --compare run starts one process per mode with these.
+  app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
+  app.add_option("--result-file", c.result_file)->group("");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -174,6 +178,7 @@ void resolve_defaults(TrainConfig& c) {
 }
 
 std::vector<std::string> modes_of(const TrainConfig& c) {
+  if (!c.only_mode.empty()) return {c.only_mode};
   if (c.compare.empty()) return {c.precision};
   std::vector<std::string> modes;
   for (const auto& m : c.compare) {  // keep the user's order, drop repeats
@@ -220,6 +225,8 @@ std::string settings_table(const TrainConfig& c) {
   }
   if (c.resume) add("resume", "yes");
   add("LibTorch", ampx::torch_version());
+  add("BLAS (fp32)", blas_library());
+  add("CPU", cpu_model());
   size_t width = 0;
   for (const auto& r : rows) width = std::max(width, r.first.size());
   std::ostringstream out;

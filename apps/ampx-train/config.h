@@ -47,6 +47,10 @@ struct TrainConfig {
   int64_t log_every = 0;                 // plain progress lines; 0: about 20 per run
   std::string metrics_format = "jsonl";  // jsonl | csv
   std::string progress = "auto";         // auto | bar | lines | none
+  // Set by a --compare run on the processes it starts, one per mode, so that
+  // every mode is measured in a fresh process (hidden flags).
+  std::string only_mode;    // --only-mode: train this mode of --compare
+  std::string result_file;  // --result-file: write the RunResult as JSON
 };
 
 /// Parses argv into `config`. Returns an exit code when the program should
@@ -60,7 +64,8 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
 /// c10::Error naming the flag and value.
 void resolve_defaults(TrainConfig& config);
 
-/// The precision modes this run trains: --compare's list, or --precision.
+/// The precision modes this run trains: --compare's list (repeats dropped),
+/// or --precision; just --only-mode in a process a --compare run started.
 std::vector<std::string> modes_of(const TrainConfig& config);
 
 /// Two columns, one setting a line, for the start of a run.

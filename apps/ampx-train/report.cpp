@@ -1,5 +1,7 @@
 #include "report.h"
 
+#include "machine.h"
+
 #include <ampx/version.h>
 
 #include <c10/util/Exception.h>
@@ -28,14 +30,6 @@ const RunResult& baseline_of(const std::vector<RunResult>& results) {
     if (r.mode == "fp32") return r;
   }
   return results.front();
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  }
-  return "unknown CPU";
 }
 
 std::string shell_quote(const std::string& s) {
@@ -106,7 +100,8 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"threads", c.threads},
         {"device", c.device},
         {"dtype", c.dtype}}},
-      {"machine", {{"cpu", cpu_model()}, {"libtorch", ampx::torch_version()}}},
+      {"machine",
+       {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},
       {"modes", modes},
   };
 }
@@ -137,7 +132,8 @@ Report write_report(const TrainConfig& c, const Workload& workload,
   md << "# ampx-train: " << workload.name() << "\n\n"
      << results.size() << " modes, " << results.front().steps << " steps each, batch "
      << c.batch_size << ", seed " << c.seed << ", " << c.threads << " threads on " << c.device
-     << " (" << cpu_model() << "), LibTorch " << ampx::torch_version() << ".\n\n"
+     << " (" << cpu_model() << "), LibTorch " << ampx::torch_version() << ", " << blas_library()
+     << ".\n\n"
      << report.table;
   report.markdown_path = (out / "compare.md").string();
   std::ofstream(report.markdown_path) << md.str();

@@ -11,6 +11,8 @@
 #include "config.h"
 #include "workloads.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -34,6 +36,11 @@ struct RunResult {
   std::string metrics_path;
   std::string checkpoint_path;  // empty when no checkpoint was written
 };
+
+/// A RunResult as JSON and back: how a --compare run collects the result of
+/// each mode from the process that trained it.
+nlohmann::json to_json(const RunResult& result);
+RunResult run_result_from_json(const nlohmann::json& json);
 
 /// Where mode `mode`'s checkpoint lives: --checkpoint-dir itself for a
 /// single run, a folder per mode under it for --compare.

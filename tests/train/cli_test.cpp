@@ -205,7 +205,7 @@ TEST_F(TrainCliTest, FillsGptDefaults) {
   EXPECT_EQ(c.workload, "gpt");
   EXPECT_EQ(c.precision, "O2");
   EXPECT_EQ(c.batch_size, 32);
-  EXPECT_EQ(c.steps, 150);
+  EXPECT_EQ(c.steps, 200);
   EXPECT_EQ(c.epochs, 0);
   EXPECT_EQ(c.lr, 1e-3);
   EXPECT_EQ(c.device, "cpu");
