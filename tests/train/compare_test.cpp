@@ -1,0 +1,110 @@
+// --compare through the real binary: one process per mode, the table as
+// markdown and JSON, the plot (or its data and a note when gnuplot is
+// missing), per-mode checkpoints that --resume picks up again.
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+#ifdef AMPX_TRAIN_BINARY
+
+class CompareTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "ampx-compare-XXXXXX").string();
+    dir_ = ::mkdtemp(pattern.data());
+    fs::create_directories(dir_ / "data" / "moby-dick");
+    std::mt19937 rng(3);
+    std::string text;
+    while (text.size() < 20000) text += "abcdefgh "[rng() % 9];
+    std::ofstream(dir_ / "data" / "moby-dick" / "data.txt") << text;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  /// Runs the binary with the tiny gpt flags plus `extra`; output in `output_`.
+  int run(const std::string& extra) {
+    const std::string cmd = std::string("'") + AMPX_TRAIN_BINARY + "' --workload gpt --data-dir '" +
+                            (dir_ / "data").string() + "' --out-dir '" + (dir_ / "out").string() +
+                            "' --layers 1 --d-model 16 --heads 2 --block-size 8 --batch-size 4 "
+                            "--eval-batches 1 --threads 1 --progress none " +
+                            extra + " > '" + (dir_ / "log").string() + "' 2>&1";
+    const int status = std::system(cmd.c_str());
+    std::ifstream in(dir_ / "log");
+    output_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  fs::path dir_;
+  std::string output_;
+};
+
+TEST_F(CompareTest, TrainsEachModeAndWritesTableJsonAndPlotData) {
+  ASSERT_EQ(run("--steps 6 --compare fp32,O2,O3"), 0) << output_;
+  std::ifstream in(dir_ / "out" / "compare.json");
+  const auto j = nlohmann::json::parse(in);
+  ASSERT_EQ(j.at("modes").size(), 3u);
+  EXPECT_EQ(j.at("baseline"), "fp32");
+  EXPECT_EQ(j.at("modes")[0].at("speedup"), 1.0);
+  for (const auto& m : j.at("modes")) {
+    EXPECT_EQ(m.at("steps"), 6);
+    EXPECT_GT(m.at("tokens_per_s").get<double>(), 0) << m.dump();
+    EXPECT_GT(m.at("peak_allocated_bytes").get<int64_t>(), 0) << m.dump();
+    EXPECT_TRUE(std::isfinite(m.at("test_loss").get<double>())) << m.dump();
+    EXPECT_EQ(m.at("dtype"), m.at("mode") == "fp32" ? "fp32" : "bf16");
+    EXPECT_TRUE(
+        fs::exists(dir_ / "out" / ("metrics-" + m.at("mode").get<std::string>() + ".jsonl")));
+    EXPECT_TRUE(fs::exists(dir_ / "out" / ("loss-" + m.at("mode").get<std::string>() + ".dat")));
+  }
+  // bf16 weights and activations hold less than fp32 ones.
+  EXPECT_LT(j.at("modes")[2].at("peak_allocated_bytes").get<int64_t>(),
+            j.at("modes")[0].at("peak_allocated_bytes").get<int64_t>());
+  // The table is printed and written; the plot exists or the run says why not.
+  EXPECT_NE(output_.find("| mode | dtype | tokens/s | speed-up |"), std::string::npos) << output_;
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "compare.md"));
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "compare.gp"));
+  if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) {
+    EXPECT_TRUE(fs::exists(dir_ / "out" / "compare.png")) << output_;
+  } else {
+    EXPECT_NE(output_.find("plot:    none: gnuplot is not installed"), std::string::npos)
+        << output_;
+  }
+}
+
+TEST_F(CompareTest, ResumesEveryModeFromItsOwnCheckpoint) {
+  ASSERT_EQ(run("--steps 4 --compare O1,O2 --save-every 2"), 0) << output_;
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoints" / "O1" / "checkpoint.ampx"));
+  EXPECT_TRUE(fs::exists(dir_ / "out" / "checkpoints" / "O2" / "checkpoint.ampx"));
+  ASSERT_EQ(run("--steps 8 --compare O1,O2 --save-every 2 --resume"), 0) << output_;
+  std::ifstream in(dir_ / "out" / "compare.json");
+  const auto j = nlohmann::json::parse(in);
+  for (const auto& m : j.at("modes")) EXPECT_EQ(m.at("steps"), 8);
+  // Each metrics file holds steps 0..7 once.
+  std::ifstream metrics(dir_ / "out" / "metrics-O2.jsonl");
+  int64_t expected = 0;
+  for (std::string line; std::getline(metrics, line); ++expected) {
+    EXPECT_EQ(nlohmann::json::parse(line).at("step"), expected);
+  }
+  EXPECT_EQ(expected, 8);
+}
+
+TEST_F(CompareTest, AFailingModeFailsTheComparisonWithItsMessage) {
+  // O2 needs a checkpoint to resume from and has none: the run stops there.
+  ASSERT_EQ(run("--steps 2 --compare fp32 --save-every 1"), 0) << output_;
+  EXPECT_EQ(run("--steps 4 --compare fp32,O2 --save-every 1 --resume"), 1) << output_;
+  EXPECT_NE(output_.find("no checkpoint at"), std::string::npos) << output_;
+  EXPECT_NE(output_.find("training O2 failed"), std::string::npos) << output_;
+}
+
+#endif  // AMPX_TRAIN_BINARY
+
+}  // namespace
