@@ -153,11 +153,12 @@ AmpProperties resolve(const AmpOptions& o, const c10::Device& device) {
 
 // O2/O3 cast the model in place (set_data keeps each parameter's identity,
 // so optimizers built on it see the new dtype); O0 casts it to float32.
-void cast_model(torch::nn::Module& model, const AmpProperties& props) {
+void cast_model(torch::nn::Module& model, AmpProperties& props) {
   const auto dtype = props.cast_model_type ? props.dtype : c10::kFloat;
   torch::NoGradGuard no_grad;
   for (const auto& module : model.modules(/*include_self=*/true)) {
     if (props.cast_model_type && props.keep_batchnorm_fp32 && is_norm_layer(*module)) {
+      props.has_fp32_norm_layers = true;
       continue;  // fp32 weights and statistics; fed through the forward guard
     }
     for (auto& p : module->parameters(/*recurse=*/false)) {
@@ -226,7 +227,7 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
   if (p.patch_torch_functions) {
     impl_->autocast = std::make_unique<AutocastGuard>(p.device.type(), p.dtype);
   }
-  if (p.cast_model_type && p.keep_batchnorm_fp32) {
+  if (p.cast_model_type && p.keep_batchnorm_fp32 && p.has_fp32_norm_layers) {
     // LibTorch modules have no forward hooks: norm layers get their
     // low-precision inputs in fp32 through the dispatcher (ampx/policy.h).
     impl_->norms = std::make_unique<KeepNormsFp32Guard>(p.device.type());

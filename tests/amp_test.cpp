@@ -135,6 +135,26 @@ TEST(AmpTest, O1ForwardGuardIsAutocastAndO0IsNothing) {
   }
 }
 
+TEST(AmpTest, O2ForwardGuardRoutesNormsOnlyWhenTheModelHasThem) {
+  Net with_norms;  // BatchNorm + LayerNorm, kept fp32
+  auto o2 = ampx::initialize(with_norms.ptr(), {}, AmpOptions(OptLevel::O2));
+  EXPECT_TRUE(o2.properties().has_fp32_norm_layers);
+  {
+    auto forward = o2.forward_guard();  // the norms-only region needs the Autocast key
+    EXPECT_TRUE(ampx::is_autocast_enabled(torch::kCPU));
+  }
+  auto mlp =
+      torch::nn::Sequential(torch::nn::Linear(8, 4), torch::nn::ReLU(), torch::nn::Linear(4, 2));
+  auto plain = ampx::initialize(mlp.ptr(), {}, AmpOptions(OptLevel::O2));
+  EXPECT_FALSE(plain.properties().has_fp32_norm_layers);
+  {
+    auto forward = plain.forward_guard();  // nothing to route: no registrations, no autocast
+    EXPECT_FALSE(ampx::is_autocast_enabled(torch::kCPU));
+    auto y = mlp->forward(plain.cast_input(torch::ones({3, 8})));
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  }
+}
+
 TEST(AmpTest, MisuseIsAClearError) {
   Net net;
   torch::optim::Adam opt(net->parameters(), 0.01);

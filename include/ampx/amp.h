@@ -100,6 +100,10 @@ struct AmpProperties {
   c10::optional<LossScale> loss_scale;  // nullopt: no scaling (scale 1)
   c10::optional<c10::ScalarType> cast_model_outputs;
   int64_t num_losses;
+  /// Whether the model has norm layers that keep_batchnorm_fp32 left in fp32:
+  /// only then does the O2 forward guard route them (a model without norm
+  /// layers skips the guard's dispatcher registrations).
+  bool has_fp32_norm_layers = false;
   /// A two-column table, one property a line, for logs.
   std::string to_string() const;
 };
