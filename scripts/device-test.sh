@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds ampx against the machine's own PyTorch (pip wheel, CUDA) and runs the
 # tests there; for the lent GPU machine, which has no Debian packages. Expects
-# GoogleTest sources and nlohmann/json.hpp in .device/ (copied from this
-# machine's googletest and nlohmann-json3-dev packages).
+# GoogleTest sources, nlohmann/json.hpp and CLI11's headers in .device/
+# (copied from this machine's googletest, nlohmann-json3-dev and libcli11-dev
+# packages: cp -r /usr/src/googletest .device/googletest; cp -r
+# /usr/include/nlohmann .device/nlohmann_include; mkdir -p .device/cli11_include
+# && cp -r /usr/include/CLI .device/cli11_include/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,6 +14,7 @@ build=build/device
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
   -DAMPX_PYTHON="$(command -v "$PY")" -DAMPX_BUILD_BENCHMARKS=OFF \
   -DAMPX_GTEST_SOURCE_DIR="$PWD/.device/googletest" \
-  -DAMPX_JSON_INCLUDE_DIR="$PWD/.device/nlohmann_include" >/dev/null
+  -DAMPX_JSON_INCLUDE_DIR="$PWD/.device/nlohmann_include" \
+  -DAMPX_CLI11_INCLUDE_DIR="$PWD/.device/cli11_include" >/dev/null
 cmake --build "$build" -j"$(nproc)"
 cd "$build" && ctest --output-on-failure -j8 "$@"
