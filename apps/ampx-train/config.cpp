@@ -136,6 +136,9 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--progress", c.progress,
                  "auto (a live line on a terminal, plain lines otherwise), bar, lines, none")
       ->check(CLI::IsMember({"auto", "bar", "lines", "none"}));
+  app.add_option("--profile", c.profile,
+                 "profile one step after warm-up: a Chrome trace to this file (with --compare, "
+                 "one per mode: FILE-<mode>.json) and the ops taking the most time on the console");
   // Internal: a --compare run starts one process per mode with these.
   app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
   app.add_option("--result-file", c.result_file)->group("");

@@ -47,6 +47,7 @@ struct TrainConfig {
   int64_t log_every = 0;                 // plain progress lines; 0: about 20 per run
   std::string metrics_format = "jsonl";  // jsonl | csv
   std::string progress = "auto";         // auto | bar | lines | none
+  std::string profile;                   // Chrome trace of one step after warm-up
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare

@@ -57,6 +57,7 @@ void print_done(const Workload& workload, const RunResult& r) {
   std::printf("[%s] done: %.0f %s/s, median step %.1f ms, peak %.1f MiB, test loss %.4f, %s %.3f\n",
               r.mode.c_str(), r.items_per_s, workload.unit().c_str(), r.median_step_ms,
               r.peak_bytes / 1048576.0, r.eval.loss, workload.metric_name().c_str(), r.eval.metric);
+  if (!r.profile_summary.empty()) std::printf("%s", r.profile_summary.c_str());
   if (!r.checkpoint_path.empty()) {
     std::printf("[%s] checkpoint: %s\n", r.mode.c_str(), r.checkpoint_path.c_str());
   }

@@ -2,6 +2,7 @@
 
 #include "checkpoint.h"
 #include "device_memory.h"
+#include "profile.h"
 #include "progress.h"
 
 #include <ampx/ampx.h>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <sstream>
 
 namespace ampx::train {
@@ -274,9 +276,17 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     return r;
   };
 
+  // --profile: one step after warm-up, left out of the timing (the profiler slows it).
+  const int64_t profile_step =
+      config.profile.empty()
+          ? -1
+          : state.next_step + std::min<int64_t>(10, (total_steps - state.next_step) / 2);
+  const std::string profile_path = profile_path_for(config.profile, mode, !config.compare.empty());
   std::vector<double> step_ms;
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = state.next_step; step < total_steps; ++step) {
+    std::optional<StepProfile> profile;
+    if (step == profile_step) profile.emplace(profile_path);
     const auto t0 = std::chrono::steady_clock::now();
     Batch batch = workload.batch(step, device);
     optimizer.zero_grad();
@@ -293,7 +303,14 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     const double loss_value = loss.item<double>();  // also waits for the device
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    step_ms.push_back(ms);
+    if (profile) {
+      profile.reset();  // writes the trace
+      result.profile_summary = "[" + mode + "] profile of step " + std::to_string(step + 1) + " (" +
+                               std::to_string(ms) + " ms with the profiler on): " + profile_path +
+                               "\n" + summarize_trace(profile_path, 15);
+    } else {
+      step_ms.push_back(ms);
+    }
     if (!stepped) ++result.skipped;
     result.losses.push_back(loss_value);
     const double scale = scaler.is_enabled() ? scaler.get_scale() : 1.0;

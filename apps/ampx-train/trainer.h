@@ -35,6 +35,7 @@ struct RunResult {
   std::vector<std::pair<int64_t, EvalResult>> evals;  // (step, result) of --eval-every
   std::string metrics_path;
   std::string checkpoint_path;  // empty when no checkpoint was written
+  std::string profile_summary;  // --profile: the trace's path and top ops
 };
 
 /// A RunResult as JSON and back: how a --compare run collects the result of

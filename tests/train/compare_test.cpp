@@ -105,6 +105,21 @@ TEST_F(CompareTest, AFailingModeFailsTheComparisonWithItsMessage) {
   EXPECT_NE(output_.find("training O2 failed"), std::string::npos) << output_;
 }
 
+TEST_F(CompareTest, ProfileWritesATraceAndPrintsTheTopOps) {
+  ASSERT_EQ(
+      run("--steps 4 --precision O2 --profile '" + (dir_ / "prof" / "trace.json").string() + "'"),
+      0)
+      << output_;
+  std::ifstream in(dir_ / "prof" / "trace.json");
+  const auto trace = nlohmann::json::parse(in);
+  const auto& events = trace.is_array() ? trace : trace.at("traceEvents");
+  bool saw_matmul = false;
+  for (const auto& e : events) saw_matmul = saw_matmul || e.value("name", "") == "aten::matmul";
+  EXPECT_TRUE(saw_matmul) << "no aten::matmul in the trace";
+  EXPECT_NE(output_.find("[O2] profile of step 3"), std::string::npos) << output_;
+  EXPECT_NE(output_.find("op (inclusive time)"), std::string::npos) << output_;
+}
+
 #endif  // AMPX_TRAIN_BINARY
 
 }  // namespace
