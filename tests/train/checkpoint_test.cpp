@@ -6,6 +6,8 @@
 #include "checkpoint.h"
 
 #include <c10/util/Exception.h>
+#include "test_support.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <zlib.h>
@@ -30,44 +32,9 @@ using ampx::train::kCheckpointVersion;
 using ampx::train::read_checkpoint;
 using ampx::train::write_checkpoint;
 using nlohmann::json;
+using namespace ampx::train::test;
 
 constexpr size_t kHeaderBytes = 32;  // magic 8, version 4, two lengths 8 + 8, CRC 4
-
-/// The message of the c10::Error `fn` throws ("" when it throws none),
-/// without the C++ backtrace.
-std::string error_text(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-/// Passes if `fn` throws a c10::Error whose message contains every one of
-/// `parts` (gtest only: the tests link GTest::gtest_main, not gmock).
-testing::AssertionResult expect_error_contains(const std::function<void()>& fn,
-                                               std::initializer_list<std::string> parts) {
-  const std::string text = error_text(fn);
-  if (text.empty()) return testing::AssertionFailure() << "no c10::Error was thrown";
-  for (const auto& part : parts) {
-    if (text.find(part) == std::string::npos) {
-      return testing::AssertionFailure() << "\"" << text << "\"\n  lacks \"" << part << "\"";
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void write_bytes(const fs::path& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << path;
-}
 
 template <typename T>
 void put_le(std::string& out, T value) {

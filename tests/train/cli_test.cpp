@@ -9,6 +9,8 @@
 #include <ampx/version.h>
 
 #include <c10/util/Exception.h>
+#include "test_support.h"
+
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <CLI/CLI.hpp>
@@ -35,68 +37,7 @@ using ampx::train::modes_of;
 using ampx::train::parse_command_line;
 using ampx::train::resolve_defaults;
 using ampx::train::TrainConfig;
-
-/// Passes if `text` contains every one of `parts` (gtest only: the tests link
-/// GTest::gtest_main, not gmock).
-testing::AssertionResult contains(const std::string& text,
-                                  std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    if (text.find(part) == std::string::npos) {
-      return testing::AssertionFailure() << "\"" << text << "\"\n  lacks \"" << part << "\"";
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-/// The message of the c10::Error `fn` throws ("" when it throws none),
-/// without the C++ backtrace.
-std::string error_text(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
-
-/// Passes if `fn` throws a c10::Error whose message contains every one of `parts`.
-testing::AssertionResult expect_error_contains(const std::function<void()>& fn,
-                                               std::initializer_list<std::string> parts) {
-  const std::string text = error_text(fn);
-  if (text.empty()) return testing::AssertionFailure() << "no c10::Error was thrown";
-  return contains(text, parts);
-}
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-/// Sets or unsets an environment variable for one scope, then restores it.
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using namespace ampx::train::test;
 
 /// What parse_command_line made of `args` (program name added in front).
 struct Parsed {
@@ -165,13 +106,7 @@ class TrainCliTest : public testing::Test {
   /// <data>/moby-dick/data.txt: 20000 seeded random letters and spaces.
   fs::path text_data() {
     const fs::path data = folder("text-data");
-    fs::create_directories(data / "moby-dick");
-    std::mt19937 rng(7);
-    const std::string alphabet = "abcdefghijklmnopqrstuvwxyz     ";
-    std::uniform_int_distribution<size_t> pick(0, alphabet.size() - 1);
-    std::string text(20000, ' ');
-    for (auto& c : text) c = alphabet[pick(rng)];
-    std::ofstream(data / "moby-dick" / "data.txt", std::ios::binary) << text;
+    write_text_data(data, "abcdefghijklmnopqrstuvwxyz     ", 20000, 7);
     return data;
   }
 

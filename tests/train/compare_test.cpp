@@ -2,6 +2,8 @@
 // markdown and JSON, the plot (or its data and a note when gnuplot is
 // missing), per-mode checkpoints that --resume picks up again.
 
+#include "test_support.h"
+
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -21,15 +23,8 @@ namespace {
 class CompareTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "ampx-compare-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
-    fs::create_directories(dir_ / "data" / "moby-dick");
-    std::mt19937 rng(3);
-    std::string text;
-    while (text.size() < 20000) text += "abcdefgh "[rng() % 9];
-    std::ofstream(dir_ / "data" / "moby-dick" / "data.txt") << text;
+    ampx::train::test::write_text_data(dir_ / "data", "abcdefgh ", 20000, 3);
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   /// Runs the binary with the tiny gpt flags plus `extra`; output in `output_`.
   int run(const std::string& extra) {
@@ -39,12 +34,12 @@ class CompareTest : public ::testing::Test {
                             "--eval-batches 1 --threads 1 --progress none " +
                             extra + " > '" + (dir_ / "log").string() + "' 2>&1";
     const int status = std::system(cmd.c_str());
-    std::ifstream in(dir_ / "log");
-    output_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    output_ = ampx::train::test::read_bytes(dir_ / "log");
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   }
 
-  fs::path dir_;
+  ampx::train::test::TempDir tmp_{"ampx-compare"};
+  const fs::path dir_ = tmp_.path();
   std::string output_;
 };
 

@@ -5,6 +5,8 @@
 #include "data.h"
 
 #include <c10/util/Exception.h>
+#include "test_support.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <zlib.h>
@@ -28,29 +30,7 @@ using ampx::train::ImageSplit;
 using ampx::train::TextData;
 
 using Bytes = std::vector<uint8_t>;
-
-/// Passes if `text` contains every one of `parts` (gtest only: the tests link
-/// GTest::gtest_main, not gmock).
-testing::AssertionResult contains(const std::string& text,
-                                  std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    if (text.find(part) == std::string::npos) {
-      return testing::AssertionFailure() << "\"" << text << "\"\n  lacks \"" << part << "\"";
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-/// The message of the c10::Error `fn` throws ("" when it throws none),
-/// without the C++ backtrace.
-std::string error_text(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using namespace ampx::train::test;
 
 void put_be32(Bytes& out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<uint8_t>(v >> shift));
@@ -122,32 +102,6 @@ void expect_split(const ImageSplit& split, const Bytes& pixels, const Bytes& lab
   EXPECT_EQ(split.images[n - 1][2][1].item<int64_t>(), pixels[n * 6 - 1]);
   for (int64_t i = 0; i < n; ++i) EXPECT_EQ(split.labels[i].item<int64_t>(), labels[i]) << i;
 }
-
-/// Sets or unsets an environment variable for one scope, then restores it.
-class EnvGuard {
- public:
-  EnvGuard(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~EnvGuard() {
-    if (old_) {
-      setenv(name_, old_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  EnvGuard(const EnvGuard&) = delete;
-  EnvGuard& operator=(const EnvGuard&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 class TrainDataTest : public testing::Test {
  protected:

@@ -4,6 +4,7 @@
 // damaged or foreign checkpoints are refused, never overwritten.
 
 #include "checkpoint.h"
+#include "test_support.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -35,28 +36,9 @@ struct Exit {
   std::string output;  // stdout + stderr
 };
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "ampx-resume-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-void write_file(const fs::path& p, const std::string& bytes) {
-  fs::create_directories(p.parent_path());
-  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
-}
+using ampx::train::test::read_bytes;
+using ampx::train::test::TempDir;
+using ampx::train::test::write_bytes;
 
 /// Starts ampx-train with `args`, output to `log`; returns the child's pid.
 pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
@@ -80,7 +62,7 @@ Exit wait_for(pid_t pid, const fs::path& log) {
   Exit e;
   e.killed = WIFSIGNALED(status);
   e.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  e.output = read_file(log);
+  e.output = read_bytes(log);
   return e;
 }
 
@@ -95,7 +77,7 @@ void write_text(const fs::path& data_dir) {
                                           "me",  "ishmael", "white", "captain", "harpoon"};
   std::string text;
   while (text.size() < 30000) text += words[rng() % words.size()] + (rng() % 9 ? " " : ".\n");
-  write_file(data_dir / "moby-dick" / "data.txt", text);
+  write_bytes(data_dir / "moby-dick" / "data.txt", text);
 }
 
 class ResumeTest : public ::testing::TestWithParam<std::string> {
@@ -240,7 +222,7 @@ class DamagedCheckpointTest : public ResumeTest {
     a.insert(a.end(), {"--save-every", "2"});
     const Exit e = run(a, dir_.path() / "first.log");
     EXPECT_EQ(e.status, 0) << e.output;
-    return read_file(checkpoint("run"));
+    return read_bytes(checkpoint("run"));
   }
   /// Resumes with `extra` flags; expects failure naming `needles`, and the
   /// checkpoint left exactly as `before`.
@@ -253,21 +235,21 @@ class DamagedCheckpointTest : public ResumeTest {
     for (const auto& n : needles) {
       EXPECT_NE(e.output.find(n), std::string::npos) << "missing '" << n << "' in:\n" << e.output;
     }
-    EXPECT_EQ(read_file(checkpoint("run")), before) << "the checkpoint was modified";
+    EXPECT_EQ(read_bytes(checkpoint("run")), before) << "the checkpoint was modified";
   }
 };
 
 TEST_P(DamagedCheckpointTest, FlippedByteIsRefusedAndKept) {
   std::string bytes = make_checkpoint();
   bytes[bytes.size() / 2] ^= 0x10;
-  write_file(checkpoint("run"), bytes);
+  write_bytes(checkpoint("run"), bytes);
   expect_refused(bytes, {checkpoint("run").string(), "is corrupted"});
 }
 
 TEST_P(DamagedCheckpointTest, TruncatedFileIsRefusedAndKept) {
   std::string bytes = make_checkpoint();
   bytes.resize(bytes.size() * 2 / 3);
-  write_file(checkpoint("run"), bytes);
+  write_bytes(checkpoint("run"), bytes);
   expect_refused(bytes, {checkpoint("run").string(), "is truncated"});
 }
 
