@@ -10,7 +10,7 @@ PACKAGES=(
   libtorch-dev python3-torch python3-numpy
   libopenblas0-pthread libopenblas0-openmp libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev zlib1g-dev
+  libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
   gnuplot-nox dataset-fashion-mnist curl ca-certificates
   debootstrap
 )

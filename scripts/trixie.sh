@@ -36,7 +36,7 @@ PACKAGES=(
   libtorch-dev python3-torch python3-numpy
   libopenblas0-pthread libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev zlib1g-dev
+  libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
   ca-certificates
 )
 # Host variables passed into the chroot (besides AMPX_*).

@@ -4,6 +4,7 @@
 
 #include "ampx/amp.h"
 #include "ampx/autocast.h"
+#include "ampx/dist.h"
 #include "ampx/grad_scaler.h"
 #include "ampx/kernels.h"
 #include "ampx/memory.h"

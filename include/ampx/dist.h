@@ -1,0 +1,158 @@
+#pragma once
+
+// Data-parallel training on PyTorch's own c10d process groups (Gloo on the
+// CPU), launched by torchrun, Open MPI or Slurm, or by hand:
+//
+//   auto pg = ampx::dist::init_process_group();          // RANK, WORLD_SIZE, MASTER_ADDR, ...
+//   ampx::dist::DistributedDataParallel ddp(model, pg);  // rank 0's weights everywhere
+//   for (...) {
+//     opt.zero_grad();
+//     auto loss = loss_fn(model->forward(x_shard), y_shard);
+//     scaler.scale(loss).backward();                     // buckets all-reduce during backward
+//     ddp.synchronize();                                 // wait, average into .grad
+//     scaler.step(opt);                                  // same grads, same skip on every rank
+//     scaler.update();
+//   }
+//
+// Gradients are all-reduced in buckets (default 25 MiB) launched from
+// gradient hooks as soon as every gradient of a bucket is ready, so the
+// communication overlaps the rest of backward. Because every rank steps
+// with the same averaged gradients, an inf/NaN on any rank reaches all of
+// them and GradScaler skips and backs off identically everywhere.
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace at {
+class Tensor;
+}  // namespace at
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace ampx {
+namespace dist {
+
+/// Where this process sits, as a launcher described it.
+struct LaunchEnv {
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  int64_t local_rank = 0;
+  std::string master_addr;
+  int64_t master_port = 0;
+  std::string launcher;  // "torchrun", "Open MPI", "Slurm"
+};
+
+/// Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;
+/// else Open MPI's OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK; else Slurm's
+/// SLURM_PROCID/NTASKS/LOCALID (MASTER_ADDR and MASTER_PORT are needed with
+/// the latter two). Errors name every variable that is missing or malformed.
+LaunchEnv launch_env_from_environment();
+
+struct InitOptions {
+  /// How long rendezvous and each collective may take before they fail.
+  TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(300);
+  /// Interface address Gloo binds to; empty: the one MASTER_ADDR routes from
+  /// (loopback when MASTER_ADDR is local).
+  TORCH_ARG(std::string, hostname) = "";
+};
+
+/// A c10d process group (Gloo). Copies share one group.
+class ProcessGroup {
+ public:
+  int64_t rank() const;
+  int64_t world_size() const;
+  std::chrono::milliseconds timeout() const;
+  /// Sums `tensor` in place over all ranks and waits.
+  void all_reduce_sum(at::Tensor& tensor) const;
+  /// Takes the element-wise maximum in place over all ranks and waits.
+  void all_reduce_max(at::Tensor& tensor) const;
+  /// Copies rank `root`'s `tensor` into every rank's, in place, and waits.
+  void broadcast(at::Tensor& tensor, int64_t root = 0) const;
+  /// Returns when every rank has called it.
+  void barrier() const;
+
+  struct Impl;
+  explicit ProcessGroup(std::shared_ptr<Impl> impl);
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Rendezvous through c10d's TCPStore at env.master_addr:master_port (rank 0
+/// serves it) and a Gloo process group over it. Errors name what is missing
+/// and, on timeout, how many ranks arrived.
+ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options = {});
+/// The same, from launch_env_from_environment().
+ProcessGroup init_process_group(const InitOptions& options = {});
+
+/// Whether this build of ampx has c10d with Gloo.
+bool is_available();
+
+struct DistributedDataParallelOptions {
+  /// Most bytes of gradients per all-reduce (PyTorch's bucket_cap_mb).
+  TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
+  /// Type the gradients travel in: nullopt keeps each gradient's own type;
+  /// kBFloat16 or kHalf halve the bytes of fp32 gradients (summed in that
+  /// type by Gloo, then averaged back into the gradient's type).
+  TORCH_ARG(c10::optional<c10::ScalarType>, communication_dtype) = c10::nullopt;
+  /// Parameters that get no gradient in an iteration count as zero instead
+  /// of being an error (PyTorch's find_unused_parameters).
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// Broadcast rank 0's parameters and buffers at construction.
+  TORCH_ARG(bool, broadcast_parameters) = true;
+};
+
+/// PyTorch's DistributedDataParallel for a torch::nn::Module: the module is
+/// used as is (call its forward), this object owns the gradient hooks.
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,
+                          DistributedDataParallelOptions options = {});
+  ~DistributedDataParallel();
+  DistributedDataParallel(const DistributedDataParallel&) = delete;
+  DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// After backward: launches buckets still waiting, waits for all, and
+  /// writes the averaged gradients into each parameter's .grad.
+  void synchronize();
+
+  /// While a NoSyncGuard lives, backward only accumulates into .grad (no
+  /// communication); the next backward outside it reduces the accumulated
+  /// gradients (PyTorch's no_sync for gradient accumulation).
+  class NoSyncGuard {
+   public:
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    friend class DistributedDataParallel;
+    explicit NoSyncGuard(DistributedDataParallel& ddp);
+    DistributedDataParallel& ddp_;
+  };
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// Bytes all-reduced so far (what the communication dtype saves).
+  int64_t bytes_communicated() const;
+  /// Buckets: each bucket's parameter indices (into module->parameters()).
+  std::vector<std::vector<int64_t>> bucket_layout() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dist
+}  // namespace ampx

@@ -1,0 +1,284 @@
+// DistributedDataParallel: bucketed gradient all-reduce launched from
+// gradient hooks, overlapped with the rest of backward.
+
+#include "ampx/dist.h"
+
+#include "process_group_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <mutex>
+
+namespace ampx {
+namespace dist {
+
+#if defined(AMPX_WITH_DIST)
+
+namespace {
+
+// Bitwise broadcasts: Gloo moves bytes, so 2-byte floats and bools travel as
+// integers of their width (Gloo builds differ in which float types they take).
+at::Tensor as_wire(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+    case at::kHalf:
+      return t.view(at::kShort);
+    case at::kBool:
+      return t.view(at::kByte);
+    default:
+      return t;
+  }
+}
+
+}  // namespace
+
+struct DistributedDataParallel::Impl {
+  struct Bucket {
+    std::vector<int64_t> params;  // indices into params
+    std::vector<int64_t> offsets;
+    at::Tensor flat;  // communication dtype
+    int64_t pending = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  Impl(std::shared_ptr<torch::nn::Module> m, ProcessGroup g, DistributedDataParallelOptions o)
+      : module(std::move(m)), group(std::move(g)), options(std::move(o)) {}
+
+  void build_buckets() {
+    for (const auto& p : module->named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      names.push_back(p.key());
+      params.push_back(p.value());
+    }
+    bucket_of.assign(params.size(), -1);
+    // Reverse order of registration: the last layers' gradients are ready
+    // first in backward, so the first bucket fills first.
+    for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
+      const auto& p = params[i];
+      const auto dtype = options.communication_dtype().value_or(p.scalar_type());
+      const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(dtype));
+      bool fits = !buckets.empty() && buckets.back().flat.scalar_type() == dtype &&
+                  buckets.back().flat.device() == p.device() &&
+                  (buckets.back().flat.numel() + p.numel()) *
+                          static_cast<int64_t>(c10::elementSize(dtype)) <=
+                      std::max(options.bucket_cap_bytes(), bytes);
+      if (!fits) {
+        Bucket b;
+        b.flat = torch::empty({0}, p.options().dtype(dtype));
+        buckets.push_back(std::move(b));
+      }
+      auto& b = buckets.back();
+      b.offsets.push_back(b.flat.numel());
+      b.params.push_back(i);
+      b.flat = torch::empty({b.flat.numel() + p.numel()}, b.flat.options());
+      bucket_of[i] = static_cast<int64_t>(buckets.size()) - 1;
+    }
+    ready.assign(params.size(), false);
+    for (auto& b : buckets) b.pending = static_cast<int64_t>(b.params.size());
+  }
+
+  int64_t slot(int64_t bucket, int64_t param) const {
+    const auto& ps = buckets[bucket].params;
+    return std::find(ps.begin(), ps.end(), param) - ps.begin();
+  }
+
+  at::Tensor view_of(int64_t i) {
+    auto& b = buckets[bucket_of[i]];
+    const int64_t s = slot(bucket_of[i], i);
+    return b.flat.narrow(0, b.offsets[s], params[i].numel());
+  }
+
+  // Called with the lock held.
+  void mark_ready(int64_t i, const at::Tensor& value) {
+    TORCH_CHECK(!ready[i], "DistributedDataParallel: parameter '", names[i],
+                "' got a second gradient before synchronize(); call synchronize() after each "
+                "backward (or use no_sync() to accumulate)");
+    view_of(i).copy_(value.reshape({-1}));
+    ready[i] = true;
+    auto& b = buckets[bucket_of[i]];
+    if (--b.pending == 0) {
+      b.work = group.impl()->all_reduce_async(b.flat, c10d::ReduceOp::SUM);
+    }
+  }
+
+  void on_grad(int64_t i, const at::Tensor& grad) {
+    if (!sync) return;
+    torch::NoGradGuard no_grad;
+    std::lock_guard<std::mutex> lock(mutex);
+    // After no_sync iterations .grad holds the gradients accumulated so far;
+    // the hook sees this backward's part before it is added.
+    const auto& acc = params[i].grad();
+    mark_ready(i, acc.defined() ? acc + grad : grad);
+  }
+
+  void synchronize() {
+    if (!sync) return;
+    torch::NoGradGuard no_grad;
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<std::string> unused;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (ready[i]) continue;
+      if (!options.find_unused_parameters()) {
+        unused.push_back(names[i]);
+        continue;
+      }
+      const auto& acc = params[i].grad();
+      mark_ready(static_cast<int64_t>(i), acc.defined() ? acc : torch::zeros_like(params[i]));
+    }
+    if (!unused.empty()) {
+      std::string list;
+      for (const auto& n : unused) list += (list.empty() ? "" : ", ") + n;
+      reset();
+      TORCH_CHECK(false, "DistributedDataParallel: ", unused.size(),
+                  " parameter(s) received no gradient in this iteration: ", list,
+                  ". Construct it with find_unused_parameters(true) to treat them as zero, or "
+                  "freeze them (requires_grad false) before wrapping");
+    }
+    const double inv_world = 1.0 / static_cast<double>(group.world_size());
+    for (auto& b : buckets) {
+      try {
+        b.work->wait(group.timeout());
+      } catch (const std::exception& e) {
+        reset();
+        TORCH_CHECK(false, "ampx::dist: gradient all-reduce failed on rank ", group.rank(), " of ",
+                    group.world_size(), " (a rank died or timed out after ",
+                    group.timeout().count(), " ms): ", message_of(e));
+      }
+      bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
+      for (size_t s = 0; s < b.params.size(); ++s) {
+        auto& p = params[b.params[s]];
+        auto averaged = b.flat.narrow(0, b.offsets[s], p.numel())
+                            .view(p.sizes())
+                            .to(p.scalar_type())
+                            .mul_(inv_world);
+        if (p.grad().defined()) {
+          p.mutable_grad().copy_(averaged);
+        } else {
+          p.mutable_grad() = averaged;
+        }
+      }
+    }
+    reset();
+  }
+
+  void reset() {
+    std::fill(ready.begin(), ready.end(), false);
+    for (auto& b : buckets) {
+      b.pending = static_cast<int64_t>(b.params.size());
+      b.work.reset();
+    }
+  }
+
+  std::shared_ptr<torch::nn::Module> module;
+  ProcessGroup group;
+  DistributedDataParallelOptions options;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> bucket_of;
+  std::vector<bool> ready;
+  std::vector<Bucket> buckets;
+  std::vector<unsigned> hooks;
+  bool sync = true;
+  int64_t bytes = 0;
+  std::mutex mutex;
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 ProcessGroup group,
+                                                 DistributedDataParallelOptions options) {
+  TORCH_CHECK(module != nullptr, "DistributedDataParallel: module is null");
+  const auto cdt = options.communication_dtype();
+  TORCH_CHECK(!cdt || *cdt == at::kFloat || *cdt == at::kHalf || *cdt == at::kBFloat16,
+              "DistributedDataParallel: communication_dtype must be float32, float16 or "
+              "bfloat16, got ",
+              *cdt);
+  TORCH_CHECK(options.bucket_cap_bytes() > 0,
+              "DistributedDataParallel: bucket_cap_bytes must be > 0, got ",
+              options.bucket_cap_bytes());
+  impl_ = std::make_unique<Impl>(std::move(module), std::move(group), std::move(options));
+  auto* impl = impl_.get();
+  if (impl->options.broadcast_parameters()) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : impl->module->parameters()) {
+      auto wire = as_wire(p.data());
+      impl->group.broadcast(wire, 0);
+    }
+    for (auto& b : impl->module->buffers()) {
+      auto wire = as_wire(b.data());
+      impl->group.broadcast(wire, 0);
+    }
+  }
+  if (cdt && *cdt != at::kFloat) {
+    // Gloo builds differ in the types they can sum (LibTorch 1.13's has no
+    // bfloat16): find out now, on every rank, rather than mid-backward.
+    auto probe = torch::ones({1}, torch::TensorOptions().dtype(*cdt));
+    try {
+      impl->group.all_reduce_sum(probe);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "DistributedDataParallel: this LibTorch's Gloo cannot all-reduce ", *cdt,
+                  " gradients (communication_dtype); use ",
+                  *cdt == at::kBFloat16 ? "torch::kHalf" : "torch::kBFloat16",
+                  " or float32: ", e.what_without_backtrace());
+    }
+  }
+  impl->build_buckets();
+  for (size_t i = 0; i < impl->params.size(); ++i) {
+    impl->hooks.push_back(impl->params[i].register_hook(
+        [impl, i](const at::Tensor& grad) { impl->on_grad(static_cast<int64_t>(i), grad); }));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  if (!impl_) return;
+  for (size_t i = 0; i < impl_->params.size(); ++i) {
+    impl_->params[i].remove_hook(impl_->hooks[i]);
+  }
+}
+
+void DistributedDataParallel::synchronize() {
+  impl_->synchronize();
+}
+
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {
+  ddp_.impl_->sync = false;
+}
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() {
+  ddp_.impl_->sync = true;
+}
+
+int64_t DistributedDataParallel::bytes_communicated() const {
+  return impl_->bytes;
+}
+
+std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_layout() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : impl_->buckets) out.push_back(b.params);
+  return out;
+}
+
+#else  // !AMPX_WITH_DIST
+
+struct DistributedDataParallel::Impl {
+  bool sync = true;
+};
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module>, ProcessGroup,
+                                                 DistributedDataParallelOptions) {
+  TORCH_CHECK(false, "ampx::dist: this ampx was built without c10d/Gloo");
+}
+DistributedDataParallel::~DistributedDataParallel() = default;
+void DistributedDataParallel::synchronize() {}
+DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp) : ddp_(ddp) {}
+DistributedDataParallel::NoSyncGuard::~NoSyncGuard() = default;
+int64_t DistributedDataParallel::bytes_communicated() const {
+  return 0;
+}
+std::vector<std::vector<int64_t>> DistributedDataParallel::bucket_layout() const {
+  return {};
+}
+
+#endif
+
+}  // namespace dist
+}  // namespace ampx

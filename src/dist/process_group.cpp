@@ -1,0 +1,247 @@
+// Launcher environments, TCPStore rendezvous and the Gloo process group.
+
+#include "ampx/dist.h"
+
+#include "ampx/detail/compat.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#if defined(AMPX_WITH_DIST)
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+#include <cstdlib>
+#include <sstream>
+#include <vector>
+
+#include "process_group_impl.h"
+
+namespace ampx {
+namespace dist {
+namespace {
+
+// The value of `name`, or nullptr when unset or empty.
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : nullptr;
+}
+
+struct Reader {
+  std::vector<std::string> missing, malformed;
+  int64_t integer(const char* name, int64_t min) {
+    const char* v = env(name);
+    if (v == nullptr) {
+      missing.emplace_back(name);
+      return 0;
+    }
+    char* end = nullptr;
+    const long long x = std::strtoll(v, &end, 10);
+    if (*end != '\0' || x < min) {
+      malformed.push_back(std::string(name) + "='" + v + "'");
+      return 0;
+    }
+    return x;
+  }
+  std::string text(const char* name) {
+    const char* v = env(name);
+    if (v == nullptr) missing.emplace_back(name);
+    return v != nullptr ? v : "";
+  }
+};
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
+  return out;
+}
+
+}  // namespace
+
+LaunchEnv launch_env_from_environment() {
+  Reader r;
+  LaunchEnv e;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    e.launcher = "torchrun";
+    e.rank = r.integer("RANK", 0);
+    e.world_size = r.integer("WORLD_SIZE", 1);
+    e.local_rank = env("LOCAL_RANK") ? r.integer("LOCAL_RANK", 0) : 0;
+  } else if (env("OMPI_COMM_WORLD_RANK")) {
+    e.launcher = "Open MPI";
+    e.rank = r.integer("OMPI_COMM_WORLD_RANK", 0);
+    e.world_size = r.integer("OMPI_COMM_WORLD_SIZE", 1);
+    e.local_rank =
+        env("OMPI_COMM_WORLD_LOCAL_RANK") ? r.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0) : 0;
+  } else if (env("SLURM_PROCID")) {
+    e.launcher = "Slurm";
+    e.rank = r.integer("SLURM_PROCID", 0);
+    e.world_size = r.integer("SLURM_NTASKS", 1);
+    e.local_rank = env("SLURM_LOCALID") ? r.integer("SLURM_LOCALID", 0) : 0;
+  } else {
+    TORCH_CHECK(false,
+                "ampx::dist: no launcher environment: set RANK and WORLD_SIZE (torchrun), or run "
+                "under Open MPI (OMPI_COMM_WORLD_RANK) or Slurm (SLURM_PROCID), with "
+                "MASTER_ADDR and MASTER_PORT");
+  }
+  e.master_addr = r.text("MASTER_ADDR");
+  e.master_port = r.integer("MASTER_PORT", 1);
+  TORCH_CHECK(r.missing.empty() && r.malformed.empty(), "ampx::dist: incomplete ", e.launcher,
+              " environment:", r.missing.empty() ? "" : " missing " + join(r.missing) + ";",
+              r.malformed.empty() ? "" : " malformed " + join(r.malformed) + ";",
+              " needed: rank, world size, MASTER_ADDR, MASTER_PORT");
+  TORCH_CHECK(e.rank < e.world_size, "ampx::dist: rank ", e.rank, " is not below the world size ",
+              e.world_size, " (", e.launcher, ")");
+  TORCH_CHECK(e.master_port <= 65535, "ampx::dist: MASTER_PORT=", e.master_port,
+              " is not a TCP port");
+  return e;
+}
+
+bool is_available() {
+#if defined(AMPX_WITH_DIST)
+  return true;
+#else
+  return false;
+#endif
+}
+
+ProcessGroup::ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+int64_t ProcessGroup::rank() const {
+  return impl_->rank;
+}
+int64_t ProcessGroup::world_size() const {
+  return impl_->world_size;
+}
+std::chrono::milliseconds ProcessGroup::timeout() const {
+  return impl_->timeout;
+}
+
+#if defined(AMPX_WITH_DIST)
+
+namespace {
+
+void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, const ProcessGroup& pg) {
+  try {
+    work->wait(pg.timeout());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: ", what, " failed on rank ", pg.rank(), " of ", pg.world_size(),
+                " (a rank died or timed out after ", pg.timeout().count(), " ms): ", message_of(e));
+  }
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& t,
+                                                                    c10d::ReduceOp op) {
+  std::vector<at::Tensor> tensors{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = op;
+  o.timeout = timeout;
+  return gloo->allreduce(tensors, o);
+}
+
+void ProcessGroup::all_reduce_sum(at::Tensor& t) const {
+  wait(impl_->all_reduce_async(t, c10d::ReduceOp::SUM), "all-reduce", *this);
+}
+
+void ProcessGroup::all_reduce_max(at::Tensor& t) const {
+  wait(impl_->all_reduce_async(t, c10d::ReduceOp::MAX), "all-reduce (max)", *this);
+}
+
+void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
+  std::vector<at::Tensor> tensors{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  o.timeout = impl_->timeout;
+  wait(impl_->gloo->broadcast(tensors, o), "broadcast", *this);
+}
+
+void ProcessGroup::barrier() const {
+  auto t = torch::zeros({1});
+  all_reduce_sum(t);  // a barrier that also reports a dead rank
+}
+
+ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options) {
+  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+              "ampx::dist::init_process_group: rank ", env.rank, " of world size ", env.world_size,
+              " is not a position in the group");
+  TORCH_CHECK(!env.master_addr.empty() && env.master_port > 0 && env.master_port <= 65535,
+              "ampx::dist::init_process_group: master address '", env.master_addr, "' port ",
+              env.master_port, " is not a rendezvous point");
+  auto impl = std::make_shared<ProcessGroup::Impl>();
+  impl->rank = env.rank;
+  impl->world_size = env.world_size;
+  impl->timeout = options.timeout();
+  c10d::TCPStoreOptions so;
+  so.port = static_cast<uint16_t>(env.master_port);
+  so.isServer = env.rank == 0;
+  so.numWorkers = static_cast<size_t>(env.world_size);
+  so.waitWorkers = false;
+  so.timeout = options.timeout();
+#if AMPX_TORCH_AT_LEAST(2, 3)
+  // 2.3 added a libuv server and 2.4 made it the default, which Debian's
+  // build lacks; the classic server is the one every build has.
+  so.useLibUV = false;
+#endif
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " could not reach the rendezvous at ",
+                env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
+                " ms: ", message_of(e));
+  }
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
+  const std::string host = options.hostname().empty() ? env.master_addr : options.hostname();
+  try {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
+  } catch (const std::exception&) {
+    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  try {
+    impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("ampx", store), static_cast<int>(env.rank),
+        static_cast<int>(env.world_size), gloo_options);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
+                " could not join the Gloo group within ", options.timeout().count(),
+                " ms (did every rank start?): ", message_of(e));
+  }
+  return ProcessGroup(std::move(impl));
+}
+
+#else  // !AMPX_WITH_DIST
+
+namespace {
+[[noreturn]] void unavailable() {
+  TORCH_CHECK(false,
+              "ampx::dist: this ampx was built without c10d/Gloo (LibTorch's distributed "
+              "headers and Debian's libgloo-dev)");
+}
+}  // namespace
+
+void ProcessGroup::all_reduce_sum(at::Tensor&) const {
+  unavailable();
+}
+void ProcessGroup::all_reduce_max(at::Tensor&) const {
+  unavailable();
+}
+void ProcessGroup::broadcast(at::Tensor&, int64_t) const {
+  unavailable();
+}
+void ProcessGroup::barrier() const {
+  unavailable();
+}
+ProcessGroup init_process_group(const LaunchEnv&, const InitOptions&) {
+  unavailable();
+}
+
+#endif
+
+ProcessGroup init_process_group(const InitOptions& options) {
+  return init_process_group(launch_env_from_environment(), options);
+}
+
+}  // namespace dist
+}  // namespace ampx
