@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <iomanip>
 #include <sstream>
 #include <thread>
@@ -79,6 +80,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->check(CLI::IsMember({"bf16", "fp16"}))
       ->default_str("auto");
   app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--nproc", c.nproc,
+                 "data-parallel processes on this machine (Gloo); --batch-size is the global "
+                 "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
+      ->check(kPositive);
   app.add_option("--threads", c.threads, "intra-op CPU threads [default: all cores]")
       ->check(kPositive)
       ->default_str("auto");
@@ -160,8 +165,12 @@ void resolve_defaults(TrainConfig& c) {
   if (c.lr == 0) c.lr = d.lr;
   if (c.eval_batches == 0) c.eval_batches = 32;
   if (c.dtype.empty()) c.dtype = c.device == "cuda" ? "fp16" : "bf16";
-  if (c.threads == 0)
-    c.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (c.threads == 0) {  // all cores, shared by the processes of this machine
+    int local = c.nproc;
+    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    c.threads = std::max(1, cores / local);
+  }
   if (c.out_dir.empty()) c.out_dir = "runs/" + c.workload;
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = c.out_dir + "/checkpoints";
   c.data_dir = resolve_data_dir(c.data_dir).string();
@@ -203,6 +212,7 @@ std::string settings_table(const TrainConfig& c) {
   add(c.compare.empty() ? "precision" : "compare", modes);
   add("dtype", c.dtype);
   add("device", c.device);
+  if (c.nproc > 1) add("processes", c.nproc);
   add("threads", c.threads);
   add("batch size", c.batch_size);
   if (c.steps > 0) {

@@ -22,12 +22,14 @@ struct TrainConfig {
   std::string precision = "O2";      // fp32 | O1 | O2 | O3 (one run)
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
-  std::string device = "cpu";        // cpu | cuda
-  int threads = 0;                   // intra-op threads; 0: all cores
-  int64_t batch_size = 0;            // per step
-  int64_t steps = 0;                 // optimizer steps (or --epochs)
-  double epochs = 0;                 // passes over the training split
-  double lr = 0;                     // AdamW learning rate
+  std::string device = "cpu";
+  int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead) // cpu
+                  // | cuda
+  int threads = 0;         // intra-op threads; 0: all cores
+  int64_t batch_size = 0;  // per step
+  int64_t steps = 0;       // optimizer steps (or --epochs)
+  double epochs = 0;       // passes over the training split
+  double lr = 0;           // AdamW learning rate
   double weight_decay = 0.01;
   uint64_t seed = 1337;
   // gpt model shape

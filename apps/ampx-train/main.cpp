@@ -20,8 +20,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -29,6 +34,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 extern char** environ;
 
@@ -37,20 +43,76 @@ namespace {
 namespace fs = std::filesystem;
 using namespace ampx::train;
 
-/// Runs this binary again with `argv` plus `extra`; returns its exit status.
-int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
+/// Starts this binary again with `argv` plus `extra`, and `env` added to
+/// the environment; returns the child's pid.
+pid_t spawn_self(int argc, char** argv, const std::vector<std::string>& extra,
+                 const std::vector<std::string>& env = {}) {
   std::vector<char*> args(argv, argv + argc);
   for (const auto& e : extra) args.push_back(const_cast<char*>(e.c_str()));
   args.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  envp.push_back(nullptr);
   pid_t pid = 0;
-  const int err = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args.data(), environ);
+  const int err = ::posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, args.data(), envp.data());
   TORCH_CHECK(err == 0, "ampx-train: cannot start a training process: ", std::strerror(err));
+  return pid;
+}
+
+int wait_child(pid_t pid) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
     TORCH_CHECK(errno == EINTR, "ampx-train: waitpid failed: ", std::strerror(errno));
   }
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
+  return wait_child(spawn_self(argc, argv, extra));
+}
+
+/// A TCP port nobody listens on now, for the ranks' rendezvous.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "ampx-train: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  TORCH_CHECK(ok, "ampx-train: no free loopback port: ", std::strerror(errno));
+  return ntohs(addr.sin_port);
+}
+
+/// --nproc N: N copies of this run as ranks 0..N-1 (torchrun's variables on
+/// loopback); the first to fail stops the others.
+int run_ranks(int argc, char** argv, int nproc) {
+  const std::string port = std::to_string(free_port());
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) {
+    pids.push_back(spawn_self(
+        argc, argv, {},
+        {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+         "WORLD_SIZE=" + std::to_string(nproc), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+  }
+  int result = 0;
+  for (size_t done = 0; done < pids.size(); ++done) {
+    int status = 0;
+    const pid_t pid = ::wait(&status);
+    if (pid < 0) break;
+    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (code != 0 && result == 0) {
+      result = code;
+      for (const pid_t other : pids) {
+        if (other != pid) ::kill(other, SIGTERM);
+      }
+    }
+  }
+  return result;
 }
 
 void print_done(const Workload& workload, const RunResult& r) {
@@ -68,32 +130,42 @@ int run(int argc, char** argv) {
   TrainConfig config;
   if (auto code = parse_command_line(argc, argv, config)) return *code;
   resolve_defaults(config);
-  at::set_num_threads(config.threads);
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  enable_memory_tracking(device);
-  const bool child = !config.only_mode.empty();
   const auto modes = modes_of(config);
-
-  if (!child) {
+  const bool launched = std::getenv("WORLD_SIZE") != nullptr;  // a rank (--nproc or torchrun)
+  // Processes another ampx-train started (a mode of --compare, a rank of
+  // --nproc) leave the settings to it.
+  const bool started_by_us = !config.only_mode.empty() || (launched && config.nproc > 1);
+  if (!started_by_us) {
     std::cout << "ampx-train\n" << settings_table(config) << std::flush;
     if (const auto warning = blas_warning(config.threads); !warning.empty()) {
       std::cout << warning << "\n";
     }
   }
+  if (modes.size() == 1 && config.nproc > 1 && !launched) {
+    std::cout << std::endl;
+    return run_ranks(argc, argv, config.nproc);
+  }
+  std::optional<ampx::dist::ProcessGroup> group;
+  if (launched && modes.size() == 1) group.emplace(ampx::dist::init_process_group());
+  const bool rank0 = !group || group->rank() == 0;
+  at::set_num_threads(config.threads);
+  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  enable_memory_tracking(device);
   auto workload = make_workload(config);  // loads the data: missing data fails here
-  if (!child) {
+  if (!started_by_us && rank0) {
     if (config.epochs > 0)
       std::cout << "  (" << workload->steps_per_epoch() << " steps per epoch)\n";
     std::cout << std::endl;
   }
 
   if (modes.size() == 1) {
-    const RunResult r = train_mode(config, *workload, modes.front());
+    const RunResult r = train_mode(config, *workload, modes.front(), group ? &*group : nullptr);
+    if (!rank0) return 0;
     print_done(*workload, r);
     if (!config.result_file.empty()) {
       std::ofstream(config.result_file) << to_json(r).dump() << "\n";
     }
-    if (child) return 0;
+    if (!config.only_mode.empty()) return 0;  // the --compare parent reports
     const Report report = write_report(config, *workload, {r});
     std::cout << "\nsummary: " << report.json_path << "\nmetrics: " << r.metrics_path << std::endl;
     return 0;

@@ -200,7 +200,12 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
   return (dir / "checkpoint.ampx").string();
 }
 
-RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode) {
+RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode,
+                     const ampx::dist::ProcessGroup* group) {
+  const int64_t rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  const bool lead = rank == 0;  // writes files, shows progress, evaluates
+  TORCH_CHECK(config.batch_size % world == 0, "ampx-train: --batch-size ", config.batch_size,
+              " (the global batch) must be divisible by the ", world, " processes");
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
   const bool mixed = mode != "fp32";
   RunResult result;
@@ -246,6 +251,9 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   ampx::AmpOptions amp_options(mixed ? ampx::parse_opt_level(mode) : ampx::OptLevel::O0);
   if (mixed) amp_options.dtype(scalar_type_of(config.dtype)).cast_model_outputs(torch::kFloat);
   ampx::Amp amp = ampx::initialize(model, {&optimizer}, amp_options);
+  // After the cast: the broadcast and the buckets see the training dtypes.
+  std::optional<ampx::dist::DistributedDataParallel> ddp;
+  if (group) ddp.emplace(model, *group);
 
   LoopState state;
   if (config.resume) {
@@ -258,11 +266,15 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
 
   fs::create_directories(config.out_dir);
   const bool csv = config.metrics_format == "csv";
-  MetricsWriter metrics(fs::path(config.out_dir) / ("metrics-" + mode + (csv ? ".csv" : ".jsonl")),
-                        csv, config.resume ? state.next_step - 1 : -1);
-  result.metrics_path = metrics.path().string();
+  std::optional<MetricsWriter> metrics;
+  if (lead) {
+    metrics.emplace(fs::path(config.out_dir) / ("metrics-" + mode + (csv ? ".csv" : ".jsonl")), csv,
+                    config.resume ? state.next_step - 1 : -1);
+    result.metrics_path = metrics->path().string();
+  }
   Progress progress(mode, state.next_step, total_steps, workload.unit() + "/s",
-                    Progress::style_for(config.progress), config.log_every);
+                    lead ? Progress::style_for(config.progress) : Progress::Style::kNone,
+                    config.log_every);
 
   auto eval_forward = [&](const torch::Tensor& input) {
     auto forward = amp.forward_guard();
@@ -278,7 +290,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
 
   // --profile: one step after warm-up, left out of the timing (the profiler slows it).
   const int64_t profile_step =
-      config.profile.empty()
+      config.profile.empty() || !lead
           ? -1
           : state.next_step + std::min<int64_t>(10, (total_steps - state.next_step) / 2);
   const std::string profile_path = profile_path_for(config.profile, mode, !config.compare.empty());
@@ -289,6 +301,11 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     if (step == profile_step) profile.emplace(profile_path);
     const auto t0 = std::chrono::steady_clock::now();
     Batch batch = workload.batch(step, device);
+    if (world > 1) {  // this rank's rows of the global batch
+      const int64_t rows = batch.input.size(0) / world;
+      batch.input = batch.input.slice(0, rank * rows, (rank + 1) * rows);
+      batch.target = batch.target.slice(0, rank * rows, (rank + 1) * rows);
+    }
     optimizer.zero_grad();
     torch::Tensor loss;
     {
@@ -298,8 +315,14 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     }
     auto& scaler = amp.scaler();
     scaler.scale(loss).backward();
+    if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
     const bool stepped = static_cast<bool>(scaler.step(optimizer));
     scaler.update();
+    if (group) {  // the global batch's loss: the mean of the ranks' means
+      auto global = loss.detach().to(torch::kFloat).reshape({1});
+      group->all_reduce_sum(global);
+      loss = global / static_cast<double>(world);
+    }
     const double loss_value = loss.item<double>();  // also waits for the device
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -328,21 +351,21 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
         {"elapsed_s",
          std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()},
     };
-    const bool eval_now =
-        config.eval_every > 0 && (step + 1) % config.eval_every == 0 && step + 1 < total_steps;
+    const bool eval_now = lead && config.eval_every > 0 && (step + 1) % config.eval_every == 0 &&
+                          step + 1 < total_steps;
     if (eval_now) {
       const EvalResult e = evaluate();
       result.evals.emplace_back(step + 1, e);
       record["eval_loss"] = e.loss;
       record["eval_" + std::string(workload.name() == "gpt" ? "bpc" : "accuracy")] = e.metric;
     }
-    metrics.write(record);
+    if (metrics) metrics->write(record);
     progress.update(step, loss_value, scale, rate);
     state.next_step = step + 1;
     state.skipped = result.skipped;
     state.losses = result.losses;
     if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps)) {
-      save(ckpt, identity, workload, *model, optimizer, amp, state);
+      if (lead) save(ckpt, identity, workload, *model, optimizer, amp, state);
       result.checkpoint_path = ckpt;
     }
   }
@@ -368,7 +391,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   }
   result.train_loss = result.losses.empty() ? NAN : tail_sum / std::min(tail, result.losses.size());
   result.final_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
-  result.eval = evaluate();
+  if (lead) result.eval = evaluate();
   return result;
 }
 

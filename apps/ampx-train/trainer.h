@@ -11,6 +11,8 @@
 #include "config.h"
 #include "workloads.h"
 
+#include <ampx/dist.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -48,6 +50,11 @@ RunResult run_result_from_json(const nlohmann::json& json);
 std::string checkpoint_path_for(const TrainConfig& config, const std::string& mode);
 
 /// Trains `mode` from config.seed (or from its checkpoint with --resume).
-RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode);
+/// With a process group, this process is one rank of a data-parallel run:
+/// each rank trains on its slice of every (global) batch through
+/// ampx::dist::DistributedDataParallel, and only rank 0 writes metrics,
+/// checkpoints and progress and evaluates.
+RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode,
+                     const ampx::dist::ProcessGroup* group = nullptr);
 
 }  // namespace ampx::train

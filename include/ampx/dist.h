@@ -102,7 +102,8 @@ bool is_available();
 struct DistributedDataParallelOptions {
   /// Most bytes of gradients per all-reduce (PyTorch's bucket_cap_mb).
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
-  /// Type the gradients travel in: nullopt keeps each gradient's own type;
+  /// Type the gradients travel in: nullopt keeps each gradient's own type
+  /// (bfloat16 ones go as float32 where Gloo cannot sum bfloat16: LibTorch 1.13);
   /// kBFloat16 or kHalf halve the bytes of fp32 gradients (summed in that
   /// type by Gloo, then averaged back into the gradient's type).
   TORCH_ARG(c10::optional<c10::ScalarType>, communication_dtype) = c10::nullopt;

@@ -17,13 +17,13 @@ namespace dist {
 
 namespace {
 
-// Bitwise broadcasts: Gloo moves bytes, so 2-byte floats and bools travel as
-// integers of their width (Gloo builds differ in which float types they take).
+// Bitwise broadcasts: Gloo only copies bytes here, so bfloat16 travels as
+// float16 (every Gloo build has it; 1.13's has no bfloat16 or int16) and
+// bool as uint8.
 at::Tensor as_wire(const at::Tensor& t) {
   switch (t.scalar_type()) {
     case at::kBFloat16:
-    case at::kHalf:
-      return t.view(at::kShort);
+      return t.view(at::kHalf);
     case at::kBool:
       return t.view(at::kByte);
     default:
@@ -56,7 +56,8 @@ struct DistributedDataParallel::Impl {
     // first in backward, so the first bucket fills first.
     for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
       const auto& p = params[i];
-      const auto dtype = options.communication_dtype().value_or(p.scalar_type());
+      auto dtype = options.communication_dtype().value_or(p.scalar_type());
+      if (dtype == at::kBFloat16 && !bf16_sums) dtype = at::kFloat;  // widen: exact, 2x bytes
       const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(dtype));
       bool fits = !buckets.empty() && buckets.back().flat.scalar_type() == dtype &&
                   buckets.back().flat.device() == p.device() &&
@@ -180,6 +181,7 @@ struct DistributedDataParallel::Impl {
   std::vector<Bucket> buckets;
   std::vector<unsigned> hooks;
   bool sync = true;
+  bool bf16_sums = true;  // whether this Gloo can all-reduce bfloat16
   int64_t bytes = 0;
   std::mutex mutex;
 };
@@ -220,6 +222,20 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                   " gradients (communication_dtype); use ",
                   *cdt == at::kBFloat16 ? "torch::kHalf" : "torch::kBFloat16",
                   " or float32: ", e.what_without_backtrace());
+    }
+  }
+  // bfloat16 gradients (O2/O3 models) travel as they are where Gloo can sum
+  // them and widened to float32 where it cannot (LibTorch 1.13).
+  bool has_bf16 = false;
+  for (const auto& p : impl->module->parameters()) {
+    has_bf16 = has_bf16 || (p.requires_grad() && p.scalar_type() == at::kBFloat16);
+  }
+  if (has_bf16 && !cdt) {
+    auto probe = torch::ones({1}, torch::TensorOptions().dtype(at::kBFloat16));
+    try {
+      impl->group.all_reduce_sum(probe);
+    } catch (const c10::Error&) {
+      impl->bf16_sums = false;
     }
   }
   impl->build_buckets();

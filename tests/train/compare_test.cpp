@@ -2,7 +2,10 @@
 // markdown and JSON, the plot (or its data and a note when gnuplot is
 // missing), per-mode checkpoints that --resume picks up again.
 
+#include "checkpoint.h"
 #include "test_support.h"
+
+#include <ampx/dist.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -27,9 +30,9 @@ class CompareTest : public ::testing::Test {
   }
 
   /// Runs the binary with the tiny gpt flags plus `extra`; output in `output_`.
-  int run(const std::string& extra) {
+  int run(const std::string& extra, const std::string& out = "out") {
     const std::string cmd = std::string("'") + AMPX_TRAIN_BINARY + "' --workload gpt --data-dir '" +
-                            (dir_ / "data").string() + "' --out-dir '" + (dir_ / "out").string() +
+                            (dir_ / "data").string() + "' --out-dir '" + (dir_ / out).string() +
                             "' --layers 1 --d-model 16 --heads 2 --block-size 8 --batch-size 4 "
                             "--eval-batches 1 --threads 1 --progress none " +
                             extra + " > '" + (dir_ / "log").string() + "' 2>&1";
@@ -113,6 +116,31 @@ TEST_F(CompareTest, ProfileWritesATraceAndPrintsTheTopOps) {
   EXPECT_TRUE(saw_matmul) << "no aten::matmul in the trace";
   EXPECT_NE(output_.find("[O2] profile of step 3"), std::string::npos) << output_;
   EXPECT_NE(output_.find("op (inclusive time)"), std::string::npos) << output_;
+}
+
+TEST_F(CompareTest, NprocTwoTrainsLikeOneProcessOnTheSameGlobalBatch) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  ASSERT_EQ(run("--steps 6 --precision fp32 --save-every 6", "one"), 0) << output_;
+  ASSERT_EQ(run("--steps 6 --precision fp32 --save-every 6 --nproc 2", "two"), 0) << output_;
+  EXPECT_NE(output_.find("processes     2"), std::string::npos) << output_;
+  const auto one = ampx::train::read_checkpoint(dir_ / "one" / "checkpoints" / "checkpoint.ampx");
+  const auto two = ampx::train::read_checkpoint(dir_ / "two" / "checkpoints" / "checkpoint.ampx");
+  const auto l1 = one.meta.at("losses").get<std::vector<double>>();
+  const auto l2 = two.meta.at("losses").get<std::vector<double>>();
+  ASSERT_EQ(l1.size(), 6u);
+  ASSERT_EQ(l2.size(), 6u);
+  // The same global batch, split over two ranks and averaged: the same
+  // training up to fp32 summation order.
+  for (size_t i = 0; i < l1.size(); ++i) EXPECT_NEAR(l1[i], l2[i], 1e-4) << "step " << i;
+  EXPECT_NE(l1, std::vector<double>(6, l1[0]));  // it trained
+  // Rank 0 alone wrote the metrics: each step once.
+  std::ifstream metrics(dir_ / "two" / "metrics-fp32.jsonl");
+  int64_t lines = 0;
+  for (std::string line; std::getline(metrics, line);) ++lines;
+  EXPECT_EQ(lines, 6);
+  // bf16 weights and gradients (O2) cross Gloo too (as float32 where, as in
+  // LibTorch 1.13, it cannot sum bfloat16).
+  EXPECT_EQ(run("--steps 3 --precision O2 --nproc 2", "o2"), 0) << output_;
 }
 
 #endif  // AMPX_TRAIN_BINARY
