@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
@@ -261,8 +262,6 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     TORCH_CHECK(state.next_step <= total_steps, "ampx-train: checkpoint '", ckpt, "' is at step ",
                 state.next_step, ", past this run's ", total_steps, " steps; raise --steps");
   }
-  result.losses = state.losses;
-  result.skipped = state.skipped;
 
   fs::create_directories(config.out_dir);
   const bool csv = config.metrics_format == "csv";
@@ -334,8 +333,8 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     } else {
       step_ms.push_back(ms);
     }
-    if (!stepped) ++result.skipped;
-    result.losses.push_back(loss_value);
+    if (!stepped) ++state.skipped;
+    state.losses.push_back(loss_value);
     const double scale = scaler.is_enabled() ? scaler.get_scale() : 1.0;
     const double rate = workload.items_per_step() * 1000.0 / ms;
     nlohmann::ordered_json record = {
@@ -362,8 +361,6 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     if (metrics) metrics->write(record);
     progress.update(step, loss_value, scale, rate);
     state.next_step = step + 1;
-    state.skipped = result.skipped;
-    state.losses = result.losses;
     if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps)) {
       if (lead) save(ckpt, identity, workload, *model, optimizer, amp, state);
       result.checkpoint_path = ckpt;
@@ -383,13 +380,11 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
     result.median_step_ms = median(timed);
   }
-  const size_t tail = std::max<size_t>(1, result.losses.size() / 10);
-  double tail_sum = 0;
-  for (size_t i = result.losses.size() - std::min(tail, result.losses.size());
-       i < result.losses.size(); ++i) {
-    tail_sum += result.losses[i];
-  }
-  result.train_loss = result.losses.empty() ? NAN : tail_sum / std::min(tail, result.losses.size());
+  result.skipped = state.skipped;
+  result.losses = std::move(state.losses);
+  const auto& losses = result.losses;  // steps >= 1, so never empty
+  const auto tail = std::max<std::ptrdiff_t>(1, static_cast<std::ptrdiff_t>(losses.size()) / 10);
+  result.train_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail;
   result.final_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
   if (lead) result.eval = evaluate();
   return result;

@@ -36,8 +36,7 @@ at::Tensor as_wire(const at::Tensor& t) {
 struct DistributedDataParallel::Impl {
   struct Bucket {
     std::vector<int64_t> params;  // indices into params
-    std::vector<int64_t> offsets;
-    at::Tensor flat;  // communication dtype
+    at::Tensor flat;              // all its gradients, in the communication dtype
     int64_t pending = 0;
     c10::intrusive_ptr<c10d::Work> work;
   };
@@ -52,42 +51,40 @@ struct DistributedDataParallel::Impl {
       params.push_back(p.value());
     }
     bucket_of.assign(params.size(), -1);
+    offset_of.assign(params.size(), 0);
     // Reverse order of registration: the last layers' gradients are ready
     // first in backward, so the first bucket fills first.
+    std::vector<int64_t> numel;  // per bucket, while filling
+    std::vector<at::TensorOptions> kind;
     for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
       const auto& p = params[i];
       auto dtype = options.communication_dtype().value_or(p.scalar_type());
       if (dtype == at::kBFloat16 && !bf16_sums) dtype = at::kFloat;  // widen: exact, 2x bytes
-      const int64_t bytes = p.numel() * static_cast<int64_t>(c10::elementSize(dtype));
-      bool fits = !buckets.empty() && buckets.back().flat.scalar_type() == dtype &&
-                  buckets.back().flat.device() == p.device() &&
-                  (buckets.back().flat.numel() + p.numel()) *
-                          static_cast<int64_t>(c10::elementSize(dtype)) <=
-                      std::max(options.bucket_cap_bytes(), bytes);
+      const auto width = static_cast<int64_t>(c10::elementSize(dtype));
+      const bool fits = !buckets.empty() && kind.back().dtype() == dtype &&
+                        kind.back().device() == p.device() &&
+                        (numel.back() + p.numel()) * width <=
+                            std::max(options.bucket_cap_bytes(), p.numel() * width);
       if (!fits) {
-        Bucket b;
-        b.flat = torch::empty({0}, p.options().dtype(dtype));
-        buckets.push_back(std::move(b));
+        buckets.emplace_back();
+        numel.push_back(0);
+        kind.push_back(p.options().dtype(dtype));
       }
-      auto& b = buckets.back();
-      b.offsets.push_back(b.flat.numel());
-      b.params.push_back(i);
-      b.flat = torch::empty({b.flat.numel() + p.numel()}, b.flat.options());
+      buckets.back().params.push_back(i);
       bucket_of[i] = static_cast<int64_t>(buckets.size()) - 1;
+      offset_of[i] = numel.back();
+      numel.back() += p.numel();
+    }
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      buckets[b].flat = torch::empty({numel[b]}, kind[b]);
+      buckets[b].pending = static_cast<int64_t>(buckets[b].params.size());
     }
     ready.assign(params.size(), false);
-    for (auto& b : buckets) b.pending = static_cast<int64_t>(b.params.size());
   }
 
-  int64_t slot(int64_t bucket, int64_t param) const {
-    const auto& ps = buckets[bucket].params;
-    return std::find(ps.begin(), ps.end(), param) - ps.begin();
-  }
-
+  /// Parameter i's gradient inside its bucket.
   at::Tensor view_of(int64_t i) {
-    auto& b = buckets[bucket_of[i]];
-    const int64_t s = slot(bucket_of[i], i);
-    return b.flat.narrow(0, b.offsets[s], params[i].numel());
+    return buckets[bucket_of[i]].flat.narrow(0, offset_of[i], params[i].numel());
   }
 
   // Called with the lock held.
@@ -147,12 +144,9 @@ struct DistributedDataParallel::Impl {
                     group.timeout().count(), " ms): ", message_of(e));
       }
       bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
-      for (size_t s = 0; s < b.params.size(); ++s) {
-        auto& p = params[b.params[s]];
-        auto averaged = b.flat.narrow(0, b.offsets[s], p.numel())
-                            .view(p.sizes())
-                            .to(p.scalar_type())
-                            .mul_(inv_world);
+      for (const int64_t i : b.params) {
+        auto& p = params[i];
+        auto averaged = view_of(i).view(p.sizes()).to(p.scalar_type()).mul_(inv_world);
         if (p.grad().defined()) {
           p.mutable_grad().copy_(averaged);
         } else {
@@ -176,7 +170,7 @@ struct DistributedDataParallel::Impl {
   DistributedDataParallelOptions options;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  std::vector<int64_t> bucket_of;
+  std::vector<int64_t> bucket_of, offset_of;  // per parameter
   std::vector<bool> ready;
   std::vector<Bucket> buckets;
   std::vector<unsigned> hooks;
