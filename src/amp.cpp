@@ -104,24 +104,28 @@ AmpProperties resolve(const AmpOptions& o, const c10::Device& device) {
   const bool fp16 = p.dtype == c10::kHalf;
   // Apex's table. Dynamic scaling is on for fp16 only by default: bf16 has
   // fp32's exponent range, so its gradients do not underflow.
+  const auto dynamic_if_fp16 =
+      fp16 ? c10::optional<LossScale>(LossScale::dynamic()) : c10::nullopt;
+  auto row = [&p](bool cast_model_type, bool patch_torch_functions, bool keep_batchnorm_fp32,
+                  bool master_weights, c10::optional<LossScale> loss_scale) {
+    p.cast_model_type = cast_model_type;
+    p.patch_torch_functions = patch_torch_functions;
+    p.keep_batchnorm_fp32 = keep_batchnorm_fp32;
+    p.master_weights = master_weights;
+    p.loss_scale = loss_scale;
+  };
   switch (p.opt_level) {
     case OptLevel::O0:
-      p = {p.opt_level, device, p.dtype, false, false, false, false, c10::nullopt};
+      row(false, false, false, false, c10::nullopt);
       break;
     case OptLevel::O1:
-      p = {p.opt_level, device,
-           p.dtype,     false,
-           true,        false,
-           false,       fp16 ? c10::optional<LossScale>(LossScale::dynamic()) : c10::nullopt};
+      row(false, true, false, false, dynamic_if_fp16);
       break;
     case OptLevel::O2:
-      p = {p.opt_level, device,
-           p.dtype,     true,
-           false,       true,
-           true,        fp16 ? c10::optional<LossScale>(LossScale::dynamic()) : c10::nullopt};
+      row(true, false, true, true, dynamic_if_fp16);
       break;
     case OptLevel::O3:
-      p = {p.opt_level, device, p.dtype, true, false, false, false, c10::nullopt};
+      row(true, false, false, false, c10::nullopt);
       break;
   }
   if (o.cast_model_type()) p.cast_model_type = *o.cast_model_type();

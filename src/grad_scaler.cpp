@@ -134,6 +134,25 @@ std::unordered_map<c10::Device, at::Tensor> GradScaler::unscale_grads(
   return per_device_found_inf;
 }
 
+void GradScaler::agree_on_found_inf(
+    std::unordered_map<c10::Device, at::Tensor>& per_device) const {
+  if (!found_inf_hook_) {
+    return;
+  }
+  // One flag, one call: every rank makes the same collectives in the same
+  // order however many devices its gradients are on.
+  auto combined = at::zeros({}, scale_.options());
+  for (const auto& entry : per_device) {
+    combined.add_(entry.second.to(scale_.device(), /*non_blocking=*/true));
+  }
+  found_inf_hook_(combined);
+  if (per_device.empty()) {
+    return;  // no gradients: step() and update() still say so
+  }
+  per_device.clear();
+  per_device.emplace(scale_.device(), std::move(combined));
+}
+
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!enabled_) {
     return;
@@ -147,6 +166,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   const auto inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
   const auto found_inf = at::zeros({}, scale_.options());
   state.found_inf_per_device = unscale_grads(optimizer, inv_scale, found_inf, false);
+  agree_on_found_inf(state.found_inf_per_device);
   state.stage = OptState::kUnscaled;
 }
 
@@ -172,6 +192,7 @@ StepResult GradScaler::step(torch::optim::Optimizer& optimizer) {
       const auto one = at::ones({}, scale_.options());
       state.found_inf_per_device =
           unscale_grads(optimizer, one, at::zeros({}, scale_.options()), /*allow_fp16=*/true);
+      agree_on_found_inf(state.found_inf_per_device);
       grad_scale = scale_;
     }
     TORCH_CHECK(!state.found_inf_per_device.empty(),

@@ -3,7 +3,8 @@
 // MASTER_PORT).
 //
 //   ampx_dist_worker <scenario> <out-file>
-//   scenarios: train | accumulate | compressed | overflow | kill
+//   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
+//              zero | zero-o2 | zero-overflow | zero-unsynced
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -12,6 +13,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/zero.h>
 
 #include <torch/torch.h>
 
@@ -20,6 +22,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -34,18 +37,150 @@ torch::nn::Sequential make_model(int64_t seed) {
                                torch::nn::Linear(16, 4));
 }
 
+// The same with a LayerNorm, which O2 keeps in fp32 (two parameter dtypes).
+torch::nn::Sequential make_norm_model(int64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Sequential(
+      torch::nn::Linear(8, 32), torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})),
+      torch::nn::Tanh(), torch::nn::Linear(32, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+// Every parameter as float32, in order.
 void write_params(const torch::nn::Sequential& model, const std::string& path) {
   std::ofstream out(path, std::ios::binary);
   for (const auto& p : model->parameters()) {
-    auto c = p.detach().contiguous();
+    auto c = p.detach().to(torch::kFloat).contiguous();
     out.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
   }
+}
+
+using Factory = ampx::dist::ZeroRedundancyOptimizer::OptimizerFactory;
+const ampx::optim::AdamWOptions kAdamW = ampx::optim::AdamWOptions(1e-2).weight_decay(0.01);
+const Factory kAdamWFactory = [](std::vector<torch::Tensor> shard) {
+  return std::make_unique<ampx::optim::AdamW>(std::move(shard), kAdamW);
+};
+
+// Bytes of fp32 masters and moments an unsharded ampx optimizer holds.
+int64_t state_bytes(const ampx::optim::MixedPrecisionOptimizer& opt,
+                    const std::vector<torch::Tensor>& params) {
+  int64_t total = 0;
+  for (const auto& p : params) {
+    for (const auto& t : {opt.master(p), opt.exp_avg(p), opt.exp_avg_sq(p)}) {
+      if (t.defined()) total += t.numel() * t.element_size();
+    }
+  }
+  return total;
+}
+
+// ZeRO-1 against unsharded DDP with the same optimizer, each rank on its
+// shard of the batch; writes ZeRO's parameters to `out`, DDP's to
+// `out`.ref, and a run saved after 10 steps and resumed into a fresh
+// model to `out`.resumed.
+int run_zero(const std::string& scenario, const std::string& out, ampx::dist::ProcessGroup pg) {
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  torch::manual_seed(7);
+  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
+  const int64_t shard = kGlobalBatch / world;
+  const auto xs = x.slice(0, rank * shard, (rank + 1) * shard);
+  const auto ys = y.slice(0, rank * shard, (rank + 1) * shard);
+  const bool o2 = scenario == "zero-o2";
+  auto make = [&](int64_t seed) { return o2 ? make_norm_model(seed) : make_model(seed); };
+
+  if (scenario == "zero-overflow" || scenario == "zero-unsynced") {
+    auto model = make(100 + rank);
+    ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg, kAdamWFactory);
+    ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(1000));
+    if (scenario == "zero-overflow") ampx::dist::synchronize_found_inf(scaler, pg);
+    std::ofstream log(out);
+    for (int step = 0; step < kSteps; ++step) {
+      opt.zero_grad();
+      auto loss = torch::mse_loss(model->forward(xs), ys);
+      if (rank == 1 && step == 3) loss = loss * INFINITY;
+      scaler.scale(loss).backward();
+      const bool stepped = static_cast<bool>(scaler.step(opt));
+      scaler.update();
+      log << step << " " << scaler.get_scale() << " " << stepped << "\n";
+    }
+    return 0;
+  }
+
+  // ZeRO-1: O2 casts the model after the optimizer has snapshot the fp32 weights.
+  const auto level = ampx::AmpOptions(o2 ? ampx::OptLevel::O2 : ampx::OptLevel::O0);
+  auto train_zero = [&](torch::nn::Sequential& model, ampx::Amp& amp,
+                        ampx::dist::ZeroRedundancyOptimizer& opt, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      torch::Tensor loss;
+      {
+        auto guard = amp.forward_guard();
+        loss = torch::mse_loss(model->forward(amp.cast_input(xs)).to(torch::kFloat), ys);
+      }
+      amp.scaler().scale(loss).backward();
+      amp.scaler().step(opt);
+      amp.scaler().update();
+    }
+  };
+  auto model = make(100 + rank);
+  ampx::dist::ZeroRedundancyOptimizer zero(model->parameters(), pg, kAdamWFactory);
+  auto amp_zero = ampx::initialize(model.ptr(), {}, level);
+  train_zero(model, amp_zero, zero, 0, kSteps);
+  write_params(model, out);
+
+  // Unsharded: ampx AdamW (with fp32 masters under O2) and DDP, built before
+  // initialize() so that the masters are captured from rank 0's weights.
+  auto ref = make(100 + rank);
+  ampx::dist::DistributedDataParallel ddp(ref.ptr(), pg);
+  ampx::optim::AdamW adamw(ref->parameters(), kAdamW);
+  auto amp = ampx::initialize(ref.ptr(), {&adamw}, level);
+  for (int step = 0; step < kSteps; ++step) {
+    adamw.zero_grad();
+    torch::Tensor loss;
+    {
+      auto guard = amp.forward_guard();
+      loss = torch::mse_loss(ref->forward(amp.cast_input(xs)).to(torch::kFloat), ys);
+    }
+    amp.scaler().scale(loss).backward();
+    ddp.synchronize();
+    amp.scaler().step(adamw);
+    amp.scaler().update();
+  }
+  write_params(ref, out + ".ref");
+  std::cout << "state_bytes " << zero.state_bytes() << " " << state_bytes(adamw, ref->parameters())
+            << std::endl;
+
+  // Stop after 10 steps, save each rank's shard, resume into fresh objects.
+  auto first = make(100 + rank);
+  std::stringstream saved;
+  {
+    ampx::dist::ZeroRedundancyOptimizer opt(first->parameters(), pg, kAdamWFactory);
+    auto amp_first = ampx::initialize(first.ptr(), {}, level);
+    train_zero(first, amp_first, opt, 0, kSteps / 2);
+    torch::serialize::OutputArchive archive;
+    opt.save(archive);
+    archive.save_to(saved);
+  }
+  auto second = make(200 + rank);  // other weights: everything must come from the save
+  ampx::dist::ZeroRedundancyOptimizer opt(second->parameters(), pg, kAdamWFactory);
+  {
+    torch::NoGradGuard no_grad;
+    auto to = second->parameters();
+    auto from = first->parameters();
+    for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i].to(torch::kFloat));
+  }
+  auto amp_resumed = ampx::initialize(second.ptr(), {}, level);
+  torch::serialize::InputArchive archive;
+  archive.load_from(saved);
+  opt.load(archive);
+  train_zero(second, amp_resumed, opt, kSteps / 2, kSteps);
+  write_params(second, out + ".resumed");
+  return 0;
 }
 
 int run(const std::string& scenario, const std::string& out) {
   ampx::dist::InitOptions init;
   init.timeout(std::chrono::seconds(scenario == "kill" ? 5 : 60));
   auto pg = ampx::dist::init_process_group(init);
+  if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's
   ampx::dist::DistributedDataParallelOptions options;

@@ -12,3 +12,4 @@
 #include "ampx/policy.h"
 #include "ampx/serialize.h"
 #include "ampx/version.h"
+#include "ampx/zero.h"

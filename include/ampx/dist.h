@@ -76,6 +76,14 @@ class ProcessGroup {
   void all_reduce_sum(at::Tensor& tensor) const;
   /// Takes the element-wise maximum in place over all ranks and waits.
   void all_reduce_max(at::Tensor& tensor) const;
+  /// Sums `input` (1-D, world_size * n elements) over all ranks and writes
+  /// this rank's n-element chunk of the sum into `output` (1-D, n), and waits.
+  /// Where Gloo has no reduce-scatter (LibTorch 1.13), an all-reduce of
+  /// `input` (which it then overwrites) and a copy of the chunk.
+  void reduce_scatter_sum(at::Tensor& output, at::Tensor& input) const;
+  /// Concatenates every rank's `input` (1-D, n) into `output` (1-D,
+  /// world_size * n) in rank order, and waits. bfloat16 travels bitwise.
+  void all_gather(at::Tensor& output, const at::Tensor& input) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place, and waits.
   void broadcast(at::Tensor& tensor, int64_t root = 0) const;
   /// Returns when every rank has called it.
@@ -102,6 +110,9 @@ bool is_available();
 struct DistributedDataParallelOptions {
   /// Most bytes of gradients per all-reduce (PyTorch's bucket_cap_mb).
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
+  /// Most bytes of the first bucket (the last layers' gradients), smaller so
+  /// that communication starts early in backward (PyTorch uses 1 MiB too).
+  TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;
   /// Type the gradients travel in: nullopt keeps each gradient's own type
   /// (bfloat16 ones go as float32 where Gloo cannot sum bfloat16: LibTorch 1.13);
   /// kBFloat16 or kHalf halve the bytes of fp32 gradients (summed in that

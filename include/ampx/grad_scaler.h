@@ -30,6 +30,7 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -165,6 +166,16 @@ class GradScaler {
   /// of a data-parallel job skip and back off together.
   std::vector<at::Tensor> found_inf_per_device(const torch::optim::Optimizer& optimizer) const;
 
+  /// Called once on each found-inf check the scaler records (in unscale_(),
+  /// or in step() when it checks the gradients itself) with the flag summed
+  /// over devices (float32 [], on the scale's device), before step() or
+  /// update() reads it; it may change the flag in place. Data-parallel
+  /// training agrees on overflows here: ampx::dist::synchronize_found_inf
+  /// installs an all-reduce MAX, so that every rank skips and backs off
+  /// together when any rank's gradients overflowed. Empty: none (default).
+  using FoundInfHook = std::function<void(at::Tensor& found_inf)>;
+  void set_found_inf_hook(FoundInfHook hook) { found_inf_hook_ = std::move(hook); }
+
   /// PyTorch's keys `scale`, `growth_factor`, `backoff_factor`,
   /// `growth_interval`, `_growth_tracker`, plus ampx's `hysteresis`,
   /// `_hysteresis_tracker`, `min_scale`, `max_scale` and
@@ -186,6 +197,8 @@ class GradScaler {
 
   void lazy_init(const c10::Device& device);
   void check_initialized(const char* funcname) const;
+  // Applies found_inf_hook_ (if any) to the flags of one check.
+  void agree_on_found_inf(std::unordered_map<c10::Device, at::Tensor>& per_device) const;
   std::unordered_map<c10::Device, at::Tensor> unscale_grads(torch::optim::Optimizer& optimizer,
                                                   const at::Tensor& inv_scale,
                                                   const at::Tensor& found_inf, bool allow_fp16);
@@ -200,6 +213,7 @@ class GradScaler {
   at::Tensor hysteresis_tracker_;  // int32 []
   // Keyed by identity as PyTorch keys by id(optimizer); never serialized.
   std::unordered_map<const torch::optim::Optimizer*, PerOptimizerState> per_optimizer_;
+  FoundInfHook found_inf_hook_;
 };
 
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,

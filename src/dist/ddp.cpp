@@ -15,23 +15,6 @@ namespace dist {
 
 #if defined(AMPX_WITH_DIST)
 
-namespace {
-
-// Bitwise broadcasts: Gloo only copies bytes here, so bfloat16 travels as
-// float16 (every Gloo build has it; 1.13's has no bfloat16 or int16) and
-// bool as uint8.
-at::Tensor as_wire(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16:
-      return t.view(at::kHalf);
-    case at::kBool:
-      return t.view(at::kByte);
-    default:
-      return t;
-  }
-}
-
-}  // namespace
 
 struct DistributedDataParallel::Impl {
   struct Bucket {
@@ -61,10 +44,12 @@ struct DistributedDataParallel::Impl {
       auto dtype = options.communication_dtype().value_or(p.scalar_type());
       if (dtype == at::kBFloat16 && !bf16_sums) dtype = at::kFloat;  // widen: exact, 2x bytes
       const auto width = static_cast<int64_t>(c10::elementSize(dtype));
+      const int64_t cap = buckets.size() == 1
+                              ? std::min(options.first_bucket_cap_bytes(), options.bucket_cap_bytes())
+                              : options.bucket_cap_bytes();
       const bool fits = !buckets.empty() && kind.back().dtype() == dtype &&
                         kind.back().device() == p.device() &&
-                        (numel.back() + p.numel()) * width <=
-                            std::max(options.bucket_cap_bytes(), p.numel() * width);
+                        (numel.back() + p.numel()) * width <= std::max(cap, p.numel() * width);
       if (!fits) {
         buckets.emplace_back();
         numel.push_back(0);
@@ -192,6 +177,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   TORCH_CHECK(options.bucket_cap_bytes() > 0,
               "DistributedDataParallel: bucket_cap_bytes must be > 0, got ",
               options.bucket_cap_bytes());
+  TORCH_CHECK(options.first_bucket_cap_bytes() > 0,
+              "DistributedDataParallel: first_bucket_cap_bytes must be > 0, got ",
+              options.first_bucket_cap_bytes());
   impl_ = std::make_unique<Impl>(std::move(module), std::move(group), std::move(options));
   auto* impl = impl_.get();
   if (impl->options.broadcast_parameters()) {

@@ -149,6 +149,53 @@ void ProcessGroup::all_reduce_max(at::Tensor& t) const {
   wait(impl_->all_reduce_async(t, c10d::ReduceOp::MAX), "all-reduce (max)", *this);
 }
 
+void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) const {
+  const int64_t n = output.numel();
+  TORCH_CHECK(output.dim() == 1 && input.dim() == 1 && input.numel() == n * world_size() &&
+                  input.scalar_type() == output.scalar_type() && input.is_contiguous(),
+              "ampx::dist::reduce_scatter_sum: input must be 1-D, contiguous, world_size (",
+              world_size(), ") x output's ", n, " elements and of output's dtype; got ",
+              input.numel(), " ", input.scalar_type(), " for ", output.scalar_type());
+  if (impl_->gloo_reduce_scatter) {
+    std::vector<at::Tensor> outputs{output};
+    std::vector<std::vector<at::Tensor>> inputs(1);
+    for (int64_t r = 0; r < world_size(); ++r) inputs[0].push_back(input.narrow(0, r * n, n));
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = impl_->timeout;
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      work = impl_->gloo->reduce_scatter(outputs, inputs, o);
+    } catch (const std::exception&) {
+      // Refused before any communication, on every rank alike ("does not
+      // support reduce_scatter"): fall back to an all-reduce from now on.
+      impl_->gloo_reduce_scatter = false;
+    }
+    if (work) {
+      wait(work, "reduce-scatter", *this);
+      return;
+    }
+  }
+  all_reduce_sum(input);
+  output.copy_(input.narrow(0, rank() * n, n));
+}
+
+void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const {
+  const int64_t n = input.numel();
+  TORCH_CHECK(input.dim() == 1 && output.dim() == 1 && output.numel() == n * world_size() &&
+                  input.scalar_type() == output.scalar_type() && output.is_contiguous(),
+              "ampx::dist::all_gather: output must be 1-D, contiguous, world_size (", world_size(),
+              ") x input's ", n, " elements and of input's dtype; got ", output.numel(), " ",
+              output.scalar_type(), " for ", input.scalar_type());
+  auto wire_out = as_wire(output);
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * n, n));
+  std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
+  c10d::AllgatherOptions o;
+  o.timeout = impl_->timeout;
+  wait(impl_->gloo->allgather(outputs, inputs, o), "all-gather", *this);
+}
+
 void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions o;
@@ -225,6 +272,12 @@ void ProcessGroup::all_reduce_sum(at::Tensor&) const {
   unavailable();
 }
 void ProcessGroup::all_reduce_max(at::Tensor&) const {
+  unavailable();
+}
+void ProcessGroup::reduce_scatter_sum(at::Tensor&, at::Tensor&) const {
+  unavailable();
+}
+void ProcessGroup::all_gather(at::Tensor&, const at::Tensor&) const {
   unavailable();
 }
 void ProcessGroup::broadcast(at::Tensor&, int64_t) const {

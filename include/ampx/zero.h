@@ -1,0 +1,107 @@
+#pragma once
+
+// ZeRO stage 1 (Rajbhandari et al., 2020) on ampx::dist: every rank keeps
+// the fp32 master weights and optimizer state of only its 1/world_size
+// share of the parameters, so optimizer memory per rank falls by the world
+// size, and training gives the parameters of unsharded data parallelism.
+//
+//   auto pg = ampx::dist::init_process_group();
+//   ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg,   // model still fp32
+//       [](std::vector<torch::Tensor> shard) {
+//         return std::make_unique<ampx::optim::AdamW>(shard, ampx::optim::AdamWOptions(3e-4));
+//       });
+//   auto amp = ampx::initialize(model, {}, ampx::AmpOptions(ampx::OptLevel::O2));  // masters: opt's
+//   ampx::dist::synchronize_found_inf(amp.scaler(), pg);   // all ranks skip together
+//   for (...) {
+//     opt.zero_grad();
+//     amp.scaler().scale(loss_fn(model->forward(x_shard), y_shard)).backward();
+//     amp.scaler().step(opt);   // reduce-scatter grads, step the shard, all-gather params
+//     amp.scaler().update();
+//   }
+//
+// The parameters are laid end to end, one flat space per parameter dtype
+// (fixed at the first step: bf16 weights and fp32 norms under O2 make two),
+// each padded to a multiple of the world size and cut into equal shards.
+// A step: the gradients are packed into fp32 and reduce-scattered (summed;
+// Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there), averaged,
+// the local optimizer updates this rank's fp32 shard (the masters), and the
+// shards are all-gathered into the parameters in their own dtype. The model
+// is not wrapped: use it without DistributedDataParallel.
+
+#include "ampx/dist.h"
+#include "ampx/grad_scaler.h"
+
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+
+/// Makes every rank's `scaler` agree on overflows: each found-inf check is
+/// all-reduced (MAX) over `group`, so when any rank's gradients hold an
+/// inf/NaN all ranks skip the step and back off the scale identically.
+/// Needed whenever ranks step on gradients they have not all-reduced
+/// themselves (ZeroRedundancyOptimizer); harmless with
+/// DistributedDataParallel, whose averaged gradients agree already.
+void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
+
+struct ZeroRedundancyOptimizerOptions
+    : public torch::optim::OptimizerCloneableOptions<ZeroRedundancyOptimizerOptions> {
+  /// Broadcast rank 0's parameters at construction, so every rank's shard of
+  /// masters starts from the same weights.
+  TORCH_ARG(bool, broadcast_parameters) = true;
+};
+
+class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwareOptimizer {
+ public:
+  /// Builds the optimizer that updates this rank's shard: one fp32 tensor per
+  /// parameter dtype, the masters, each 1-D. Called once, at the first step
+  /// (or load()); its options apply to all parameters. Per-parameter
+  /// groups are not sharded; ampx optimizers' max_grad_norm would clip by
+  /// the shard's norm alone and is refused.
+  using OptimizerFactory =
+      std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> shard)>;
+
+  /// `params` must be the same list, in the same order, on every rank. The
+  /// fp32 values of fp32 params are snapshot here (so masters keep the
+  /// precision a later cast to bf16/fp16, e.g. ampx::initialize's O2, drops)
+  /// until the first step cuts this rank's shards out of them.
+  ZeroRedundancyOptimizer(std::vector<at::Tensor> params, ProcessGroup group,
+                          OptimizerFactory make_optimizer,
+                          ZeroRedundancyOptimizerOptions options = {});
+  ~ZeroRedundancyOptimizer() override;
+
+  /// Unscaled gradients: reduce, step the shard, gather.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  /// GradScaler's path: gradients still multiplied by `grad_scale` (if
+  /// defined). `found_inf` must be the same on every rank (see
+  /// synchronize_found_inf; checked): nonzero skips the step everywhere.
+  void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) override;
+
+  /// The optimizer over this rank's shards (built on first use).
+  torch::optim::Optimizer& local_optimizer();
+  /// This rank's fp32 master shards, one per parameter dtype (built on first use).
+  const std::vector<at::Tensor>& master_shards();
+  /// Bytes of fp32 masters and local optimizer state this rank holds (the
+  /// tensors of the local optimizer's state plus the masters).
+  int64_t state_bytes();
+  /// Bytes reduce-scattered and all-gathered so far by this rank.
+  int64_t bytes_communicated() const;
+
+  /// This rank's shards: masters, and the local optimizer's state under
+  /// "local". Every rank saves its own; load() checks the rank, world size
+  /// and layout first, and throws naming a mismatch without changing anything.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dist
+}  // namespace ampx

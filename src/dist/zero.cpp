@@ -1,0 +1,365 @@
+// ZeroRedundancyOptimizer (ZeRO stage 1): sharded fp32 masters and optimizer
+// state; reduce-scatter of gradients, all-gather of parameters.
+
+#include "ampx/zero.h"
+
+#include "ampx/optim/optimizer.h"
+
+#include "process_group_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+#include <torch/torch.h>
+
+#include <sstream>
+
+namespace ampx {
+namespace dist {
+
+void synchronize_found_inf(GradScaler& scaler, ProcessGroup group) {
+  scaler.set_found_inf_hook([group](at::Tensor& found_inf) {
+    // Gloo reduces host memory; the flag is one float.
+    auto host = found_inf.to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true).reshape({1});
+    group.all_reduce_max(host);
+    found_inf.copy_(host.reshape({}));
+  });
+}
+
+namespace {
+
+constexpr int64_t kVersion = 1;
+
+// The parameters of one dtype, end to end, padded to world * shard.
+struct Space {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> params;   // indices into Impl::params
+  std::vector<int64_t> offsets;  // each one's first element in the space
+  int64_t numel = 0;             // unpadded
+  int64_t shard = 0;             // elements per rank
+  at::Tensor grads;              // fp32 [world * shard]: packed, then reduced
+  at::Tensor gathered;           // dtype [world * shard]
+};
+
+std::string describe(const std::vector<Space>& spaces) {
+  std::ostringstream s;
+  for (size_t k = 0; k < spaces.size(); ++k) {
+    s << (k ? ", " : "") << spaces[k].numel << " " << spaces[k].dtype;
+  }
+  return s.str();
+}
+
+}  // namespace
+
+struct ZeroRedundancyOptimizer::Impl {
+  std::vector<at::Tensor> params;
+  ProcessGroup group;
+  OptimizerFactory make_optimizer;
+  std::vector<at::Tensor> snapshot;  // fp32 values at construction, until build()
+  std::vector<Space> spaces;
+  std::vector<at::Tensor> masters;  // fp32 [shard] per space: this rank's
+  std::unique_ptr<torch::optim::Optimizer> local;
+  int64_t bytes = 0;
+
+  Impl(std::vector<at::Tensor> p, ProcessGroup g, OptimizerFactory f)
+      : params(std::move(p)), group(std::move(g)), make_optimizer(std::move(f)) {}
+
+  int64_t rank() const { return group.rank(); }
+  int64_t world() const { return group.world_size(); }
+
+  void build() {
+    if (local) return;
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto dtype = params[i].scalar_type();
+      auto it = std::find_if(spaces.begin(), spaces.end(),
+                             [&](const Space& s) { return s.dtype == dtype; });
+      if (it == spaces.end()) {
+        spaces.emplace_back();
+        spaces.back().dtype = dtype;
+        it = std::prev(spaces.end());
+      }
+      it->params.push_back(static_cast<int64_t>(i));
+      it->offsets.push_back(it->numel);
+      it->numel += params[i].numel();
+    }
+    check_same_layout_everywhere();
+    for (auto& s : spaces) {
+      s.shard = (s.numel + world() - 1) / world();
+      const auto opts = params[s.params[0]].options();
+      s.grads = torch::zeros({world() * s.shard}, opts.dtype(at::kFloat));
+      s.gathered = torch::empty({world() * s.shard}, opts.dtype(s.dtype));
+      // This rank's slice of the space, from the fp32 snapshot where there is one.
+      auto master = torch::zeros({s.shard}, opts.dtype(at::kFloat));
+      const int64_t lo = rank() * s.shard, hi = lo + s.shard;
+      for (size_t j = 0; j < s.params.size(); ++j) {
+        const int64_t i = s.params[j], begin = s.offsets[j], n = params[i].numel();
+        const int64_t a = std::max(lo, begin), b = std::min(hi, begin + n);
+        if (a >= b) continue;
+        const auto& snap = snapshot[i];
+        const auto source = snap.defined() && snap.sizes() == params[i].sizes()
+                                ? snap
+                                : params[i].detach().to(at::kFloat);
+        master.narrow(0, a - lo, b - a).copy_(source.reshape({-1}).narrow(0, a - begin, b - a));
+      }
+      masters.push_back(master);
+    }
+    snapshot.clear();
+    local = make_optimizer(masters);
+    TORCH_CHECK(local != nullptr, "ZeroRedundancyOptimizer: the optimizer factory returned null");
+    if (const auto* mixed = dynamic_cast<const optim::MixedPrecisionOptimizer*>(local.get())) {
+      TORCH_CHECK(!mixed->config().max_grad_norm,
+                  "ZeroRedundancyOptimizer: the local ", mixed->name(),
+                  " has max_grad_norm set, which would clip by the norm of this rank's shard "
+                  "alone, not the global norm; leave it unset");
+    }
+  }
+
+  // Every rank must shard the same parameters the same way.
+  void check_same_layout_everywhere() {
+    std::vector<double> mine{static_cast<double>(spaces.size())};
+    for (const auto& s : spaces) {
+      mine.push_back(static_cast<double>(s.numel));
+      mine.push_back(static_cast<double>(static_cast<int>(s.dtype)));
+    }
+    auto len = torch::tensor({static_cast<double>(mine.size())}, torch::kDouble);
+    auto len_max = len.clone(), len_min = -len;
+    group.all_reduce_max(len_max);
+    group.all_reduce_max(len_min);
+    bool same = len_max.item<double>() == -len_min.item<double>();
+    if (same) {
+      auto hi = torch::tensor(mine, torch::kDouble), lo = -hi;
+      group.all_reduce_max(hi);
+      group.all_reduce_max(lo);
+      same = torch::equal(hi, -lo);
+    }
+    TORCH_CHECK(same, "ZeroRedundancyOptimizer: rank ", rank(),
+                " has parameters (per dtype: ", describe(spaces),
+                ") that differ from another rank's; every rank must pass the same parameters "
+                "in the same order and dtypes");
+  }
+
+  void check_dtypes() const {
+    for (const auto& s : spaces) {
+      for (const int64_t i : s.params) {
+        TORCH_CHECK(params[i].scalar_type() == s.dtype, "ZeroRedundancyOptimizer: parameter ", i,
+                    " is ", params[i].scalar_type(), " but was ", s.dtype,
+                    " when the shards were made (first step or load()); cast the model "
+                    "before that");
+      }
+    }
+  }
+
+  void reduce_gradients() {
+    const double inv_world = 1.0 / static_cast<double>(world());
+    for (size_t k = 0; k < spaces.size(); ++k) {
+      auto& s = spaces[k];
+      for (size_t j = 0; j < s.params.size(); ++j) {
+        const auto& p = params[s.params[j]];
+        auto slot = s.grads.narrow(0, s.offsets[j], p.numel());
+        const auto& g = p.grad();
+        if (!g.defined()) {
+          slot.zero_();  // no gradient: counts as zero, as in the optimizers
+          continue;
+        }
+        TORCH_CHECK(!g.is_sparse(), "ZeroRedundancyOptimizer: parameter ", s.params[j],
+                    " has a sparse gradient; only dense gradients are sharded");
+        slot.copy_(g.reshape({-1}));
+      }
+      // The padding stays zero (reduce-scatter writes only the output, the
+      // all-reduce fallback sums zeros).
+      auto& shard_grad = masters[k].mutable_grad();
+      if (!shard_grad.defined()) shard_grad = torch::empty_like(masters[k]);
+      group.reduce_scatter_sum(shard_grad, s.grads);
+      shard_grad.mul_(inv_world);
+      bytes += s.grads.numel() * static_cast<int64_t>(sizeof(float));
+    }
+  }
+
+  void gather_parameters() {
+    for (size_t k = 0; k < spaces.size(); ++k) {
+      auto& s = spaces[k];
+      const auto mine = masters[k].to(s.dtype);  // round to nearest even, as the optimizers do
+      group.all_gather(s.gathered, mine);
+      bytes += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+      for (size_t j = 0; j < s.params.size(); ++j) {
+        auto p = params[s.params[j]].detach();
+        p.copy_(s.gathered.narrow(0, s.offsets[j], p.numel()).view(p.sizes()));
+      }
+    }
+  }
+
+  void step(const at::Tensor& grad_scale, const at::Tensor& found_inf) {
+    build();
+    check_dtypes();
+    torch::NoGradGuard no_grad;
+    if (found_inf.defined()) {
+      const float local_flag = found_inf.item<float>();
+      auto agreed = torch::full({1}, local_flag);
+      group.all_reduce_max(agreed);
+      TORCH_CHECK(agreed.item<float>() == local_flag, "ZeroRedundancyOptimizer: rank ", rank(),
+                  "'s GradScaler found ", local_flag != 0.f ? "an" : "no",
+                  " inf/NaN but another rank's did", local_flag != 0.f ? " not" : "",
+                  "; make the scalers agree with ampx::dist::synchronize_found_inf(scaler, "
+                  "group) so that all ranks skip the same steps");
+      if (local_flag != 0.f) return;  // skipped everywhere: nothing changes
+    }
+    reduce_gradients();
+    if (auto* aware = dynamic_cast<ScalerAwareOptimizer*>(local.get())) {
+      aware->step_scaled(grad_scale, found_inf.defined() ? found_inf : at::Tensor());
+    } else {
+      if (grad_scale.defined()) {
+        // GradScaler's unscale_: the reciprocal in double, rounded once.
+        const auto inv = grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+        for (auto& m : masters) m.mutable_grad().mul_(inv.to(m.device()));
+      }
+      local->step();
+    }
+    gather_parameters();
+  }
+};
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
+                                                 ProcessGroup group,
+                                                 OptimizerFactory make_optimizer,
+                                                 ZeroRedundancyOptimizerOptions options)
+    : torch::optim::Optimizer(params,
+                              std::make_unique<ZeroRedundancyOptimizerOptions>(options)) {
+  TORCH_CHECK(make_optimizer != nullptr, "ZeroRedundancyOptimizer: make_optimizer is empty");
+  TORCH_CHECK(!params.empty(), "ZeroRedundancyOptimizer: no parameters");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto dtype = params[i].scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                "ZeroRedundancyOptimizer: parameter ", i, " is ", dtype,
+                "; parameters must be float32, bfloat16 or float16");
+  }
+  impl_ = std::make_unique<Impl>(std::move(params), std::move(group), std::move(make_optimizer));
+  torch::NoGradGuard no_grad;
+  if (options.broadcast_parameters()) {
+    for (auto& p : impl_->params) {
+      auto wire = as_wire(p.detach());
+      impl_->group.broadcast(wire, 0);
+    }
+  }
+  for (const auto& p : impl_->params) {
+    impl_->snapshot.push_back(p.scalar_type() == at::kFloat ? p.detach().clone()
+                                                            : at::Tensor());
+  }
+}
+
+ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
+
+torch::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  impl_->step(at::Tensor(), at::Tensor());
+  return loss;
+}
+
+void ZeroRedundancyOptimizer::step_scaled(const at::Tensor& grad_scale,
+                                          const at::Tensor& found_inf) {
+  impl_->step(grad_scale, found_inf);
+}
+
+torch::optim::Optimizer& ZeroRedundancyOptimizer::local_optimizer() {
+  impl_->build();
+  return *impl_->local;
+}
+
+const std::vector<at::Tensor>& ZeroRedundancyOptimizer::master_shards() {
+  impl_->build();
+  return impl_->masters;
+}
+
+int64_t ZeroRedundancyOptimizer::state_bytes() {
+  impl_->build();
+  int64_t total = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) total += t.numel() * static_cast<int64_t>(t.element_size());
+  };
+  for (const auto& m : impl_->masters) add(m);
+  if (const auto* mixed = dynamic_cast<const optim::MixedPrecisionOptimizer*>(impl_->local.get())) {
+    for (const auto& m : impl_->masters) {
+      add(mixed->master(m));  // none: the shards are fp32, their own masters
+      add(mixed->exp_avg(m));
+      add(mixed->exp_avg_sq(m));
+    }
+  } else {
+    // Another torch::optim optimizer: its state's size as it serializes.
+    torch::serialize::OutputArchive archive;
+    impl_->local->save(archive);
+    std::ostringstream bytes;
+    archive.save_to(bytes);
+    total += static_cast<int64_t>(bytes.str().size());
+  }
+  return total;
+}
+
+int64_t ZeroRedundancyOptimizer::bytes_communicated() const {
+  return impl_->bytes;
+}
+
+void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  impl_->build();
+  const auto& s = impl_->spaces;
+  archive.write("ampx_zero_version", torch::tensor(kVersion));
+  archive.write("rank", torch::tensor(impl_->rank()));
+  archive.write("world_size", torch::tensor(impl_->world()));
+  archive.write("spaces", torch::tensor(static_cast<int64_t>(s.size())));
+  for (size_t k = 0; k < s.size(); ++k) {
+    const auto key = "space" + std::to_string(k);
+    archive.write(key + ".numel", torch::tensor(s[k].numel));
+    archive.write(key + ".dtype", torch::tensor(static_cast<int64_t>(s[k].dtype)));
+    archive.write(key + ".master", impl_->masters[k]);
+  }
+  torch::serialize::OutputArchive local;
+  impl_->local->save(local);
+  archive.write("local", local);
+}
+
+void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
+  impl_->build();
+  auto read_int = [&](const std::string& key) {
+    at::Tensor t;
+    TORCH_CHECK(archive.try_read(key, t) && t.numel() == 1,
+                "ZeroRedundancyOptimizer::load: no '", key, "' (not a ZeroRedundancyOptimizer state)");
+    return t.item<int64_t>();
+  };
+  const int64_t version = read_int("ampx_zero_version");
+  TORCH_CHECK(version == kVersion, "ZeroRedundancyOptimizer::load: state version ", version,
+              ", this ampx reads ", kVersion);
+  const int64_t rank = read_int("rank"), world = read_int("world_size");
+  TORCH_CHECK(rank == impl_->rank() && world == impl_->world(),
+              "ZeroRedundancyOptimizer::load: the state is rank ", rank, " of ", world,
+              "'s shard; this is rank ", impl_->rank(), " of ", impl_->world(),
+              " (each rank loads the shard it saved, with the same world size)");
+  const auto& s = impl_->spaces;
+  TORCH_CHECK(read_int("spaces") == static_cast<int64_t>(s.size()),
+              "ZeroRedundancyOptimizer::load: the state has another number of parameter dtypes "
+              "than these parameters (", describe(s), ")");
+  std::vector<at::Tensor> masters(s.size());
+  for (size_t k = 0; k < s.size(); ++k) {
+    const auto key = "space" + std::to_string(k);
+    const int64_t numel = read_int(key + ".numel"), dtype = read_int(key + ".dtype");
+    TORCH_CHECK(numel == s[k].numel && dtype == static_cast<int64_t>(s[k].dtype),
+                "ZeroRedundancyOptimizer::load: the state's parameters (", key, ": ", numel,
+                " of dtype #", dtype, ") are not these (", describe(s), ")");
+    TORCH_CHECK(archive.try_read(key + ".master", masters[k]) &&
+                    masters[k].sizes() == impl_->masters[k].sizes() &&
+                    masters[k].scalar_type() == at::kFloat,
+                "ZeroRedundancyOptimizer::load: '", key, ".master' is missing or not fp32 [",
+                impl_->masters[k].numel(), "]");
+  }
+  torch::serialize::InputArchive local;
+  TORCH_CHECK(archive.try_read("local", local),
+              "ZeroRedundancyOptimizer::load: no 'local' optimizer state");
+  impl_->local->load(local);  // checks its own state before changing it
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < s.size(); ++k) impl_->masters[k].copy_(masters[k]);
+}
+
+}  // namespace dist
+}  // namespace ampx
