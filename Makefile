@@ -8,7 +8,10 @@
 #   make test       build and run every test on both LibTorch legs
 #   make test-host  LibTorch 1.13 (Debian 12, this machine) only
 #   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
-#   make bench      the benchmarks (host leg): unscale, fused AdamW, O2 memory
+#   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
+#                   peaks, micro-benchmarks, ampx-train's workloads in every mode next to
+#                   PyTorch's torch.autocast, data parallel; writes docs/PERFORMANCE.md
+#                   and docs/performance.json (bench/run_all.py; BENCH_ARGS adds flags)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 HOST_BUILD := build/host
@@ -52,10 +55,8 @@ test-2x: deps
 
 test: test-host test-2x
 
-bench: build
-	$(RUN_ENV) $(HOST_BUILD)/bench/ampx_bench
-	$(RUN_ENV) $(HOST_BUILD)/bench/ampx_optim_bench
-	$(RUN_ENV) $(HOST_BUILD)/bench/ampx_o2_memory
+bench: build data
+	$(RUN_ENV) bench/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build

@@ -10,7 +10,11 @@
 // write-allocate read, which is why the fused step can beat it).
 // torch::optim::AdamW steps the same count of fp32 params (its several
 // ATen passes). The closing table prints ampx's bandwidth as a fraction of
-// the copy's and its step time against LibTorch's.
+// the copy's and its step time against LibTorch's; from --benchmark_out's
+// JSON: bytes_per_second over BM_Copy's, real_time of BM_AdamWTorchFp32 over
+// BM_AdamWAmpxBf16's at the same thread count.
+
+#include "bench_util.h"
 
 #include "ampx/detail/compat.h"
 #include "ampx/optim.h"
@@ -18,10 +22,9 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
-#include <cstdio>
-#include <cstring>
-#include <map>
-#include <string>
+#include <memory>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -66,12 +69,12 @@ void BM_Copy(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
   // 15 bytes per element each way: 30 B moved per element, as the fused step.
   static torch::Tensor src = torch::randn({g_elements * kBytesPerElement / 2 / 4});
-  static torch::Tensor dst = torch::empty_like(src);
+  static torch::Tensor dst = torch::zeros_like(src);  // zeros: first touch outside the timing
   for (auto _ : state) {
     dst.copy_(src);
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * g_elements * kBytesPerElement);
+  ampx::bench::set_traffic(state, g_elements * kBytesPerElement, g_elements, at::get_num_threads());
 }
 
 void BM_AdamWAmpxBf16(benchmark::State& state) {
@@ -81,7 +84,7 @@ void BM_AdamWAmpxBf16(benchmark::State& state) {
     s.opt->step();
     benchmark::ClobberMemory();
   }
-  state.SetBytesProcessed(state.iterations() * g_elements * kBytesPerElement);
+  ampx::bench::set_traffic(state, g_elements * kBytesPerElement, g_elements, at::get_num_threads());
 }
 
 void BM_AdamWTorchFp32(benchmark::State& state) {
@@ -91,63 +94,31 @@ void BM_AdamWTorchFp32(benchmark::State& state) {
     s.opt->step();
     benchmark::ClobberMemory();
   }
+  // No bytes credited (its passes move more): compared by time per step.
+  state.counters["threads"] = at::get_num_threads();
+  state.counters["elements"] = static_cast<double>(g_elements);
 }
-
-#define AMPX_OPTIM_ARGS Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0)
-
-BENCHMARK(BM_Copy)->AMPX_OPTIM_ARGS;
-BENCHMARK(BM_AdamWAmpxBf16)->AMPX_OPTIM_ARGS;
-BENCHMARK(BM_AdamWTorchFp32)->AMPX_OPTIM_ARGS;
-
-// Console output plus a closing table per thread count.
-class RatioReporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    ConsoleReporter::ReportRuns(runs);
-    for (const auto& run : runs) {
-      // "BM_Copy/2/min_time:1.000/real_time" -> name "BM_Copy", threads "2"
-      const std::string full = run.benchmark_name();
-      const auto a = full.find('/');
-      const std::string name = full.substr(0, a);
-      const std::string threads = full.substr(a + 1, full.find('/', a + 1) - a - 1);
-      auto& row = rows_[threads];
-      const double ms = run.GetAdjustedRealTime();  // in the run's unit: ms
-      row[name + ".ms"] = ms;
-      const auto it = run.counters.find("bytes_per_second");
-      if (it != run.counters.end()) row[name + ".gbps"] = it->second.value / 1e9;
-    }
-  }
-  void Finalize() override {
-    ConsoleReporter::Finalize();
-    std::printf("\n%-8s %10s %12s %9s %14s %14s %9s\n", "threads", "copy GB/s", "ampx GB/s",
-                "vs copy", "ampx ms/step", "torch ms/step", "speedup");
-    for (auto& entry : rows_) {
-      auto& r = entry.second;
-      std::printf("%-8s %10.2f %12.2f %8.0f%% %14.1f %14.1f %8.2fx\n", entry.first.c_str(),
-                  r["BM_Copy.gbps"], r["BM_AdamWAmpxBf16.gbps"],
-                  100.0 * r["BM_AdamWAmpxBf16.gbps"] / r["BM_Copy.gbps"], r["BM_AdamWAmpxBf16.ms"],
-                  r["BM_AdamWTorchFp32.ms"], r["BM_AdamWTorchFp32.ms"] / r["BM_AdamWAmpxBf16.ms"]);
-    }
-  }
-
- private:
-  std::map<std::string, std::map<std::string, double>> rows_;
-};
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--elements=", 11) == 0) g_elements = std::atoll(argv[i] + 11);
+  const auto flags = ampx::bench::initialize(argc, argv, g_elements);
+  g_elements = flags.elements;
+  for (const auto& b :
+       {std::make_pair("BM_Copy", BM_Copy), std::make_pair("BM_AdamWAmpxBf16", BM_AdamWAmpxBf16),
+        std::make_pair("BM_AdamWTorchFp32", BM_AdamWTorchFp32)}) {
+    ampx::bench::timed(benchmark::RegisterBenchmark(b.first, b.second)->Arg(1)->Arg(2), flags,
+                       benchmark::kMillisecond, 1.0);
   }
-  benchmark::Initialize(&argc, argv);
-  std::printf(
-      "LibTorch %s, %lld params; ampx: bf16 params/grads + fp32 master/moments "
-      "(credited %lld B/element); torch: fp32\n",
-      ampx::detail::compat::torch_version(), static_cast<long long>(g_elements),
-      static_cast<long long>(kBytesPerElement));
-  RatioReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::Shutdown();
+  benchmark::AddCustomContext("libtorch", ampx::detail::compat::torch_version());
+  ampx::bench::print_header(flags,
+                            "LibTorch %s, %lld params; ampx: bf16 params/grads + fp32 "
+                            "master/moments (credited %lld B/element); torch: fp32\n",
+                            ampx::detail::compat::torch_version(),
+                            static_cast<long long>(g_elements),
+                            static_cast<long long>(kBytesPerElement));
+  ampx::bench::run_with_table(flags, [](const ampx::bench::Table& table) {
+    ampx::bench::print_optimizer_table(table, "BM_Copy", "BM_AdamWAmpxBf16", "BM_AdamWTorchFp32");
+  });
   return 0;
 }

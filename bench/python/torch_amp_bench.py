@@ -1,0 +1,377 @@
+#!/usr/bin/env python3
+"""Trains one ampx-train workload in Python with PyTorch's own AMP, for comparing ampx with it.
+
+The models are ampx-train's (ampx_models.py, checked against models.h by
+parity_check.py), the data are the files ampx-train reads, batched as
+workloads.cpp batches them (the same per-step generators: the same samples in
+the same order, and from the same --seed the same initial weights), and the
+optimizer is torch.optim.AdamW with ampx-train's hyper-parameters (betas
+0.9/0.999, eps 1e-8, --weight-decay 0.01, one group, no clipping).
+
+  --precision fp32           plain fp32 training (ampx-train --precision fp32)
+  --precision autocast-bf16  torch.autocast("cpu", dtype=torch.bfloat16) around
+                             forward + loss, backward outside, fp32 params, no
+                             GradScaler (bf16 has fp32's range) (ampx-train O1)
+
+Each step is timed as trainer.cpp times ampx-train's: batch fetch, zero_grad,
+forward, loss, backward, optimizer step and loss.item(). median_step_ms and
+items_per_s are over the steps after --warmup (default: ampx-train's rule,
+min(10, max(1, steps // 10))); train_loss is the mean of the last tenth of the
+steps' losses, as in ampx-train's report.
+
+--linear torch (default) runs nn.Linear, what Python users write; --linear
+libtorch runs the ops of LibTorch's C++ torch::nn::Linear (see ampx_models.py),
+which makes the bf16 forward bit-identical to ampx-train's O1.
+--adamw-impl default takes torch's own choice on CPU (the for-loop on 1.13 and
+2.6); the JSON records which one ran.
+
+  LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp \\
+  /usr/bin/python3 bench/python/torch_amp_bench.py --workload gpt --precision autocast-bf16 \\
+      --threads 2 --steps 30 --json runs/python/gpt-bf16.json
+
+JSON keys: tool, workload, precision, dtype, torch_version, python_version,
+threads, batch_size, steps, warmup, timed_steps, seed, linear, optimizer {name,
+impl, lr, betas, eps, weight_decay, zero_grad_set_to_none}, unit ("tokens" or
+"samples", as ampx-train), items_per_step, median_step_ms, items_per_s (and the
+same under tokens_per_s or samples_per_s), train_loss, wall_s, parameters,
+ld_library_path, losses (every step), step_ms (every step), model (gpt: vocab,
+block_size, layers, heads, d_model).
+"""
+import argparse
+import gzip
+import inspect
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+from ampx_models import GPT_DEFAULTS, LINEARS, WORKLOADS, build_model, cross_entropy
+
+PRECISIONS = ("fp32", "autocast-bf16")
+
+# apps/ampx-train/config.cpp defaults_of(): batch size and lr per workload.
+DEFAULT_BATCH = {"gpt": 32, "mnist-cnn": 128, "fashion-mlp": 256}
+DEFAULT_LR = 1e-3
+DEFAULT_STEPS = 200
+DEFAULT_SEED = 1337
+DEFAULT_WEIGHT_DECAY = 0.01  # ampx-train's --weight-decay; betas and eps are AdamW's defaults
+
+MASK64 = (1 << 64) - 1
+
+
+# ------------------------------------------------------------------ data (data.cpp)
+def default_data_dir():
+    """--data-dir's fallback, as resolve_data_dir(): $AMPX_DATA_DIR, $XDG_CACHE_HOME/ampx/data, ~/.cache/ampx/data."""
+    if os.environ.get("AMPX_DATA_DIR"):
+        return os.environ["AMPX_DATA_DIR"]
+    if os.environ.get("XDG_CACHE_HOME"):
+        return os.path.join(os.environ["XDG_CACHE_HOME"], "ampx", "data")
+    return os.path.join(os.path.expanduser("~"), ".cache", "ampx", "data")
+
+
+def read_bytes(path):
+    """A file's bytes, gunzipped when it is gzip-compressed (as zlib's gzread reads both)."""
+    if not os.path.isfile(path):
+        sys.exit(f"torch_amp_bench: '{path}' not found; install the data with: "
+                 f"scripts/install-data.sh {os.path.dirname(os.path.dirname(path))}")
+    with open(path, "rb") as f:
+        data = f.read()
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data
+
+
+def read_idx(path, magic, ndims):
+    """An IDX file as a uint8 tensor of the dimensions its big-endian header gives."""
+    data = read_bytes(path)
+    header = 4 + 4 * ndims
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        sys.exit(f"torch_amp_bench: '{path}': IDX magic 0x{found:08x}, expected 0x{magic:08x}")
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndims)]
+    if len(data) != header + math.prod(dims):
+        sys.exit(f"torch_amp_bench: '{path}' holds {len(data) - header} bytes, header says {math.prod(dims)}")
+    return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(dims)
+
+
+def load_images(data_dir, workload):
+    """(train images uint8 [N, 28, 28], train labels int64 [N]): MNIST plain, Fashion-MNIST gzipped."""
+    sub, suffix = ("mnist", "") if workload == "mnist-cnn" else ("fashion-mnist", ".gz")
+    path = lambda stem: os.path.join(data_dir, sub, f"{stem}-ubyte{suffix}")
+    images = read_idx(path("train-images-idx3"), 0x00000803, 3)
+    labels = read_idx(path("train-labels-idx1"), 0x00000801, 1).long()
+    return images, labels
+
+
+def load_text(data_dir, val_fraction=0.1):
+    """(train ids int64, vocab size): Moby Dick by bytes, vocab = sorted distinct bytes, first 90% for training."""
+    text = read_bytes(os.path.join(data_dir, "moby-dick", "data.txt"))
+    byte_ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    vocab = torch.unique(byte_ids)  # sorted
+    lut = torch.zeros(256, dtype=torch.long)
+    lut[vocab] = torch.arange(vocab.numel())
+    n = len(text)
+    n_val = int(math.floor(n * val_fraction + 0.5))  # std::llround: halves away from zero
+    return lut[byte_ids[: n - n_val]], vocab.numel()
+
+
+def generator_for(seed, stream, index):
+    """workloads.cpp's generator_for: a CPU generator per (seed, stream, index), splitmix64-mixed."""
+    x = ((seed * 0x9E3779B97F4A7C15) & MASK64) ^ (((stream + 1) * 0xBF58476D1CE4E5B9) & MASK64) \
+        ^ (((index + 1) * 0x94D049BB133111EB) & MASK64)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86763A9D5) & MASK64
+    x ^= x >> 29
+    g = torch.Generator()
+    g.manual_seed(x)
+    return g
+
+
+class GptBatches:
+    """B windows of T + 1 characters at random offsets of the training split, step by step."""
+
+    unit = "tokens"
+
+    def __init__(self, train, batch, block, seed):
+        if train.numel() <= block + 1:
+            sys.exit(f"torch_amp_bench: the text is too short for --block-size {block}")
+        self.train, self.batch, self.block, self.seed = train, batch, block, seed
+        self.items_per_step = batch * block
+
+    def __call__(self, step):
+        gen = generator_for(self.seed, 0, step)
+        T = self.block
+        starts = torch.randint(self.train.numel() - T - 1, (self.batch, 1), generator=gen, dtype=torch.long)
+        windows = self.train[starts + torch.arange(T + 1)]  # [B, T + 1]
+        return windows[:, :T], windows[:, 1:]
+
+
+class ImageBatches:
+    """Pixels in [0, 1] standardised by the training split; a permutation per epoch, last partial batch dropped."""
+
+    unit = "samples"
+
+    def __init__(self, images, labels, batch, seed, workload):
+        x = images.float().div_(255)
+        mean, std = x.mean().item(), x.std().item()
+        self.x, self.y = x.sub_(mean).div_(std), labels
+        if self.x.size(0) < batch:
+            sys.exit(f"torch_amp_bench: --batch-size {batch} is larger than the training split")
+        self.batch, self.seed, self.workload = batch, seed, workload
+        self.steps_per_epoch = self.x.size(0) // batch
+        self.items_per_step = batch
+        self.perm, self.perm_epoch = None, -1
+
+    def __call__(self, step):
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        if epoch != self.perm_epoch:
+            self.perm = torch.randperm(self.x.size(0), generator=generator_for(self.seed, 1, epoch), dtype=torch.long)
+            self.perm_epoch = epoch
+        idx = self.perm[pos * self.batch: (pos + 1) * self.batch]
+        images = self.x.index_select(0, idx)
+        images = images.unsqueeze(1) if self.workload == "mnist-cnn" else images.flatten(1)
+        return images, self.y.index_select(0, idx)
+
+
+def make_batches(args):
+    """The workload's batch function (step -> (input, target)) and its vocab (gpt) or None."""
+    if args.workload == "gpt":
+        train, vocab = load_text(args.data_dir)
+        return GptBatches(train, args.batch_size, args.block_size, args.seed), vocab
+    images, labels = load_images(args.data_dir, args.workload)
+    return ImageBatches(images, labels, args.batch_size, args.seed, args.workload), None
+
+
+# ------------------------------------------------------------------ training (trainer.cpp)
+def forward_loss(model, inputs, target, precision):
+    """One forward pass and its loss as the precision runs them: under
+    torch.autocast("cpu", bfloat16) for autocast-bf16 (output cast to fp32, as
+    ampx-train's cast_model_outputs(kFloat) does), plainly for fp32.
+    Returns (loss, output), both fp32."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"):
+        output = model(inputs).float()
+        return cross_entropy(output, target), output
+
+
+def make_optimizer(model, lr, weight_decay=DEFAULT_WEIGHT_DECAY, impl="default"):
+    """torch.optim.AdamW with ampx-train's settings; impl picks the implementation
+    (default: whatever this torch picks) and is returned resolved."""
+    kwargs = {}
+    if impl == "foreach":
+        kwargs["foreach"] = True
+    elif impl == "for-loop":
+        kwargs["foreach"] = False
+    elif impl == "fused":
+        kwargs["fused"] = True  # torch >= 2.4 on CPU; older versions raise
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=weight_decay, **kwargs)
+    return opt, resolved_adamw_impl(opt)
+
+
+def resolved_adamw_impl(opt):
+    """'fused', 'foreach' or 'for-loop': what opt.step() runs."""
+    group = opt.param_groups[0]
+    if group.get("fused"):
+        return "fused"
+    foreach = group.get("foreach")
+    if foreach is None:  # the default: torch decides at step time
+        try:  # torch 2.x
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+            _, foreach = _default_to_fused_or_foreach(list(group["params"]), False, use_fused=False)
+        except ImportError:  # torch 1.13: AdamW's default is the for-loop
+            foreach = False
+    return "foreach" if foreach else "for-loop"
+
+
+def zero_grad_sets_none(opt):
+    """Whether opt.zero_grad() frees the grads (the default since torch 2.0) or zeroes them (1.13)."""
+    return bool(inspect.signature(opt.zero_grad).parameters["set_to_none"].default)
+
+
+def default_warmup(steps):
+    """trainer.cpp: min(10, max(1, steps / 10)) steps left out of the timing."""
+    return min(10, max(1, steps // 10))
+
+
+def train(args):
+    torch.set_num_threads(args.threads)
+    batches, vocab = make_batches(args)
+    torch.manual_seed(args.seed)  # as trainer.cpp before Workload::build
+    model = build_model(args.workload, vocab=vocab or 0, block_size=args.block_size,
+                        layers=args.layers, heads=args.heads, d_model=args.d_model, linear=args.linear)
+    model.train()
+    opt, impl = make_optimizer(model, args.lr, args.weight_decay, args.adamw_impl)
+
+    losses, step_ms = [], []
+    run_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        inputs, target = batches(step)
+        opt.zero_grad()
+        loss, _ = forward_loss(model, inputs, target, args.precision)
+        loss.backward()
+        opt.step()
+        loss_value = loss.item()
+        step_ms.append((time.perf_counter() - t0) * 1000.0)
+        losses.append(loss_value)
+        if args.log_every and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+            print(f"[{args.precision}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
+                  f"{step_ms[-1]:.1f} ms", flush=True)
+    wall_s = time.perf_counter() - run_start
+
+    warm = default_warmup(args.steps) if args.warmup is None else args.warmup
+    timed = step_ms[warm:]
+    tail = max(1, len(losses) // 10)
+    result = {
+        "tool": "bench/python/torch_amp_bench.py",
+        "workload": args.workload,
+        "precision": args.precision,
+        "dtype": "bf16" if args.precision == "autocast-bf16" else "fp32",
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "warmup": warm,
+        "timed_steps": len(timed),
+        "seed": args.seed,
+        "linear": args.linear,
+        "optimizer": {"name": "torch.optim.AdamW", "impl": impl, "lr": args.lr, "betas": [0.9, 0.999],
+                      "eps": 1e-8, "weight_decay": args.weight_decay,
+                      "zero_grad_set_to_none": zero_grad_sets_none(opt)},
+        "unit": batches.unit,
+        "items_per_step": batches.items_per_step,
+        "median_step_ms": statistics.median(timed) if timed else None,
+        "items_per_s": batches.items_per_step * 1000.0 * len(timed) / sum(timed) if timed else None,
+        "train_loss": sum(losses[-tail:]) / tail,
+        "wall_s": wall_s,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "ld_library_path": os.environ.get("LD_LIBRARY_PATH", ""),
+        "losses": losses,
+        "step_ms": step_ms,
+    }
+    result[batches.unit + "_per_s"] = result["items_per_s"]
+    if args.workload == "gpt":
+        result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
+                           "heads": args.heads, "d_model": args.d_model}
+    return result
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Train an ampx-train workload with PyTorch (fp32 or torch.autocast bf16) "
+                    "and report ampx-train's timing numbers as JSON.")
+    p.add_argument("--workload", choices=WORKLOADS, default="gpt")
+    p.add_argument("--precision", choices=PRECISIONS, default="autocast-bf16")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="intra-op threads (torch.set_num_threads) [default: all cores]")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples (gpt: sequences) per step [default: gpt 32, mnist-cnn 128, fashion-mlp 256]")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps left out of the timing [default: ampx-train's min(10, max(1, steps/10))]")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the weights and the data order")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY,
+                   help="AdamW decoupled weight decay")
+    p.add_argument("--adamw-impl", choices=("default", "for-loop", "foreach", "fused"), default="default",
+                   help="AdamW implementation [default: what this torch picks on CPU]")
+    p.add_argument("--linear", choices=LINEARS, default="torch",
+                   help="torch: nn.Linear (aten::linear, what Python users run); libtorch: the ops "
+                        "LibTorch's C++ torch::nn::Linear runs (matmul + in-place bias add on 3-D inputs)")
+    p.add_argument("--data-dir", default=None,
+                   help="datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]")
+    p.add_argument("--json", default=None, help="write the result as JSON to this file")
+    p.add_argument("--log-every", type=int, default=0, help="print the loss every N steps (0: never)")
+    # gpt model shape, ampx-train's flags and defaults (apps/ampx-train/config.cpp)
+    p.add_argument("--block-size", type=int, default=GPT_DEFAULTS["block_size"], help="gpt: context length")
+    p.add_argument("--layers", type=int, default=GPT_DEFAULTS["layers"], help="gpt: transformer blocks")
+    p.add_argument("--d-model", type=int, default=GPT_DEFAULTS["d_model"], help="gpt: width")
+    p.add_argument("--heads", type=int, default=GPT_DEFAULTS["heads"], help="gpt: attention heads")
+    args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH[args.workload]
+    if args.data_dir is None:
+        args.data_dir = default_data_dir()
+    for name in ("threads", "batch_size", "steps", "lr", "block_size", "layers", "d_model", "heads"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.weight_decay < 0:
+        p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.warmup is not None and not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if args.workload == "gpt" and args.d_model % args.heads:
+        p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = [("workload", args.workload), ("precision", args.precision), ("threads", args.threads),
+                ("batch size", args.batch_size), ("steps", args.steps), ("lr (AdamW)", args.lr),
+                ("seed", args.seed), ("data", args.data_dir), ("torch", torch.__version__)]
+    if args.workload == "gpt":
+        settings.insert(5, ("model", f"{args.layers} layers, d {args.d_model}, {args.heads} heads, "
+                                     f"block {args.block_size}"))
+    width = max(len(k) for k, _ in settings)
+    print("torch_amp_bench\n" + "".join(f"  {k:<{width}}  {v}\n" for k, v in settings), flush=True)
+    r = train(args)
+    if r["timed_steps"]:
+        print(f"[{r['precision']}] done: {r['items_per_s']:.0f} {r['unit']}/s, median step "
+              f"{r['median_step_ms']:.1f} ms, train loss {r['train_loss']:.4f} (AdamW {r['optimizer']['impl']})")
+    else:
+        print(f"[{r['precision']}] done: no step after warm-up was timed; train loss {r['train_loss']:.4f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+            f.write("\n")
+        print(f"json: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

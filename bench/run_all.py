@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Runs every ampx benchmark in one go and writes docs/PERFORMANCE.md and docs/performance.json.
+
+  make bench                        # = bench/run_all.py --build build/host (with the OpenMP BLAS)
+  bench/run_all.py --quick          # small sizes and few steps: checks the harness, not the machine
+
+In one run, on one machine, with the same threads everywhere:
+  1. matrix-product peaks (ampx_gemm_peak): fp32 and bf16 GFLOP/s, MFU's denominators;
+  2. micro-benchmarks (Google Benchmark programs, --benchmark_out JSON): non-finite check +
+     unscale, scale update, fused AdamW / SGD against torch::optim's, casts, each next to a copy;
+  3. end to end: ampx-train --compare fp32,O1,O2,O3 on gpt, mnist-cnn and fashion-mlp (O3 is
+     pure bf16 with stochastic rounding): median step, throughput, peak allocated memory, MFU;
+  4. the same models in Python with torch.autocast and torch.optim.AdamW (bench/python, Debian's
+     python3-torch: the same LibTorch underneath), fp32 and autocast bf16;
+  5. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes.
+Then the targets of the benchmark issue, each as a ratio measured in this run, met or not.
+
+Only the standard library: the orchestration runs under any python3.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_PYTHON = "/usr/bin/python3"  # Debian's python3-torch
+MODES = ["fp32", "O1", "O2", "O3"]
+WORKLOADS = ["gpt", "mnist-cnn", "fashion-mlp"]
+UNITS = {"gpt": "tokens/s", "mnist-cnn": "images/s", "fashion-mlp": "images/s"}
+MICRO = ["ampx_bench", "ampx_optim_bench", "ampx_sgd_bench", "ampx_cast_bench",
+         "ampx_scale_update_bench"]
+
+
+def log(*a):
+    print("[bench]", *a, file=sys.stderr, flush=True)
+
+
+def run(cmd, **kw):
+    log(" ".join(cmd))
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, **kw)
+    if p.returncode != 0:
+        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+        raise SystemExit(f"bench: {cmd[0]} failed with exit code {p.returncode}")
+    log(f"  {time.time() - t0:.0f} s")
+    return p.stdout
+
+
+# --------------------------------------------------------------------- model FLOPs
+def gpt_flops_per_step(batch, block=128, layers=4, d=256, vocab=96):
+    """Matrix-product FLOPs of one training step (forward + backward = 3x forward).
+
+    Per token and layer: qkv 3d^2, proj d^2, MLP 8d^2 multiply-adds; attention's two
+    batched products T*d each (the full T x T scores are computed, mask or not).
+    Plus the vocabulary head d*vocab. A multiply-add is 2 FLOPs."""
+    per_token = layers * (12 * d * d + 2 * block * d) + d * vocab
+    return 3 * 2 * per_token * batch * block
+
+
+def cnn_flops_per_step(batch):
+    macs = 1 * 32 * 9 * 28 * 28 + 32 * 64 * 9 * 14 * 14 + 64 * 7 * 7 * 128 + 128 * 10
+    return 3 * 2 * macs * batch
+
+
+def mlp_flops_per_step(batch):
+    return 3 * 2 * (784 * 512 + 512 * 256 + 256 * 10) * batch
+
+
+FLOPS = {"gpt": gpt_flops_per_step, "mnist-cnn": cnn_flops_per_step,
+         "fashion-mlp": mlp_flops_per_step}
+
+
+# --------------------------------------------------------------------- parts
+def gemm_peaks(args, out):
+    path = os.path.join(out, "gemm.json")
+    cmd = [os.path.join(args.build, "bench", "ampx_gemm_peak"), "--threads", str(args.threads),
+           "--json", path]
+    if args.quick:
+        cmd += ["--sizes", "256,512", "--reps", "3"]
+    run(cmd)
+    with open(path) as f:
+        return json.load(f)
+
+
+def micro(args, out):
+    results = {}
+    for prog in MICRO:
+        exe = os.path.join(args.build, "bench", prog)
+        if not os.path.exists(exe):
+            log(f"{prog} not built, skipped")
+            continue
+        path = os.path.join(out, prog + ".json")
+        cmd = [exe, f"--benchmark_out={path}", "--benchmark_out_format=json"]
+        if args.quick:
+            cmd += ["--elements=1000000", "--benchmark_min_time=0.01"]
+        text = run(cmd)
+        with open(os.path.join(out, prog + ".txt"), "w") as f:
+            f.write(text)
+        with open(path) as f:
+            results[prog] = {"benchmarks": json.load(f)["benchmarks"], "summary": text}
+    return results
+
+
+def ampx_train(args, out, workload):
+    d = os.path.join(out, "e2e", workload)
+    shutil.rmtree(d, ignore_errors=True)
+    steps = args.gpt_steps if workload == "gpt" else args.image_steps
+    cmd = [os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload", workload,
+           "--compare", ",".join(MODES), "--steps", str(steps), "--threads", str(args.threads),
+           "--out-dir", d, "--progress", "none"]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    if workload == "gpt":
+        cmd += ["--eval-batches", "4"]
+    run(cmd)
+    with open(os.path.join(d, "compare.json")) as f:
+        return json.load(f)
+
+
+def python_amp(args, out, workload, precision):
+    path = os.path.join(out, "python", f"{workload}-{precision}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    steps = args.gpt_steps if workload == "gpt" else args.image_steps
+    cmd = [TORCH_PYTHON, os.path.join(ROOT, "bench", "python", "torch_amp_bench.py"),
+           "--workload", workload, "--precision", precision, "--threads", str(args.threads),
+           "--steps", str(steps), "--json", path]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    run(cmd)
+    with open(path) as f:
+        return json.load(f)
+
+
+def dist(args, out):
+    exe = os.path.join(args.build, "bench", "ampx_dist_bench")
+    if not os.path.exists(exe):
+        log("ampx_dist_bench not built (no c10d/Gloo), skipped")
+        return None
+    path = os.path.join(out, "dist.json")
+    text = run([exe, "--steps", "3" if args.quick else "10", "--bucket-mib", "4", "--json", path])
+    with open(path) as f:
+        result = json.load(f)
+    result["summary"] = text
+    return result
+
+
+# --------------------------------------------------------------------- report
+def fmt(x, digits=1):
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def bench_by_name(micro_results, prog):
+    return {b["name"]: b for b in micro_results.get(prog, {}).get("benchmarks", [])
+            if b.get("run_type", "iteration") == "iteration"}
+
+
+def best_ratio(benchmarks, numerator, denominator, key):
+    """max over thread counts of numerator/denominator of `key`, names 'BM_X/threads'."""
+    best = None
+    for name, b in benchmarks.items():
+        if not name.startswith(numerator + "/"):
+            continue
+        other = benchmarks.get(denominator + name[len(numerator):])
+        if other and other.get(key) and b.get(key):
+            r = b[key] / other[key]
+            best = r if best is None else max(best, r)
+    return best
+
+
+def build_report(args, data):
+    gemm, micro_r, e2e, py, dist_r = (data["gemm"], data["micro"], data["e2e"], data["python"],
+                                      data["dist"])
+    peaks = {"fp32": gemm.get("fp32_peak_gflops"), "bf16": gemm.get("bf16_peak_gflops")}
+    lines = []
+    w = lines.append
+    w("# ampx performance")
+    w("")
+    w("Generated by `make bench` (`bench/run_all.py`); every number below comes from the one run "
+      f"of {data['date']}. The machine is shared and noisy, so compare ratios within this run, "
+      "not absolute numbers across runs. Machine-readable: `docs/performance.json`.")
+    w("")
+    m = data["machine"]
+    w(f"- Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads used everywhere; "
+      f"LibTorch {m['libtorch']}; fp32 BLAS: {m['blas']}.")
+    w(f"- Command: `{data['command']}`"
+      + (" (quick mode: small sizes, for checking the harness only)" if args.quick else ""))
+    w(f"- Matrix-product peaks measured in this run: fp32 {fmt(peaks['fp32'])} GFLOP/s, "
+      f"bf16 {fmt(peaks['bf16'])} GFLOP/s (`ampx_gemm_peak`, best of square sizes)"
+      + (f": a model bound by its matrix products can run at most "
+         f"{peaks['bf16'] / peaks['fp32']:.2f}x faster in bf16 than in fp32 on this machine."
+         if peaks['fp32'] and peaks['bf16'] else "."))
+    w("- Throughput is items per step over the median step (tokens for gpt, images "
+      "otherwise), for ampx and PyTorch alike.")
+    w("")
+
+    # targets first
+    w("## Targets")
+    w("")
+    w("| what | target | measured | | note |")
+    w("| --- | --- | --- | --- | --- |")
+    for t in data["targets"]:
+        w(f"| {t['what']} | {t['target']} | {t['measured']} | "
+          f"{'met' if t['met'] else '**missed**'} | {t['note']} |")
+    w("")
+
+    for workload in WORKLOADS:
+        if workload not in e2e:
+            continue
+        c = e2e[workload]
+        unit = UNITS[workload]
+        flops = FLOPS[workload](c["settings"]["batch_size"])
+        # per step: tokens for gpt (block 128), images otherwise
+        items = c["settings"]["batch_size"] * (128 if workload == "gpt" else 1)
+        w(f"## {workload}")
+        w("")
+        s = c["settings"]
+        w(f"Batch {s['batch_size']}, {s['steps']} steps, AdamW lr {s['lr']}, median over the steps "
+          f"after warm-up; {flops / 1e9:.2f} GFLOP of matrix products per step (forward + "
+          "backward). MFU: achieved matrix-product FLOP/s over the measured peak of the mode's "
+          "compute dtype.")
+        w("")
+        w(f"| run | median step ms | {unit} | vs ampx fp32 | peak MiB | vs fp32 | MFU | "
+          "final train loss |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        base = next(x for x in c["modes"] if x["mode"] == "fp32")
+        for x in c["modes"]:
+            ms = x["median_step_ms"]
+            peak = peaks["fp32" if x["mode"] == "fp32" else "bf16"]
+            mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
+            thr = items / (ms / 1e3)
+            w(f"| ampx {x['mode']} | {fmt(ms)} | {fmt(thr, 0)} | {base['median_step_ms'] / ms:.2f}x "
+              f"| {x['peak_allocated_bytes'] / 2**20:.1f} | {x['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x "
+              f"| {fmt(None if mfu is None else 100 * mfu)}% | {x['train_loss']:.4f} |")
+        for prec in ("fp32", "autocast-bf16"):
+            p = py.get(workload, {}).get(prec)
+            if not p:
+                continue
+            ms = p["median_step_ms"]
+            peak = peaks["fp32" if prec == "fp32" else "bf16"]
+            mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
+            w(f"| PyTorch {prec} | {fmt(ms)} | {fmt(items / (ms / 1e3), 0)} | "
+              f"{base['median_step_ms'] / ms:.2f}x | - | - | "
+              f"{fmt(None if mfu is None else 100 * mfu)}% | {p['train_loss']:.4f} |")
+        w("")
+
+    if micro_r:
+        w("## Micro-benchmarks")
+        w("")
+        w("Each program's closing table, as it printed it (bytes credited per element are "
+          "documented at the top of each source in `bench/`).")
+        w("")
+        for prog, r in micro_r.items():
+            w(f"### `{prog}`")
+            w("")
+            w("```")
+            summary = r["summary"].strip().splitlines()
+            # Google Benchmark's own rows are in the JSON; keep the program's
+            # first line (what is measured) and its closing ratio table.
+            last_row = max((i for i, l in enumerate(summary) if l.startswith("BM_")), default=-1)
+            head = summary[:1] if summary and not summary[0].startswith(("-", "Benchmark")) else []
+            w("\n".join(head + [l for l in summary[last_row + 1:] if l.strip()]))
+            w("```")
+            w("")
+
+    if dist_r:
+        w("## Data parallel (`ampx_dist_bench`, 2 processes on loopback, Gloo)")
+        w("")
+        w("```")
+        w(dist_r["summary"].strip())
+        w("```")
+        w("")
+    w("## Notes")
+    w("")
+    w("The analysis behind these numbers (where the time goes, what is outside ampx) is in "
+      "[performance-notes.md](performance-notes.md).")
+    return "\n".join(lines) + "\n"
+
+
+def targets(data):
+    out = []
+    peaks = {"fp32": data["gemm"].get("fp32_peak_gflops"),
+             "bf16": data["gemm"].get("bf16_peak_gflops")}
+
+    def add(what, target, value, threshold, higher_is_better=True, unit="x", note=""):
+        if value is None:
+            out.append({"what": what, "target": target, "measured": "not measured", "met": False,
+                        "value": None, "note": note})
+            return
+        met = value >= threshold if higher_is_better else value <= threshold
+        shown = f"{100 * value:.1f}%" if unit == "%" else f"{value:.2f}x"
+        out.append({"what": what, "target": target, "measured": shown, "met": met,
+                    "value": value, "note": note})
+
+    e2e = data["e2e"]
+    step = lambda w, m: next((x["median_step_ms"] for x in e2e.get(w, {}).get("modes", [])
+                              if x["mode"] == m), None)
+    py_step = lambda w, p: data["python"].get(w, {}).get(p, {}).get("median_step_ms")
+    if "gpt" in e2e:
+        f32 = step("gpt", "fp32")
+        best = min(step("gpt", "O1"), step("gpt", "O2"))
+        bound = (f"the bf16 / fp32 GEMM peak ratio measured in this run is "
+                 f"{peaks['bf16'] / peaks['fp32']:.2f}x" if peaks["bf16"] and peaks["fp32"] else "")
+        add("gpt, O1 or O2 bf16 vs fp32 step time", ">= 3x", f32 / best, 3.0, note=bound)
+        best_any = min(step("gpt", m) for m in MODES if m != "fp32")
+        pyb = py_step("gpt", "autocast-bf16")
+        add("gpt, ampx best mode vs Python torch.autocast bf16", ">= 1.2x",
+            pyb / best_any if pyb else None, 1.2)
+        flops = gpt_flops_per_step(e2e["gpt"]["settings"]["batch_size"])
+        mfu = flops / (best_any / 1e3) / (peaks["bf16"] * 1e9) if peaks["bf16"] else None
+        add("gpt MFU against the measured bf16 GEMM peak", ">= 70%", mfu, 0.70, unit="%")
+        peak = {x["mode"]: x["peak_allocated_bytes"] for x in e2e["gpt"]["modes"]}
+        add("gpt O2 peak memory vs fp32", "<= 0.6x", peak["O2"] / peak["fp32"], 0.6,
+            higher_is_better=False)
+    for w in ("mnist-cnn", "fashion-mlp"):
+        if w not in e2e:
+            continue
+        best_any = min(step(w, m) for m in MODES)
+        pys = [x for x in (py_step(w, "fp32"), py_step(w, "autocast-bf16")) if x]
+        add(f"{w}, ampx best mode vs Python's best (fp32 or autocast)", ">= 2x",
+            min(pys) / best_any if pys else None, 2.0)
+    optim = bench_by_name(data["micro"], "ampx_optim_bench")
+    adamw = best_ratio(optim, "BM_AdamWTorchFp32", "BM_AdamWAmpxBf16", "real_time") if optim else None
+    add("fused AdamW vs torch::optim::AdamW (step time)", ">= 3x", adamw, 3.0)
+    unscale = bench_by_name(data["micro"], "ampx_bench")
+    ratio = None
+    if unscale:
+        ratio = best_ratio(unscale, "BM_UnscaleAmpx_avx512", "BM_Copy", "bytes_per_second") or \
+            best_ratio(unscale, "BM_UnscaleAmpx_avx2", "BM_Copy", "bytes_per_second")
+    add("unscale + inf check vs copy bandwidth", ">= 0.7x", ratio, 0.7)
+    return out
+
+
+def machine(args, gemm, e2e):
+    cpu = gemm.get("cpu") or platform.processor()
+    any_e2e = next(iter(e2e.values()), {})
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": args.threads,
+            "libtorch": gemm.get("torch_version") or any_e2e.get("machine", {}).get("libtorch"),
+            "blas": gemm.get("blas") or any_e2e.get("machine", {}).get("blas"),
+            "python": platform.python_version()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--build", default=os.path.join(ROOT, "build", "host"))
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "bench"),
+                   help="raw outputs of every program")
+    p.add_argument("--doc", default=os.path.join(ROOT, "docs", "PERFORMANCE.md"))
+    p.add_argument("--json", default=os.path.join(ROOT, "docs", "performance.json"))
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--gpt-steps", type=int, default=60)
+    p.add_argument("--image-steps", type=int, default=150)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--only", default="gemm,micro,e2e,python,dist",
+                   help="comma-separated parts to run (the report covers what ran)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes and steps: checks the harness end to end in a few minutes")
+    args = p.parse_args()
+    if args.quick:
+        args.gpt_steps, args.image_steps = 8, 12
+    parts = set(args.only.split(","))
+    os.makedirs(args.out, exist_ok=True)
+    data = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "command": "bench/run_all.py " + " ".join(sys.argv[1:]) if sys.argv[1:] else
+            "make bench",
+            "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None}
+    if "gemm" in parts:
+        data["gemm"] = gemm_peaks(args, args.out)
+    if "micro" in parts:
+        data["micro"] = micro(args, args.out)
+    for w in WORKLOADS:
+        if "e2e" in parts:
+            data["e2e"][w] = ampx_train(args, args.out, w)
+        if "python" in parts:
+            data["python"][w] = {prec: python_amp(args, args.out, w, prec)
+                                 for prec in ("fp32", "autocast-bf16")}
+    if "dist" in parts:
+        data["dist"] = dist(args, args.out)
+    data["machine"] = machine(args, data["gemm"], data["e2e"])
+    data["targets"] = targets(data)
+    report = build_report(args, data)
+    for path, text in ((args.doc, report), (args.json, json.dumps(
+            {k: v for k, v in data.items() if k != "micro"} |
+            {"micro": {k: v["benchmarks"] for k, v in data["micro"].items()}}, indent=1) + "\n")):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    log(f"wrote {args.doc} and {args.json}")
+    for t in data["targets"]:
+        log(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['measured']} (target {t['target']})")
+
+
+if __name__ == "__main__":
+    main()
