@@ -16,6 +16,17 @@
 
 namespace ampx::train {
 
+/// `linear` over the last dimension of `x` ([..., in] -> [..., out]) as one
+/// addmm on a 2-D view. LibTorch's C++ Linear fuses the bias into the matrix
+/// product only for 2-D inputs; on [B, T, in] it runs a matmul and then a
+/// second pass over the output to add the bias (Python's nn.Linear does not).
+inline torch::Tensor linear_2d(torch::nn::Linear& linear, const torch::Tensor& x) {
+  auto sizes = x.sizes().vec();
+  auto y = linear(x.reshape({-1, sizes.back()}));
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
+
 /// A character-level GPT: pre-norm transformer blocks, causal self-attention.
 struct GPTConfig {
   int64_t vocab = 96;
@@ -36,13 +47,13 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [B, T, d]
     const auto B = x.size(0), T = x.size(1), hd = d / heads;
-    auto parts = qkv(x).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
+    auto parts = linear_2d(qkv, x).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
     auto q = parts[0], k = parts[1], v = parts[2];
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     att = att.masked_fill(mask.slice(0, 0, T).slice(1, 0, T), -INFINITY);
     att = torch::softmax(att, -1);
     auto y = torch::matmul(att, v).transpose(1, 2).reshape({B, T, d});  // [B, T, d]
-    return proj(y);
+    return linear_2d(proj, y);
   }
   int64_t heads, d;
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
@@ -60,7 +71,7 @@ struct BlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn(ln1(x));
-    return x + out(torch::gelu(fc(ln2(x))));
+    return x + linear_2d(out, torch::gelu(linear_2d(fc, ln2(x))));
   }
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
@@ -80,7 +91,7 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens) {  // int64 [B, T] -> logits [B, T, vocab]
     auto x = tok(tokens) + pos.slice(0, 0, tokens.size(1));
     for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
-    return head(ln_f(x));
+    return linear_2d(head, ln_f(x));
   }
   torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;

@@ -37,16 +37,13 @@ LINEARS = ("torch", "libtorch")
 
 
 class LibTorchLinear(nn.Linear):
-    """nn.Linear computed as LibTorch's C++ torch::nn::Linear computes it: addmm
-    for 2-D inputs, otherwise matmul followed by an in-place bias add."""
+    """nn.Linear computed as ampx-train's C++ models compute it: one addmm on a
+    2-D view of the input (models.h's linear_2d; LibTorch's C++ Linear alone
+    would run matmul and then add the bias in place for 3-D inputs)."""
 
     def forward(self, x):
-        if x.dim() == 2 and self.bias is not None:
-            return torch.addmm(self.bias, x, self.weight.t())
-        out = x.matmul(self.weight.t())
-        if self.bias is not None:
-            out += self.bias
-        return out
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight.t())
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class CausalSelfAttention(nn.Module):
