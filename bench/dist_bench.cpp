@@ -26,9 +26,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -67,17 +64,6 @@ double time_ms(F&& f) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 bool gloo_sums_bf16() {
   return std::string(ampx::torch_version()).rfind("1.", 0) != 0;
@@ -239,7 +225,7 @@ int rank_main(const Args& args, const std::string& role, const std::string& out_
 
 json spawn(const char* self, const Args& args, const std::string& role, int world) {
   const std::string out = "/tmp/ampx-dist-bench-" + std::to_string(::getpid()) + "-" + role;
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(ampx::dist::free_loopback_port());
   std::vector<pid_t> pids;
   for (int r = 0; r < world; ++r) {
     const pid_t pid = ::fork();

@@ -8,10 +8,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,17 +27,6 @@ namespace {
 
 #ifdef AMPX_DIST_WORKER
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 struct Worker {
   pid_t pid = -1;
@@ -60,7 +46,7 @@ class DistTest : public ::testing::Test {
   /// Starts `world` workers of `scenario` and waits (at most `limit`) for all.
   std::vector<Worker> run(const std::string& scenario, int world,
                           std::chrono::seconds limit = std::chrono::seconds(120)) {
-    const std::string port = std::to_string(free_port());
+    const std::string port = std::to_string(ampx::dist::free_loopback_port());
     std::vector<Worker> workers(world);
     for (int r = 0; r < world; ++r) {
       auto& w = workers[r];
@@ -98,6 +84,11 @@ class DistTest : public ::testing::Test {
       w.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
     }
     return workers;
+  }
+
+  static std::string text(const fs::path& p) {
+    std::ifstream in(p);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
 
   static std::vector<float> params(const fs::path& p) {
@@ -173,9 +164,7 @@ INSTANTIATE_TEST_SUITE_P(World, DistWorldTest, ::testing::Values(2, 3));
 TEST_F(DistTest, OverflowOnOneRankSkipsAndBacksOffOnEveryRank) {
   auto workers = run("overflow", 2);
   for (const auto& w : workers) ASSERT_EQ(w.status, 0) << w.output;
-  std::ifstream a(workers[0].out), b(workers[1].out);
-  const std::string la((std::istreambuf_iterator<char>(a)), std::istreambuf_iterator<char>());
-  const std::string lb((std::istreambuf_iterator<char>(b)), std::istreambuf_iterator<char>());
+  const std::string la = text(workers[0].out), lb = text(workers[1].out);
   EXPECT_EQ(la, lb) << "ranks disagree on scale or skipping";
   // Step 3 (rank 1's inf) skipped everywhere and halved the scale 1024 -> 512.
   EXPECT_NE(la.find("2 1024 1\n3 512 0\n4 512 1\n"), std::string::npos) << la;
@@ -323,9 +312,7 @@ INSTANTIATE_TEST_SUITE_P(World, ZeroTest, ::testing::Values(2, 3));
 TEST_F(DistTest, ZeroOverflowOnOneRankSkipsEverywhereWithSynchronizedScalers) {
   auto workers = run("zero-overflow", 2);
   for (const auto& w : workers) ASSERT_EQ(w.status, 0) << w.output;
-  std::ifstream a(workers[0].out), b(workers[1].out);
-  const std::string la((std::istreambuf_iterator<char>(a)), std::istreambuf_iterator<char>());
-  const std::string lb((std::istreambuf_iterator<char>(b)), std::istreambuf_iterator<char>());
+  const std::string la = text(workers[0].out), lb = text(workers[1].out);
   EXPECT_EQ(la, lb) << "ranks disagree on scale or skipping";
   EXPECT_NE(la.find("2 1024 1\n3 512 0\n4 512 1\n"), std::string::npos) << la;
 }

@@ -10,6 +10,8 @@
 // --only-mode): every mode starts from the same clean state, so lazily made
 // caches and allocator history of one mode do not flatter or burden the next.
 
+#include "ampx/dist.h"
+
 #include "config.h"
 #include "device_memory.h"
 #include "machine.h"
@@ -20,11 +22,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -73,25 +72,11 @@ int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
   return wait_child(spawn_self(argc, argv, extra));
 }
 
-/// A TCP port nobody listens on now, for the ranks' rendezvous.
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "ampx-train: socket() failed: ", std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  TORCH_CHECK(ok, "ampx-train: no free loopback port: ", std::strerror(errno));
-  return ntohs(addr.sin_port);
-}
 
 /// --nproc N: N copies of this run as ranks 0..N-1 (torchrun's variables on
 /// loopback); the first to fail stops the others.
 int run_ranks(int argc, char** argv, int nproc) {
-  const std::string port = std::to_string(free_port());
+  const std::string port = std::to_string(ampx::dist::free_loopback_port());
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
     pids.push_back(spawn_self(

@@ -107,6 +107,11 @@ ProcessGroup init_process_group(const InitOptions& options = {});
 /// Whether this build of ampx has c10d with Gloo.
 bool is_available();
 
+/// A TCP port on 127.0.0.1 that nothing listens on now: MASTER_PORT for
+/// ranks started on this machine (another process could still take it
+/// before rank 0's store binds it). Throws if the system has none.
+int free_loopback_port();
+
 struct DistributedDataParallelOptions {
   /// Most bytes of gradients per all-reduce (PyTorch's bucket_cap_mb).
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;

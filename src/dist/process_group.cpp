@@ -13,7 +13,14 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <vector>
 
@@ -104,6 +111,22 @@ bool is_available() {
 #else
   return false;
 #endif
+}
+
+int free_loopback_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "ampx::dist::free_loopback_port: socket() failed: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int error = errno;
+  ::close(fd);
+  TORCH_CHECK(ok, "ampx::dist::free_loopback_port: no free port on 127.0.0.1: ",
+              std::strerror(error));
+  return ntohs(addr.sin_port);
 }
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
