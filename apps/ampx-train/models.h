@@ -48,7 +48,10 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {  // x: [B, T, d]
     const auto B = x.size(0), T = x.size(1), hd = d / heads;
     auto parts = linear_2d(qkv, x).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
-    auto q = parts[0], k = parts[1], v = parts[2];
+    // unbind: one backward that stacks the three gradients; three selects
+    // would each zero-fill and copy a whole [3, B, H, T, hd] gradient.
+    const auto qkv_parts = parts.unbind(0);
+    const auto &q = qkv_parts[0], &k = qkv_parts[1], &v = qkv_parts[2];
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     att = att.masked_fill(mask.slice(0, 0, T).slice(1, 0, T), -INFINITY);
     att = torch::softmax(att, -1);

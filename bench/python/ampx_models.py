@@ -61,7 +61,7 @@ class CausalSelfAttention(nn.Module):
         B, T = x.size(0), x.size(1)
         hd = self.d // self.heads
         parts = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
-        q, k, v = parts[0], parts[1], parts[2]
+        q, k, v = parts.unbind(0)  # one backward (a stack), as models.h
         att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # [B, H, T, T]
         att = att.masked_fill(self.mask[:T, :T], float("-inf"))
         att = torch.softmax(att, -1)
