@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,15 +41,57 @@ def log(*a):
     print("[bench]", *a, file=sys.stderr, flush=True)
 
 
+FOREIGN = []  # (program, foreign load in cores) of every run, for the report
+MAX_FOREIGN_CORES = 0.15  # more than this much other work on the machine spoils a timing
+RETRIES = 2
+
+
+def busy_jiffies():
+    """System-wide CPU time spent busy (user+nice+system+irq+softirq+steal), in seconds."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def run(cmd, **kw):
-    log(" ".join(cmd))
-    t0 = time.time()
-    p = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, **kw)
-    if p.returncode != 0:
-        sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
-        raise SystemExit(f"bench: {cmd[0]} failed with exit code {p.returncode}")
-    log(f"  {time.time() - t0:.0f} s")
+    """Runs a benchmark program; reruns it (up to RETRIES times) when other processes took more
+    than MAX_FOREIGN_CORES of the machine meanwhile (busy time not spent by our own children)."""
+    for attempt in range(RETRIES + 1):
+        log(" ".join(cmd))
+        t0, b0, c0 = time.time(), busy_jiffies(), children_cpu()
+        p = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, **kw)
+        wall = time.time() - t0
+        foreign = max(0.0, (busy_jiffies() - b0) - (children_cpu() - c0)) / max(wall, 1e-3)
+        if p.returncode != 0:
+            sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
+            raise SystemExit(f"bench: {cmd[0]} failed with exit code {p.returncode}")
+        log(f"  {wall:.0f} s, foreign load {foreign:.2f} cores")
+        if foreign <= MAX_FOREIGN_CORES or attempt == RETRIES:
+            break
+        log(f"  other processes loaded the machine; running it again")
+    label = os.path.basename(cmd[1] if cmd[0] == TORCH_PYTHON else cmd[0])
+    for flag in ("--workload", "--precision", "--benchmark_filter"):
+        if flag in cmd:
+            label += " " + cmd[cmd.index(flag) + 1]
+    FOREIGN.append((label, foreign))
     return p.stdout
+
+
+def git_commit():
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=ROOT, text=True, capture_output=True).stdout.strip()
+        return head + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
 
 
 # --------------------------------------------------------------------- model FLOPs
@@ -187,6 +230,15 @@ def build_report(args, data):
     m = data["machine"]
     w(f"- Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads used everywhere; "
       f"LibTorch {m['libtorch']}; fp32 BLAS: {m['blas']}.")
+    w(f"- Code: commit {data['commit']}.")
+    fl = data.get("foreign_load", [])
+    worst = max(fl, key=lambda x: x[1]) if fl else None
+    if worst:
+        w(f"- Other load on the machine, measured around every program (system busy time not "
+          f"spent by the benchmark): at most {worst[1]:.2f} cores ({worst[0]}); a program is run "
+          f"again, up to {RETRIES} times, when it exceeds {MAX_FOREIGN_CORES} cores."
+          + (" **Some timings were taken under load; treat them with care.**"
+             if worst[1] > MAX_FOREIGN_CORES else ""))
     w(f"- Command: `{data['command']}`"
       + (" (quick mode: small sizes, for checking the harness only)" if args.quick else ""))
     w(f"- Matrix-product peaks measured in this run: fp32 {fmt(peaks['fp32'])} GFLOP/s, "
@@ -382,6 +434,8 @@ def main():
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
     data["machine"] = machine(args, data["gemm"], data["e2e"])
+    data["commit"] = git_commit()
+    data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]
     data["targets"] = targets(data)
     report = build_report(args, data)
     for path, text in ((args.doc, report), (args.json, json.dumps(
