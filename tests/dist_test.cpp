@@ -307,6 +307,31 @@ TEST_P(ZeroTest, O2KeepsShardedFp32MastersOfBf16WeightsAndFp32Norms) {
   EXPECT_LT(sharded, full / world + 12 * n32);  // the fp32 norm's copy: the only overhead
 }
 
+TEST_P(ZeroTest, ParamGroupsAndGlobalClippingGiveTheUnshardedParameters) {
+  const int world = GetParam();
+  auto workers = run("zero-groups", world);
+  for (const auto& w : workers) ASSERT_EQ(w.status, 0) << w.output;
+  const auto zero = params(workers[0].out), ddp = params(workers[0].out.string() + ".ref");
+  for (int r = 1; r < world; ++r) EXPECT_EQ(params(workers[r].out), zero) << "rank " << r;
+  // Per-group lr and decay and the clip by the norm of the whole averaged
+  // gradient, as one unsharded optimizer does them.
+  EXPECT_LT(max_abs_diff(zero, ddp), 1e-6f);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(params(workers[r].out.string() + ".resumed"), zero) << "rank " << r;
+  }
+  // ZeRO's norm is the global one (not its shard's), and the clip was active.
+  std::istringstream norms(text(workers[0].out.string() + ".norms"));
+  double zero_norm = 0, full_norm = 0;
+  int steps = 0, clipped = 0;
+  while (norms >> zero_norm >> full_norm) {
+    ++steps;
+    EXPECT_NEAR(zero_norm, full_norm, 1e-5 * full_norm) << "step " << steps;
+    clipped += full_norm > 0.05;
+  }
+  EXPECT_EQ(steps, 20);
+  EXPECT_GE(clipped, 10);
+}
+
 INSTANTIATE_TEST_SUITE_P(World, ZeroTest, ::testing::Values(2, 3));
 
 TEST_F(DistTest, ZeroOverflowOnOneRankSkipsEverywhereWithSynchronizedScalers) {
@@ -341,7 +366,8 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   const char* vars[] = {
       "RANK",         "WORLD_SIZE",           "LOCAL_RANK",           "MASTER_ADDR",
       "MASTER_PORT",  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-      "SLURM_PROCID", "SLURM_NTASKS",         "SLURM_LOCALID"};
+      "SLURM_PROCID", "SLURM_NTASKS",         "SLURM_LOCALID",        "TORCHELASTIC_USE_AGENT_STORE",
+      "TORCHELASTIC_RESTART_COUNT"};
   std::vector<std::pair<std::string, std::string>> saved;
   for (const char* v : vars) {
     if (const char* x = std::getenv(v)) saved.emplace_back(v, x);
@@ -369,6 +395,17 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   EXPECT_EQ(e.launcher, "torchrun");
   EXPECT_EQ(e.rank, 1);
   EXPECT_EQ(e.world_size, 2);
+  EXPECT_FALSE(e.agent_store);
+  // torchrun's agent serves the store itself; a restarted group has its prefix.
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+  e = ampx::dist::launch_env_from_environment();
+  EXPECT_TRUE(e.agent_store);
+  EXPECT_EQ(e.restart_count, 2);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "x", 1);
+  EXPECT_NE(error().find("malformed TORCHELASTIC_RESTART_COUNT='x'"), std::string::npos) << error();
+  ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
   ::setenv("RANK", "2", 1);
   EXPECT_NE(error().find("rank 2 is not below the world size 2"), std::string::npos);
   ::unsetenv("RANK");

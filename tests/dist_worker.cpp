@@ -4,7 +4,7 @@
 //
 //   ampx_dist_worker <scenario> <out-file>
 //   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
-//              zero | zero-o2 | zero-overflow | zero-unsynced
+//              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -24,6 +24,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -176,10 +177,112 @@ int run_zero(const std::string& scenario, const std::string& out, ampx::dist::Pr
   return 0;
 }
 
+// ZeRO-1 with two param groups (weights: decay; biases: twice the lr, no
+// decay) and global gradient clipping, under a GradScaler, against DDP +
+// ampx AdamW over the same groups clipping the whole gradient. Writes
+// ZeRO's parameters to `out`, DDP's to `out`.ref, a run saved after 10 steps
+// and resumed to `out`.resumed, and per step ZeRO's global norm and the norm
+// of DDP's averaged gradients to `out`.norms.
+constexpr double kMaxNorm = 0.05;
+
+std::vector<torch::optim::OptimizerParamGroup> weight_and_bias_groups(
+    const torch::nn::Sequential& model) {
+  std::vector<torch::Tensor> weights, biases;
+  for (const auto& p : model->named_parameters()) {
+    (p.key().find("bias") != std::string::npos ? biases : weights).push_back(p.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(weights, std::make_unique<ampx::optim::AdamWOptions>(
+                                   ampx::optim::AdamWOptions(1e-2).weight_decay(0.1)));
+  groups.emplace_back(biases, std::make_unique<ampx::optim::AdamWOptions>(
+                                  ampx::optim::AdamWOptions(2e-2).weight_decay(0.0)));
+  return groups;
+}
+
+int run_zero_groups(const std::string& out, ampx::dist::ProcessGroup pg) {
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  torch::manual_seed(7);
+  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
+  const int64_t shard = kGlobalBatch / world;
+  const auto xs = x.slice(0, rank * shard, (rank + 1) * shard);
+  const auto ys = y.slice(0, rank * shard, (rank + 1) * shard);
+  const auto options = ampx::dist::ZeroRedundancyOptimizerOptions().max_grad_norm(kMaxNorm);
+  const ampx::dist::ZeroRedundancyOptimizer::GroupOptimizerFactory factory =
+      [](std::vector<torch::optim::OptimizerParamGroup> groups) {
+        return std::make_unique<ampx::optim::AdamW>(std::move(groups),
+                                                    ampx::optim::AdamWOptions(1e-2));
+      };
+  std::ofstream norms(out + ".norms");
+  auto train = [&](torch::nn::Sequential& model, ampx::dist::ZeroRedundancyOptimizer& opt,
+                   ampx::GradScaler& scaler, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      scaler.scale(torch::mse_loss(model->forward(xs), ys)).backward();
+      scaler.step(opt);
+      scaler.update();
+    }
+  };
+  auto scaler_options = ampx::GradScalerOptions().init_scale(1024.0).growth_interval(1000);
+
+  auto model = make_model(100 + rank);
+  ampx::dist::ZeroRedundancyOptimizer zero(weight_and_bias_groups(model), pg, factory, options);
+  ampx::GradScaler scaler(scaler_options);
+  std::vector<double> zero_norms;
+  for (int step = 0; step < kSteps; ++step) {
+    train(model, zero, scaler, step, step + 1);
+    zero_norms.push_back(zero.last_grad_norm().value_or(-1.0));
+  }
+  write_params(model, out);
+
+  auto ref = make_model(100 + rank);
+  ampx::dist::DistributedDataParallel ddp(ref.ptr(), pg);
+  ampx::optim::AdamW adamw(weight_and_bias_groups(ref),
+                           ampx::optim::AdamWOptions(1e-2).max_grad_norm(kMaxNorm));
+  ampx::GradScaler ref_scaler(scaler_options);
+  for (int step = 0; step < kSteps; ++step) {
+    adamw.zero_grad();
+    ref_scaler.scale(torch::mse_loss(ref->forward(xs), ys)).backward();
+    ddp.synchronize();
+    double sum_sq = 0;
+    for (const auto& p : ref->parameters()) sum_sq += p.grad().pow(2).sum().item<double>();
+    norms << zero_norms[static_cast<size_t>(step)] << " " << std::sqrt(sum_sq) / 1024.0 << "\n";
+    ref_scaler.step(adamw);
+    ref_scaler.update();
+  }
+  write_params(ref, out + ".ref");
+
+  auto first = make_model(100 + rank);
+  std::stringstream saved;
+  {
+    ampx::dist::ZeroRedundancyOptimizer opt(weight_and_bias_groups(first), pg, factory, options);
+    ampx::GradScaler s(scaler_options);
+    train(first, opt, s, 0, kSteps / 2);
+    torch::serialize::OutputArchive archive;
+    opt.save(archive);
+    archive.save_to(saved);
+  }
+  auto second = make_model(200 + rank);
+  ampx::dist::ZeroRedundancyOptimizer opt(weight_and_bias_groups(second), pg, factory, options);
+  {
+    torch::NoGradGuard no_grad;
+    auto to = second->parameters();
+    auto from = first->parameters();
+    for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+  }
+  torch::serialize::InputArchive archive;
+  archive.load_from(saved);
+  opt.load(archive);
+  ampx::GradScaler s(scaler_options);  // the scale never changed: 1024 throughout
+  train(second, opt, s, kSteps / 2, kSteps);
+  write_params(second, out + ".resumed");
+  return 0;
+}
+
 int run(const std::string& scenario, const std::string& out) {
   ampx::dist::InitOptions init;
   init.timeout(std::chrono::seconds(scenario == "kill" ? 5 : 60));
   auto pg = ampx::dist::init_process_group(init);
+  if (scenario == "zero-groups") return run_zero_groups(out, pg);
   if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's

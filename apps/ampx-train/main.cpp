@@ -117,10 +117,21 @@ int run(int argc, char** argv) {
   resolve_defaults(config);
   const auto modes = modes_of(config);
   const bool launched = std::getenv("WORLD_SIZE") != nullptr;  // a rank (--nproc or torchrun)
+  // A rank that an outside launcher (torchrun) started: its world size is
+  // the number of processes, and rank 0 alone shows the settings.
+  const bool external = launched && config.nproc <= 1 && config.only_mode.empty();
+  bool external_rank0 = true;
+  if (external) {
+    const auto env = ampx::dist::launch_env_from_environment();
+    config.nproc = static_cast<int>(env.world_size);
+    external_rank0 = env.rank == 0;
+  }
   // Processes another ampx-train started (a mode of --compare, a rank of
   // --nproc) leave the settings to it.
-  const bool started_by_us = !config.only_mode.empty() || (launched && config.nproc > 1);
-  if (!started_by_us) {
+  const bool started_by_us =
+      !config.only_mode.empty() || (launched && !external && config.nproc > 1);
+  const bool show_settings = !started_by_us && external_rank0;
+  if (show_settings) {
     std::cout << "ampx-train\n" << settings_table(config) << std::flush;
     if (const auto warning = blas_warning(config.threads); !warning.empty()) {
       std::cout << warning << "\n";
@@ -137,7 +148,7 @@ int run(int argc, char** argv) {
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
   enable_memory_tracking(device);
   auto workload = make_workload(config);  // loads the data: missing data fails here
-  if (!started_by_us && rank0) {
+  if (show_settings && rank0) {
     if (config.epochs > 0)
       std::cout << "  (" << workload->steps_per_epoch() << " steps per epoch)\n";
     std::cout << std::endl;

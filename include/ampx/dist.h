@@ -50,6 +50,12 @@ struct LaunchEnv {
   std::string master_addr;
   int64_t master_port = 0;
   std::string launcher;  // "torchrun", "Open MPI", "Slurm"
+  /// torchrun's agent already serves the TCPStore at MASTER_PORT
+  /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, joins
+  /// it as a client, under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>/",
+  /// as PyTorch's own init_process_group does.
+  bool agent_store = false;
+  int64_t restart_count = 0;
 };
 
 /// Reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT;

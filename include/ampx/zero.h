@@ -53,17 +53,27 @@ struct ZeroRedundancyOptimizerOptions
   /// Broadcast rank 0's parameters at construction, so every rank's shard of
   /// masters starts from the same weights.
   TORCH_ARG(bool, broadcast_parameters) = true;
+  /// Clip the averaged gradients to this global L2 norm before the update:
+  /// the norm over every rank's shards (one scalar all-reduce), of the
+  /// unscaled gradients, with torch::nn::utils::clip_grad_norm_'s
+  /// coefficient max / (norm + 1e-6), at most 1. None: no clipping. (The
+  /// local optimizer's own max_grad_norm would see only its shard.)
+  TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
 };
 
 class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwareOptimizer {
  public:
   /// Builds the optimizer that updates this rank's shard: one fp32 tensor per
   /// parameter dtype, the masters, each 1-D. Called once, at the first step
-  /// (or load()); its options apply to all parameters. Per-parameter
-  /// groups are not sharded; ampx optimizers' max_grad_norm would clip by
-  /// the shard's norm alone and is refused.
+  /// (or load()); its options apply to all parameters.
   using OptimizerFactory =
       std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> shard)>;
+  /// The same for per-parameter groups: one group per (param group, dtype)
+  /// with that group's 1-D fp32 shard, in group order, carrying a clone of
+  /// the group's options when it was given some (else none: the local
+  /// optimizer's defaults apply).
+  using GroupOptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+      std::vector<torch::optim::OptimizerParamGroup> shard_groups)>;
 
   /// `params` must be the same list, in the same order, on every rank. The
   /// fp32 values of fp32 params are snapshot here (so masters keep the
@@ -71,6 +81,12 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// until the first step cuts this rank's shards out of them.
   ZeroRedundancyOptimizer(std::vector<at::Tensor> params, ProcessGroup group,
                           OptimizerFactory make_optimizer,
+                          ZeroRedundancyOptimizerOptions options = {});
+  /// Per-parameter groups (e.g. no weight decay for biases and norms): each
+  /// group is sharded on its own, with its options. Groups must be the same,
+  /// in the same order, on every rank.
+  ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
+                          ProcessGroup group, GroupOptimizerFactory make_optimizer,
                           ZeroRedundancyOptimizerOptions options = {});
   ~ZeroRedundancyOptimizer() override;
 
@@ -90,6 +106,9 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   int64_t state_bytes();
   /// Bytes reduce-scattered and all-gathered so far by this rank.
   int64_t bytes_communicated() const;
+  /// The global norm of the (unscaled, averaged) gradients at the last step
+  /// that computed it (max_grad_norm set, step not skipped); none before.
+  c10::optional<double> last_grad_norm() const;
 
   /// This rank's shards: masters, and the local optimizer's state under
   /// "local". Every rank saves its own; load() checks the rank, world size

@@ -75,6 +75,12 @@ LaunchEnv launch_env_from_environment() {
     e.rank = r.integer("RANK", 0);
     e.world_size = r.integer("WORLD_SIZE", 1);
     e.local_rank = env("LOCAL_RANK") ? r.integer("LOCAL_RANK", 0) : 0;
+    const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
+    e.agent_store = agent != nullptr && std::string(agent) == "True";
+    if (e.agent_store) {
+      e.restart_count =
+          env("TORCHELASTIC_RESTART_COUNT") ? r.integer("TORCHELASTIC_RESTART_COUNT", 0) : 0;
+    }
   } else if (env("OMPI_COMM_WORLD_RANK")) {
     e.launcher = "Open MPI";
     e.rank = r.integer("OMPI_COMM_WORLD_RANK", 0);
@@ -245,7 +251,7 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
   impl->timeout = options.timeout();
   c10d::TCPStoreOptions so;
   so.port = static_cast<uint16_t>(env.master_port);
-  so.isServer = env.rank == 0;
+  so.isServer = env.rank == 0 && !env.agent_store;
   so.numWorkers = static_cast<size_t>(env.world_size);
   so.waitWorkers = false;
   so.timeout = options.timeout();
@@ -268,6 +274,10 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
   } catch (const std::exception&) {
     gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  }
+  if (env.agent_store) {
+    store = c10::make_intrusive<c10d::PrefixStore>(
+        "/worker/attempt_" + std::to_string(env.restart_count), store);
   }
   try {
     impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(

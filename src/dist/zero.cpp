@@ -12,6 +12,7 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <sstream>
 
 namespace ampx {
@@ -30,8 +31,10 @@ namespace {
 
 constexpr int64_t kVersion = 1;
 
-// The parameters of one dtype, end to end, padded to world * shard.
+// The parameters of one param group and dtype, end to end, padded to
+// world * shard.
 struct Space {
+  int64_t group = 0;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> params;   // indices into Impl::params
   std::vector<int64_t> offsets;  // each one's first element in the space
@@ -44,7 +47,8 @@ struct Space {
 std::string describe(const std::vector<Space>& spaces) {
   std::ostringstream s;
   for (size_t k = 0; k < spaces.size(); ++k) {
-    s << (k ? ", " : "") << spaces[k].numel << " " << spaces[k].dtype;
+    s << (k ? ", " : "") << "group " << spaces[k].group << ": " << spaces[k].numel << " "
+      << spaces[k].dtype;
   }
   return s.str();
 }
@@ -52,17 +56,22 @@ std::string describe(const std::vector<Space>& spaces) {
 }  // namespace
 
 struct ZeroRedundancyOptimizer::Impl {
-  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> params;  // all groups', in order
+  std::vector<int64_t> group_of;   // each param's group
+  // Each group's options as given (null: none given, the local optimizer's defaults apply).
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> group_options;
   ProcessGroup group;
-  OptimizerFactory make_optimizer;
+  GroupOptimizerFactory make_optimizer;
+  c10::optional<double> max_grad_norm;
+  c10::optional<double> last_norm;
   std::vector<at::Tensor> snapshot;  // fp32 values at construction, until build()
   std::vector<Space> spaces;
   std::vector<at::Tensor> masters;  // fp32 [shard] per space: this rank's
   std::unique_ptr<torch::optim::Optimizer> local;
   int64_t bytes = 0;
 
-  Impl(std::vector<at::Tensor> p, ProcessGroup g, OptimizerFactory f)
-      : params(std::move(p)), group(std::move(g)), make_optimizer(std::move(f)) {}
+  Impl(ProcessGroup g, GroupOptimizerFactory f, c10::optional<double> max_norm)
+      : group(std::move(g)), make_optimizer(std::move(f)), max_grad_norm(max_norm) {}
 
   int64_t rank() const { return group.rank(); }
   int64_t world() const { return group.world_size(); }
@@ -72,10 +81,12 @@ struct ZeroRedundancyOptimizer::Impl {
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto dtype = params[i].scalar_type();
-      auto it = std::find_if(spaces.begin(), spaces.end(),
-                             [&](const Space& s) { return s.dtype == dtype; });
+      auto it = std::find_if(spaces.begin(), spaces.end(), [&](const Space& s) {
+        return s.group == group_of[i] && s.dtype == dtype;
+      });
       if (it == spaces.end()) {
         spaces.emplace_back();
+        spaces.back().group = group_of[i];
         spaces.back().dtype = dtype;
         it = std::prev(spaces.end());
       }
@@ -105,13 +116,23 @@ struct ZeroRedundancyOptimizer::Impl {
       masters.push_back(master);
     }
     snapshot.clear();
-    local = make_optimizer(masters);
+    std::vector<torch::optim::OptimizerParamGroup> shard_groups;
+    for (size_t k = 0; k < spaces.size(); ++k) {
+      const auto& options = group_options[static_cast<size_t>(spaces[k].group)];
+      if (options) {
+        shard_groups.emplace_back(std::vector<at::Tensor>{masters[k]}, options->clone());
+      } else {
+        shard_groups.emplace_back(std::vector<at::Tensor>{masters[k]});
+      }
+    }
+    local = make_optimizer(std::move(shard_groups));
     TORCH_CHECK(local != nullptr, "ZeroRedundancyOptimizer: the optimizer factory returned null");
     if (const auto* mixed = dynamic_cast<const optim::MixedPrecisionOptimizer*>(local.get())) {
       TORCH_CHECK(!mixed->config().max_grad_norm,
                   "ZeroRedundancyOptimizer: the local ", mixed->name(),
                   " has max_grad_norm set, which would clip by the norm of this rank's shard "
-                  "alone, not the global norm; leave it unset");
+                  "alone, not the global norm; leave it unset and set "
+                  "ZeroRedundancyOptimizerOptions::max_grad_norm instead");
     }
   }
 
@@ -119,6 +140,7 @@ struct ZeroRedundancyOptimizer::Impl {
   void check_same_layout_everywhere() {
     std::vector<double> mine{static_cast<double>(spaces.size())};
     for (const auto& s : spaces) {
+      mine.push_back(static_cast<double>(s.group));
       mine.push_back(static_cast<double>(s.numel));
       mine.push_back(static_cast<double>(static_cast<int>(s.dtype)));
     }
@@ -134,9 +156,9 @@ struct ZeroRedundancyOptimizer::Impl {
       same = torch::equal(hi, -lo);
     }
     TORCH_CHECK(same, "ZeroRedundancyOptimizer: rank ", rank(),
-                " has parameters (per dtype: ", describe(spaces),
+                " has parameters (per group and dtype: ", describe(spaces),
                 ") that differ from another rank's; every rank must pass the same parameters "
-                "in the same order and dtypes");
+                "in the same groups, order and dtypes");
   }
 
   void check_dtypes() const {
@@ -176,6 +198,28 @@ struct ZeroRedundancyOptimizer::Impl {
     }
   }
 
+  // clip_grad_norm_ over all ranks' shards: the padding is zero and each
+  // element lives in one shard, so the squared norms add up.
+  void clip_gradients(const at::Tensor& grad_scale) {
+    double sum_sq = 0.0;
+    for (const auto& m : masters) {
+      const double n = at::linalg_vector_norm(m.grad(), 2, c10::nullopt, false, at::kFloat)
+                           .item<double>();
+      sum_sq += n * n;
+    }
+    auto total = torch::full({1}, sum_sq, torch::kDouble);
+    group.all_reduce_sum(total);
+    double norm = std::sqrt(total.item<double>());
+    if (grad_scale.defined()) {  // GradScaler's reciprocal, rounded once to fp32
+      norm *= grad_scale.to(at::kDouble).reciprocal().to(at::kFloat).item<double>();
+    }
+    last_norm = norm;
+    const double coef = *max_grad_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+      for (auto& m : masters) m.mutable_grad().mul_(coef);
+    }
+  }
+
   void gather_parameters() {
     for (size_t k = 0; k < spaces.size(); ++k) {
       auto& s = spaces[k];
@@ -205,6 +249,7 @@ struct ZeroRedundancyOptimizer::Impl {
       if (local_flag != 0.f) return;  // skipped everywhere: nothing changes
     }
     reduce_gradients();
+    if (max_grad_norm) clip_gradients(grad_scale);
     if (auto* aware = dynamic_cast<ScalerAwareOptimizer*>(local.get())) {
       aware->step_scaled(grad_scale, found_inf.defined() ? found_inf : at::Tensor());
     } else {
@@ -219,21 +264,58 @@ struct ZeroRedundancyOptimizer::Impl {
   }
 };
 
+namespace {
+
+// The single-group factory as a group factory: the local optimizer gets all
+// shards as one list, its defaults for all.
+ZeroRedundancyOptimizer::GroupOptimizerFactory over_all_shards(
+    ZeroRedundancyOptimizer::OptimizerFactory make_optimizer) {
+  if (!make_optimizer) return nullptr;
+  return [make = std::move(make_optimizer)](std::vector<torch::optim::OptimizerParamGroup> groups) {
+    std::vector<at::Tensor> shards;
+    for (const auto& g : groups) {
+      shards.insert(shards.end(), g.params().begin(), g.params().end());
+    }
+    return make(std::move(shards));
+  };
+}
+
+}  // namespace
+
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params,
                                                  ProcessGroup group,
                                                  OptimizerFactory make_optimizer,
                                                  ZeroRedundancyOptimizerOptions options)
-    : torch::optim::Optimizer(params,
+    : ZeroRedundancyOptimizer(
+          std::vector<torch::optim::OptimizerParamGroup>{
+              torch::optim::OptimizerParamGroup(std::move(params))},
+          std::move(group), over_all_shards(std::move(make_optimizer)), std::move(options)) {}
+
+ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
+    std::vector<torch::optim::OptimizerParamGroup> param_groups, ProcessGroup group,
+    GroupOptimizerFactory make_optimizer, ZeroRedundancyOptimizerOptions options)
+    : torch::optim::Optimizer(param_groups,
                               std::make_unique<ZeroRedundancyOptimizerOptions>(options)) {
   TORCH_CHECK(make_optimizer != nullptr, "ZeroRedundancyOptimizer: make_optimizer is empty");
-  TORCH_CHECK(!params.empty(), "ZeroRedundancyOptimizer: no parameters");
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto dtype = params[i].scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "ZeroRedundancyOptimizer: parameter ", i, " is ", dtype,
-                "; parameters must be float32, bfloat16 or float16");
+  TORCH_CHECK(!options.max_grad_norm() || *options.max_grad_norm() > 0.0,
+              "ZeroRedundancyOptimizer: max_grad_norm must be > 0, got ",
+              options.max_grad_norm().value_or(0.0));
+  impl_ = std::make_unique<Impl>(std::move(group), std::move(make_optimizer),
+                                 options.max_grad_norm());
+  for (size_t g = 0; g < param_groups.size(); ++g) {
+    for (const auto& p : param_groups[g].params()) {
+      const auto dtype = p.scalar_type();
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                  "ZeroRedundancyOptimizer: parameter ", impl_->params.size(), " (group ", g,
+                  ") is ", dtype, "; parameters must be float32, bfloat16 or float16");
+      impl_->params.push_back(p);
+      impl_->group_of.push_back(static_cast<int64_t>(g));
+    }
+    impl_->group_options.push_back(param_groups[g].has_options()
+                                       ? param_groups[g].options().clone()
+                                       : nullptr);
   }
-  impl_ = std::make_unique<Impl>(std::move(params), std::move(group), std::move(make_optimizer));
+  TORCH_CHECK(!impl_->params.empty(), "ZeroRedundancyOptimizer: no parameters");
   torch::NoGradGuard no_grad;
   if (options.broadcast_parameters()) {
     for (auto& p : impl_->params) {
@@ -302,6 +384,10 @@ int64_t ZeroRedundancyOptimizer::bytes_communicated() const {
   return impl_->bytes;
 }
 
+c10::optional<double> ZeroRedundancyOptimizer::last_grad_norm() const {
+  return impl_->last_norm;
+}
+
 void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
   impl_->build();
   const auto& s = impl_->spaces;
@@ -311,6 +397,7 @@ void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) con
   archive.write("spaces", torch::tensor(static_cast<int64_t>(s.size())));
   for (size_t k = 0; k < s.size(); ++k) {
     const auto key = "space" + std::to_string(k);
+    archive.write(key + ".group", torch::tensor(s[k].group));
     archive.write(key + ".numel", torch::tensor(s[k].numel));
     archive.write(key + ".dtype", torch::tensor(static_cast<int64_t>(s[k].dtype)));
     archive.write(key + ".master", impl_->masters[k]);
@@ -338,15 +425,18 @@ void ZeroRedundancyOptimizer::load(torch::serialize::InputArchive& archive) {
               " (each rank loads the shard it saved, with the same world size)");
   const auto& s = impl_->spaces;
   TORCH_CHECK(read_int("spaces") == static_cast<int64_t>(s.size()),
-              "ZeroRedundancyOptimizer::load: the state has another number of parameter dtypes "
-              "than these parameters (", describe(s), ")");
+              "ZeroRedundancyOptimizer::load: the state has another number of parameter "
+              "groups and dtypes than these parameters (", describe(s), ")");
   std::vector<at::Tensor> masters(s.size());
   for (size_t k = 0; k < s.size(); ++k) {
     const auto key = "space" + std::to_string(k);
+    at::Tensor group_t;  // absent in states saved before param groups: one group
+    const int64_t group = archive.try_read(key + ".group", group_t) ? group_t.item<int64_t>() : 0;
     const int64_t numel = read_int(key + ".numel"), dtype = read_int(key + ".dtype");
-    TORCH_CHECK(numel == s[k].numel && dtype == static_cast<int64_t>(s[k].dtype),
-                "ZeroRedundancyOptimizer::load: the state's parameters (", key, ": ", numel,
-                " of dtype #", dtype, ") are not these (", describe(s), ")");
+    TORCH_CHECK(group == s[k].group && numel == s[k].numel &&
+                    dtype == static_cast<int64_t>(s[k].dtype),
+                "ZeroRedundancyOptimizer::load: the state's parameters (", key, ": group ", group,
+                ", ", numel, " of dtype #", dtype, ") are not these (", describe(s), ")");
     TORCH_CHECK(archive.try_read(key + ".master", masters[k]) &&
                     masters[k].sizes() == impl_->masters[k].sizes() &&
                     masters[k].scalar_type() == at::kFloat,
