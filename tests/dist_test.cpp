@@ -4,6 +4,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/zero.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -421,6 +423,104 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   EXPECT_EQ(e.rank, 3);
   for (const char* v : vars) ::unsetenv(v);
   for (const auto& [k, v] : saved) ::setenv(k.c_str(), v.c_str(), 1);
+}
+
+// A group of one, in this process: what the backends carry.
+ampx::dist::ProcessGroup group_of_one(bool nccl = true) {
+  ampx::dist::LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ampx::dist::free_loopback_port();
+  return ampx::dist::init_process_group(
+      env, ampx::dist::InitOptions().timeout(std::chrono::seconds(60)).nccl(nccl));
+}
+
+TEST(DistBackendTest, CpuTensorsGoThroughGlooAndNcclOnlyWhereBuiltAndAsked) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  auto pg = group_of_one();
+  const bool nccl = ampx::dist::is_nccl_available() && torch::cuda::is_available();
+  EXPECT_EQ(pg.has_nccl(), nccl);
+  EXPECT_EQ(pg.backends(), nccl ? "gloo+nccl" : "gloo");
+  EXPECT_FALSE(group_of_one(/*nccl=*/false).has_nccl());
+  auto t = torch::arange(6, torch::kFloat);
+  pg.all_reduce_sum(t);
+  EXPECT_TRUE(torch::equal(t, torch::arange(6, torch::kFloat)));
+  auto out = torch::empty({6}, torch::kBFloat16);
+  pg.all_gather(out, torch::arange(6, torch::kBFloat16));
+  EXPECT_TRUE(torch::equal(out, torch::arange(6, torch::kBFloat16)));
+}
+
+// Only on a CUDA build with NCCL and a GPU (the GPU machine's
+// scripts/device-test.sh); skipped elsewhere.
+TEST(DistBackendTest, CudaTensorsGoThroughNcclForCollectivesDdpAndZero) {
+  if (!ampx::dist::is_nccl_available() || !torch::cuda::is_available()) {
+    GTEST_SKIP() << "no NCCL in this build or no CUDA device";
+  }
+  auto pg = group_of_one();
+  ASSERT_TRUE(pg.has_nccl());
+  const auto cuda = torch::Device(torch::kCUDA, 0);
+  auto t = torch::arange(8, torch::TensorOptions().dtype(torch::kFloat).device(cuda));
+  pg.all_reduce_max(t);
+  auto scattered = torch::empty({8}, t.options());
+  pg.reduce_scatter_sum(scattered, t);
+  auto gathered = torch::empty({8}, t.options().dtype(torch::kBFloat16));
+  pg.all_gather(gathered, t.to(torch::kBFloat16));
+  pg.broadcast(t, 0);
+  EXPECT_TRUE(torch::equal(scattered.cpu(), torch::arange(8, torch::kFloat)));
+  EXPECT_TRUE(torch::equal(gathered.cpu(), torch::arange(8, torch::kBFloat16)));
+
+  // DDP over NCCL (one rank: the average is the gradient itself) and ZeRO on
+  // CUDA parameters train as a plain ampx AdamW does.
+  auto make = [&] {
+    torch::manual_seed(3);
+    auto m = torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(),
+                                   torch::nn::Linear(16, 4));
+    m->to(cuda);
+    return m;
+  };
+  torch::manual_seed(4);
+  const auto x = torch::randn({6, 8}).to(cuda), y = torch::randn({6, 4}).to(cuda);
+  const auto options = ampx::optim::AdamWOptions(1e-2);
+  auto plain = make(), ddp_model = make(), zero_model = make();
+  ampx::optim::AdamW plain_opt(plain->parameters(), options);
+  ampx::dist::DistributedDataParallel ddp(ddp_model.ptr(), pg);
+  ampx::optim::AdamW ddp_opt(ddp_model->parameters(), options);
+  ampx::dist::ZeroRedundancyOptimizer zero(zero_model->parameters(), pg,
+                                           [&](std::vector<torch::Tensor> shard) {
+                                             return std::make_unique<ampx::optim::AdamW>(
+                                                 std::move(shard), options);
+                                           });
+  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0));
+  ampx::dist::synchronize_found_inf(scaler, pg);  // a CUDA flag: reduced by NCCL
+  for (int step = 0; step < 5; ++step) {
+    for (auto* opt : {static_cast<torch::optim::Optimizer*>(&plain_opt),
+                      static_cast<torch::optim::Optimizer*>(&ddp_opt),
+                      static_cast<torch::optim::Optimizer*>(&zero)}) {
+      opt->zero_grad();
+    }
+    torch::mse_loss(plain->forward(x), y).backward();
+    torch::mse_loss(ddp_model->forward(x), y).backward();
+    ddp.synchronize();
+    if (step != 2) {  // the step ZeRO's scaler skips
+      plain_opt.step();
+      ddp_opt.step();
+    }
+    auto loss = torch::mse_loss(zero_model->forward(x), y);
+    if (step == 2) loss = loss * INFINITY;
+    scaler.scale(loss).backward();
+    EXPECT_EQ(static_cast<bool>(scaler.step(zero)), step != 2) << "step " << step;
+    scaler.update();
+  }
+  auto a = plain->parameters(), b = ddp_model->parameters(), c = zero_model->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << "DDP parameter " << i;
+    EXPECT_TRUE(b[i].is_cuda());
+  }
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(c[i].is_cuda());
+    EXPECT_LT((a[i] - c[i]).abs().max().item<float>(), 1e-6f) << "ZeRO parameter " << i;
+  }
+  EXPECT_FALSE(torch::equal(a[0], make()->parameters()[0]));  // it trained
+  EXPECT_EQ(scaler.get_scale(), 512.0);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 #pragma once
 
-// Data-parallel training on PyTorch's own c10d process groups (Gloo on the
-// CPU), launched by torchrun, Open MPI or Slurm, or by hand:
+// Data-parallel training on PyTorch's own c10d process groups (Gloo for CPU
+// tensors, NCCL for CUDA tensors in CUDA builds), launched by torchrun, Open
+// MPI or Slurm, or by hand:
 //
 //   auto pg = ampx::dist::init_process_group();          // RANK, WORLD_SIZE, MASTER_ADDR, ...
 //   ampx::dist::DistributedDataParallel ddp(model, pg);  // rank 0's weights everywhere
@@ -70,14 +71,25 @@ struct InitOptions {
   /// Interface address Gloo binds to; empty: the one MASTER_ADDR routes from
   /// (loopback when MASTER_ADDR is local).
   TORCH_ARG(std::string, hostname) = "";
+  /// Also make an NCCL group, which then carries every collective on CUDA
+  /// tensors (PyTorch 2's default "cpu:gloo,cuda:nccl"), when this ampx was
+  /// built with NCCL (is_nccl_available()) and a CUDA device is visible.
+  /// Each rank uses the CUDA device of the tensors it passes: set it from
+  /// LaunchEnv::local_rank. False: Gloo for all tensors.
+  TORCH_ARG(bool, nccl) = true;
 };
 
-/// A c10d process group (Gloo). Copies share one group.
+/// A c10d process group: Gloo, plus NCCL for CUDA tensors where there is
+/// one (see InitOptions::nccl). Every collective goes to the backend of its
+/// tensor's device. Copies share one group.
 class ProcessGroup {
  public:
   int64_t rank() const;
   int64_t world_size() const;
   std::chrono::milliseconds timeout() const;
+  /// Whether CUDA tensors go through NCCL ("gloo" or "gloo+nccl" in backends()).
+  bool has_nccl() const;
+  std::string backends() const;
   /// Sums `tensor` in place over all ranks and waits.
   void all_reduce_sum(at::Tensor& tensor) const;
   /// Takes the element-wise maximum in place over all ranks and waits.
@@ -104,14 +116,18 @@ class ProcessGroup {
 };
 
 /// Rendezvous through c10d's TCPStore at env.master_addr:master_port (rank 0
-/// serves it) and a Gloo process group over it. Errors name what is missing
-/// and, on timeout, how many ranks arrived.
+/// serves it, or torchrun's agent) and a Gloo process group over it (and an
+/// NCCL one, see InitOptions::nccl). Errors name what is missing and, on
+/// timeout, how many ranks arrived.
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options = {});
 /// The same, from launch_env_from_environment().
 ProcessGroup init_process_group(const InitOptions& options = {});
 
 /// Whether this build of ampx has c10d with Gloo.
 bool is_available();
+/// Whether this build of ampx has c10d's NCCL process group (LibTorch built
+/// with CUDA and NCCL, e.g. PyTorch's pip wheels; never Debian's).
+bool is_nccl_available();
 
 /// A TCP port on 127.0.0.1 that nothing listens on now: MASTER_PORT for
 /// ranks started on this machine (another process could still take it

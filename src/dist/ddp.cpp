@@ -193,14 +193,25 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       impl->group.broadcast(wire, 0);
     }
   }
+  // Probes run where the gradients will travel: Gloo for CPU parameters,
+  // NCCL (where there is one) for CUDA ones.
+  c10::Device device(c10::kCPU);
+  for (const auto& p : impl->module->parameters()) {
+    if (p.requires_grad()) {
+      device = p.device();
+      break;
+    }
+  }
   if (cdt && *cdt != at::kFloat) {
     // Gloo builds differ in the types they can sum (LibTorch 1.13's has no
     // bfloat16): find out now, on every rank, rather than mid-backward.
-    auto probe = torch::ones({1}, torch::TensorOptions().dtype(*cdt));
+    auto probe = torch::ones({1}, torch::TensorOptions().dtype(*cdt).device(device));
     try {
       impl->group.all_reduce_sum(probe);
     } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "DistributedDataParallel: this LibTorch's Gloo cannot all-reduce ", *cdt,
+      TORCH_CHECK(false, "DistributedDataParallel: this LibTorch's ",
+                  device.is_cuda() && impl->group.has_nccl() ? "NCCL" : "Gloo",
+                  " cannot all-reduce ", *cdt,
                   " gradients (communication_dtype); use ",
                   *cdt == at::kBFloat16 ? "torch::kHalf" : "torch::kBFloat16",
                   " or float32: ", e.what_without_backtrace());
@@ -213,7 +224,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     has_bf16 = has_bf16 || (p.requires_grad() && p.scalar_type() == at::kBFloat16);
   }
   if (has_bf16 && !cdt) {
-    auto probe = torch::ones({1}, torch::TensorOptions().dtype(at::kBFloat16));
+    auto probe = torch::ones({1}, torch::TensorOptions().dtype(at::kBFloat16).device(device));
     try {
       impl->group.all_reduce_sum(probe);
     } catch (const c10::Error&) {

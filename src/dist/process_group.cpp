@@ -1,4 +1,5 @@
-// Launcher environments, TCPStore rendezvous and the Gloo process group.
+// Launcher environments, TCPStore rendezvous and the Gloo (and NCCL)
+// process groups.
 
 #include "ampx/dist.h"
 
@@ -119,6 +120,14 @@ bool is_available() {
 #endif
 }
 
+bool is_nccl_available() {
+#if defined(AMPX_WITH_DIST) && defined(AMPX_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
 int free_loopback_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   TORCH_CHECK(fd >= 0, "ampx::dist::free_loopback_port: socket() failed: ", std::strerror(errno));
@@ -145,6 +154,16 @@ int64_t ProcessGroup::world_size() const {
 std::chrono::milliseconds ProcessGroup::timeout() const {
   return impl_->timeout;
 }
+bool ProcessGroup::has_nccl() const {
+#if defined(AMPX_WITH_DIST)
+  return impl_->nccl != nullptr;
+#else
+  return false;
+#endif
+}
+std::string ProcessGroup::backends() const {
+  return has_nccl() ? "gloo+nccl" : "gloo";
+}
 
 #if defined(AMPX_WITH_DIST)
 
@@ -167,7 +186,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& 
   c10d::AllreduceOptions o;
   o.reduceOp = op;
   o.timeout = timeout;
-  return gloo->allreduce(tensors, o);
+  return backend_for(t).allreduce(tensors, o);
 }
 
 void ProcessGroup::all_reduce_sum(at::Tensor& t) const {
@@ -185,7 +204,8 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) con
               "ampx::dist::reduce_scatter_sum: input must be 1-D, contiguous, world_size (",
               world_size(), ") x output's ", n, " elements and of output's dtype; got ",
               input.numel(), " ", input.scalar_type(), " for ", output.scalar_type());
-  if (impl_->gloo_reduce_scatter) {
+  const bool nccl = impl_->nccl && input.is_cuda();
+  if (nccl || impl_->gloo_reduce_scatter) {
     std::vector<at::Tensor> outputs{output};
     std::vector<std::vector<at::Tensor>> inputs(1);
     for (int64_t r = 0; r < world_size(); ++r) inputs[0].push_back(input.narrow(0, r * n, n));
@@ -194,10 +214,12 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) con
     o.timeout = impl_->timeout;
     c10::intrusive_ptr<c10d::Work> work;
     try {
-      work = impl_->gloo->reduce_scatter(outputs, inputs, o);
+      work = impl_->backend_for(input).reduce_scatter(outputs, inputs, o);
     } catch (const std::exception&) {
-      // Refused before any communication, on every rank alike ("does not
-      // support reduce_scatter"): fall back to an all-reduce from now on.
+      // Gloo's refusal comes before any communication, on every rank alike
+      // ("does not support reduce_scatter"): fall back to an all-reduce from
+      // now on. NCCL has one: its errors are errors.
+      if (nccl) throw;
       impl_->gloo_reduce_scatter = false;
     }
     if (work) {
@@ -222,7 +244,7 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
   std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
   c10d::AllgatherOptions o;
   o.timeout = impl_->timeout;
-  wait(impl_->gloo->allgather(outputs, inputs, o), "all-gather", *this);
+  wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
 }
 
 void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
@@ -230,7 +252,7 @@ void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = impl_->timeout;
-  wait(impl_->gloo->broadcast(tensors, o), "broadcast", *this);
+  wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast", *this);
 }
 
 void ProcessGroup::barrier() const {
@@ -288,6 +310,19 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
                 " could not join the Gloo group within ", options.timeout().count(),
                 " ms (did every rank start?): ", message_of(e));
   }
+#if defined(AMPX_WITH_NCCL)
+  // NCCL's communicators are made at the first collective, on the device of
+  // its tensors; every rank must take part (the same on all ranks: the
+  // options and the CUDA build are). Its own store prefix keeps its keys
+  // apart from Gloo's.
+  if (options.nccl() && torch::cuda::is_available()) {
+    auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+    nccl_options->timeout = options.timeout();
+    impl->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(
+        c10::make_intrusive<c10d::PrefixStore>("ampx-nccl", store), static_cast<int>(env.rank),
+        static_cast<int>(env.world_size), nccl_options);
+  }
+#endif
   return ProcessGroup(std::move(impl));
 }
 

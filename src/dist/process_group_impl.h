@@ -12,8 +12,13 @@
 #include <exception>
 #include <string>
 
+#include "ampx/detail/compat.h"
+
 #if defined(AMPX_WITH_DIST)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#if defined(AMPX_WITH_NCCL)
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 #endif
 
 namespace ampx {
@@ -25,13 +30,29 @@ inline std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+#if defined(AMPX_WITH_DIST)
+// What Gloo and NCCL groups derive from: c10d::Backend since LibTorch 2.0,
+// c10d::ProcessGroup before; both have the collectives used here.
+#if AMPX_TORCH_AT_LEAST(2, 0)
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+#endif
+
 struct ProcessGroup::Impl {
   int64_t rank = 0;
   int64_t world_size = 1;
   std::chrono::milliseconds timeout{0};
 #if defined(AMPX_WITH_DIST)
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
-  bool gloo_reduce_scatter = true;  // until this Gloo says it has none
+  c10::intrusive_ptr<C10dBackend> gloo;
+  c10::intrusive_ptr<C10dBackend> nccl;  // null: none (CPU build, or InitOptions::nccl(false))
+  bool gloo_reduce_scatter = true;       // until this Gloo says it has none
+  /// The backend that carries collectives on `t`: NCCL for CUDA tensors
+  /// when there is one, Gloo otherwise.
+  C10dBackend& backend_for(const at::Tensor& t) const {
+    return nccl && t.is_cuda() ? *nccl : *gloo;
+  }
   c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& t, c10d::ReduceOp op);
 #endif
 };
