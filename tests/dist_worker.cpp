@@ -5,6 +5,7 @@
 //   ampx_dist_worker <scenario> <out-file>
 //   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
+//              unused-order
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -278,11 +279,37 @@ int run_zero_groups(const std::string& out, ampx::dist::ProcessGroup pg) {
   return 0;
 }
 
+// Two branches, each parameter its own bucket; rank 0 uses only the first,
+// rank 1 only the second, so their buckets fill in opposite orders during
+// backward (the rest at synchronize, find_unused_parameters). Writes the
+// averaged gradients after one backward.
+int run_unused_order(const std::string& out, ampx::dist::ProcessGroup pg) {
+  torch::manual_seed(5);
+  torch::nn::Linear a(8, 4), b(8, 4);
+  torch::nn::Sequential model(a, b);  // a holder: a's parameters, then b's
+  ampx::dist::DistributedDataParallel ddp(model.ptr(), pg,
+                                          ampx::dist::DistributedDataParallelOptions()
+                                              .bucket_cap_bytes(1)
+                                              .first_bucket_cap_bytes(1)
+                                              .find_unused_parameters(true));
+  torch::manual_seed(6 + pg.rank());
+  const auto x = torch::randn({3, 8}), y = torch::randn({3, 4});
+  torch::mse_loss(pg.rank() == 0 ? a->forward(x) : b->forward(x), y).backward();
+  ddp.synchronize();
+  std::ofstream file(out, std::ios::binary);
+  for (const auto& p : model->parameters()) {
+    auto g = p.grad().contiguous();
+    file.write(static_cast<const char*>(g.data_ptr()), g.numel() * g.element_size());
+  }
+  return 0;
+}
+
 int run(const std::string& scenario, const std::string& out) {
   ampx::dist::InitOptions init;
   init.timeout(std::chrono::seconds(scenario == "kill" ? 5 : 60));
   auto pg = ampx::dist::init_process_group(init);
   if (scenario == "zero-groups") return run_zero_groups(out, pg);
+  if (scenario == "unused-order") return run_unused_order(out, pg);
   if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's

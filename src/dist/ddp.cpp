@@ -79,8 +79,16 @@ struct DistributedDataParallel::Impl {
                 "backward (or use no_sync() to accumulate)");
     view_of(i).copy_(value.reshape({-1}));
     ready[i] = true;
-    auto& b = buckets[bucket_of[i]];
-    if (--b.pending == 0) {
+    if (--buckets[bucket_of[i]].pending == 0) launch_ready_buckets();
+  }
+
+  // Collectives pair up across ranks by the order they are issued in, so
+  // buckets go out in bucket order on every rank, whatever order they fill
+  // in (ranks whose unused parameters differ fill them in different orders):
+  // a full bucket waits for the ones before it.
+  void launch_ready_buckets() {
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
+      auto& b = buckets[next_bucket++];
       b.work = group.impl()->all_reduce_async(b.flat, c10d::ReduceOp::SUM);
     }
   }
@@ -144,6 +152,7 @@ struct DistributedDataParallel::Impl {
 
   void reset() {
     std::fill(ready.begin(), ready.end(), false);
+    next_bucket = 0;
     for (auto& b : buckets) {
       b.pending = static_cast<int64_t>(b.params.size());
       b.work.reset();
@@ -158,6 +167,7 @@ struct DistributedDataParallel::Impl {
   std::vector<int64_t> bucket_of, offset_of;  // per parameter
   std::vector<bool> ready;
   std::vector<Bucket> buckets;
+  size_t next_bucket = 0;  // the first bucket not launched yet
   std::vector<unsigned> hooks;
   bool sync = true;
   bool bf16_sums = true;  // whether this Gloo can all-reduce bfloat16

@@ -9,9 +9,21 @@
 #include <torch/torch.h>
 
 #if defined(AMPX_WITH_DIST)
+#if __has_include(<torch/csrc/distributed/c10d/PrefixStore.hpp>)
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/PrefixStore.h>
+#endif
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.h>
+#endif
+#if __has_include(<torch/csrc/distributed/c10d/TCPStore.hpp>)
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/TCPStore.h>
+#endif
 #endif
 
 #include <arpa/inet.h>
@@ -142,6 +154,20 @@ int free_loopback_port() {
   TORCH_CHECK(ok, "ampx::dist::free_loopback_port: no free port on 127.0.0.1: ",
               std::strerror(error));
   return ntohs(addr.sin_port);
+}
+
+ProcessGroup::Impl::~Impl() {
+#if defined(AMPX_WITH_DIST) && defined(AMPX_WITH_NCCL) && AMPX_TORCH_AT_LEAST(2, 6)
+  // What Python's destroy_process_group does: NCCL's communicators end
+  // cleanly (otherwise 2.6+ warns and aborts them).
+  if (nccl) {
+    try {
+      static_cast<c10d::ProcessGroupNCCL&>(*nccl).shutdown();
+    } catch (const std::exception&) {
+      // a destructor: the communicators die with the process anyway
+    }
+  }
+#endif
 }
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}

@@ -15,9 +15,17 @@
 #include "ampx/detail/compat.h"
 
 #if defined(AMPX_WITH_DIST)
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.h>
+#endif
 #if defined(AMPX_WITH_NCCL)
+#if __has_include(<torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>)
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.h>
+#endif
 #endif
 #endif
 
@@ -55,6 +63,10 @@ struct ProcessGroup::Impl {
   }
   c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& t, c10d::ReduceOp op);
 #endif
+  Impl() = default;
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+  ~Impl();
 };
 
 /// How a tensor travels when Gloo only copies its bytes (broadcast, all-
