@@ -18,12 +18,14 @@ Then the targets of the benchmark issue, each as a ratio measured in this run, m
 Only the standard library: the orchestration runs under any python3.
 """
 import argparse
+import copy
 import datetime
 import json
 import os
 import platform
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -149,8 +151,8 @@ def micro(args, out):
     return results
 
 
-def ampx_train(args, out, workload):
-    d = os.path.join(out, "e2e", workload)
+def ampx_train(args, out, workload, rnd=0):
+    d = os.path.join(out, "e2e", workload if rnd == 0 else f"{workload}-r{rnd}")
     shutil.rmtree(d, ignore_errors=True)
     steps = args.gpt_steps if workload == "gpt" else args.image_steps
     cmd = [os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload", workload,
@@ -165,8 +167,9 @@ def ampx_train(args, out, workload):
         return json.load(f)
 
 
-def python_amp(args, out, workload, precision):
-    path = os.path.join(out, "python", f"{workload}-{precision}.json")
+def python_amp(args, out, workload, precision, rnd=0):
+    path = os.path.join(out, "python", f"{workload}-{precision}" + (f"-r{rnd}" if rnd else "")
+                        + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     steps = args.gpt_steps if workload == "gpt" else args.image_steps
     cmd = [TORCH_PYTHON, os.path.join(ROOT, "bench", "python", "torch_amp_bench.py"),
@@ -177,6 +180,39 @@ def python_amp(args, out, workload, precision):
     run(cmd)
     with open(path) as f:
         return json.load(f)
+
+
+def rescale(result, ms):
+    """`result` with its median step set to `ms` (throughputs follow)."""
+    old = result["median_step_ms"]
+    for k in list(result):
+        if k.endswith("_per_s") and isinstance(result[k], (int, float)):
+            result[k] = result[k] * old / ms
+    result["median_step_ms"] = ms
+
+
+def combine_e2e(rounds):
+    """One ampx-train --compare result from several rounds: each mode's median step is the
+    median of its rounds' (kept in round_ms); the rest is the first round's."""
+    out = copy.deepcopy(rounds[0])
+    for m in out["modes"]:
+        ms = [next(x for x in r["modes"] if x["mode"] == m["mode"])["median_step_ms"]
+              for r in rounds]
+        rescale(m, statistics.median(ms))
+        m["round_ms"] = ms
+    base = next((x for x in out["modes"] if x["mode"] == out.get("baseline", "fp32")), None)
+    for m in out["modes"]:
+        if base and "speedup" in m:
+            m["speedup"] = base["median_step_ms"] / m["median_step_ms"]
+    return out
+
+
+def combine_python(rounds):
+    out = copy.deepcopy(rounds[0])
+    ms = [r["median_step_ms"] for r in rounds]
+    rescale(out, statistics.median(ms))
+    out["round_ms"] = ms
+    return out
 
 
 def dist(args, out):
@@ -246,6 +282,10 @@ def build_report(args, data):
       + (f": a model bound by its matrix products can run at most "
          f"{peaks['bf16'] / peaks['fp32']:.2f}x faster in bf16 than in fp32 on this machine."
          if peaks['fp32'] and peaks['bf16'] else "."))
+    if data.get("rounds", 1) > 1:
+        w(f"- End to end: {data['rounds']} rounds, ampx and PyTorch interleaved (every "
+          "configuration once per round); a run's step time is the median of its rounds' median "
+          "steps, and the `rounds` column gives the fastest and slowest round.")
     w("- Throughput is items per step over the median step (tokens for gpt, images "
       "otherwise), for ampx and PyTorch alike.")
     w("")
@@ -276,16 +316,18 @@ def build_report(args, data):
           "backward). MFU: achieved matrix-product FLOP/s over the measured peak of the mode's "
           "compute dtype.")
         w("")
-        w(f"| run | median step ms | {unit} | vs ampx fp32 | peak MiB | vs fp32 | MFU | "
+        w(f"| run | median step ms | rounds ms | {unit} | vs ampx fp32 | peak MiB | vs fp32 | MFU | "
           "final train loss |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        spread = lambda r: (f"{min(r['round_ms']):.1f}–{max(r['round_ms']):.1f}"
+                            if len(r.get("round_ms", [])) > 1 else "-")
         base = next(x for x in c["modes"] if x["mode"] == "fp32")
         for x in c["modes"]:
             ms = x["median_step_ms"]
             peak = peaks["fp32" if x["mode"] == "fp32" else "bf16"]
             mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
             thr = items / (ms / 1e3)
-            w(f"| ampx {x['mode']} | {fmt(ms)} | {fmt(thr, 0)} | {base['median_step_ms'] / ms:.2f}x "
+            w(f"| ampx {x['mode']} | {fmt(ms)} | {spread(x)} | {fmt(thr, 0)} | {base['median_step_ms'] / ms:.2f}x "
               f"| {x['peak_allocated_bytes'] / 2**20:.1f} | {x['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x "
               f"| {fmt(None if mfu is None else 100 * mfu)}% | {x['train_loss']:.4f} |")
         for prec in ("fp32", "autocast-bf16"):
@@ -295,7 +337,7 @@ def build_report(args, data):
             ms = p["median_step_ms"]
             peak = peaks["fp32" if prec == "fp32" else "bf16"]
             mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
-            w(f"| PyTorch {prec} | {fmt(ms)} | {fmt(items / (ms / 1e3), 0)} | "
+            w(f"| PyTorch {prec} | {fmt(ms)} | {spread(p)} | {fmt(items / (ms / 1e3), 0)} | "
               f"{base['median_step_ms'] / ms:.2f}x | - | - | "
               f"{fmt(None if mfu is None else 100 * mfu)}% | {p['train_loss']:.4f} |")
         w("")
@@ -405,8 +447,11 @@ def main():
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "PERFORMANCE.md"))
     p.add_argument("--json", default=os.path.join(ROOT, "docs", "performance.json"))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--gpt-steps", type=int, default=60)
-    p.add_argument("--image-steps", type=int, default=150)
+    p.add_argument("--gpt-steps", type=int, default=40)
+    p.add_argument("--image-steps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="end-to-end runs (ampx and PyTorch interleaved) per configuration; "
+                        "the report takes the median")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--only", default="gemm,micro,e2e,python,dist",
                    help="comma-separated parts to run (the report covers what ran)")
@@ -414,7 +459,9 @@ def main():
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
     args = p.parse_args()
     if args.quick:
-        args.gpt_steps, args.image_steps = 8, 12
+        args.gpt_steps, args.image_steps, args.rounds = 8, 12, 1
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     parts = set(args.only.split(","))
     os.makedirs(args.out, exist_ok=True)
     data = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
@@ -425,12 +472,23 @@ def main():
         data["gemm"] = gemm_peaks(args, args.out)
     if "micro" in parts:
         data["micro"] = micro(args, args.out)
+    # ampx and PyTorch interleaved, round after round: the machine's speed
+    # drifts over minutes, and each configuration samples it alike.
+    e2e_rounds = {w: [] for w in WORKLOADS}
+    py_rounds = {w: {"fp32": [], "autocast-bf16": []} for w in WORKLOADS}
+    for rnd in range(args.rounds):
+        for w in WORKLOADS:
+            if "e2e" in parts:
+                e2e_rounds[w].append(ampx_train(args, args.out, w, rnd))
+            if "python" in parts:
+                for prec in py_rounds[w]:
+                    py_rounds[w][prec].append(python_amp(args, args.out, w, prec, rnd))
     for w in WORKLOADS:
-        if "e2e" in parts:
-            data["e2e"][w] = ampx_train(args, args.out, w)
+        if e2e_rounds[w]:
+            data["e2e"][w] = combine_e2e(e2e_rounds[w])
         if "python" in parts:
-            data["python"][w] = {prec: python_amp(args, args.out, w, prec)
-                                 for prec in ("fp32", "autocast-bf16")}
+            data["python"][w] = {prec: combine_python(r) for prec, r in py_rounds[w].items()}
+    data["rounds"] = args.rounds
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
     data["machine"] = machine(args, data["gemm"], data["e2e"])
