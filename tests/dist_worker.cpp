@@ -25,6 +25,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -45,6 +46,16 @@ torch::nn::Sequential make_norm_model(int64_t seed) {
   return torch::nn::Sequential(
       torch::nn::Linear(8, 32), torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})),
       torch::nn::Tanh(), torch::nn::Linear(32, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+// This rank's rows (inputs, targets) of the global batch, which is the same
+// on every rank (seed 7).
+std::pair<torch::Tensor, torch::Tensor> batch_shard(int64_t rank, int64_t world) {
+  torch::manual_seed(7);
+  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
+  const int64_t shard = kGlobalBatch / world;
+  return {x.slice(0, rank * shard, (rank + 1) * shard),
+          y.slice(0, rank * shard, (rank + 1) * shard)};
 }
 
 // Every parameter as float32, in order.
@@ -80,11 +91,9 @@ int64_t state_bytes(const ampx::optim::MixedPrecisionOptimizer& opt,
 // model to `out`.resumed.
 int run_zero(const std::string& scenario, const std::string& out, ampx::dist::ProcessGroup pg) {
   const int64_t rank = pg.rank(), world = pg.world_size();
-  torch::manual_seed(7);
-  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
-  const int64_t shard = kGlobalBatch / world;
-  const auto xs = x.slice(0, rank * shard, (rank + 1) * shard);
-  const auto ys = y.slice(0, rank * shard, (rank + 1) * shard);
+  const auto batch = batch_shard(rank, world);
+  const auto& xs = batch.first;
+  const auto& ys = batch.second;
   const bool o2 = scenario == "zero-o2";
   auto make = [&](int64_t seed) { return o2 ? make_norm_model(seed) : make_model(seed); };
 
@@ -202,11 +211,9 @@ std::vector<torch::optim::OptimizerParamGroup> weight_and_bias_groups(
 
 int run_zero_groups(const std::string& out, ampx::dist::ProcessGroup pg) {
   const int64_t rank = pg.rank(), world = pg.world_size();
-  torch::manual_seed(7);
-  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
-  const int64_t shard = kGlobalBatch / world;
-  const auto xs = x.slice(0, rank * shard, (rank + 1) * shard);
-  const auto ys = y.slice(0, rank * shard, (rank + 1) * shard);
+  const auto batch = batch_shard(rank, world);
+  const auto& xs = batch.first;
+  const auto& ys = batch.second;
   const auto options = ampx::dist::ZeroRedundancyOptimizerOptions().max_grad_norm(kMaxNorm);
   const ampx::dist::ZeroRedundancyOptimizer::GroupOptimizerFactory factory =
       [](std::vector<torch::optim::OptimizerParamGroup> groups) {
@@ -325,11 +332,9 @@ int run(const std::string& scenario, const std::string& out) {
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
   ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(1000));
 
-  torch::manual_seed(7);  // the same global batch on every rank
-  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
-  const int64_t shard = kGlobalBatch / world;
-  const auto xs = x.slice(0, rank * shard, (rank + 1) * shard);
-  const auto ys = y.slice(0, rank * shard, (rank + 1) * shard);
+  const auto batch = batch_shard(rank, world);
+  const auto& xs = batch.first;
+  const auto& ys = batch.second;
   std::ofstream log(scenario == "overflow" ? out : "/dev/null");
 
   for (int step = 0; step < kSteps; ++step) {
@@ -337,7 +342,7 @@ int run(const std::string& scenario, const std::string& out) {
     if (scenario == "kill" && rank == 1 && step == 2) std::_Exit(3);  // dies mid-training
     if (scenario == "accumulate") {
       // Two micro-batches: the first only accumulates, the second reduces.
-      const int64_t half = shard / 2;
+      const int64_t half = xs.size(0) / 2;
       {
         auto guard = ddp.no_sync();
         (torch::mse_loss(model->forward(xs.slice(0, 0, half)), ys.slice(0, 0, half)) / 2)
