@@ -19,12 +19,13 @@
 //     amp.scaler().update();
 //   }
 //
-// The parameters are laid end to end, one flat space per parameter dtype
-// (fixed at the first step: bf16 weights and fp32 norms under O2 make two),
-// each padded to a multiple of the world size and cut into equal shards.
-// A step: the gradients are packed into fp32 and reduce-scattered (summed;
-// Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there), averaged,
-// the local optimizer updates this rank's fp32 shard (the masters), and the
+// The parameters are laid end to end, one flat space per param group and
+// dtype (fixed at the first step: bf16 weights and fp32 norms under O2 make
+// two), each padded to a multiple of the world size and cut into equal
+// shards. A step: the gradients are packed into fp32 and reduce-scattered
+// (summed; Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there),
+// averaged, clipped by their global norm if asked (max_grad_norm), the
+// local optimizer updates this rank's fp32 shard (the masters), and the
 // shards are all-gathered into the parameters in their own dtype. The model
 // is not wrapped: use it without DistributedDataParallel.
 
