@@ -49,6 +49,12 @@ struct Space {
   at::Tensor gathered;           // dtype [world * shard]
 };
 
+// 1 / scale as GradScaler's unscale_ makes it: the reciprocal in double,
+// rounded once to fp32.
+at::Tensor inverse_scale(const at::Tensor& grad_scale) {
+  return grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+}
+
 std::string describe(const std::vector<Space>& spaces) {
   std::ostringstream s;
   for (size_t k = 0; k < spaces.size(); ++k) {
@@ -215,9 +221,7 @@ struct ZeroRedundancyOptimizer::Impl {
     auto total = torch::full({1}, sum_sq, torch::kDouble);
     group.all_reduce_sum(total);
     double norm = std::sqrt(total.item<double>());
-    if (grad_scale.defined()) {  // GradScaler's reciprocal, rounded once to fp32
-      norm *= grad_scale.to(at::kDouble).reciprocal().to(at::kFloat).item<double>();
-    }
+    if (grad_scale.defined()) norm *= inverse_scale(grad_scale).item<double>();
     last_norm = norm;
     const double coef = *max_grad_norm / (norm + 1e-6);
     if (coef < 1.0) {
@@ -259,8 +263,7 @@ struct ZeroRedundancyOptimizer::Impl {
       aware->step_scaled(grad_scale, found_inf.defined() ? found_inf : at::Tensor());
     } else {
       if (grad_scale.defined()) {
-        // GradScaler's unscale_: the reciprocal in double, rounded once.
-        const auto inv = grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+        const auto inv = inverse_scale(grad_scale);
         for (auto& m : masters) m.mutable_grad().mul_(inv.to(m.device()));
       }
       local->step();
