@@ -8,6 +8,7 @@
 #include "test_util.h"
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cstdio>
 #include <fstream>
@@ -30,7 +31,7 @@ TEST(GradScalerStateTest, StateDictHasPyTorchsKeysAndTypes) {
   EXPECT_EQ(d.at("_growth_tracker").toInt(), 0);
   EXPECT_EQ(d.at("hysteresis").toInt(), 1);
   EXPECT_TRUE(d.at("min_scale").isNone());
-  EXPECT_EQ(d.at("max_scale").toDouble(), 16777216.0);
+  EXPECT_TRUE(d.at("max_scale").isNone());  // no ceiling, as PyTorch
   EXPECT_EQ(d.at("_ampx_state_version").toInt(), 1);
 }
 
@@ -158,7 +159,7 @@ TEST(GradScalerStateTest, ArchiveWithoutScalerStateIsAClearError) {
 TEST(GradScalerStateTest, LoadsAStateDictSavedByPythonTorch) {
   const auto expected = ampx::test::load_reference("python_scaler_state.json");
   ASSERT_FALSE(expected.is_null());
-  GradScaler s;
+  GradScaler s(GradScalerOptions().max_scale(1e6));
   s.load_state_dict(ampx::load_state_dict(ampx::test::reference_dir() + "/python_scaler_state.pt"));
   EXPECT_EQ(s.get_scale(), expected["scale"].get<double>());
   EXPECT_EQ(s.get_growth_factor(), expected["growth_factor"].get<double>());
@@ -167,7 +168,7 @@ TEST(GradScalerStateTest, LoadsAStateDictSavedByPythonTorch) {
   EXPECT_EQ(s.get_growth_tracker(), expected["_growth_tracker"].get<int64_t>());
   // ampx's own keys were absent: ours are kept.
   EXPECT_EQ(s.get_hysteresis(), 1);
-  EXPECT_EQ(s.get_max_scale().value(), 16777216.0);
+  EXPECT_EQ(s.get_max_scale().value(), 1e6);
 }
 
 TEST(GradScalerStateTest, SavedFileRoundTripsAndCorruptFilesAreRejected) {
@@ -195,29 +196,59 @@ TEST(GradScalerStateTest, SavedFileRoundTripsAndCorruptFilesAreRejected) {
 
 // ---- the update rule over long random overflow patterns
 
+// Rules torch.amp.GradScaler can run: PyTorch has no hysteresis and no bounds.
+bool torch_expressible(const nlohmann::json& rule) {
+  return rule["hysteresis"].get<int64_t>() == 1 && rule["min_scale"].is_null() &&
+         rule["max_scale"].is_null();
+}
+
+// Where the reference script must have driven torch.amp.GradScaler itself:
+// PyTorch runs it on the CPU from 2.3 on.
+constexpr bool kTorchHasCpuScaler =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3);
+
+// A rule PyTorch can express is built from PyTorch's four arguments alone, so
+// ampx's defaults for the rest (hysteresis, bounds) are under test too.
+GradScalerOptions options_for(const nlohmann::json& rule) {
+  auto opts = GradScalerOptions()
+                  .init_scale(rule["init_scale"].get<double>())
+                  .growth_factor(rule["growth_factor"].get<double>())
+                  .backoff_factor(rule["backoff_factor"].get<double>())
+                  .growth_interval(rule["growth_interval"].get<int64_t>());
+  if (torch_expressible(rule)) return opts;
+  auto bound = [](const nlohmann::json& v) {
+    return v.is_null() ? c10::nullopt : c10::optional<double>(v.get<double>());
+  };
+  return opts.hysteresis(rule["hysteresis"].get<int64_t>())
+      .min_scale(bound(rule["min_scale"]))
+      .max_scale(bound(rule["max_scale"]));
+}
+
 TEST(GradScalerStateTest, UpdateRuleMatchesReferenceOverLongRandomSequences) {
   const auto ref = ampx::test::load_reference("scaler_sequences.json");
   ASSERT_FALSE(ref.is_null());
-  ASSERT_GE(ref["cases"].size(), 10u);
+  ASSERT_GE(ref["cases"].size(), 20u);
+  // The reference must come from the torch that matches this LibTorch, and on
+  // 2.3+ every case PyTorch can express must have been checked against it.
+  const std::string version = ref["torch_version"].get<std::string>();
+  const std::string expected_prefix =
+      std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + ".";
+  ASSERT_EQ(version.rfind(expected_prefix, 0), 0u)
+      << "reference made by torch " << version << " for LibTorch " << TORCH_VERSION;
+  ASSERT_EQ(ref["torch_scaler_used"].get<bool>(), kTorchHasCpuScaler) << version;
+  size_t long_default_cases = 0;
   for (const auto& c : ref["cases"]) {
     const auto& rule = c["rule"];
-    auto opts = GradScalerOptions()
-                    .init_scale(rule["init_scale"].get<double>())
-                    .growth_factor(rule["growth_factor"].get<double>())
-                    .backoff_factor(rule["backoff_factor"].get<double>())
-                    .growth_interval(rule["growth_interval"].get<int64_t>())
-                    .hysteresis(rule["hysteresis"].get<int64_t>())
-                    .min_scale(rule["min_scale"].is_null()
-                                   ? c10::nullopt
-                                   : c10::optional<double>(rule["min_scale"].get<double>()))
-                    .max_scale(rule["max_scale"].is_null()
-                                   ? c10::nullopt
-                                   : c10::optional<double>(rule["max_scale"].get<double>()));
-    GradScaler scaler(opts);
-    auto p = torch::zeros({3}, torch::requires_grad());
-    torch::optim::SGD opt({p}, 0.0);
+    const bool checked = c["checked_against_torch"].get<bool>();
+    ASSERT_EQ(checked, kTorchHasCpuScaler && torch_expressible(rule))
+        << "torch.amp.GradScaler check missing or unexpected for " << rule.dump();
     const auto& found = c["found_inf"];
     const auto& expected = c["expected"];
+    if (torch_expressible(rule) && found.size() >= 10000) ++long_default_cases;
+
+    GradScaler scaler(options_for(rule));
+    auto p = torch::zeros({3}, torch::requires_grad());
+    torch::optim::SGD opt({p}, 0.0);
     for (size_t step = 0; step < found.size(); ++step) {
       scaler.scale(torch::ones({}));
       p.mutable_grad() = torch::full({3}, found[step].get<int>() ? INFINITY : 1.0f);
@@ -229,6 +260,8 @@ TEST(GradScalerStateTest, UpdateRuleMatchesReferenceOverLongRandomSequences) {
       ASSERT_EQ(scaler.get_hysteresis_tracker(), expected[step][2].get<int64_t>()) << step;
     }
   }
+  // 10^4-step sequences that climb past 2^24 and 2^64 with default options.
+  EXPECT_GE(long_default_cases, 5u);
 }
 
 }  // namespace

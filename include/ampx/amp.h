@@ -83,6 +83,8 @@ struct AmpOptions {
   /// dtype that amp.cast_output() returns (Apex's cast_model_outputs).
   TORCH_ARG(c10::optional<c10::ScalarType>, cast_model_outputs) = c10::nullopt;
   TORCH_ARG(c10::optional<double>, min_loss_scale) = c10::nullopt;
+  /// Ceiling of the dynamic scale (Apex's max_loss_scale, 2^24; a plain
+  /// GradScaler has none, as PyTorch's).
   TORCH_ARG(double, max_loss_scale) = 16777216.0;
   /// One loss scaler per loss (Apex's num_losses / loss_id).
   TORCH_ARG(int64_t, num_losses) = 1;

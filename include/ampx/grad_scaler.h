@@ -69,8 +69,9 @@ struct GradScalerOptions {
   TORCH_ARG(int64_t, hysteresis) = 1;
   /// Floor for the scale after each update (none by default, as PyTorch).
   TORCH_ARG(c10::optional<double>, min_scale) = c10::nullopt;
-  /// Ceiling for the scale after each update (Apex's 2^24 by default).
-  TORCH_ARG(c10::optional<double>, max_scale) = 16777216.0;
+  /// Ceiling for the scale after each update (none by default, as PyTorch;
+  /// `ampx::initialize`'s dynamic scaler sets Apex's 2^24).
+  TORCH_ARG(c10::optional<double>, max_scale) = c10::nullopt;
 };
 
 /// Per-optimizer stage within one iteration (PyTorch's OptState).

@@ -10,6 +10,9 @@ host's /usr/bin/python3 for LibTorch 1.13, the trixie chroot's for 2.6).
 Files written:
   autocast_dtypes.json   output dtype of each op under torch.autocast("cpu")
   scaler_sequences.json  loss-scale trajectories over random overflow patterns
+                         (600 to 10^4 steps), from the update rule written out
+                         below and, on torch 2.3+, from torch.amp.GradScaler
+                         itself for every rule PyTorch can express
   python_scaler_state.pt a GradScaler state dict saved with torch.save
   python_scaler_state.json  the values that file holds
 """
@@ -130,67 +133,114 @@ def model_update(state, found, rule):
     return scale, growth, hyst
 
 
+def torch_has_cpu_scaler():
+    """torch.amp.GradScaler runs on the CPU from 2.3 on; 1.13 has only
+    torch.cuda.amp.GradScaler."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 3)
+
+
+def torch_expressible(rule):
+    """Rules torch.amp.GradScaler can run: no hysteresis, no scale bounds."""
+    return rule["hysteresis"] == 1 and rule["min_scale"] is None and rule["max_scale"] is None
+
+
 def torch_scaler_trajectory(rule, pattern):
-    """Drive PyTorch's own GradScaler on the CPU (2.3+) with real gradients:
-    a gradient of inf on overflow steps, 1 otherwise. None if unavailable."""
-    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
-        return None
-    try:
-        scaler = torch.amp.GradScaler("cpu", init_scale=rule["init_scale"],
-                                      growth_factor=rule["growth_factor"],
-                                      backoff_factor=rule["backoff_factor"],
-                                      growth_interval=rule["growth_interval"])
-    except Exception:
-        return None
+    """Drive PyTorch's own GradScaler on the CPU with real gradients: a
+    gradient of inf on overflow steps, 1 otherwise. Every option is passed
+    explicitly and nothing else is set, so the trajectory is that of
+    torch's defaults for whatever a rule does not name."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=rule["init_scale"],
+                                  growth_factor=rule["growth_factor"],
+                                  backoff_factor=rule["backoff_factor"],
+                                  growth_interval=rule["growth_interval"])
     p = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([p], lr=0.0)
+    inf_grad, one_grad = torch.full((3,), float("inf")), torch.ones(3)
     out = []
     for found in pattern:
         scaler.scale(torch.ones(()))
-        p.grad = torch.full((3,), float("inf") if found else 1.0)
+        p.grad = (inf_grad if found else one_grad).clone()
         scaler.step(opt)
         scaler.update()
         out.append([scaler.get_scale(), int(scaler._get_growth_tracker())])
     return out
 
 
-def scaler_sequences():
-    rng = random.Random(1234)
-    rules = []
+def long_climbing_pattern(rng, steps, interval):
+    """Overflows rare enough that the scale climbs by orders of magnitude
+    between them, with bursts of overflows now and then."""
+    pattern, step = [], 0
+    while step < steps:
+        if rng.random() < 1.0 / (40 * interval):  # a burst of 1-4 overflows
+            burst = rng.randint(1, 4)
+            pattern += [True] * burst
+            step += burst
+        else:
+            pattern.append(rng.random() < 0.05 / interval)
+            step += 1
+    return pattern[:steps]
+
+
+def scaler_rules(rng):
+    """(rule, pattern) pairs: short random patterns over many factor pairs,
+    hysteresis and bounds (ampx's extensions), and 10^4-step patterns in
+    which the scale passes 2^24 and 2^64 (tests that the defaults put no
+    ceiling where PyTorch has none)."""
+    out = []
     for interval in (1, 3, 7, 50):
         for gf, bf in ((2.0, 0.5), (1.5, 0.7), (3.0, 0.25)):
-            rules.append(dict(init_scale=65536.0, growth_factor=gf, backoff_factor=bf,
-                              growth_interval=interval, hysteresis=1,
-                              min_scale=None, max_scale=None))
+            rule = dict(init_scale=65536.0, growth_factor=gf, backoff_factor=bf,
+                        growth_interval=interval, hysteresis=1,
+                        min_scale=None, max_scale=None)
+            p_overflow = rng.choice((0.02, 0.1, 0.3, 0.6))
+            out.append((rule, [rng.random() < p_overflow for _ in range(600)]))
     for hyst in (2, 3):
-        rules.append(dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,
-                          growth_interval=4, hysteresis=hyst, min_scale=None, max_scale=None))
-    rules.append(dict(init_scale=256.0, growth_factor=2.0, backoff_factor=0.5,
-                      growth_interval=2, hysteresis=1, min_scale=32.0, max_scale=4096.0))
-    rules.append(dict(init_scale=2.0 ** 120, growth_factor=2.0 ** 4, backoff_factor=0.5,
-                      growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=None))
+        rule = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,
+                    growth_interval=4, hysteresis=hyst, min_scale=None, max_scale=None)
+        out.append((rule, [rng.random() < 0.3 for _ in range(600)]))
+    rule = dict(init_scale=256.0, growth_factor=2.0, backoff_factor=0.5,
+                growth_interval=2, hysteresis=1, min_scale=32.0, max_scale=4096.0)
+    out.append((rule, [rng.random() < 0.3 for _ in range(600)]))
+    rule = dict(init_scale=2.0 ** 120, growth_factor=2.0 ** 4, backoff_factor=0.5,
+                growth_interval=1, hysteresis=2, min_scale=1.0, max_scale=None)
+    out.append((rule, [rng.random() < 0.1 for _ in range(600)]))
+    # Apex's ceiling, set explicitly, on a climbing pattern.
+    rule = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5,
+                growth_interval=3, hysteresis=1, min_scale=None, max_scale=2.0 ** 24)
+    out.append((rule, long_climbing_pattern(rng, 2000, 3)))
+    for interval, gf, bf in ((1, 2.0, 0.5), (3, 2.0, 0.5), (3, 1.5, 0.7), (10, 4.0, 0.25),
+                             (25, 2.0, 0.125), (100, 8.0, 0.5)):
+        rule = dict(init_scale=1024.0, growth_factor=gf, backoff_factor=bf,
+                    growth_interval=interval, hysteresis=1, min_scale=None, max_scale=None)
+        out.append((rule, long_climbing_pattern(rng, 10000, interval)))
+    return out
+
+
+def scaler_sequences():
+    rng = random.Random(1234)
+    with_torch = torch_has_cpu_scaler()
     cases = []
-    used_torch = False
-    for rule in rules:
-        p_overflow = rng.choice((0.02, 0.1, 0.3, 0.6))
-        pattern = [rng.random() < p_overflow for _ in range(600)]
+    for rule, pattern in scaler_rules(rng):
         state = (f32(rule["init_scale"]), 0, rule["hysteresis"])
         expected = []
         for found in pattern:
             state = model_update(state, found, rule)
             expected.append(list(state))
-        ref = None
-        if rule["hysteresis"] == 1 and rule["min_scale"] is None and rule["max_scale"] is None:
+        checked = with_torch and torch_expressible(rule)
+        if checked:
             ref = torch_scaler_trajectory(rule, pattern)
-        if ref is not None:
-            used_torch = True
             for step, (mine, theirs) in enumerate(zip(expected, ref)):
                 if mine[0] != theirs[0] or mine[1] != theirs[1]:
                     sys.exit("reference model disagrees with torch.amp.GradScaler at step %d: "
                              "%r vs %r for %r" % (step, mine, theirs, rule))
+        if len(pattern) >= 10000 and rule["max_scale"] is None:
+            peak = max(s for s, _, _ in expected)
+            if peak <= 2.0 ** 64:
+                sys.exit("long case never passes 2^64 (peak %r): %r" % (peak, rule))
         cases.append(dict(rule=rule, found_inf=[int(x) for x in pattern], expected=expected,
-                          checked_against_torch=ref is not None))
-    return dict(torch_version=torch.__version__, torch_scaler_used=used_torch, cases=cases)
+                          checked_against_torch=checked))
+    return dict(torch_version=torch.__version__, torch_scaler_used=with_torch, cases=cases)
 
 
 PY_STATE = {"scale": 1024.0, "growth_factor": 3.0, "backoff_factor": 0.25,

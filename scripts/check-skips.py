@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Fails a test run whose skipped tests differ from the leg's expected list.
+
+  check-skips.py EXPECTED_LIST CTEST_JUNIT_XML
+
+A feature probe that breaks (fp16 CPU autocast, ATen's CPU unscale kernel,
+the trainer binary...) turns its tests into skips, and a run that only counts
+failures stays green while coverage shrinks. Each leg of `make test` keeps the
+exact list of tests that may skip on it (tests/skips/<leg>.txt, one ctest name
+per line, `#` comments giving the reason); this script compares the list with
+the skips ctest recorded (`ctest --output-junit FILE`) and exits 1 on any
+difference in either direction: a test skipped that is not listed, or a
+listed test that ran (the list is stale: remove the line).
+"""
+import sys
+import xml.etree.ElementTree as ET
+
+
+def expected_skips(path):
+    names = set()
+    with open(path) as f:
+        for line in f:
+            name = line.split("#", 1)[0].strip()
+            if name:
+                names.add(name)
+    return names
+
+
+def recorded(path):
+    """(all test names, skipped test names) from ctest's JUnit file."""
+    root = ET.parse(path).getroot()
+    ran, skipped = set(), set()
+    for case in root.iter("testcase"):
+        name = case.get("name")
+        ran.add(name)
+        if case.find("skipped") is not None or case.get("status") in ("notrun", "disabled"):
+            skipped.add(name)
+    return ran, skipped
+
+
+def main(argv):
+    if len(argv) != 3:
+        sys.exit(__doc__)
+    expected = expected_skips(argv[1])
+    ran, skipped = recorded(argv[2])
+    if not ran:
+        sys.exit("check-skips: %s lists no test at all" % argv[2])
+    unexpected = sorted(skipped - expected)
+    stale = sorted(expected - skipped)
+    for name in unexpected:
+        print("check-skips: %s skipped, but it is not expected to skip on this leg (%s)"
+              % (name, argv[1]))
+    for name in stale:
+        state = "ran" if name in ran else "does not exist"
+        print("check-skips: %s is listed as skipping in %s but %s: remove it from the list"
+              % (name, argv[1], state))
+    if unexpected or stale:
+        return 1
+    print("check-skips: %d tests, %d skipped, exactly those expected on this leg (%s)"
+          % (len(ran), len(skipped), argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
