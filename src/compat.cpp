@@ -94,10 +94,3 @@ bool has_native_kernel(const char* name, c10::DeviceType device_type) {
 }  // namespace compat
 }  // namespace detail
 }  // namespace ampx
-
-#include "ampx/version.h"
-
-namespace ampx {
-const char* version() noexcept { return "0.1.0"; }
-const char* torch_version() noexcept { return detail::compat::torch_version(); }
-}  // namespace ampx
