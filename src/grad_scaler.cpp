@@ -3,6 +3,8 @@
 
 #include "ampx/grad_scaler.h"
 
+#include "ampx/kernels.h"
+
 #include "scale_math.h"
 
 #include <ATen/ATen.h>

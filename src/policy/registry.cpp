@@ -2,8 +2,8 @@
 
 #include "ampx/policy.h"
 
-#include "ampx/detail/policy_compat.h"
 #include "../device_check.h"
+#include "policy_compat.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>
