@@ -6,7 +6,7 @@
 #include "ampx/detail/kernels.h"
 
 #include "cpu/chunks.h"
-#include "isa/isa_kernels.h"
+#include "isa/unscale_kernels.h"
 
 #include <ATen/ATen.h>
 

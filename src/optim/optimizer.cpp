@@ -254,7 +254,7 @@ int64_t MixedPrecisionOptimizer::step_count(const at::Tensor& param) const {
   return st->step_t.defined() ? static_cast<int64_t>(st->step_t.item<double>()) : st->step;
 }
 
-std::vector<at::Tensor> master_params(const MixedPrecisionOptimizer& optimizer) {
+std::vector<at::Tensor> model_params(const MixedPrecisionOptimizer& optimizer) {
   std::vector<at::Tensor> out;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) out.push_back(p);
