@@ -23,6 +23,7 @@
 #include "models.h"
 
 #include <ampx/ampx.h>
+#include <ampx/dist.h>
 
 #include <nlohmann/json.hpp>
 

@@ -20,7 +20,7 @@ trap 'rm -rf "$stub"' EXIT
 # Generated only by CUDA builds of LibTorch; empty is what a shared build needs here.
 mkdir -p "$stub/gen/c10/cuda/impl"
 echo '#pragma once' >"$stub/gen/c10/cuda/impl/cuda_cmake_macros.h"
-defs=(-DAMPX_WITH_DIST -DUSE_C10D_GLOO -DUSE_DISTRIBUTED -DAMPX_WITH_NCCL -DUSE_C10D_NCCL)  # as CMakeLists.txt
+defs=(-DAMPX_WITH_DIST -DUSE_C10D_GLOO -DUSE_DISTRIBUTED -DAMPX_WITH_NCCL -DUSE_C10D_NCCL)  # as CMakeLists.txt does
 
 check() {  # label, include flags...
   local label=$1

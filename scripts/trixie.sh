@@ -24,13 +24,98 @@
 # command's. Stdin is passed through; nothing is ever read from it otherwise.
 #
 # Needs root (debootstrap, mount, chroot), plus debootstrap, unshare and flock
-# on the host. Environment: AMPX_CACHE_DIR, AMPX_TRIXIE_MIRROR (default
-# http://deb.debian.org/debian), AMPX_TRIXIE_NO_NS=1 (mount in the current
-# namespace instead of a private one; for debugging).
+# on the host. Environment:
+#   AMPX_CACHE_DIR               where the chroot lives (above)
+#   AMPX_TRIXIE_MIRROR           Debian mirror; default: the one the host's own
+#                                apt uses (/etc/apt/sources.list, sources.list.d/
+#                                *.list and deb822 *.sources), so that a local
+#                                mirror or caching proxy serves the chroot too;
+#                                else http://deb.debian.org/debian
+#   AMPX_TRIXIE_SECURITY_MIRROR  default: the host's security mirror when the
+#                                host's mirror is used, else <mirror minus
+#                                /debian>/debian-security
+#   AMPX_TRIXIE_NO_NS=1          mount in the current namespace instead of a
+#                                private one (debugging)
+#   AMPX_APT_ETC                 read apt sources from here, not /etc/apt (tests)
+# The host's apt proxy (Acquire::http::Proxy), if any, is used by debootstrap
+# and by apt in the chroot. `scripts/trixie.sh --print-mirror` prints the
+# mirrors and proxy it would use.
 set -euo pipefail
 
 SUITE=trixie
-MIRROR=${AMPX_TRIXIE_MIRROR:-http://deb.debian.org/debian}
+readonly FALLBACK_MIRROR=http://deb.debian.org/debian
+
+# The host's apt sources as "URI SUITE COMPONENTS..." lines, one per suite of
+# each enabled `deb` entry: one-line sources.list / *.list entries (options in
+# [...] dropped) and deb822 *.sources stanzas (Types/URIs/Suites/Components,
+# Enabled: no skipped).
+apt_source_entries() {
+  local etc=${AMPX_APT_ETC:-/etc/apt} f
+  for f in "$etc/sources.list" "$etc"/sources.list.d/*.list; do
+    [ -f "$f" ] || continue
+    sed -e 's/#.*//' -e 's/\[[^]]*\]//' "$f" |
+      awk '$1 == "deb" && NF >= 4 { c = ""; for (i = 4; i <= NF; i++) c = c " " $i; print $2, $3 c }'
+  done
+  for f in "$etc"/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    awk '
+      function flush(   i, j, nu, ns, u, s) {
+        if (types ~ /(^| )deb( |$)/ && enabled !~ /^(no|false|0)$/) {
+          nu = split(uris, u, " "); ns = split(suites, s, " ")
+          for (i = 1; i <= nu; i++) for (j = 1; j <= ns; j++) print u[i], s[j], comps
+        }
+        types = uris = suites = comps = enabled = ""
+      }
+      /^[ \t]*#/ { next }
+      /^[ \t]*$/ { flush(); next }
+      /^[A-Za-z-]+:/ {
+        key = tolower(substr($0, 1, index($0, ":") - 1)); val = substr($0, index($0, ":") + 1)
+        gsub(/^[ \t]+|[ \t]+$/, "", val)
+        if (key == "types") types = val; else if (key == "uris") uris = val
+        else if (key == "suites") suites = val; else if (key == "components") comps = val
+        else if (key == "enabled") enabled = tolower(val)
+      }
+      END { flush() }' "$f"
+  done
+}
+
+# The host's Debian mirror: the URI of the first entry for the host's own
+# release (suite = its codename, or <codename>-$1, e.g. $1 = security) with
+# component main. Third-party repositories use other suites or components;
+# a host that is not Debian has no Debian mirror. Prints nothing if none.
+host_debian_mirror() {
+  local suffix=${1:-} id="" codename="" want uri suite comps
+  if [ -r /etc/os-release ]; then
+    id=$(. /etc/os-release && echo "${ID:-}")
+    codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
+  fi
+  [ "$id" = debian ] && [ -n "$codename" ] || return 0
+  want=$codename${suffix:+-$suffix}
+  while read -r uri suite comps; do
+    case "$uri" in http://*|https://*|ftp://*|file:/*) ;; *) continue ;; esac
+    if [ "$suite" = "$want" ] && [[ " $comps " == *" main "* ]]; then
+      echo "${uri%/}"
+      return 0
+    fi
+  done < <(apt_source_entries)
+}
+
+# The host's apt proxy for http (empty if none).
+host_apt_proxy() {
+  command -v apt-config >/dev/null 2>&1 || return 0
+  local proxy=""
+  eval "$(apt-config shell proxy Acquire::http::Proxy 2>/dev/null)" || true
+  case "$proxy" in DIRECT|false) ;; *) echo "$proxy" ;; esac
+}
+
+HOST_MIRROR=$(host_debian_mirror)
+MIRROR=${AMPX_TRIXIE_MIRROR:-${HOST_MIRROR:-$FALLBACK_MIRROR}}
+MIRROR=${MIRROR%/}
+# The host's security mirror goes with the host's mirror only.
+HOST_SECURITY_MIRROR=""
+if [ "$MIRROR" = "$HOST_MIRROR" ]; then HOST_SECURITY_MIRROR=$(host_debian_mirror security); fi
+SECURITY_MIRROR=${AMPX_TRIXIE_SECURITY_MIRROR:-${HOST_SECURITY_MIRROR:-${MIRROR%/debian}/debian-security}}
+APT_PROXY=$(host_apt_proxy)
 PACKAGES=(
   build-essential cmake make
   libtorch-dev python3-torch python3-numpy
@@ -51,6 +136,7 @@ usage() {
   cat >&2 <<'EOF'
 usage: scripts/trixie.sh <command> [args...]   run a command in the Debian 13 chroot (cwd /src)
        scripts/trixie.sh --ensure              create or update the chroot only
+       scripts/trixie.sh --print-mirror        print the mirrors and proxy it would use
 EOF
 }
 
@@ -61,6 +147,11 @@ case "${1:-}" in
   "") usage; exit 2 ;;
   -h|--help) usage; exit 0 ;;
   --ensure) [ $# -eq 1 ] || { usage; exit 2; }; ENSURE_ONLY=1 ;;
+  --print-mirror)
+    echo "mirror:   $MIRROR${AMPX_TRIXIE_MIRROR:+ (AMPX_TRIXIE_MIRROR)}"
+    echo "security: $SECURITY_MIRROR"
+    echo "proxy:    ${APT_PROXY:-none}"
+    exit 0 ;;
   --) shift; [ $# -gt 0 ] || { usage; exit 2; } ;;
 esac
 
@@ -215,7 +306,8 @@ create_chroot() {
   chmod 755 "$TMP_ROOT"
   log "debootstrap $SUITE from $MIRROR"
   local dblog=$TMP_ROOT.debootstrap.log
-  if ! debootstrap --variant=minbase "$SUITE" "$TMP_ROOT" "$MIRROR" \
+  if ! env ${APT_PROXY:+http_proxy="$APT_PROXY"} \
+      debootstrap --variant=minbase "$SUITE" "$TMP_ROOT" "$MIRROR" \
       </dev/null >"$dblog" 2>&1; then
     tail -n 30 "$dblog" >&2 || true
     [ -f "$TMP_ROOT/debootstrap/debootstrap.log" ] &&
@@ -230,8 +322,11 @@ create_chroot() {
   cat >"$TMP_ROOT/etc/apt/sources.list" <<EOF
 deb $MIRROR $SUITE main
 deb $MIRROR $SUITE-updates main
-deb ${MIRROR%/debian}/debian-security $SUITE-security main
+deb $SECURITY_MIRROR $SUITE-security main
 EOF
+  if [ -n "$APT_PROXY" ]; then
+    printf 'Acquire::http::Proxy "%s";\n' "$APT_PROXY" >"$TMP_ROOT/etc/apt/apt.conf.d/01ampx-proxy"
+  fi
   mount_chroot_fs "$TMP_ROOT"
   log "installing ${PACKAGES[*]}"
   apt_install "$TMP_ROOT" "${PACKAGES[@]}"

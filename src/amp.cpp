@@ -240,30 +240,30 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
 
 ForwardGuard::~ForwardGuard() = default;
 
-Amp::Amp(AmpProperties properties) : properties_(std::move(properties)) {}
+AmpSession::AmpSession(AmpProperties properties) : properties_(std::move(properties)) {}
 
-GradScaler& Amp::scaler(int64_t loss_id) {
+GradScaler& AmpSession::scaler(int64_t loss_id) {
   TORCH_CHECK_INDEX(loss_id >= 0 && loss_id < static_cast<int64_t>(scalers_.size()),
-                    "Amp::scaler: loss_id must be in [0, num_losses=", scalers_.size(), "), got ",
-                    loss_id);
+                    "AmpSession::scaler: loss_id must be in [0, num_losses=", scalers_.size(),
+                    "), got ", loss_id);
   return *scalers_[loss_id];
 }
 
-at::Tensor Amp::cast_input(const at::Tensor& input) const {
+at::Tensor AmpSession::cast_input(const at::Tensor& input) const {
   if (properties_.cast_model_type && input.is_floating_point()) {
     return input.to(properties_.dtype);
   }
   return input;
 }
 
-at::Tensor Amp::cast_output(const at::Tensor& output) const {
+at::Tensor AmpSession::cast_output(const at::Tensor& output) const {
   if (properties_.cast_model_outputs && output.is_floating_point()) {
     return output.to(*properties_.cast_model_outputs);
   }
   return output;
 }
 
-std::map<std::string, StateDict> Amp::state_dict() const {
+std::map<std::string, StateDict> AmpSession::state_dict() const {
   std::map<std::string, StateDict> out;
   for (size_t i = 0; i < scalers_.size(); ++i) {
     out["loss_scaler" + std::to_string(i)] = scalers_[i]->state_dict();
@@ -271,14 +271,15 @@ std::map<std::string, StateDict> Amp::state_dict() const {
   return out;
 }
 
-void Amp::load_state_dict(const std::map<std::string, StateDict>& state) {
+void AmpSession::load_state_dict(const std::map<std::string, StateDict>& state) {
   for (size_t i = 0; i < scalers_.size(); ++i) {
     const auto key = "loss_scaler" + std::to_string(i);
-    TORCH_CHECK(state.count(key), "Amp::load_state_dict: missing '", key, "' (the state has ",
-                state.size(), " scalers; this Amp has num_losses=", scalers_.size(), ")");
+    TORCH_CHECK(state.count(key), "AmpSession::load_state_dict: missing '", key,
+                "' (the state has ", state.size(),
+                " scalers; this AmpSession has num_losses=", scalers_.size(), ")");
   }
-  TORCH_CHECK(state.size() == scalers_.size(), "Amp::load_state_dict: the state has ", state.size(),
-              " loss scalers, this Amp has num_losses=", scalers_.size());
+  TORCH_CHECK(state.size() == scalers_.size(), "AmpSession::load_state_dict: the state has ",
+              state.size(), " loss scalers, this AmpSession has num_losses=", scalers_.size());
   // All or nothing: every enabled scaler's dict is validated on a probe first.
   for (size_t i = 0; i < scalers_.size(); ++i) {
     if (scalers_[i]->is_enabled()) {
@@ -291,8 +292,9 @@ void Amp::load_state_dict(const std::map<std::string, StateDict>& state) {
   }
 }
 
-Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
-               const std::vector<torch::optim::Optimizer*>& optimizers, const AmpOptions& options) {
+AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
+                      const std::vector<torch::optim::Optimizer*>& optimizers,
+                      const AmpOptions& options) {
   TORCH_CHECK_VALUE(model != nullptr, "ampx::initialize: model is null");
   const auto device = model_device(*model);
   AmpProperties props = resolve(options, device);
@@ -305,7 +307,7 @@ Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
   capture_master_weights(props, optimizers);
   cast_model(*model, props);
 
-  Amp amp(props);
+  AmpSession amp(props);
   for (int64_t i = 0; i < props.num_losses; ++i) {
     GradScalerOptions so;
     if (!props.loss_scale) {
@@ -321,8 +323,8 @@ Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
   return amp;
 }
 
-Amp initialize(const std::shared_ptr<torch::nn::Module>& model, torch::optim::Optimizer& optimizer,
-               OptLevel opt_level) {
+AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
+                      torch::optim::Optimizer& optimizer, OptLevel opt_level) {
   return initialize(model, {&optimizer}, AmpOptions(opt_level));
 }
 

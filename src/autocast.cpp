@@ -1,6 +1,7 @@
 #include "ampx/autocast.h"
 
 #include "ampx/detail/compat.h"
+#include "device_check.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/Context.h>
@@ -23,9 +24,7 @@ void clear_autocast_cache() { at::autocast::clear_cache(); }
 namespace {
 
 c10::ScalarType checked_dtype(c10::DeviceType device_type, c10::optional<c10::ScalarType> dtype) {
-  TORCH_CHECK_VALUE(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
-                    "AutocastGuard: device_type must be cpu or cuda, got ",
-                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
+  detail::check_autocast_device(device_type, "AutocastGuard");
   const auto resolved = dtype.value_or(detail::compat::autocast_dtype(device_type));
   TORCH_CHECK_VALUE(resolved == c10::kHalf || resolved == c10::kBFloat16,
                     "AutocastGuard: dtype must be float16 or bfloat16 for device_type ",

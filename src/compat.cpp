@@ -1,5 +1,7 @@
 #include "ampx/detail/compat.h"
 
+#include "device_check.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/util/Exception.h>
@@ -14,9 +16,7 @@ const char* torch_version() noexcept { return TORCH_VERSION; }
 
 namespace {
 void check_device(c10::DeviceType device_type) {
-  TORCH_CHECK_VALUE(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
-                    "ampx autocast supports device_type cpu and cuda, got ",
-                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
+  check_autocast_device(device_type, "ampx autocast");
 }
 }  // namespace
 
@@ -93,11 +93,4 @@ bool has_native_kernel(const char* name, c10::DeviceType device_type) {
 
 }  // namespace compat
 }  // namespace detail
-}  // namespace ampx
-
-#include "ampx/version.h"
-
-namespace ampx {
-const char* version() noexcept { return "0.1.0"; }
-const char* torch_version() noexcept { return detail::compat::torch_version(); }
 }  // namespace ampx

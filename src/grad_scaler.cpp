@@ -3,6 +3,10 @@
 
 #include "ampx/grad_scaler.h"
 
+#include "ampx/kernels.h"
+
+#include "scale_math.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -134,6 +138,28 @@ std::unordered_map<c10::Device, at::Tensor> GradScaler::unscale_grads(
   return per_device_found_inf;
 }
 
+namespace {
+
+std::vector<at::Tensor> flags_of(const std::unordered_map<c10::Device, at::Tensor>& per_device) {
+  std::vector<at::Tensor> flags;
+  flags.reserve(per_device.size());
+  for (const auto& entry : per_device) flags.push_back(entry.second);
+  return flags;
+}
+
+// The sum of found-inf flags (float32 [] each, on any device) on the
+// scale's device. Every reader of the flags (the hook, a scaler-aware step,
+// update) sums them here, so that all see the same number.
+at::Tensor sum_found_inf(const std::vector<at::Tensor>& flags, const at::Tensor& scale) {
+  auto total = at::zeros({}, scale.options());
+  for (const auto& flag : flags) {
+    total.add_(flag.to(scale.device(), /*non_blocking=*/true));
+  }
+  return total;
+}
+
+}  // namespace
+
 void GradScaler::agree_on_found_inf(
     std::unordered_map<c10::Device, at::Tensor>& per_device) const {
   if (!found_inf_hook_) {
@@ -141,10 +167,7 @@ void GradScaler::agree_on_found_inf(
   }
   // One flag, one call: every rank makes the same collectives in the same
   // order however many devices its gradients are on.
-  auto combined = at::zeros({}, scale_.options());
-  for (const auto& entry : per_device) {
-    combined.add_(entry.second.to(scale_.device(), /*non_blocking=*/true));
-  }
+  auto combined = sum_found_inf(flags_of(per_device), scale_);
   found_inf_hook_(combined);
   if (per_device.empty()) {
     return;  // no gradients: step() and update() still say so
@@ -162,8 +185,7 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(state.stage != OptState::kUnscaled,
               "unscale_() has already been called on this optimizer since the last update().");
   TORCH_CHECK(state.stage != OptState::kStepped, "unscale_() is being called after step().");
-  // The reciprocal is taken in double, as PyTorch does, then rounded once.
-  const auto inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  const auto inv_scale = detail::inverse_scale(scale_);
   const auto found_inf = at::zeros({}, scale_.options());
   state.found_inf_per_device = unscale_grads(optimizer, inv_scale, found_inf, false);
   agree_on_found_inf(state.found_inf_per_device);
@@ -197,10 +219,7 @@ StepResult GradScaler::step(torch::optim::Optimizer& optimizer) {
     }
     TORCH_CHECK(!state.found_inf_per_device.empty(),
                 "No inf checks were recorded for this optimizer.");
-    auto found_inf = at::zeros({}, scale_.options());
-    for (const auto& entry : state.found_inf_per_device) {
-      found_inf.add_(entry.second.to(scale_.device(), /*non_blocking=*/true));
-    }
+    auto found_inf = sum_found_inf(flags_of(state.found_inf_per_device), scale_);
     aware->step_scaled(grad_scale, found_inf);
     state.stage = OptState::kStepped;
     return StepResult(found_inf);
@@ -230,15 +249,11 @@ void GradScaler::update() {
   check_initialized("update");
   std::vector<at::Tensor> found_infs;
   for (const auto& entry : per_optimizer_) {
-    for (const auto& device_found : entry.second.found_inf_per_device) {
-      found_infs.push_back(device_found.second.to(scale_.device(), /*non_blocking=*/true));
-    }
+    const auto flags = flags_of(entry.second.found_inf_per_device);
+    found_infs.insert(found_infs.end(), flags.begin(), flags.end());
   }
   TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
-  auto combined = found_infs[0].clone();
-  for (size_t i = 1; i < found_infs.size(); ++i) {
-    combined.add_(found_infs[i]);
-  }
+  const auto combined = sum_found_inf(found_infs, scale_);
   update_scale_(scale_, growth_tracker_, hysteresis_tracker_, combined, rule_);
   per_optimizer_.clear();
 }

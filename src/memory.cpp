@@ -15,6 +15,16 @@
 #include <cstring>
 #include <mutex>
 
+// c10::Allocator::allocate lost its const and gained a pure copy_data() in
+// LibTorch 2.3 (`override` below stops the build if the guess is wrong).
+#if AMPX_TORCH_AT_LEAST(2, 3)
+#define AMPX_ALLOCATOR_CONST
+#define AMPX_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define AMPX_ALLOCATOR_CONST const
+#define AMPX_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
 namespace ampx {
 namespace {
 

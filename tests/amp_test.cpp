@@ -245,7 +245,7 @@ double regression_loss_at_start() {
   return data.y.pow(2).mean().item<double>();
 }
 
-double train(Net& net, torch::optim::Optimizer& opt, ampx::Amp* amp, int steps) {
+double train(Net& net, torch::optim::Optimizer& opt, ampx::AmpSession* amp, int steps) {
   const auto data = regression_data();
   double loss_value = 0;
   for (int step = 0; step < steps; ++step) {

@@ -117,7 +117,7 @@ int run_zero(const std::string& scenario, const std::string& out, ampx::dist::Pr
 
   // ZeRO-1: O2 casts the model after the optimizer has snapshot the fp32 weights.
   const auto level = ampx::AmpOptions(o2 ? ampx::OptLevel::O2 : ampx::OptLevel::O0);
-  auto train_zero = [&](torch::nn::Sequential& model, ampx::Amp& amp,
+  auto train_zero = [&](torch::nn::Sequential& model, ampx::AmpSession& amp,
                         ampx::dist::ZeroRedundancyOptimizer& opt, int from, int to) {
     for (int step = from; step < to; ++step) {
       opt.zero_grad();

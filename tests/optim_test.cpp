@@ -414,7 +414,7 @@ TEST(OptimTest, Fp32ParamsDropCapturedMastersAndUncapturedOnesGetOne) {
   o2.step();
   EXPECT_TRUE(torch::equal(o2.master(p), torch::full({4}, 0.875)));
   EXPECT_EQ(aopt::master_weights(o2)[0].data_ptr(), o2.master(p).data_ptr());
-  EXPECT_TRUE(aopt::master_params(o2)[0].is_same(p));
+  EXPECT_TRUE(aopt::model_params(o2)[0].is_same(p));
 }
 
 // --- stochastic rounding -------------------------------------------------------

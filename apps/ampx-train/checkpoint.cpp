@@ -1,6 +1,6 @@
 #include "checkpoint.h"
 
-#include <ampx/serialize.h>
+#include "atomic_file.h"  // ampx's src/: crash-safe writes
 
 #include <c10/util/Exception.h>
 #include <zlib.h>
@@ -68,7 +68,8 @@ void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& m
   put_le<uint32_t>(bytes, crc32_of(meta_text, payload));
   bytes += meta_text;
   bytes += payload;
-  ampx::write_file_atomically(path.string(), bytes.data(), bytes.size(), "ampx-train: checkpoint");
+  ampx::detail::write_file_atomically(path.string(), bytes.data(), bytes.size(),
+                                      "ampx-train: checkpoint");
 }
 
 Checkpoint read_checkpoint(const std::filesystem::path& path) {

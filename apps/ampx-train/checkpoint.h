@@ -26,7 +26,7 @@ struct Checkpoint {
   std::string payload;
 };
 
-/// Writes through ampx::write_file_atomically: a crash mid-write leaves the
+/// Writes through ampx::detail::write_file_atomically: a crash mid-write leaves the
 /// previous checkpoint at `path` intact.
 void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& meta,
                       const std::string& payload);

@@ -73,7 +73,7 @@ struct LoopState {
 };
 
 void save(const std::string& path, const nlohmann::json& identity, const Workload& workload,
-          torch::nn::Module& model, torch::optim::Optimizer& opt, const ampx::Amp& amp,
+          torch::nn::Module& model, torch::optim::Optimizer& opt, const ampx::AmpSession& amp,
           const LoopState& state) {
   torch::serialize::OutputArchive archive, model_archive, opt_archive;
   model.save(model_archive);
@@ -106,7 +106,7 @@ void save(const std::string& path, const nlohmann::json& identity, const Workloa
 }
 
 void load(const std::string& path, const nlohmann::json& identity, torch::nn::Module& model,
-          torch::optim::Optimizer& opt, ampx::Amp& amp, LoopState& state) {
+          torch::optim::Optimizer& opt, ampx::AmpSession& amp, LoopState& state) {
   const Checkpoint c = read_checkpoint(path);
   check_compatible(path, c.meta.at("run"), identity);
   try {
@@ -251,7 +251,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   ampx::optim::AdamW optimizer(model->parameters(), options);
   ampx::AmpOptions amp_options(mixed ? ampx::parse_opt_level(mode) : ampx::OptLevel::O0);
   if (mixed) amp_options.dtype(scalar_type_of(config.dtype)).cast_model_outputs(torch::kFloat);
-  ampx::Amp amp = ampx::initialize(model, {&optimizer}, amp_options);
+  ampx::AmpSession amp = ampx::initialize(model, {&optimizer}, amp_options);
   // After the cast: the broadcast and the buckets see the training dtypes.
   std::optional<ampx::dist::DistributedDataParallel> ddp;
   if (group) ddp.emplace(model, *group);

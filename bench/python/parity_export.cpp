@@ -86,7 +86,7 @@ StepResult run_step(const std::string& workload, const GPTConfig& gpt, ampx::Opt
   if (level != ampx::OptLevel::O0) {
     options.dtype(torch::kBFloat16).cast_model_outputs(torch::kFloat);
   }
-  ampx::Amp amp = ampx::initialize(net.module, {&optimizer}, options);
+  ampx::AmpSession amp = ampx::initialize(net.module, {&optimizer}, options);
   optimizer.zero_grad();
   StepResult r;
   r.model = net.module;

@@ -111,7 +111,7 @@ struct AmpProperties {
 };
 
 /// The forward-pass region of an opt level: autocast (O1), norm layers fed in
-/// fp32 (O2), nothing (O0, O3). Returned by Amp::forward_guard(); RAII.
+/// fp32 (O2), nothing (O0, O3). Returned by AmpSession::forward_guard(); RAII.
 class ForwardGuard {
  public:
   ~ForwardGuard();
@@ -121,14 +121,15 @@ class ForwardGuard {
   ForwardGuard& operator=(ForwardGuard&&) = delete;
 
  private:
-  friend class Amp;
+  friend class AmpSession;
   explicit ForwardGuard(const AmpProperties& properties);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-/// What initialize() set up; owns the loss scalers.
-class Amp {
+/// One model's mixed-precision training as initialize() set it up: the
+/// resolved level (properties()), the loss scalers it owns, the forward region.
+class AmpSession {
  public:
   const AmpProperties& properties() const { return properties_; }
   /// The scaler of loss `loss_id` (disabled, i.e. scale 1, when the level has
@@ -146,9 +147,9 @@ class Amp {
   void load_state_dict(const std::map<std::string, StateDict>& state);
 
  private:
-  friend Amp initialize(const std::shared_ptr<torch::nn::Module>&,
-                        const std::vector<torch::optim::Optimizer*>&, const AmpOptions&);
-  explicit Amp(AmpProperties properties);
+  friend AmpSession initialize(const std::shared_ptr<torch::nn::Module>&,
+                               const std::vector<torch::optim::Optimizer*>&, const AmpOptions&);
+  explicit AmpSession(AmpProperties properties);
   AmpProperties properties_;
   std::vector<std::unique_ptr<GradScaler>> scalers_;
 };
@@ -158,9 +159,10 @@ class Amp {
 /// sets up master weights in the optimizers (ampx::optim optimizers capture
 /// fp32 copies before the cast) and the loss scalers. Call once per model,
 /// after building the optimizers and before training.
-Amp initialize(const std::shared_ptr<torch::nn::Module>& model,
-               const std::vector<torch::optim::Optimizer*>& optimizers, const AmpOptions& options);
-Amp initialize(const std::shared_ptr<torch::nn::Module>& model, torch::optim::Optimizer& optimizer,
-               OptLevel opt_level);
+AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
+                      const std::vector<torch::optim::Optimizer*>& optimizers,
+                      const AmpOptions& options);
+AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
+                      torch::optim::Optimizer& optimizer, OptLevel opt_level);
 
 }  // namespace ampx

@@ -1,15 +1,18 @@
 #pragma once
 
-// ampx: automatic mixed precision for LibTorch. Include this for everything.
+// ampx: automatic mixed precision for LibTorch. Include this for everything
+// but data parallelism, which needs c10d: include "ampx/dist.h" (process
+// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that.
 
 #include "ampx/amp.h"
 #include "ampx/autocast.h"
-#include "ampx/dist.h"
 #include "ampx/grad_scaler.h"
 #include "ampx/kernels.h"
 #include "ampx/memory.h"
 #include "ampx/optim.h"
 #include "ampx/policy.h"
+#include "ampx/scale_update.h"
+#include "ampx/scaler_aware_optimizer.h"
 #include "ampx/serialize.h"
+#include "ampx/state_dict.h"
 #include "ampx/version.h"
-#include "ampx/zero.h"

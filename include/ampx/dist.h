@@ -41,6 +41,11 @@ class Module;
 }  // namespace torch
 
 namespace ampx {
+class GradScaler;
+namespace detail {
+struct ProcessGroupAccess;
+}  // namespace detail
+
 namespace dist {
 
 /// Where this process sits, as a launcher described it.
@@ -107,13 +112,22 @@ class ProcessGroup {
   /// Returns when every rank has called it.
   void barrier() const;
 
+ private:
+  // ampx's dist sources reach the c10d backends through ProcessGroupAccess
+  // (src/dist/process_group_impl.h); users only see the methods above.
+  friend struct ampx::detail::ProcessGroupAccess;
   struct Impl;
   explicit ProcessGroup(std::shared_ptr<Impl> impl);
-  const std::shared_ptr<Impl>& impl() const { return impl_; }
-
- private:
   std::shared_ptr<Impl> impl_;
 };
+
+/// Makes every rank's `scaler` agree on overflows: each found-inf check is
+/// all-reduced (MAX) over `group`, so when any rank's gradients hold an
+/// inf/NaN all ranks skip the step and back off the scale identically.
+/// Needed whenever ranks step on gradients they have not all-reduced
+/// themselves (ZeroRedundancyOptimizer, ampx/zero.h); harmless with
+/// DistributedDataParallel, whose averaged gradients agree already.
+void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
 
 /// Rendezvous through c10d's TCPStore at env.master_addr:master_port (rank 0
 /// serves it, or torchrun's agent) and a Gloo process group over it (and an
@@ -187,9 +201,8 @@ class DistributedDataParallel {
   /// Buckets: each bucket's parameter indices (into module->parameters()).
   std::vector<std::vector<int64_t>> bucket_layout() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

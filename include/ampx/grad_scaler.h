@@ -21,17 +21,17 @@
 // device of the first tensor passed to scale(). Not thread safe (nor is
 // PyTorch's); one scaler serves any number of optimizers and losses.
 
-#include "ampx/kernels.h"
+#include "ampx/scale_update.h"
+#include "ampx/scaler_aware_optimizer.h"
+#include "ampx/state_dict.h"
 
 #include <ATen/core/Tensor.h>
-#include <ATen/core/ivalue.h>
 #include <c10/core/Device.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
 
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -48,10 +48,6 @@ class OutputArchive;
 }  // namespace torch
 
 namespace ampx {
-
-/// A string-keyed dictionary of plain values: what `state_dict()` returns and
-/// Python's `GradScaler.state_dict()` holds (float and int values, None).
-using StateDict = std::map<std::string, c10::IValue>;
 
 struct GradScalerOptions {
   /// Initial scale factor.
@@ -76,20 +72,6 @@ struct GradScalerOptions {
 
 /// Per-optimizer stage within one iteration (PyTorch's OptState).
 enum class OptState { kReady, kUnscaled, kStepped };
-
-/// Implemented by optimizers that unscale gradients and skip an overflowing
-/// step inside their own step, without a host synchronisation (PyTorch's
-/// `_step_supports_amp_scaling`, e.g. fused Adam). GradScaler::step hands
-/// them the scale instead of unscaling the gradients itself.
-class ScalerAwareOptimizer {
- public:
-  virtual ~ScalerAwareOptimizer() = default;
-  /// One step. `grad_scale` (float32 [], on the scaler's device): the
-  /// gradients are still multiplied by it; undefined if unscale_() already
-  /// divided them. `found_inf` (float32 []): nonzero means a gradient was
-  /// inf/NaN and the step must leave parameters and state untouched.
-  virtual void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) = 0;
-};
 
 /// What GradScaler::step did. Converting it to bool answers "did the
 /// optimizer step?"; for a ScalerAwareOptimizer that reads the found-inf flag

@@ -10,7 +10,6 @@
 
 #include "ampx/grad_scaler.h"
 
-#include <cstddef>
 #include <string>
 
 namespace ampx {
@@ -19,13 +18,6 @@ namespace ampx {
 /// folder, fsync, rename). Values: None, bool, int, float, str, or lists of
 /// them, so that torch.load(path, weights_only=True) reads it.
 void save_state_dict(const StateDict& dict, const std::string& path);
-
-/// Writes `size` bytes to `path` so that a crash at any point leaves either
-/// the old file or the new one, never a mix: a temp file in the same folder,
-/// fsync, rename over `path`, fsync of the folder. Errors start with `caller`
-/// and name the path; the temp file is removed on failure.
-void write_file_atomically(const std::string& path, const void* data, size_t size,
-                           const char* caller = "write_file_atomically");
 
 /// Reads a dict saved by `save_state_dict` or by Python's `torch.save(dict)`.
 /// Errors name the path: missing, unreadable, corrupt, or not a str-keyed dict.

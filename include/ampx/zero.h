@@ -41,14 +41,6 @@
 namespace ampx {
 namespace dist {
 
-/// Makes every rank's `scaler` agree on overflows: each found-inf check is
-/// all-reduced (MAX) over `group`, so when any rank's gradients hold an
-/// inf/NaN all ranks skip the step and back off the scale identically.
-/// Needed whenever ranks step on gradients they have not all-reduced
-/// themselves (ZeroRedundancyOptimizer); harmless with
-/// DistributedDataParallel, whose averaged gradients agree already.
-void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
-
 struct ZeroRedundancyOptimizerOptions
     : public torch::optim::OptimizerCloneableOptions<ZeroRedundancyOptimizerOptions> {
   /// Broadcast rank 0's parameters at construction, so every rank's shard of
@@ -117,9 +109,8 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

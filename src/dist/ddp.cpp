@@ -89,7 +89,8 @@ struct DistributedDataParallel::Impl {
   void launch_ready_buckets() {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       auto& b = buckets[next_bucket++];
-      b.work = group.impl()->all_reduce_async(b.flat, c10d::ReduceOp::SUM);
+      b.work =
+          detail::ProcessGroupAccess::impl(group).all_reduce_async(b.flat, c10d::ReduceOp::SUM);
     }
   }
 

@@ -293,7 +293,7 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
   TORCH_CHECK(!env.master_addr.empty() && env.master_port > 0 && env.master_port <= 65535,
               "ampx::dist::init_process_group: master address '", env.master_addr, "' port ",
               env.master_port, " is not a rendezvous point");
-  auto impl = std::make_shared<ProcessGroup::Impl>();
+  auto impl = std::make_shared<detail::ProcessGroupAccess::Impl>();
   impl->rank = env.rank;
   impl->world_size = env.world_size;
   impl->timeout = options.timeout();
@@ -349,7 +349,7 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
         static_cast<int>(env.world_size), nccl_options);
   }
 #endif
-  return ProcessGroup(std::move(impl));
+  return detail::ProcessGroupAccess::make(std::move(impl));
 }
 
 #else  // !AMPX_WITH_DIST

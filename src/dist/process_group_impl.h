@@ -10,7 +10,9 @@
 
 #include <chrono>
 #include <exception>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "ampx/detail/compat.h"
 
@@ -68,6 +70,24 @@ struct ProcessGroup::Impl {
   Impl& operator=(const Impl&) = delete;
   ~Impl();
 };
+
+}  // namespace dist
+
+namespace detail {
+
+/// The route from ampx's dist sources to a ProcessGroup's insides (its
+/// constructor and Impl are private: users see only the collectives).
+struct ProcessGroupAccess {
+  using Impl = dist::ProcessGroup::Impl;
+  static dist::ProcessGroup make(std::shared_ptr<Impl> impl) {
+    return dist::ProcessGroup(std::move(impl));
+  }
+  static Impl& impl(const dist::ProcessGroup& group) { return *group.impl_; }
+};
+
+}  // namespace detail
+
+namespace dist {
 
 /// How a tensor travels when Gloo only copies its bytes (broadcast, all-
 /// gather): bfloat16 as float16 (every Gloo build has it; 1.13's has no

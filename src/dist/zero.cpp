@@ -5,6 +5,7 @@
 
 #include "ampx/optim/optimizer.h"
 
+#include "../scale_math.h"
 #include "process_group_impl.h"
 
 #include <c10/util/Exception.h>
@@ -17,20 +18,6 @@
 
 namespace ampx {
 namespace dist {
-
-void synchronize_found_inf(GradScaler& scaler, ProcessGroup group) {
-  scaler.set_found_inf_hook([group](at::Tensor& found_inf) {
-    if (found_inf.is_cuda() && group.has_nccl() && found_inf.is_contiguous()) {
-      auto flag = found_inf.view({1});  // NCCL reduces it in place, on the device
-      group.all_reduce_max(flag);
-      return;
-    }
-    // Gloo reduces host memory; the flag is one float.
-    auto host = found_inf.to(at::kCPU, at::kFloat, /*non_blocking=*/false, /*copy=*/true).reshape({1});
-    group.all_reduce_max(host);
-    found_inf.copy_(host.reshape({}));
-  });
-}
 
 namespace {
 
@@ -48,12 +35,6 @@ struct Space {
   at::Tensor grads;              // fp32 [world * shard]: packed, then reduced
   at::Tensor gathered;           // dtype [world * shard]
 };
-
-// 1 / scale as GradScaler's unscale_ makes it: the reciprocal in double,
-// rounded once to fp32.
-at::Tensor inverse_scale(const at::Tensor& grad_scale) {
-  return grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
-}
 
 std::string describe(const std::vector<Space>& spaces) {
   std::ostringstream s;
@@ -221,7 +202,7 @@ struct ZeroRedundancyOptimizer::Impl {
     auto total = torch::full({1}, sum_sq, torch::kDouble);
     group.all_reduce_sum(total);
     double norm = std::sqrt(total.item<double>());
-    if (grad_scale.defined()) norm *= inverse_scale(grad_scale).item<double>();
+    if (grad_scale.defined()) norm *= ampx::detail::inverse_scale(grad_scale).item<double>();
     last_norm = norm;
     const double coef = *max_grad_norm / (norm + 1e-6);
     if (coef < 1.0) {
@@ -263,7 +244,7 @@ struct ZeroRedundancyOptimizer::Impl {
       aware->step_scaled(grad_scale, found_inf.defined() ? found_inf : at::Tensor());
     } else {
       if (grad_scale.defined()) {
-        const auto inv = inverse_scale(grad_scale);
+        const auto inv = ampx::detail::inverse_scale(grad_scale);
         for (auto& m : masters) m.mutable_grad().mul_(inv.to(m.device()));
       }
       local->step();

@@ -1,36 +1,21 @@
 // Non-finite check + unscale on the CPU, one pass over each gradient: the
-// driver. It cuts all gradients into chunks (multi-tensor style, so many
+// driver. It cuts all gradients into chunks (kernels/cpu/chunks.h: many
 // small grads parallelise as well as one big one) and runs the per-ISA span
-// kernel of kernels/cpu/unscale_span.cpp on them with at::parallel_for.
+// kernel of kernels/isa/unscale_span.cpp on them.
 
 #include "ampx/detail/kernels.h"
 
-#include "isa/isa_kernels.h"
+#include "cpu/chunks.h"
+#include "isa/unscale_kernels.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <atomic>
 #include <vector>
 
 namespace ampx {
 namespace detail {
 namespace cpu {
-namespace {
-
-// A span of one gradient; the unit of parallel work.
-struct Chunk {
-  void* data;
-  int64_t begin;
-  int64_t end;
-  c10::ScalarType dtype;
-};
-
-constexpr int64_t kChunkElems = 1 << 16;        // 256 KiB of fp32: fits L2
-constexpr int64_t kSerialBelowElems = 1 << 15;  // at::internal::GRAIN_SIZE
-
-}  // namespace
 
 void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
                                    const at::Tensor& inv_scale) {
@@ -45,10 +30,11 @@ void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
               "found_inf must be a CPU tensor, got ", found_inf.device());
   const float inv = *inv_scale.data_ptr<float>();
 
-  std::vector<Chunk> chunks;
-  int64_t total = 0;
+  // numels[i]: elements of grads[i] the span kernel walks (0: none).
+  std::vector<int64_t> numels(grads.size(), 0);
   bool bad = false;
-  for (const auto& g : grads) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const auto& g = grads[i];
     if (g.numel() == 0) {
       continue;
     }
@@ -59,30 +45,16 @@ void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
       continue;
     }
     // Dense in some order: the storage span is exactly numel elements.
-    for (int64_t b = 0; b < g.numel(); b += kChunkElems) {
-      chunks.push_back({g.data_ptr(), b, std::min(b + kChunkElems, g.numel()), g.scalar_type()});
-    }
-    total += g.numel();
+    numels[i] = g.numel();
   }
 
-  if (total < kSerialBelowElems) {
-    for (const auto& c : chunks) {
-      bad |= span(c.data, c.dtype, c.begin, c.end, inv);
+  std::atomic<bool> any_bad{false};
+  for_each_chunk(numels, kChunkElems, [&](int64_t, int64_t i, int64_t begin, int64_t end) {
+    if (span(grads[i].data_ptr(), grads[i].scalar_type(), begin, end, inv)) {
+      any_bad.store(true, std::memory_order_relaxed);
     }
-  } else {
-    std::atomic<bool> any_bad{false};
-    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t begin, int64_t end) {
-      bool local = false;
-      for (int64_t c = begin; c < end; ++c) {
-        local |= span(chunks[c].data, chunks[c].dtype, chunks[c].begin, chunks[c].end, inv);
-      }
-      if (local) {
-        any_bad.store(true, std::memory_order_relaxed);
-      }
-    });
-    bad |= any_bad.load();
-  }
-  if (bad) {
+  });
+  if (bad || any_bad.load()) {
     *found_inf.data_ptr<float>() = 1.f;
   }
 }

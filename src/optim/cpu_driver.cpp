@@ -1,10 +1,6 @@
 #include "cpu_driver.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <functional>
 
 namespace ampx {
 namespace optim {
@@ -29,26 +25,6 @@ FusedParam fused_operands(const ParamWork& work, const MixedPrecisionConfig& con
 const cpu::OptimKernels& optim_kernels() {
   static const cpu::OptimKernels kernels = cpu::optim_kernels_for(cpu::best_isa());
   return kernels;
-}
-
-std::vector<ChunkRef> make_chunks(const std::vector<int64_t>& numels, int64_t chunk) {
-  std::vector<ChunkRef> chunks;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    for (int64_t b = 0; b < numels[i]; b += chunk) {
-      chunks.push_back({static_cast<int64_t>(i), b, std::min(b + chunk, numels[i])});
-    }
-  }
-  return chunks;
-}
-
-void parallel_chunks(int64_t n_chunks, int64_t total_elems,
-                     const std::function<void(int64_t, int64_t)>& body) {
-  constexpr int64_t kSerialBelowElems = 1 << 15;  // at::internal::GRAIN_SIZE
-  if (total_elems < kSerialBelowElems || n_chunks <= 1) {
-    body(0, n_chunks);
-  } else {
-    at::parallel_for(0, n_chunks, 1, body);
-  }
 }
 
 }  // namespace detail

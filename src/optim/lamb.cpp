@@ -48,8 +48,8 @@ void LAMB::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
                          });
   std::vector<double> w_sq(fused.size(), 0.0), u_sq(fused.size(), 0.0);
   for (size_t c = 0; c < chunks.size(); ++c) {
-    w_sq[chunks[c].param] += sums[2 * c];
-    u_sq[chunks[c].param] += sums[2 * c + 1];
+    w_sq[chunks[c].tensor] += sums[2 * c];
+    u_sq[chunks[c].tensor] += sums[2 * c + 1];
   }
   for (size_t i = 0; i < fused.size(); ++i) {
     const auto& o = static_cast<const LAMBOptions&>(param_groups_[work[i].group].options());

@@ -4,6 +4,8 @@
 
 #include "ampx/optim/optimizer.h"
 
+#include "../scale_math.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
@@ -134,7 +136,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   // clip_grad_norm_'s coefficient max / (norm + 1e-6), at most 1.
   at::Tensor grad_mul;
   if (grad_scale.defined()) {
-    grad_mul = grad_scale.to(at::kDouble).reciprocal().to(at::kFloat);
+    grad_mul = ampx::detail::inverse_scale(grad_scale);
   }
   if (config_.max_grad_norm) {
     std::vector<at::Tensor> norms;
@@ -252,7 +254,7 @@ int64_t MixedPrecisionOptimizer::step_count(const at::Tensor& param) const {
   return st->step_t.defined() ? static_cast<int64_t>(st->step_t.item<double>()) : st->step;
 }
 
-std::vector<at::Tensor> master_params(const MixedPrecisionOptimizer& optimizer) {
+std::vector<at::Tensor> model_params(const MixedPrecisionOptimizer& optimizer) {
   std::vector<at::Tensor> out;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) out.push_back(p);

@@ -38,13 +38,6 @@ bool is_norm(const std::string& name) {
   return false;
 }
 
-bool writes_an_argument(const c10::FunctionSchema& schema) {
-  for (const auto& arg : schema.arguments()) {
-    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) return true;
-  }
-  return false;
-}
-
 // One pass over the dispatcher: the functional overloads of the norm ops get
 // `norm`; every other op with a kernel on the key gets `rest`.
 Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEntry norm,
@@ -56,7 +49,9 @@ Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEn
     auto handle = dispatcher.findOp(name);
     if (!handle || !handle->hasSchema()) continue;
     if (is_norm(name.name)) {
-      if (!writes_an_argument(handle->schema())) changes.emplace_back(std::move(name), norm);
+      if (!detail::writes_an_argument(handle->schema())) {
+        changes.emplace_back(std::move(name), norm);
+      }
     } else if (handle->hasKernelForDispatchKey(key)) {
       changes.emplace_back(std::move(name), rest);
     }

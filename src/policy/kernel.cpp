@@ -27,7 +27,7 @@ bool eligible(const at::Tensor& t, c10::DeviceType device_type) {
 // writes it (out=, in-place), nor batch norm's running statistics, which the
 // op updates in place although their schema type is plain `Tensor?`.
 bool castable(const c10::Argument& arg) {
-  if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) return false;
+  if (writes_argument(arg)) return false;
   return arg.name() != "running_mean" && arg.name() != "running_var";
 }
 

@@ -2,7 +2,8 @@
 
 #include "ampx/policy.h"
 
-#include "ampx/detail/policy_compat.h"
+#include "../device_check.h"
+#include "policy_compat.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>
@@ -39,13 +40,6 @@ Key key_of(c10::DeviceType device_type, const c10::OperatorName& op) {
   return {static_cast<int>(device_type), op_string(op)};
 }
 
-bool is_functional(const c10::FunctionSchema& schema) {
-  for (const auto& arg : schema.arguments()) {
-    if (arg.alias_info() != nullptr && arg.alias_info()->isWrite()) return false;
-  }
-  return true;
-}
-
 // Caller holds the registry mutex.
 void apply_locked(Registry& r, c10::DeviceType device_type, const c10::OperatorName& op,
                   const c10::optional<PolicyEntry>& entry) {
@@ -75,9 +69,7 @@ void apply_locked(Registry& r, c10::DeviceType device_type, const c10::OperatorN
 }  // namespace
 
 c10::DispatchKey autocast_key(c10::DeviceType device_type, const char* who) {
-  TORCH_CHECK_VALUE(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
-                    who, ": device_type must be cpu or cuda, got ",
-                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
+  check_autocast_device(device_type, who);
   return at::autocast::get_autocast_dispatch_key_from_device_type(device_type);
 }
 
@@ -102,7 +94,9 @@ std::vector<c10::OperatorName> resolve_op(const std::string& op, const char* who
     for (const auto& name : dispatcher.getAllOpNames()) {
       if (name.name != op) continue;
       auto handle = dispatcher.findOp(name);
-      if (handle && handle->hasSchema() && is_functional(handle->schema())) out.push_back(name);
+      if (handle && handle->hasSchema() && !writes_an_argument(handle->schema())) {
+        out.push_back(name);
+      }
     }
   }
   TORCH_CHECK_VALUE(!out.empty(), who, ": no operator \"", op,
@@ -110,16 +104,15 @@ std::vector<c10::OperatorName> resolve_op(const std::string& op, const char* who
   return out;
 }
 
-std::vector<c10::OperatorName> ops_with_kernel_for(c10::DispatchKey key) {
-  auto& dispatcher = c10::Dispatcher::singleton();
-  std::vector<c10::OperatorName> out;
-  for (const auto& name : dispatcher.getAllOpNames()) {
-    auto handle = dispatcher.findOp(name);
-    if (handle && handle->hasSchema() && handle->hasKernelForDispatchKey(key)) {
-      out.push_back(name);
-    }
+bool writes_argument(const c10::Argument& arg) {
+  return arg.alias_info() != nullptr && arg.alias_info()->isWrite();
+}
+
+bool writes_an_argument(const c10::FunctionSchema& schema) {
+  for (const auto& arg : schema.arguments()) {
+    if (writes_argument(arg)) return true;
   }
-  return out;
+  return false;
 }
 
 std::unique_ptr<PolicySnapshot> set_policies(

@@ -5,6 +5,7 @@
 
 #include "ampx/policy.h"
 
+#include <ATen/core/function_schema.h>
 #include <ATen/core/operator_name.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/DispatchKey.h>
@@ -39,9 +40,10 @@ std::vector<c10::OperatorName> resolve_op(const std::string& op, const char* who
 /// "ns::name.overload" ("ns::name" for the default overload).
 std::string op_string(const c10::OperatorName& name);
 
-/// Every registered operator overload with a kernel for `key` (PyTorch's,
-/// ampx's or a user's).
-std::vector<c10::OperatorName> ops_with_kernel_for(c10::DispatchKey key);
+/// Whether an op writes `arg` (out=, in-place: `Tensor(a!)`).
+bool writes_argument(const c10::Argument& arg);
+/// Whether an op writes any of its arguments (not functional).
+bool writes_an_argument(const c10::FunctionSchema& schema);
 
 /// Saved per-overload state, restored in reverse order.
 class PolicySnapshot {

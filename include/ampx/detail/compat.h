@@ -15,16 +15,6 @@
   (TORCH_VERSION_MAJOR > (major) ||       \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-// c10::Allocator::allocate lost its const and gained a pure copy_data() in
-// LibTorch 2.3 (a static_assert in src/memory.cpp checks the guess).
-#if AMPX_TORCH_AT_LEAST(2, 3)
-#define AMPX_ALLOCATOR_CONST
-#define AMPX_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define AMPX_ALLOCATOR_CONST const
-#define AMPX_ALLOCATOR_HAS_COPY_DATA 0
-#endif
-
 namespace ampx {
 namespace detail {
 namespace compat {

@@ -144,13 +144,13 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   std::vector<std::vector<detail::ParamState>> states_;  // [group][index]
 };
 
-/// The tensors whose .grad() the next step reads, i.e. what to clip: the
-/// model's params themselves. ampx keeps no fp32 copy of the gradients (the
-/// fused kernels widen bf16/fp16 grads on the fly), so clipping these, e.g.
-/// with torch::nn::utils::clip_grad_norm_ after GradScaler::unscale_, clips
-/// exactly what the update consumes. For a norm computed in fp32 from the
-/// low-precision grads in the same pass, use the max_grad_norm option.
-std::vector<at::Tensor> master_params(const MixedPrecisionOptimizer& optimizer);
+/// The model's params, in group order (low-precision under O2): the tensors
+/// whose .grad() the next step reads, i.e. what to clip. ampx keeps no fp32
+/// copy of the gradients (the fused kernels widen bf16/fp16 grads on the
+/// fly), so clipping these, e.g. with torch::nn::utils::clip_grad_norm_ after
+/// GradScaler::unscale_, clips exactly what the update consumes. For a norm computed in fp32 from
+/// the low-precision grads in the same pass, use the max_grad_norm option.
+std::vector<at::Tensor> model_params(const MixedPrecisionOptimizer& optimizer);
 
 /// The fp32 weights the optimizer updates, one per param in group order: the
 /// master of a low-precision param, the param itself when it is fp32 (or has

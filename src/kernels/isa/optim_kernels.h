@@ -2,7 +2,7 @@
 
 // Per-instruction-set fused optimizer kernels (ampx::optim). Each .cpp in
 // src/kernels/isa/ is compiled once per ISA with CPU_CAPABILITY set to
-// DEFAULT, AVX2 or AVX512 (see isa_kernels.h); this header declares the
+// DEFAULT, AVX2 or AVX512 (see unscale_kernels.h); this header declares the
 // optimizer span kernels in each of those namespaces.
 //
 // A span kernel updates elements [begin, end) of one parameter in a single

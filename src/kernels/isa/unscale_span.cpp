@@ -1,5 +1,5 @@
 // The per-element part of non-finite check + unscale, compiled once per
-// instruction set (see isa_kernels.h). The driver in cpu_unscale.cpp splits
+// instruction set (see unscale_kernels.h). The driver in cpu_unscale.cpp splits
 // the gradients into chunks and calls unscale_span on each.
 //
 // Finiteness is tracked without branches: for finite x, x - x == 0; for inf
@@ -7,7 +7,7 @@
 // acc += (x - x) next to the multiply and inspects acc once at its end, so
 // the check costs two vector ops per load and the loop stays memory bound.
 
-#include "isa_kernels.h"
+#include "unscale_kernels.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>

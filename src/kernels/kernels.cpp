@@ -1,5 +1,8 @@
-// Routing of the AMP kernels to ATen's or ampx's implementation, the shared
-// argument checks, and the device-generic composite versions.
+// ampx/kernels.h: routing of the AMP kernels to ATen's or ampx's
+// implementation, the shared argument checks, and the device-generic
+// composite versions.
+
+#include "ampx/kernels.h"
 
 #include "ampx/detail/compat.h"
 #include "ampx/detail/kernels.h"

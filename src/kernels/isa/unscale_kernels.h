@@ -1,8 +1,9 @@
 #pragma once
 
-// Per-instruction-set kernels: each file in src/kernels/isa/ is compiled once
-// per ISA with CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512, which names both
-// at::vec's inline namespace and the namespaces declared here.
+// The unscale span kernel (unscale_span.cpp), one per instruction set: each
+// file in src/kernels/isa/ is compiled once per ISA with CPU_CAPABILITY set to
+// DEFAULT, AVX2 or AVX512, which names both at::vec's inline namespace and the
+// namespaces declared here. (The optimizer kernels: optim_kernels.h.)
 
 #include "ampx/detail/cpu_isa.h"
 

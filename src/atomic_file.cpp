@@ -1,0 +1,71 @@
+// Crash-safe file writes (see atomic_file.h).
+
+#include "atomic_file.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace ampx {
+namespace detail {
+namespace {
+
+std::string errno_text() {
+  return std::strerror(errno);
+}
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) {
+    return ".";
+  }
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+}  // namespace
+
+void write_file_atomically(const std::string& path, const void* data, size_t size,
+                           const char* caller) {
+  const auto* bytes = static_cast<const char*>(data);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, caller, ": cannot create '", tmp, "': ", errno_text());
+  size_t written = 0;
+  while (written < size) {
+    const ssize_t n = ::write(fd, bytes + written, size - written);
+    if (n < 0 && errno == EINTR) {
+      continue;
+    }
+    if (n <= 0) {
+      const std::string why = errno_text();
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      TORCH_CHECK(false, caller, ": writing '", tmp, "' failed: ", why);
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, caller, ": flushing '", tmp, "' failed: ", why);
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = errno_text();
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, caller, ": renaming '", tmp, "' to '", path, "' failed: ", why);
+  }
+  // Make the rename itself durable.
+  const int dir = ::open(dir_of(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    ::fsync(dir);
+    ::close(dir);
+  }
+}
+
+}  // namespace detail
+}  // namespace ampx
