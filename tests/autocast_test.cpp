@@ -413,6 +413,11 @@ struct RestoreCase {
   Exit exit;
 };
 
+void PrintTo(const RestoreCase& c, std::ostream* os) {
+  *os << (c.device == torch::kCPU ? "cpu" : "cuda")
+      << (c.exit == Exit::kNormal ? ", normal exit" : ", exception");
+}
+
 std::string restore_case_name(const testing::TestParamInfo<RestoreCase>& info) {
   return std::string(info.param.device == torch::kCPU ? "Cpu" : "Cuda") +
          (info.param.exit == Exit::kNormal ? "NormalExit" : "Exception");
