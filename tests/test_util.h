@@ -57,8 +57,7 @@ std::string error_text(F&& fn) {
 /// to float32 (for models whose parameters were cast to bf16/fp16 by hand);
 /// without, it computes in whatever autocast gives.
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(int64_t hidden = 16, bool float_output = false)
-      : float_output_(float_output) {
+  explicit MlpImpl(int64_t hidden = 16, bool float_output = false) : float_output_(float_output) {
     fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
     fc2 = register_module("fc2", torch::nn::Linear(hidden, 1));
   }
