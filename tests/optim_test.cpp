@@ -12,6 +12,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 namespace {
 
@@ -255,24 +256,24 @@ void check_against_reference(Algo algo, torch::ScalarType dtype) {
   }
 }
 
-TEST(OptimTest, AdamWMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kAdamW, torch::kBFloat16);
+class MastersFollowDoubleReference
+    : public testing::TestWithParam<std::tuple<Algo, torch::ScalarType>> {};
+
+TEST_P(MastersFollowDoubleReference, OnBf16AndFp16Params) {
+  check_against_reference(std::get<0>(GetParam()), std::get<1>(GetParam()));
 }
-TEST(OptimTest, AdamWMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kAdamW, torch::kHalf);
-}
-TEST(OptimTest, SGDMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kSGD, torch::kBFloat16);
-}
-TEST(OptimTest, SGDMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kSGD, torch::kHalf);
-}
-TEST(OptimTest, LAMBMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kLamb, torch::kBFloat16);
-}
-TEST(OptimTest, LAMBMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kLamb, torch::kHalf);
-}
+
+INSTANTIATE_TEST_SUITE_P(
+    OptimTest, MastersFollowDoubleReference,
+    testing::Combine(testing::Values(Algo::kAdamW, Algo::kSGD, Algo::kLamb),
+                     testing::Values(torch::kBFloat16, torch::kHalf)),
+    [](const testing::TestParamInfo<std::tuple<Algo, torch::ScalarType>>& info) {
+      const Algo algo = std::get<0>(info.param);
+      return std::string(algo == Algo::kAdamW ? "AdamW"
+                         : algo == Algo::kSGD ? "SGD"
+                                              : "LAMB") +
+             (std::get<1>(info.param) == torch::kHalf ? "Fp16" : "Bf16");
+    });
 
 TEST(OptimTest, LAMBFollowsDoubleReferenceOnFp32) {
   auto g0 = at::detail::createCPUGenerator(11);
