@@ -12,6 +12,8 @@
 
 namespace {
 
+using ::testing::HasSubstr;
+
 using ampx::AmpOptions;
 using ampx::LossScale;
 using ampx::OptLevel;
@@ -64,9 +66,7 @@ TEST(AmpTest, LevelsResolveToApexTable) {
     EXPECT_EQ(p.master_weights, r.master) << ampx::to_string(r.level);
     EXPECT_FALSE(p.loss_scale.has_value()) << "bf16 needs no loss scaling";
     EXPECT_FALSE(amp.scaler().is_enabled());
-    EXPECT_NE(p.to_string().find("opt_level               " + ampx::to_string(r.level)),
-              std::string::npos)
-        << p.to_string();
+    EXPECT_THAT(p.to_string(), HasSubstr("opt_level               " + ampx::to_string(r.level)));
   }
 }
 
@@ -160,32 +160,31 @@ TEST(AmpTest, MisuseIsAClearError) {
   torch::optim::Adam opt(net->parameters(), 0.01);
   ampx::initialize(net.ptr(), {&opt}, AmpOptions(OptLevel::O1));
   auto text = error_text([&] { ampx::initialize(net.ptr(), {&opt}, AmpOptions(OptLevel::O1)); });
-  EXPECT_NE(text.find("was already initialized"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("was already initialized"));
 
   Net trained;
   torch::optim::Adam stepped(trained->parameters(), 0.01);
   trained->forward(torch::ones({4, 8})).sum().backward();
   stepped.step();
   text = error_text([&] { ampx::initialize(trained.ptr(), {&stepped}, AmpOptions(OptLevel::O3)); });
-  EXPECT_NE(text.find("optimizers[0] already holds state for 8 parameters"), std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("optimizers[0] already holds state for 8 parameters"));
   EXPECT_EQ(trained->fc1->weight.scalar_type(), torch::kFloat) << "a refused call casts nothing";
 
   Net other;
   text = error_text(
       [&] { ampx::initialize(other.ptr(), {}, AmpOptions(OptLevel::O1).master_weights(true)); });
-  EXPECT_NE(text.find("master_weights only apply when the model is cast"), std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("master_weights only apply when the model is cast"));
   text = error_text(
       [&] { ampx::initialize(other.ptr(), {}, AmpOptions(OptLevel::O0).dtype(torch::kFloat)); });
-  EXPECT_NE(text.find("dtype must be float16 or bfloat16, got Float"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("dtype must be float16 or bfloat16, got Float"));
 }
 
 TEST(AmpTest, FixedLossScaleNeverChangesButStillSkipsOverflow) {
   // (No norm layers: LibTorch 1.13's CPU autocast cannot feed a bf16 tensor
   // into LayerNorm's fp32 weights; Python 1.13 fails the same way.)
   torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 1));
-  torch::optim::SGD opt(net->parameters(), 0.01);
+  // Momentum: the skipped step finds momentum buffers it must leave alone.
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   auto amp = ampx::initialize(net.ptr(), {&opt},
                               AmpOptions(OptLevel::O1).loss_scale(LossScale::fixed(128.0)));
   auto& scaler = amp.scaler();
@@ -199,7 +198,9 @@ TEST(AmpTest, FixedLossScaleNeverChangesButStillSkipsOverflow) {
     scaler.scale(loss).backward();
     if (step == 2)
       net->parameters()[0].mutable_grad()[0][0] = std::numeric_limits<float>::infinity();
+    const auto before = ampx::test::training_state(*net, {&opt});
     EXPECT_EQ(scaler.step(opt).stepped(), step != 2);
+    if (step == 2) ampx::test::expect_unchanged(before, ampx::test::training_state(*net, {&opt}));
     scaler.update();
     EXPECT_EQ(scaler.get_scale(), 128.0);
   }
@@ -213,8 +214,8 @@ TEST(AmpTest, OneScalerPerLossAndStateDictKeys) {
                                   .loss_scale(LossScale::dynamic())
                                   .num_losses(2));
   EXPECT_NE(&amp.scaler(0), &amp.scaler(1));
-  EXPECT_NE(error_text([&] { amp.scaler(2); }).find("loss_id must be in [0, num_losses=2)"),
-            std::string::npos);
+  EXPECT_THAT(error_text([&] { amp.scaler(2); }),
+              HasSubstr("loss_id must be in [0, num_losses=2)"));
   auto state = amp.state_dict();
   ASSERT_EQ(state.size(), 2u);
   EXPECT_EQ(state.at("loss_scaler1").at("scale").toDouble(), 65536.0);
@@ -298,19 +299,49 @@ TEST(AmpTest, O2TrainsWithFp32MastersAndFp32NormsLikeFp32) {
   EXPECT_NEAR(loss, ref_loss, 0.1 * ref_loss + 2e-3) << "O2 within 10% of fp32";
 }
 
+// A skipped O2 step (bf16 model, fp32 masters, forced dynamic loss scaling)
+// changes no weight, master, moment, step count or BatchNorm running stat.
+TEST(AmpTest, O2SkippedStepLeavesWeightsMastersMomentsAndBuffersBitwise) {
+  torch::manual_seed(0);
+  Net net;
+  ampx::optim::AdamW opt(net->parameters(), ampx::optim::AdamWOptions(3e-3));
+  auto amp = ampx::initialize(
+      net.ptr(), {&opt},
+      AmpOptions(OptLevel::O2).loss_scale(LossScale::dynamic()).cast_model_outputs(torch::kFloat));
+  const auto data = regression_data();
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      auto forward = amp.forward_guard();
+      loss = torch::mse_loss(amp.cast_output(net->forward(amp.cast_input(data.x))), data.y);
+    }
+    amp.scaler().scale(loss).backward();
+    const bool poison = step == 2;
+    if (poison) {
+      net->fc1->weight.mutable_grad().view(-1)[3] = std::numeric_limits<float>::infinity();
+    }
+    const auto before = ampx::test::training_state(*net, {&opt});
+    EXPECT_EQ(amp.scaler().step(opt).stepped(), !poison);
+    if (poison) {
+      ampx::test::expect_unchanged(before, ampx::test::training_state(*net, {&opt}));
+      EXPECT_EQ(opt.step_count(net->fc1->weight), 2);
+    }
+    amp.scaler().update();
+  }
+  EXPECT_EQ(amp.scaler().get_scale(), 32768.0);
+}
+
 TEST(AmpTest, O2RefusesTorchOptimizersAndO3RefusesMasterKeepingOnes) {
   Net a, b;
   torch::optim::Adam adam(a->parameters(), 0.01);
   auto text = error_text([&] { ampx::initialize(a.ptr(), adam, OptLevel::O2); });
-  EXPECT_NE(text.find("O2 keeps fp32 master weights, which live in an ampx::optim optimizer"),
-            std::string::npos)
-      << text;
+  EXPECT_THAT(text,
+              HasSubstr("O2 keeps fp32 master weights, which live in an ampx::optim optimizer"));
   EXPECT_EQ(a->fc1->weight.scalar_type(), torch::kFloat);
   ampx::optim::AdamW with_masters(b->parameters(), ampx::optim::AdamWOptions(0.01));
   text = error_text([&] { ampx::initialize(b.ptr(), with_masters, OptLevel::O3); });
-  EXPECT_NE(text.find("O3 has no master weights but optimizers[0] (AdamW) keeps them"),
-            std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("O3 has no master weights but optimizers[0] (AdamW) keeps them"));
 }
 
 TEST(AmpTest, O3TrainsPureBf16WithStochasticRounding) {
@@ -325,6 +356,51 @@ TEST(AmpTest, O3TrainsPureBf16WithStochasticRounding) {
   const double loss = train(net, opt, &amp, 150);
   EXPECT_FALSE(opt.master(net->fc1->weight).defined());
   EXPECT_LT(loss, 0.5 * regression_loss_at_start());
+}
+
+// What rounding to nearest cannot do. Every weight starts at 1.5, where a
+// bf16 ulp is 2^-7 (0.0078125); a constant gradient makes each AdamW step
+// exactly lr = 1e-3, below half an ulp. Nearest rounding returns 1.5 after
+// every step; stochastic rounding is unbiased, so after 100 steps each weight
+// is 1.5 - 0.1 in expectation, with a standard deviation of at most
+// sqrt(100) * ulp / 2 = 0.039 per weight and 0.039 / sqrt(225) = 0.0026 for
+// the mean of the net's 225 weights.
+TEST(AmpTest, O3StochasticRoundingAccumulatesUpdatesBelowHalfAnUlp) {
+  Net net;
+  ampx::optim::AdamW opt(
+      net->parameters(),
+      ampx::optim::AdamWOptions(1e-3).weight_decay(0).master_weights(false).stochastic_rounding(
+          true));
+  auto amp = ampx::initialize(net.ptr(), {&opt}, AmpOptions(OptLevel::O3));
+  int64_t count = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : net->parameters()) {
+      ASSERT_EQ(p.scalar_type(), torch::kBFloat16);
+      p.fill_(1.5);
+      count += p.numel();
+    }
+  }
+  ASSERT_EQ(count, 225);
+  const int steps = 100;
+  for (int step = 0; step < steps; ++step) {
+    for (auto& p : net->parameters()) p.mutable_grad() = torch::ones_like(p);
+    amp.scaler().step(opt);
+    amp.scaler().update();
+  }
+  double sum = 0;
+  int64_t moved = 0;
+  for (const auto& p : net->parameters()) {
+    const auto w = p.detach().to(torch::kDouble);
+    sum += w.sum().item<double>();
+    moved += (w != 1.5).sum().item<int64_t>();
+    // Every weight lies in reach of the summed update: well within 1.5 - 0.1
+    // plus or minus 6 standard deviations.
+    EXPECT_LT((w - 1.4).abs().max().item<double>(), 0.25);
+  }
+  // (A weight may end on 1.5 by chance, about 2.6 standard deviations away.)
+  EXPECT_GT(moved, count * 9 / 10) << "round to nearest leaves every weight at 1.5";
+  EXPECT_NEAR(sum / count, 1.5 - steps * 1e-3, 0.016);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <ampx/dist.h>
 #include <ampx/zero.h>
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -26,6 +27,9 @@
 namespace fs = std::filesystem;
 
 namespace {
+
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
 
 #ifdef AMPX_DIST_WORKER
 
@@ -123,6 +127,68 @@ class DistTest : public ::testing::Test {
     return v;
   }
 
+  /// Each rank's fp32 gradients of one backward on its shard, computed here
+  /// with rank 0's model as the workers' "grads-*" scenarios have it.
+  static std::vector<std::vector<float>> rank_gradients(int world) {
+    torch::manual_seed(7);
+    const auto x = torch::randn({12, 8}), y = torch::randn({12, 4});
+    const int64_t shard = 12 / world;
+    std::vector<std::vector<float>> out;
+    for (int r = 0; r < world; ++r) {
+      torch::manual_seed(100);
+      auto model = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(),
+                                         torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                                         torch::nn::Linear(16, 4));
+      torch::mse_loss(model->forward(x.slice(0, r * shard, (r + 1) * shard)),
+                      y.slice(0, r * shard, (r + 1) * shard))
+          .backward();
+      std::vector<float> g;
+      for (const auto& p : model->parameters()) {
+        auto c = p.grad().contiguous();
+        g.insert(g.end(), c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+      }
+      out.push_back(std::move(g));
+    }
+    return out;
+  }
+
+  /// Runs `scenario` ("grads-fp32/fp16/bf16") on `world` ranks and checks that
+  /// every rank holds the mean of the ranks' gradients, each element within
+  /// `rel` times the largest rank's magnitude of that element (plus 1e-7),
+  /// and that the ranks agree bitwise. Returns how many elements differ from
+  /// the fp32 mean at all.
+  int64_t expect_mean_gradients(const std::string& scenario, int world, float rel) {
+    auto workers = run(scenario, world);
+    for (const auto& w : workers) EXPECT_EQ(w.status, 0) << w.output;
+    const auto ranks = rank_gradients(world);
+    std::vector<float> mean(ranks[0].size(), 0.f), scale(ranks[0].size(), 0.f);
+    for (size_t i = 0; i < mean.size(); ++i) {
+      double sum = 0;
+      for (const auto& g : ranks) {
+        sum += g[i];
+        scale[i] = std::max(scale[i], std::abs(g[i]));
+      }
+      mean[i] = static_cast<float>(sum / world);
+    }
+    const auto got = params(workers[0].out);
+    EXPECT_EQ(got.size(), mean.size()) << scenario;
+    if (got.size() != mean.size()) return 0;
+    int64_t differ = 0, outside = 0;
+    for (size_t i = 0; i < mean.size(); ++i) {
+      const float err = std::abs(got[i] - mean[i]);
+      if (err > 0) ++differ;
+      if (err > rel * scale[i] + 1e-7f) {
+        if (outside++ < 5) {
+          ADD_FAILURE() << scenario << " element " << i << ": " << got[i] << " vs mean " << mean[i]
+                        << " (ranks' largest magnitude " << scale[i] << ")";
+        }
+      }
+    }
+    EXPECT_EQ(outside, 0) << scenario << ": elements outside the rounding bound";
+    for (int r = 1; r < world; ++r) EXPECT_EQ(params(workers[r].out), got) << "rank " << r;
+    return differ;
+  }
+
   fs::path dir_;
 };
 
@@ -169,7 +235,7 @@ TEST_F(DistTest, OverflowOnOneRankSkipsAndBacksOffOnEveryRank) {
   const std::string la = text(workers[0].out), lb = text(workers[1].out);
   EXPECT_EQ(la, lb) << "ranks disagree on scale or skipping";
   // Step 3 (rank 1's inf) skipped everywhere and halved the scale 1024 -> 512.
-  EXPECT_NE(la.find("2 1024 1\n3 512 0\n4 512 1\n"), std::string::npos) << la;
+  EXPECT_THAT(la, HasSubstr("2 1024 1\n3 512 0\n4 512 1\n"));
 }
 
 TEST_F(DistTest, CompressedCommunicationHalvesTheBytesWithinStatedError) {
@@ -189,19 +255,41 @@ TEST_F(DistTest, CompressedCommunicationHalvesTheBytesWithinStatedError) {
   EXPECT_GT(max_abs_diff(a, b), 0.0f);  // and the compression was real
 }
 
+// Values of the reduced gradients, against the mean of the ranks' fp32
+// gradients computed in this process. fp32: summation order only. fp16 and
+// bf16: each rank's gradient and the sum are rounded to nearest (half an ulp:
+// 2^-11 and 2^-8 relative), so the error stays within 2^-9 and 2^-6 of the
+// ranks' largest magnitude; and some elements must differ from the fp32
+// mean, or nothing was compressed.
+TEST_F(DistTest, ReducedGradientsAreTheRanksMeanInFp32) {
+  for (int world : {2, 3}) {
+    SCOPED_TRACE("world " + std::to_string(world));
+    expect_mean_gradients("grads-fp32", world, 1e-5f);
+  }
+}
+
+TEST_F(DistTest, Fp16CommunicationGivesTheMeanWithinFp16Rounding) {
+  EXPECT_GT(expect_mean_gradients("grads-fp16", 2, 1.f / 512), 0);
+}
+
 TEST_F(DistTest, Bf16CommunicationWorksOrSaysWhyAtConstruction) {
-  auto workers = run("bf16-probe", 2);
   if (std::string(ampx::torch_version()).rfind("1.", 0) == 0) {
+    auto workers = run("bf16-probe", 2);
     for (const auto& w : workers) {
       EXPECT_EQ(w.status, 1);
-      EXPECT_NE(w.output.find("DistributedDataParallel: this LibTorch's Gloo cannot all-reduce "
-                              "BFloat16 gradients (communication_dtype); use torch::kHalf"),
-                std::string::npos)
-          << w.output;
+      EXPECT_THAT(w.output,
+                  HasSubstr("DistributedDataParallel: this LibTorch's Gloo cannot all-reduce "
+                            "BFloat16 gradients (communication_dtype); use torch::kHalf"));
     }
-  } else {
-    for (const auto& w : workers) EXPECT_EQ(w.status, 0) << w.output;
+    return;
   }
+  auto workers = run("bf16-probe", 2);
+  for (const auto& w : workers) EXPECT_EQ(w.status, 0) << w.output;
+  // Trained 20 steps in bf16 communication: identical ranks, near fp32.
+  const auto trained = params(workers[0].out);
+  EXPECT_EQ(params(workers[1].out), trained);
+  EXPECT_LT(max_abs_diff(trained, single_process_reference()), 1e-2f);
+  EXPECT_GT(expect_mean_gradients("grads-bf16", 2, 1.f / 64), 0);
 }
 
 TEST_F(DistTest, AKilledRankMakesTheOthersFailWithinTheTimeout) {
@@ -211,9 +299,8 @@ TEST_F(DistTest, AKilledRankMakesTheOthersFailWithinTheTimeout) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(workers[1].status, 3);
   EXPECT_EQ(workers[0].status, 1) << workers[0].output;
-  EXPECT_NE(workers[0].output.find("ampx::dist: gradient all-reduce failed on rank 0 of 2"),
-            std::string::npos)
-      << workers[0].output;
+  EXPECT_THAT(workers[0].output,
+              HasSubstr("ampx::dist: gradient all-reduce failed on rank 0 of 2"));
   EXPECT_LT(seconds, 30.0);
 }
 
@@ -363,25 +450,23 @@ TEST_F(DistTest, ZeroOverflowOnOneRankSkipsEverywhereWithSynchronizedScalers) {
   for (const auto& w : workers) ASSERT_EQ(w.status, 0) << w.output;
   const std::string la = text(workers[0].out), lb = text(workers[1].out);
   EXPECT_EQ(la, lb) << "ranks disagree on scale or skipping";
-  EXPECT_NE(la.find("2 1024 1\n3 512 0\n4 512 1\n"), std::string::npos) << la;
+  EXPECT_THAT(la, HasSubstr("2 1024 1\n3 512 0\n4 512 1\n"));
 }
 
 TEST_F(DistTest, ZeroWithoutSynchronizedScalersSaysSoInsteadOfDiverging) {
   auto workers = run("zero-unsynced", 2);
   EXPECT_EQ(workers[0].status, 1);
   EXPECT_EQ(workers[1].status, 1);
-  EXPECT_NE(workers[0].output.find("ZeroRedundancyOptimizer: rank 0's GradScaler found no inf/NaN "
-                                   "but another rank's did; make the scalers agree with "
-                                   "ampx::dist::synchronize_found_inf(scaler, group)"),
-            std::string::npos)
-      << workers[0].output;
+  EXPECT_THAT(workers[0].output,
+              HasSubstr("ZeroRedundancyOptimizer: rank 0's GradScaler found no inf/NaN "
+                        "but another rank's did; make the scalers agree with "
+                        "ampx::dist::synchronize_found_inf(scaler, group)"));
   // Rank 1 says the converse, or, when rank 0 has already exited, that the
   // collective failed.
   const auto& out1 = workers[1].output;
-  EXPECT_TRUE(out1.find("rank 1's GradScaler found an inf/NaN but another rank's did not") !=
-                  std::string::npos ||
-              out1.find("failed on rank 1 of 2") != std::string::npos)
-      << out1;
+  EXPECT_THAT(out1, AnyOf(HasSubstr("rank 1's GradScaler found an inf/NaN but another rank's "
+                                    "did not"),
+                          HasSubstr("failed on rank 1 of 2")));
 }
 
 #endif  // AMPX_DIST_WORKER
@@ -405,15 +490,14 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
     }
     return std::string();
   };
-  EXPECT_NE(error().find("no launcher environment"), std::string::npos);
+  EXPECT_THAT(error(), HasSubstr("no launcher environment"));
   ::setenv("RANK", "1", 1);
   ::setenv("WORLD_SIZE", "2", 1);
-  EXPECT_NE(error().find("incomplete torchrun environment: missing MASTER_ADDR, MASTER_PORT"),
-            std::string::npos)
-      << error();
+  EXPECT_THAT(error(),
+              HasSubstr("incomplete torchrun environment: missing MASTER_ADDR, MASTER_PORT"));
   ::setenv("MASTER_ADDR", "127.0.0.1", 1);
   ::setenv("MASTER_PORT", "29x", 1);
-  EXPECT_NE(error().find("malformed MASTER_PORT='29x'"), std::string::npos) << error();
+  EXPECT_THAT(error(), HasSubstr("malformed MASTER_PORT='29x'"));
   ::setenv("MASTER_PORT", "29500", 1);
   auto e = ampx::dist::launch_env_from_environment();
   EXPECT_EQ(e.launcher, "torchrun");
@@ -427,11 +511,11 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   EXPECT_TRUE(e.agent_store);
   EXPECT_EQ(e.restart_count, 2);
   ::setenv("TORCHELASTIC_RESTART_COUNT", "x", 1);
-  EXPECT_NE(error().find("malformed TORCHELASTIC_RESTART_COUNT='x'"), std::string::npos) << error();
+  EXPECT_THAT(error(), HasSubstr("malformed TORCHELASTIC_RESTART_COUNT='x'"));
   ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
   ::unsetenv("TORCHELASTIC_RESTART_COUNT");
   ::setenv("RANK", "2", 1);
-  EXPECT_NE(error().find("rank 2 is not below the world size 2"), std::string::npos);
+  EXPECT_THAT(error(), HasSubstr("rank 2 is not below the world size 2"));
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");
   ::setenv("OMPI_COMM_WORLD_RANK", "0", 1);

@@ -5,7 +5,7 @@
 //   ampx_dist_worker <scenario> <out-file>
 //   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
-//              unused-order
+//              unused-order | grads-fp32 | grads-fp16 | grads-bf16
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -311,12 +311,35 @@ int run_unused_order(const std::string& out, ampx::dist::ProcessGroup pg) {
   return 0;
 }
 
+// One backward on this rank's shard and one synchronize() with gradients
+// communicated in `dtype`: writes the averaged fp32 gradients, parameter by
+// parameter (the model of rank 0, which DDP broadcasts).
+int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::ProcessGroup pg) {
+  auto model = make_model(100 + pg.rank());
+  ampx::dist::DistributedDataParallelOptions options;
+  options.bucket_cap_bytes(512);
+  options.communication_dtype(dtype);
+  ampx::dist::DistributedDataParallel ddp(model.ptr(), pg, options);
+  const auto batch = batch_shard(pg.rank(), pg.world_size());
+  torch::mse_loss(model->forward(batch.first), batch.second).backward();
+  ddp.synchronize();
+  std::ofstream file(out, std::ios::binary);
+  for (const auto& p : model->parameters()) {
+    auto g = p.grad().to(torch::kFloat).contiguous();
+    file.write(static_cast<const char*>(g.data_ptr()), g.numel() * g.element_size());
+  }
+  return 0;
+}
+
 int run(const std::string& scenario, const std::string& out) {
   ampx::dist::InitOptions init;
   init.timeout(std::chrono::seconds(scenario == "kill" ? 5 : 60));
   auto pg = ampx::dist::init_process_group(init);
   if (scenario == "zero-groups") return run_zero_groups(out, pg);
   if (scenario == "unused-order") return run_unused_order(out, pg);
+  if (scenario == "grads-fp32") return run_grads(torch::kFloat, out, pg);
+  if (scenario == "grads-fp16") return run_grads(torch::kHalf, out, pg);
+  if (scenario == "grads-bf16") return run_grads(torch::kBFloat16, out, pg);
   if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's

@@ -16,6 +16,8 @@
 
 namespace {
 
+using ::testing::HasSubstr;
+
 using ampx::ScaleUpdateRule;
 
 // What the kernel must produce: every element times inv_scale, computed in
@@ -170,18 +172,15 @@ TEST(KernelsTest, UnscaleArgumentErrorsNameTheArgument) {
     auto bad = torch::zeros({1}, torch::kDouble);
     ampx::non_finite_check_and_unscale_({g}, bad, torch::ones({1}));
   });
-  EXPECT_NE(text.find("found_inf must be a float tensor, got Double"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("found_inf must be a float tensor, got Double"));
   text = ampx::test::error_text(
       [&] { ampx::non_finite_check_and_unscale_({g}, found, torch::ones({2})); });
-  EXPECT_NE(text.find("inv_scale must be a 1-element tensor, got 2 elements"), std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("inv_scale must be a 1-element tensor, got 2 elements"));
   text = ampx::test::error_text([&] {
     ampx::non_finite_check_and_unscale_({g, torch::ones({2}, torch::kInt)}, found,
                                         torch::ones({1}));
   });
-  EXPECT_NE(text.find("grads[1] must be float32, float64, float16 or bfloat16, got Int"),
-            std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("grads[1] must be float32, float64, float16 or bfloat16, got Int"));
 }
 
 struct ScaleState {
@@ -314,9 +313,8 @@ TEST(KernelsTest, UpdateArgumentErrors) {
   const auto text = ampx::test::error_text([&] {
     ampx::update_scale_(st.scale, bad_tracker, st.hyst, torch::zeros({}), rule);
   });
-  EXPECT_NE(text.find("growth_tracker must be a 1-element int32 tensor, got 1 elements of Long"),
-            std::string::npos)
-      << text;
+  EXPECT_THAT(text,
+              HasSubstr("growth_tracker must be a 1-element int32 tensor, got 1 elements of Long"));
 }
 
 }  // namespace

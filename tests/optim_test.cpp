@@ -12,59 +12,25 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <tuple>
 
 namespace {
 
+using ampx::test::copy_params;
 using ampx::test::error_text;
+using ampx::test::make_batch;
+using ampx::test::same_bits;
+using ampx::test::save_to_string;
+using ampx::test::snapshot;
 namespace aopt = ampx::optim;
 
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(int64_t hidden = 16) {
-    fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
-    fc2 = register_module("fc2", torch::nn::Linear(hidden, 1));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return fc2(torch::relu(fc1(x.to(fc1->weight.scalar_type())))).to(torch::kFloat);
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Net);
+using Net = ampx::test::Mlp;
 
-struct Batch {
-  torch::Tensor x, y;
-};
-
-Batch make_batch(int64_t seed, int64_t n = 32) {
-  auto g = at::detail::createCPUGenerator(seed);
-  auto x = at::randn({n, 8}, g);
-  return {x, x.sum(1, true).sin()};
-}
-
+// Its input is cast to the parameters' dtype (tests cast them to bf16/fp16
+// by hand) and its output to fp32.
 Net make_net(int64_t seed, int64_t hidden = 16) {
   torch::manual_seed(seed);
-  return Net(hidden);
-}
-
-void copy_params(const torch::nn::Module& from, torch::nn::Module& to) {
-  torch::NoGradGuard no_grad;
-  const auto src = from.parameters();
-  auto dst = to.parameters();
-  for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
-}
-
-std::vector<torch::Tensor> snapshot(const std::vector<torch::Tensor>& ts) {
-  std::vector<torch::Tensor> out;
-  for (const auto& t : ts) out.push_back(t.defined() ? t.detach().clone() : t);
-  return out;
-}
-
-bool same_bits(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i].defined() != b[i].defined()) return false;
-    if (a[i].defined() && !torch::equal(a[i], b[i])) return false;
-  }
-  return true;
+  return Net(hidden, /*float_output=*/true);
 }
 
 double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
@@ -79,14 +45,9 @@ double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch
 std::vector<torch::Tensor> full_state(const aopt::MixedPrecisionOptimizer& opt) {
   std::vector<torch::Tensor> out;
   for (const auto& group : opt.param_groups()) {
-    for (const auto& p : group.params()) {
-      out.push_back(p.detach().clone());
-      for (const auto& t : {opt.master(p), opt.exp_avg(p), opt.exp_avg_sq(p)}) {
-        out.push_back(t.defined() ? t.clone() : t);
-      }
-      out.push_back(torch::tensor(opt.step_count(p)));
-    }
+    for (const auto& p : snapshot(group.params())) out.push_back(p);
   }
+  for (const auto& t : ampx::test::optimizer_tensors(opt)) out.push_back(t);
   return out;
 }
 
@@ -295,24 +256,24 @@ void check_against_reference(Algo algo, torch::ScalarType dtype) {
   }
 }
 
-TEST(OptimTest, AdamWMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kAdamW, torch::kBFloat16);
+class MastersFollowDoubleReference
+    : public testing::TestWithParam<std::tuple<Algo, torch::ScalarType>> {};
+
+TEST_P(MastersFollowDoubleReference, OnBf16AndFp16Params) {
+  check_against_reference(std::get<0>(GetParam()), std::get<1>(GetParam()));
 }
-TEST(OptimTest, AdamWMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kAdamW, torch::kHalf);
-}
-TEST(OptimTest, SGDMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kSGD, torch::kBFloat16);
-}
-TEST(OptimTest, SGDMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kSGD, torch::kHalf);
-}
-TEST(OptimTest, LAMBMastersFollowDoubleReferenceBf16) {
-  check_against_reference(Algo::kLamb, torch::kBFloat16);
-}
-TEST(OptimTest, LAMBMastersFollowDoubleReferenceFp16) {
-  check_against_reference(Algo::kLamb, torch::kHalf);
-}
+
+INSTANTIATE_TEST_SUITE_P(
+    OptimTest, MastersFollowDoubleReference,
+    testing::Combine(testing::Values(Algo::kAdamW, Algo::kSGD, Algo::kLamb),
+                     testing::Values(torch::kBFloat16, torch::kHalf)),
+    [](const testing::TestParamInfo<std::tuple<Algo, torch::ScalarType>>& info) {
+      const Algo algo = std::get<0>(info.param);
+      return std::string(algo == Algo::kAdamW ? "AdamW"
+                         : algo == Algo::kSGD ? "SGD"
+                                              : "LAMB") +
+             (std::get<1>(info.param) == torch::kHalf ? "Fp16" : "Bf16");
+    });
 
 TEST(OptimTest, LAMBFollowsDoubleReferenceOnFp32) {
   auto g0 = at::detail::createCPUGenerator(11);
@@ -602,14 +563,6 @@ TEST(OptimTest, FusedClippingEqualsClipGradNormThenStep) {
 }
 
 // --- state: save, load, resume ---------------------------------------------------
-
-std::string save_to_string(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive out;
-  opt.save(out);
-  std::ostringstream ss;
-  out.save_to(ss);
-  return ss.str();
-}
 
 void load_from_string(torch::optim::Optimizer& opt, const std::string& bytes) {
   std::istringstream ss(bytes);

@@ -80,11 +80,18 @@ TEST_F(PolicyTest, GuardOverridesMmAndSoftmaxAndRestores) {
     EXPECT_EQ(torch::softmax(a, 1).scalar_type(), torch::kBFloat16);
     EXPECT_EQ(ampx::get_cast_policy(torch::kCPU, "aten::mm"), CastPolicy::kFp32);
     EXPECT_EQ(ampx::get_cast_policy(torch::kCPU, "aten::softmax.int"), CastPolicy::kLowerPrecision);
-    // Values: the fp32 mm of bf16-rounded inputs.
+    // Values: kFp32 runs mm on fp32 copies of its inputs, so a bf16 input
+    // enters as its exact fp32 value and the fp32 input is not rounded.
     auto ab = a.to(torch::kBFloat16);
+    const auto y = torch::mm(ab, b);
     AutocastGuard off(torch::kCPU, c10::nullopt, /*enabled=*/false);
-    EXPECT_TRUE(
-        torch::allclose(torch::mm(ab.to(torch::kFloat), b), torch::mm(ab.to(torch::kFloat), b)));
+    const auto fp32_product = torch::mm(ab.to(torch::kFloat), b);
+    const auto bf16_product = torch::mm(ab, b.to(torch::kBFloat16)).to(torch::kFloat);
+    EXPECT_TRUE(torch::allclose(y, fp32_product, /*rtol=*/1e-6, /*atol=*/1e-6))
+        << (y - fp32_product).abs().max();
+    // The check has teeth: rounding b (or the product) to bf16 is far off.
+    EXPECT_GT((bf16_product - fp32_product).abs().max().item<float>(), 1e-3);
+    EXPECT_FALSE(torch::allclose(y, bf16_product, /*rtol=*/1e-6, /*atol=*/1e-6));
   }
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
   EXPECT_EQ(torch::softmax(a, 1).scalar_type(), torch::kFloat);
