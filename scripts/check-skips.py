@@ -31,7 +31,9 @@ def recorded(path):
     root = ET.parse(path).getroot()
     ran, skipped = set(), set()
     for case in root.iter("testcase"):
-        name = case.get("name")
+        # gtest_discover_tests appends "  # GetParam() = ..." to parameterised
+        # tests' names; the lists name them without it.
+        name = case.get("name").split("  # ", 1)[0].strip()
         ran.add(name)
         if case.find("skipped") is not None or case.get("status") in ("notrun", "disabled"):
             skipped.add(name)

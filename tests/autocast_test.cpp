@@ -487,8 +487,9 @@ INSTANTIATE_TEST_SUITE_P(AutocastTest, AutocastRestoreTest,
 // guard there differs in the enabled flag, cache and nesting only; the CUDA
 // cases (which run without CUDA: the guard still sets and restores the dtype)
 // carry the dtype check on every build.
-TEST_P(AutocastRestoreTest, CpuGuardWithTheOnlyDtypeStillRestoresTheRest) {
-  if (GetParam().device != torch::kCPU) GTEST_SKIP() << "CPU case";
+class CpuAutocastRestoreTest : public AutocastRestoreTest {};
+
+TEST_P(CpuAutocastRestoreTest, GuardWithTheOnlyDtypeStillRestoresTheRest) {
   try {
     AutocastGuard inner(torch::kCPU, outer_.cpu_dtype, /*enabled=*/false, /*cache_enabled=*/true);
     EXPECT_FALSE(ampx::is_autocast_enabled(torch::kCPU));
@@ -499,6 +500,11 @@ TEST_P(AutocastRestoreTest, CpuGuardWithTheOnlyDtypeStillRestoresTheRest) {
   }
   EXPECT_EQ(autocast_state(), outer_);
 }
+
+INSTANTIATE_TEST_SUITE_P(AutocastTest, CpuAutocastRestoreTest,
+                         testing::Values(RestoreCase{torch::kCPU, Exit::kNormal},
+                                         RestoreCase{torch::kCPU, Exit::kException}),
+                         restore_case_name);
 
 static_assert(!std::is_copy_constructible<AutocastGuard>::value, "guards are not copyable");
 static_assert(!std::is_move_constructible<AutocastGuard>::value, "guards are not movable");
