@@ -177,10 +177,13 @@ inline void print_optimizer_table(const Table& table, const std::string& copy,
     const Result* t = find(entry.second, torch);
     if (a == nullptr) continue;
     const double copy_gbps = c ? c->gbps : 0;
-    const double torch_ms = t ? t->ms : 0;
-    std::printf("%-8s %10.2f %12.2f %8.0f%% %14.1f %14.1f %8.2fx\n", entry.first.c_str(), copy_gbps,
-                a->gbps, copy_gbps > 0 ? 100.0 * a->gbps / copy_gbps : 0.0, a->ms, torch_ms,
-                torch_ms / a->ms);
+    std::printf("%-8s %10.2f %12.2f %8.0f%% %14.1f", entry.first.c_str(), copy_gbps, a->gbps,
+                copy_gbps > 0 ? 100.0 * a->gbps / copy_gbps : 0.0, a->ms);
+    if (t != nullptr) {
+      std::printf(" %14.1f %8.2fx\n", t->ms, t->ms / a->ms);
+    } else {  // LibTorch has no such optimizer (LAMB)
+      std::printf(" %14s %9s\n", "-", "-");
+    }
   }
 }
 

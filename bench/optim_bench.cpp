@@ -1,18 +1,26 @@
-// Fused mixed-precision AdamW step over 100M params against a plain copy of
-// the same bytes and against torch::optim::AdamW on fp32, at 1 and 2 threads:
+// A fused mixed-precision optimizer step over 100M params against a plain
+// copy of the same bytes and against LibTorch's own optimizer on fp32 (where
+// it has one), at 1 and 2 threads; one program, the optimizer chosen by flag:
 //
-//   build/host/bench/ampx_optim_bench [--benchmark_filter=...] [--elements=N]
+//   build/host/bench/ampx_optim_bench [--optimizer=adamw|sgd|lamb] [--elements=N]
+//                                     [--benchmark_filter=...]
 //
-// ampx: bf16 params + bf16 grads, fp32 master + exp_avg + exp_avg_sq,
-// credited 30 B per element: reads 2 (param; the kernel itself only writes
-// it, the cache's write-allocate reads it) + 2 (grad) + 4 + 4 + 4, writes
-// 2 + 4 + 4 + 4. BM_Copy copies 15 B per element (30 B moved, plus its own
-// write-allocate read, which is why the fused step can beat it).
-// torch::optim::AdamW steps the same count of fp32 params (its several
-// ATen passes). The closing table prints ampx's bandwidth as a fraction of
-// the copy's and its step time against LibTorch's; from --benchmark_out's
-// JSON: bytes_per_second over BM_Copy's, real_time of BM_AdamWTorchFp32 over
-// BM_AdamWAmpxBf16's at the same thread count.
+// ampx: bf16 params + bf16 grads, fp32 master and states. Each optimizer is
+// credited the bytes its fused pass must move per element, reads 2 (param;
+// the kernel itself only writes it, the cache's write-allocate reads it) + 2
+// (grad) + 4 (master) + 4 per state, writes 2 + 4 + 4 per state:
+//   adamw: exp_avg + exp_avg_sq, 30 B; torch::optim::AdamW (several ATen passes)
+//   sgd:   momentum 0.9 buffer, 22 B; torch::optim::SGD (two ATen passes:
+//          buf = buf * momentum + grad; p -= lr * buf)
+//   lamb:  exp_avg + exp_avg_sq, credited AdamW's 30 B although its trust
+//          ratio needs norms of the weight and the update (more traffic), so
+//          its GB/s is a lower bound; LibTorch has no LAMB to compare with.
+// BM_Copy copies half the credited bytes (the same bytes moved, plus its own
+// write-allocate read, which is why a fused step can beat it). The closing
+// table shows ampx's bandwidth as a fraction of the copy's and its step time
+// against LibTorch's; from --benchmark_out's JSON: bytes_per_second over
+// BM_Copy's, real_time of BM_<Opt>TorchFp32 over BM_<Opt>AmpxBf16's at the
+// same thread count.
 
 #include "bench_util.h"
 
@@ -22,74 +30,117 @@
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <cstring>
+#include <functional>
 #include <memory>
-#include <utility>
+#include <string>
 #include <vector>
 
 namespace {
 
+/// One optimizer of the program: how to make ampx's and LibTorch's.
+struct OptimizerCase {
+  std::string flag;   // --optimizer=...
+  std::string bench;  // benchmark names: BM_<bench>AmpxBf16, BM_<bench>TorchFp32
+  int64_t bytes_per_element;
+  std::string states;  // for the header
+  std::function<std::unique_ptr<torch::optim::Optimizer>(const torch::Tensor&)> ampx;
+  // null: LibTorch has no such optimizer
+  std::function<std::unique_ptr<torch::optim::Optimizer>(const torch::Tensor&)> torch;
+};
+
+constexpr double kSgdLr = 1e-2;
+constexpr double kMomentum = 0.9;
+
+const std::vector<OptimizerCase>& cases() {
+  static const std::vector<OptimizerCase> all = {
+      {"adamw", "AdamW", 30, "master/moments",
+       [](const torch::Tensor& p) {
+         return std::make_unique<ampx::optim::AdamW>(std::vector<torch::Tensor>{p},
+                                                     ampx::optim::AdamWOptions(1e-4));
+       },
+       [](const torch::Tensor& p) {
+         return std::make_unique<torch::optim::AdamW>(std::vector<torch::Tensor>{p},
+                                                      torch::optim::AdamWOptions(1e-4));
+       }},
+      {"sgd", "SGD", 22, "master/momentum buffer",
+       [](const torch::Tensor& p) {
+         return std::make_unique<ampx::optim::SGD>(
+             std::vector<torch::Tensor>{p}, ampx::optim::SGDOptions(kSgdLr).momentum(kMomentum));
+       },
+       [](const torch::Tensor& p) {
+         return std::make_unique<torch::optim::SGD>(
+             std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(kSgdLr).momentum(kMomentum));
+       }},
+      {"lamb", "LAMB", 30, "master/moments",
+       [](const torch::Tensor& p) {
+         return std::make_unique<ampx::optim::LAMB>(std::vector<torch::Tensor>{p},
+                                                    ampx::optim::LAMBOptions(1e-4));
+       },
+       nullptr},
+  };
+  return all;
+}
+
+const OptimizerCase* g_case = nullptr;
 int64_t g_elements = 100'000'000;
-constexpr int64_t kBytesPerElement = 30;
 
-struct AmpxSetup {
+/// A param of g_elements with a gradient, and its optimizer stepped once
+/// (masters and states allocated outside the timing).
+struct Setup {
   torch::Tensor param;
-  std::unique_ptr<ampx::optim::AdamW> opt;
-  static AmpxSetup& get() {
-    static AmpxSetup s = [] {
-      AmpxSetup x;
-      x.param = (torch::randn({g_elements}) * 0.1).to(torch::kBFloat16).requires_grad_();
-      x.param.mutable_grad() = (torch::randn({g_elements}) * 1e-3).to(torch::kBFloat16);
-      x.opt = std::make_unique<ampx::optim::AdamW>(std::vector<torch::Tensor>{x.param},
-                                                   ampx::optim::AdamWOptions(1e-4));
-      x.opt->step();  // allocate master and moments outside the timing
-      return x;
-    }();
-    return s;
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  static Setup make(
+      torch::ScalarType dtype,
+      const std::function<std::unique_ptr<torch::optim::Optimizer>(const torch::Tensor&)>&
+          make_optimizer) {
+    Setup x;
+    x.param = (torch::randn({g_elements}) * 0.1).to(dtype).requires_grad_();
+    x.param.mutable_grad() = (torch::randn({g_elements}) * 1e-3).to(dtype);
+    x.opt = make_optimizer(x.param);
+    x.opt->step();
+    return x;
   }
 };
 
-struct TorchSetup {
-  torch::Tensor param;
-  std::unique_ptr<torch::optim::AdamW> opt;
-  static TorchSetup& get() {
-    static TorchSetup s = [] {
-      TorchSetup x;
-      x.param = (torch::randn({g_elements}) * 0.1).requires_grad_();
-      x.param.mutable_grad() = torch::randn({g_elements}) * 1e-3;
-      x.opt = std::make_unique<torch::optim::AdamW>(std::vector<torch::Tensor>{x.param},
-                                                    torch::optim::AdamWOptions(1e-4));
-      x.opt->step();
-      return x;
-    }();
-    return s;
-  }
-};
+Setup& ampx_setup() {
+  static Setup s = Setup::make(torch::kBFloat16, g_case->ampx);
+  return s;
+}
+
+Setup& torch_setup() {
+  static Setup s = Setup::make(torch::kFloat, g_case->torch);
+  return s;
+}
 
 void BM_Copy(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
-  // 15 bytes per element each way: 30 B moved per element, as the fused step.
-  static torch::Tensor src = torch::randn({g_elements * kBytesPerElement / 2 / 4});
+  const int64_t bytes = g_case->bytes_per_element;
+  // Half the credited bytes each way: as many bytes moved as the fused step.
+  static torch::Tensor src = torch::randn({g_elements * bytes / 2 / 4});
   static torch::Tensor dst = torch::zeros_like(src);  // zeros: first touch outside the timing
   for (auto _ : state) {
     dst.copy_(src);
     benchmark::ClobberMemory();
   }
-  ampx::bench::set_traffic(state, g_elements * kBytesPerElement, g_elements, at::get_num_threads());
+  ampx::bench::set_traffic(state, g_elements * bytes, g_elements, at::get_num_threads());
 }
 
-void BM_AdamWAmpxBf16(benchmark::State& state) {
+void BM_AmpxBf16(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
-  auto& s = AmpxSetup::get();
+  auto& s = ampx_setup();
   for (auto _ : state) {
     s.opt->step();
     benchmark::ClobberMemory();
   }
-  ampx::bench::set_traffic(state, g_elements * kBytesPerElement, g_elements, at::get_num_threads());
+  ampx::bench::set_traffic(state, g_elements * g_case->bytes_per_element, g_elements,
+                           at::get_num_threads());
 }
 
-void BM_AdamWTorchFp32(benchmark::State& state) {
+void BM_TorchFp32(benchmark::State& state) {
   at::set_num_threads(static_cast<int>(state.range(0)));
-  auto& s = TorchSetup::get();
+  auto& s = torch_setup();
   for (auto _ : state) {
     s.opt->step();
     benchmark::ClobberMemory();
@@ -99,26 +150,53 @@ void BM_AdamWTorchFp32(benchmark::State& state) {
   state.counters["elements"] = static_cast<double>(g_elements);
 }
 
+/// Takes --optimizer=NAME out of argv; nullptr (after a message) for an unknown name.
+const OptimizerCase* take_optimizer_flag(int& argc, char** argv) {
+  std::string name = "adamw";
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--optimizer=", 12) == 0) {
+      name = argv[i] + 12;
+    } else {
+      argv[kept++] = argv[i];
+    }
+  }
+  argc = kept;
+  for (const auto& c : cases()) {
+    if (c.flag == name) return &c;
+  }
+  std::fprintf(stderr, "ampx_optim_bench: --optimizer=%s: expected adamw, sgd or lamb\n",
+               name.c_str());
+  return nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  g_case = take_optimizer_flag(argc, argv);
+  if (g_case == nullptr) return 2;
   const auto flags = ampx::bench::initialize(argc, argv, g_elements);
   g_elements = flags.elements;
-  for (const auto& b :
-       {std::make_pair("BM_Copy", BM_Copy), std::make_pair("BM_AdamWAmpxBf16", BM_AdamWAmpxBf16),
-        std::make_pair("BM_AdamWTorchFp32", BM_AdamWTorchFp32)}) {
-    ampx::bench::timed(benchmark::RegisterBenchmark(b.first, b.second)->Arg(1)->Arg(2), flags,
-                       benchmark::kMillisecond, 1.0);
+  const std::string copy = "BM_Copy", ampx = "BM_" + g_case->bench + "AmpxBf16",
+                    torch_name = "BM_" + g_case->bench + "TorchFp32";
+  std::vector<std::pair<std::string, void (*)(benchmark::State&)>> benches = {{copy, BM_Copy},
+                                                                              {ampx, BM_AmpxBf16}};
+  if (g_case->torch) benches.emplace_back(torch_name, BM_TorchFp32);
+  for (const auto& b : benches) {
+    ampx::bench::timed(benchmark::RegisterBenchmark(b.first.c_str(), b.second)->Arg(1)->Arg(2),
+                       flags, benchmark::kMillisecond, 1.0);
   }
   benchmark::AddCustomContext("libtorch", ampx::detail::compat::torch_version());
+  benchmark::AddCustomContext("optimizer", g_case->flag);
   ampx::bench::print_header(flags,
-                            "LibTorch %s, %lld params; ampx: bf16 params/grads + fp32 "
-                            "master/moments (credited %lld B/element); torch: fp32\n",
-                            ampx::detail::compat::torch_version(),
-                            static_cast<long long>(g_elements),
-                            static_cast<long long>(kBytesPerElement));
-  ampx::bench::run_with_table(flags, [](const ampx::bench::Table& table) {
-    ampx::bench::print_optimizer_table(table, "BM_Copy", "BM_AdamWAmpxBf16", "BM_AdamWTorchFp32");
+                            "LibTorch %s, %s, %lld params; ampx: bf16 params/grads + fp32 "
+                            "%s (credited %lld B/element); torch: %s\n",
+                            ampx::detail::compat::torch_version(), g_case->bench.c_str(),
+                            static_cast<long long>(g_elements), g_case->states.c_str(),
+                            static_cast<long long>(g_case->bytes_per_element),
+                            g_case->torch ? "fp32" : "none (LibTorch has no such optimizer)");
+  ampx::bench::run_with_table(flags, [&](const ampx::bench::Table& table) {
+    ampx::bench::print_optimizer_table(table, copy, ampx, torch_name);
   });
   return 0;
 }

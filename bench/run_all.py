@@ -35,8 +35,15 @@ TORCH_PYTHON = "/usr/bin/python3"  # Debian's python3-torch
 MODES = ["fp32", "O1", "O2", "O3"]
 WORKLOADS = ["gpt", "mnist-cnn", "fashion-mlp"]
 UNITS = {"gpt": "tokens/s", "mnist-cnn": "images/s", "fashion-mlp": "images/s"}
-MICRO = ["ampx_bench", "ampx_optim_bench", "ampx_sgd_bench", "ampx_cast_bench",
-         "ampx_scale_update_bench"]
+# (name in the results, program, its flags): the optimizer benchmark is one
+# program run once per optimizer, under the names its runs had when they were
+# separate programs (ampx_optim_bench was AdamW's).
+MICRO = [("ampx_bench", "ampx_bench", []),
+         ("ampx_optim_bench", "ampx_optim_bench", ["--optimizer=adamw"]),
+         ("ampx_sgd_bench", "ampx_optim_bench", ["--optimizer=sgd"]),
+         ("ampx_lamb_bench", "ampx_optim_bench", ["--optimizer=lamb"]),
+         ("ampx_cast_bench", "ampx_cast_bench", []),
+         ("ampx_scale_update_bench", "ampx_scale_update_bench", [])]
 
 
 def log(*a):
@@ -81,6 +88,7 @@ def run(cmd, **kw):
     for flag in ("--workload", "--precision", "--benchmark_filter"):
         if flag in cmd:
             label += " " + cmd[cmd.index(flag) + 1]
+    label += "".join(" " + a for a in cmd if a.startswith("--optimizer="))
     FOREIGN.append((label, foreign))
     return p.stdout
 
@@ -134,20 +142,21 @@ def gemm_peaks(args, out):
 
 def micro(args, out):
     results = {}
-    for prog in MICRO:
-        exe = os.path.join(args.build, "bench", prog)
+    for prog, program, flags in MICRO:
+        exe = os.path.join(args.build, "bench", program)
         if not os.path.exists(exe):
-            log(f"{prog} not built, skipped")
+            log(f"{program} not built, skipped")
             continue
         path = os.path.join(out, prog + ".json")
-        cmd = [exe, f"--benchmark_out={path}", "--benchmark_out_format=json"]
+        cmd = [exe] + flags + [f"--benchmark_out={path}", "--benchmark_out_format=json"]
         if args.quick:
             cmd += ["--elements=1000000", "--benchmark_min_time=0.01"]
         text = run(cmd)
         with open(os.path.join(out, prog + ".txt"), "w") as f:
             f.write(text)
         with open(path) as f:
-            results[prog] = {"benchmarks": json.load(f)["benchmarks"], "summary": text}
+            results[prog] = {"benchmarks": json.load(f)["benchmarks"], "summary": text,
+                             "command": " ".join([program] + flags)}
     return results
 
 
@@ -349,7 +358,7 @@ def build_report(args, data):
           "documented at the top of each source in `bench/`).")
         w("")
         for prog, r in micro_r.items():
-            w(f"### `{prog}`")
+            w(f"### `{r.get('command', prog)}`")
             w("")
             w("```")
             summary = r["summary"].strip().splitlines()

@@ -199,6 +199,21 @@ std::vector<std::string> modes_of(const TrainConfig& c) {
   return modes;
 }
 
+std::string Mode::dtype_name() const {
+  return dtype == c10::kHalf ? "fp16" : dtype == c10::kBFloat16 ? "bf16" : "fp32";
+}
+
+Mode parse_mode(const std::string& name, const TrainConfig& config) {
+  TORCH_CHECK(std::find(kModes.begin(), kModes.end(), name) != kModes.end(),
+              "ampx-train: unknown precision mode '", name, "' (fp32, O1, O2, O3)");
+  Mode mode;
+  mode.name = name;
+  if (name == "fp32") return mode;
+  mode.level = ampx::parse_opt_level(name);
+  mode.dtype = config.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
+  return mode;
+}
+
 std::string settings_table(const TrainConfig& c) {
   std::vector<std::pair<std::string, std::string>> rows;
   auto add = [&](const std::string& k, const auto& v) {
@@ -238,7 +253,7 @@ std::string settings_table(const TrainConfig& c) {
   }
   if (c.resume) add("resume", "yes");
   add("LibTorch", ampx::torch_version());
-  add("BLAS (fp32)", blas_library());
+  add("BLAS (fp32)", blas_setting());
   add("CPU", cpu_model());
   size_t width = 0;
   for (const auto& r : rows) width = std::max(width, r.first.size());

@@ -8,6 +8,10 @@
 //   resolve_defaults(config);
 //   std::cout << settings_table(config);
 
+#include <ampx/ampx.h>
+
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -70,6 +74,24 @@ void resolve_defaults(TrainConfig& config);
 /// The precision modes this run trains: --compare's list (repeats dropped),
 /// or --precision; just --only-mode in a process a --compare run started.
 std::vector<std::string> modes_of(const TrainConfig& config);
+
+/// A precision mode, typed: ampx's opt level and the low-precision dtype.
+/// fp32 is O0 in fp32; O1, O2 and O3 train in --dtype.
+///
+///   Mode m = parse_mode("O2", config);  // {"O2", OptLevel::O2, kBFloat16} on CPU
+struct Mode {
+  std::string name = "fp32";  // fp32 | O1 | O2 | O3: file names, tables, checkpoints
+  ampx::OptLevel level = ampx::OptLevel::O0;
+  c10::ScalarType dtype = c10::kFloat;  // the low precision (fp32: kFloat)
+
+  bool mixed() const { return level != ampx::OptLevel::O0; }
+  /// "fp32", "bf16" or "fp16".
+  std::string dtype_name() const;
+};
+
+/// The mode `name` (fp32, O1, O2 or O3) in config.dtype. Throws c10::Error
+/// naming the modes for any other name.
+Mode parse_mode(const std::string& name, const TrainConfig& config);
 
 /// Two columns, one setting a line, for the start of a run.
 std::string settings_table(const TrainConfig& config);

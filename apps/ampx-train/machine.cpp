@@ -1,8 +1,33 @@
 #include "machine.h"
 
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 namespace ampx::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// The file of the OpenBLAS library mapped into this process, as the kernel
+/// resolved it (Debian: .../openblas-pthread/libopenblasp-r0.3.21.so), or "".
+std::string mapped_openblas() {
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    const auto path = line.find('/');
+    if (path != std::string::npos && line.find("libopenblas", path) != std::string::npos) {
+      return line.substr(path);
+    }
+  }
+  return {};
+}
+
+bool env_is(const char* name, const std::string& value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && value == v;
+}
+
+}  // namespace
 
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
@@ -13,23 +38,48 @@ std::string cpu_model() {
 }
 
 std::string blas_library() {
-  std::ifstream maps("/proc/self/maps");
-  bool openblas = false;
-  for (std::string line; std::getline(maps, line);) {
-    if (line.find("openblas-openmp/") != std::string::npos) return "OpenBLAS (openmp)";
-    if (line.find("openblas-pthread/") != std::string::npos) return "OpenBLAS (pthread)";
-    openblas = openblas || line.find("libopenblas") != std::string::npos;
+  const std::string lib = mapped_openblas();
+  if (lib.empty()) return "other BLAS";
+  if (lib.find("openblas-openmp/") != std::string::npos) return "OpenBLAS (openmp)";
+  if (lib.find("openblas-pthread/") != std::string::npos) return "OpenBLAS (pthread)";
+  return "OpenBLAS";
+}
+
+std::string openblas_openmp_dir() {
+  const fs::path lib = mapped_openblas();
+  if (lib.empty()) return {};
+  // <multiarch>/openblas-pthread/libopenblasp-r0.3.21.so -> <multiarch>/openblas-openmp
+  const fs::path dir = lib.parent_path().parent_path() / "openblas-openmp";
+  std::error_code ec;
+  return fs::exists(dir / "libopenblas.so.0", ec) ? dir.string() : std::string();
+}
+
+std::string blas_dir_to_switch_to() {
+  if (env_is(kBlasChoiceEnv, "keep") || std::getenv(kBlasSwitchedEnv) != nullptr) return {};
+  if (blas_library() != "OpenBLAS (pthread)") return {};
+  return openblas_openmp_dir();
+}
+
+std::string blas_setting() {
+  const std::string lib = blas_library();
+  if (std::getenv(kBlasSwitchedEnv) != nullptr && lib == "OpenBLAS (openmp)") {
+    return lib + ", chosen over the pthreads build (" + kBlasChoiceEnv + "=keep: keep it)";
   }
-  return openblas ? "OpenBLAS" : "other BLAS";
+  if (env_is(kBlasChoiceEnv, "keep")) return lib + " (" + kBlasChoiceEnv + "=keep)";
+  return lib;
 }
 
 std::string blas_warning(int threads) {
   if (threads < 2 || blas_library() != "OpenBLAS (pthread)") return {};
-  return "note: OpenBLAS is its pthreads build, whose threads compete with LibTorch's spinning "
-         "OpenMP threads: fp32 matrix products run about 2x slower than with the OpenMP build "
-         "(Debian: libopenblas0-openmp). Run with "
-         "LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp, as `make run` does, "
-         "for a fair fp32 baseline.";
+  return std::string(
+             "note: OpenBLAS is its pthreads build, whose threads compete with "
+             "LibTorch's spinning OpenMP threads: fp32 matrix products run about 2x "
+             "slower than with the OpenMP build. ") +
+         (openblas_openmp_dir().empty()
+              ? "Install it (Debian: libopenblas0-openmp) for a fair fp32 baseline; ampx-train "
+                "then uses it."
+              : std::string("It is installed: run without ") + kBlasChoiceEnv +
+                    "=keep for a fair fp32 baseline.");
 }
 
 }  // namespace ampx::train

@@ -1,11 +1,20 @@
 #pragma once
 
 // What the numbers of a run depend on besides ampx: the CPU and the BLAS
-// build LibTorch's fp32 matrix products went to.
+// build LibTorch's fp32 matrix products went to, and ampx-train's choice of
+// that build (OpenBLAS's OpenMP build over its pthreads build when both are
+// installed; see blas_dir_to_switch_to()).
 
 #include <string>
 
 namespace ampx::train {
+
+/// AMPX_TRAIN_BLAS=keep: train on whichever OpenBLAS build the loader found.
+inline constexpr char kBlasChoiceEnv[] = "AMPX_TRAIN_BLAS";
+/// Set by ampx-train on the process it re-executed with the OpenMP build
+/// (and inherited by the processes that one starts): that build was chosen,
+/// and no second re-execution is tried.
+inline constexpr char kBlasSwitchedEnv[] = "AMPX_TRAIN_BLAS_SWITCHED";
 
 /// /proc/cpuinfo's "model name", or "unknown CPU".
 std::string cpu_model();
@@ -13,6 +22,23 @@ std::string cpu_model();
 /// The OpenBLAS build mapped into this process: "OpenBLAS (openmp)",
 /// "OpenBLAS (pthread)", "OpenBLAS", or "other BLAS".
 std::string blas_library();
+
+/// The folder of OpenBLAS's OpenMP build installed beside the OpenBLAS this
+/// process mapped (Debian: /usr/lib/<multiarch>/openblas-openmp, package
+/// libopenblas0-openmp), or "" when there is none.
+std::string openblas_openmp_dir();
+
+/// The folder to put first on LD_LIBRARY_PATH before training, or "": this
+/// process runs OpenBLAS's pthreads build, the OpenMP build is installed,
+/// and neither AMPX_TRAIN_BLAS=keep nor an earlier switch says otherwise.
+/// The pthreads build's threads compete with LibTorch's spinning OpenMP
+/// threads and run fp32 about 2x slower here, which would inflate every
+/// mixed mode's speed-up over the fp32 baseline. Decided in the process at
+/// run time, never from what a build script saw before the package was in.
+std::string blas_dir_to_switch_to();
+
+/// The settings table's BLAS line: the build, and why it is the one.
+std::string blas_setting();
 
 /// A warning when the BLAS build is known to slow fp32 down here (empty
 /// otherwise): OpenBLAS's pthreads build with more than one thread competes

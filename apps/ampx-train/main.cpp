@@ -72,7 +72,6 @@ int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
   return wait_child(spawn_self(argc, argv, extra));
 }
 
-
 /// --nproc N: N copies of this run as ranks 0..N-1 (torchrun's variables on
 /// loopback); the first to fail stops the others.
 int run_ranks(int argc, char** argv, int nproc) {
@@ -100,10 +99,27 @@ int run_ranks(int argc, char** argv, int nproc) {
   return result;
 }
 
+/// What this process is in a run.
+enum class Role {
+  kMain,          // the user started it: shows the settings, then trains, or
+                  // starts a process per mode (--compare) or per rank (--nproc)
+  kModeProcess,   // one mode of a --compare run (--only-mode); reports to its parent
+  kRank,          // one rank of --nproc, started by this binary
+  kExternalRank,  // one rank an outside launcher (torchrun) started
+};
+
+Role role_of(const TrainConfig& config) {
+  if (std::getenv("WORLD_SIZE") != nullptr) {  // a rank: ours carry --nproc or --only-mode
+    return config.nproc > 1 || !config.only_mode.empty() ? Role::kRank : Role::kExternalRank;
+  }
+  return config.only_mode.empty() ? Role::kMain : Role::kModeProcess;
+}
+
 void print_done(const Workload& workload, const RunResult& r) {
-  std::printf("[%s] done: %.0f %s/s, median step %.1f ms, peak %.1f MiB, test loss %.4f, %s %.3f\n",
+  std::printf("[%s] done: %.0f %s/s, median step %.1f ms, peak %.1f MiB, test loss %.4f, %s\n",
               r.mode.c_str(), r.items_per_s, workload.unit().c_str(), r.median_step_ms,
-              r.peak_bytes / 1048576.0, r.eval.loss, workload.metric_name().c_str(), r.eval.metric);
+              r.peak_bytes / 1048576.0, r.eval.loss,
+              workload.describe_metric(r.eval.metric).c_str());
   if (!r.profile_summary.empty()) std::printf("%s", r.profile_summary.c_str());
   if (!r.checkpoint_path.empty()) {
     std::printf("[%s] checkpoint: %s\n", r.mode.c_str(), r.checkpoint_path.c_str());
@@ -116,33 +132,27 @@ int run(int argc, char** argv) {
   if (auto code = parse_command_line(argc, argv, config)) return *code;
   resolve_defaults(config);
   const auto modes = modes_of(config);
-  const bool launched = std::getenv("WORLD_SIZE") != nullptr;  // a rank (--nproc or torchrun)
-  // A rank that an outside launcher (torchrun) started: its world size is
-  // the number of processes, and rank 0 alone shows the settings.
-  const bool external = launched && config.nproc <= 1 && config.only_mode.empty();
-  bool external_rank0 = true;
-  if (external) {
+  const Role role = role_of(config);
+  bool show_settings = role == Role::kMain;
+  if (role == Role::kExternalRank) {
+    // Its world size is the number of processes; rank 0 alone shows the settings.
     const auto env = ampx::dist::launch_env_from_environment();
     config.nproc = static_cast<int>(env.world_size);
-    external_rank0 = env.rank == 0;
+    show_settings = env.rank == 0;
   }
-  // Processes another ampx-train started (a mode of --compare, a rank of
-  // --nproc) leave the settings to it.
-  const bool started_by_us =
-      !config.only_mode.empty() || (launched && !external && config.nproc > 1);
-  const bool show_settings = !started_by_us && external_rank0;
   if (show_settings) {
     std::cout << "ampx-train\n" << settings_table(config) << std::flush;
     if (const auto warning = blas_warning(config.threads); !warning.empty()) {
       std::cout << warning << "\n";
     }
   }
-  if (modes.size() == 1 && config.nproc > 1 && !launched) {
+  const bool rank_role = role == Role::kRank || role == Role::kExternalRank;
+  if (modes.size() == 1 && config.nproc > 1 && !rank_role) {
     std::cout << std::endl;
     return run_ranks(argc, argv, config.nproc);
   }
   std::optional<ampx::dist::ProcessGroup> group;
-  if (launched && modes.size() == 1) group.emplace(ampx::dist::init_process_group());
+  if (rank_role && modes.size() == 1) group.emplace(ampx::dist::init_process_group());
   const bool rank0 = !group || group->rank() == 0;
   at::set_num_threads(config.threads);
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
@@ -193,9 +203,32 @@ int run(int argc, char** argv) {
   return 0;
 }
 
+/// Executes this binary again with OpenBLAS's OpenMP build first on
+/// LD_LIBRARY_PATH when blas_dir_to_switch_to() names it (machine.h), before
+/// anything ran on the pthreads build: a run, every mode of --compare and
+/// every rank then train on it. Returns only when there is nothing to switch,
+/// or when the exec failed (the run goes on, and says which build it has).
+void switch_blas(char** argv) {
+  const std::string dir = blas_dir_to_switch_to();
+  if (dir.empty()) return;
+  const char* old = std::getenv("LD_LIBRARY_PATH");
+  const std::optional<std::string> old_path = old ? std::optional<std::string>(old) : std::nullopt;
+  ::setenv("LD_LIBRARY_PATH",
+           (old_path && !old_path->empty() ? dir + ":" + *old_path : dir).c_str(), 1);
+  ::setenv(kBlasSwitchedEnv, dir.c_str(), 1);
+  ::execv("/proc/self/exe", argv);
+  if (old_path) {
+    ::setenv("LD_LIBRARY_PATH", old_path->c_str(), 1);
+  } else {
+    ::unsetenv("LD_LIBRARY_PATH");
+  }
+  ::unsetenv(kBlasSwitchedEnv);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  switch_blas(argv);
   try {
     return run(argc, argv);
   } catch (const c10::Error& e) {

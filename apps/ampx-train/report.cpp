@@ -47,10 +47,10 @@ bool gnuplot_installed() {
 std::string comparison_table(const Workload& workload, const std::vector<RunResult>& results) {
   TORCH_CHECK(!results.empty(), "comparison_table: no results");
   const auto& base = baseline_of(results);
-  const bool text = workload.name() == "gpt";
+  const bool percent = workload.metric_is_percent();
   std::ostringstream t;
   t << "| mode | dtype | " << workload.unit() << "/s | speed-up | step ms | peak MiB | memory | "
-    << "train loss | test loss | " << (text ? "test bpc" : "test accuracy") << " | skipped | "
+    << "train loss | test loss | test " << workload.metric_name() << " | skipped | "
     << "loss scale |\n";
   t << "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
   for (const auto& r : results) {
@@ -60,7 +60,7 @@ std::string comparison_table(const Workload& workload, const std::vector<RunResu
       << " | " << fmt("%.1f", r.peak_bytes / 1048576.0) << " | "
       << (&r == &base ? std::string("-") : fmt("%+.1f%%", 100 * mem)) << " | "
       << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
-      << (text ? fmt("%.3f", r.eval.metric) : fmt("%.2f%%", r.eval.metric)) << " | " << r.skipped
+      << (percent ? fmt("%.2f%%", r.eval.metric) : fmt("%.3f", r.eval.metric)) << " | " << r.skipped
       << " | " << fmt("%g", r.final_scale) << " |\n";
   }
   return t.str();
@@ -74,6 +74,7 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
     modes.push_back({
         {"mode", r.mode},
         {"dtype", r.dtype},
+        {"blas", r.blas},
         {"steps", r.steps},
         {"timed_steps", r.timed_steps},
         {workload.unit() + "_per_s", r.items_per_s},
@@ -83,7 +84,7 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"peak_vs_baseline", base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes : 0.0},
         {"train_loss", r.train_loss},
         {"test_loss", r.eval.loss},
-        {workload.name() == "gpt" ? "test_bpc" : "test_accuracy", r.eval.metric},
+        {"test_" + workload.metric_name(), r.eval.metric},
         {"skipped_steps", r.skipped},
         {"final_loss_scale", r.final_scale},
         {"metrics", r.metrics_path},
@@ -120,7 +121,7 @@ Report write_report(const TrainConfig& c, const Workload& workload,
     if (&r == &base) continue;
     parity << (parity.tellp() > 0 ? ", " : "") << r.mode << " "
            << fmt("%+.2f%%", 100 * (r.eval.loss / base.eval.loss - 1));
-    if (workload.name() != "gpt")
+    if (workload.metric_is_percent())
       parity << fmt(" (%+.2f points)", r.eval.metric - base.eval.metric);
   }
   if (parity.tellp() > 0) {

@@ -2,6 +2,7 @@
 
 #include "checkpoint.h"
 #include "device_memory.h"
+#include "machine.h"
 #include "profile.h"
 #include "progress.h"
 
@@ -23,10 +24,6 @@ namespace ampx::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-c10::ScalarType scalar_type_of(const std::string& dtype) {
-  return dtype == "fp16" ? torch::kHalf : torch::kBFloat16;
-}
 
 nlohmann::json to_json(const ampx::StateDict& dict) {
   nlohmann::json out = nlohmann::json::object();
@@ -151,6 +148,7 @@ nlohmann::json to_json(const RunResult& r) {
   for (const auto& [step, e] : r.evals) evals.push_back({step, e.loss, e.metric});
   return {{"mode", r.mode},
           {"dtype", r.dtype},
+          {"blas", r.blas},
           {"steps", r.steps},
           {"timed_steps", r.timed_steps},
           {"items_per_s", r.items_per_s},
@@ -177,6 +175,7 @@ RunResult run_result_from_json(const nlohmann::json& j) {
   RunResult r;
   r.mode = j.at("mode");
   r.dtype = j.at("dtype");
+  r.blas = j.at("blas");
   r.steps = j.at("steps");
   r.timed_steps = j.at("timed_steps");
   r.items_per_s = j.at("items_per_s");
@@ -201,31 +200,55 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
   return (dir / "checkpoint.ampx").string();
 }
 
-RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode,
-                     const ampx::dist::ProcessGroup* group) {
-  const int64_t rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
-  const bool lead = rank == 0;  // writes files, shows progress, evaluates
-  TORCH_CHECK(config.batch_size % world == 0, "ampx-train: --batch-size ", config.batch_size,
-              " (the global batch) must be divisible by the ", world, " processes");
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  const bool mixed = mode != "fp32";
-  RunResult result;
-  result.mode = mode;
-  result.dtype = mixed ? config.dtype : "fp32";
-  const int64_t total_steps =
-      config.steps > 0
-          ? config.steps
-          : std::max<int64_t>(
-                1, static_cast<int64_t>(std::ceil(config.epochs * workload.steps_per_epoch())));
-  result.steps = total_steps;
+torch::Tensor ModeSetUp::model_output(Workload& workload, const torch::Tensor& input) const {
+  return workload.forward(amp->cast_input(input));
+}
 
-  nlohmann::json identity = workload.identity();
-  identity["precision"] = mode;
-  identity["dtype"] = result.dtype;
-  identity["device"] = config.device;
-  identity["steps_per_epoch"] = workload.steps_per_epoch();
+torch::Tensor ModeSetUp::forward(Workload& workload, const torch::Tensor& input) const {
+  return amp->cast_output(model_output(workload, input));
+}
 
-  const std::string ckpt = checkpoint_path_for(config, mode);
+ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
+                      const torch::Device& device) {
+  ModeSetUp setup;
+  torch::manual_seed(config.seed);
+  setup.model = workload.build(device);
+  auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
+  if (mode.level == ampx::OptLevel::O3) {
+    // Pure low precision: no masters; bf16 keeps small updates alive by
+    // rounding stochastically (fp16 has the mantissa to do without).
+    options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16 &&
+                                                      device.is_cpu());
+    options.seed(config.seed);
+  }
+  setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.model->parameters(), options);
+  ampx::AmpOptions amp_options(mode.level);
+  if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
+  setup.amp = std::make_unique<ampx::AmpSession>(
+      ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
+  return setup;
+}
+
+StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
+                       ampx::dist::DistributedDataParallel* ddp) {
+  setup.optimizer->zero_grad();
+  StepOutcome out;
+  {
+    auto forward = setup.amp->forward_guard();
+    out.loss = workload.loss(setup.forward(workload, batch.input), batch.target);
+  }
+  auto& scaler = setup.amp->scaler();
+  scaler.scale(out.loss).backward();
+  if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
+  out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
+  scaler.update();
+  return out;
+}
+
+namespace {
+
+/// Refuses to overwrite a checkpoint, or to resume without one.
+void check_checkpoint_rules(const TrainConfig& config, const std::string& ckpt) {
   if (config.resume) {
     TORCH_CHECK(fs::exists(ckpt), "ampx-train: --resume, but there is no checkpoint at '", ckpt,
                 "' (--checkpoint-dir ", config.checkpoint_dir, ")");
@@ -235,30 +258,93 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
                 "' already holds a checkpoint; pass --resume to continue it, or choose another "
                 "--checkpoint-dir");
   }
+}
+
+/// This rank's rows of the global batch.
+Batch rank_rows(Batch batch, int64_t rank, int64_t world) {
+  if (world == 1) return batch;
+  const int64_t rows = batch.input.size(0) / world;
+  batch.input = batch.input.slice(0, rank * rows, (rank + 1) * rows);
+  batch.target = batch.target.slice(0, rank * rows, (rank + 1) * rows);
+  return batch;
+}
+
+/// One line of the metrics file.
+nlohmann::ordered_json step_record(const TrainConfig& config, const Workload& workload,
+                                   const std::string& mode, int64_t step, double loss, double scale,
+                                   bool stepped, double ms, double elapsed_s) {
+  return {
+      {"mode", mode},
+      {"step", step},
+      {"epoch", static_cast<double>(step + 1) / workload.steps_per_epoch()},
+      {"loss", loss},
+      {"scale", scale},
+      {"skipped", !stepped},
+      {"lr", config.lr},
+      {"step_ms", ms},
+      {workload.unit() + "_per_s", workload.items_per_step() * 1000.0 / ms},
+      {"elapsed_s", elapsed_s},
+  };
+}
+
+/// Throughput over the steps after warm-up (the first steps pay for lazy
+/// initialisation in oneDNN, the allocator and the optimizer's state).
+void summarize_timing(const Workload& workload, const std::vector<double>& step_ms,
+                      RunResult& result) {
+  const size_t warm = std::min<size_t>(10, std::max<size_t>(1, step_ms.size() / 10));
+  if (step_ms.size() <= warm) return;
+  std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warm), step_ms.end());
+  double sum = 0;
+  for (double t : timed) sum += t;
+  result.timed_steps = static_cast<int64_t>(timed.size());
+  result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
+  result.median_step_ms = median(timed);
+}
+
+}  // namespace
+
+RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode_name,
+                     const ampx::dist::ProcessGroup* group) {
+  const Mode mode = parse_mode(mode_name, config);
+  const int64_t rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
+  const bool lead = rank == 0;  // writes files, shows progress, evaluates
+  TORCH_CHECK(config.batch_size % world == 0, "ampx-train: --batch-size ", config.batch_size,
+              " (the global batch) must be divisible by the ", world, " processes");
+  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  RunResult result;
+  result.mode = mode.name;
+  result.dtype = mode.dtype_name();
+  result.blas = blas_library();
+  const int64_t total_steps =
+      config.steps > 0
+          ? config.steps
+          : std::max<int64_t>(
+                1, static_cast<int64_t>(std::ceil(config.epochs * workload.steps_per_epoch())));
+  result.steps = total_steps;
+
+  nlohmann::json identity = workload.identity();
+  identity["precision"] = mode.name;
+  identity["dtype"] = result.dtype;
+  identity["device"] = config.device;
+  identity["steps_per_epoch"] = workload.steps_per_epoch();
+
+  const std::string ckpt = checkpoint_path_for(config, mode.name);
+  check_checkpoint_rules(config, ckpt);
 
   const int64_t base = allocated_bytes(device);
   reset_peak_memory(device);
 
-  torch::manual_seed(config.seed);
-  auto model = workload.build(device);
-  auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
-  if (mode == "O3") {
-    // Pure low precision: no masters; bf16 keeps small updates alive by
-    // rounding stochastically (fp16 has the mantissa to do without).
-    options.master_weights(false).stochastic_rounding(result.dtype == "bf16" && device.is_cpu());
-    options.seed(config.seed);
-  }
-  ampx::optim::AdamW optimizer(model->parameters(), options);
-  ampx::AmpOptions amp_options(mixed ? ampx::parse_opt_level(mode) : ampx::OptLevel::O0);
-  if (mixed) amp_options.dtype(scalar_type_of(config.dtype)).cast_model_outputs(torch::kFloat);
-  ampx::AmpSession amp = ampx::initialize(model, {&optimizer}, amp_options);
+  ModeSetUp setup = set_up_mode(config, workload, mode, device);
+  auto& model = *setup.model;
+  auto& optimizer = *setup.optimizer;
+  auto& amp = *setup.amp;
   // After the cast: the broadcast and the buckets see the training dtypes.
   std::optional<ampx::dist::DistributedDataParallel> ddp;
-  if (group) ddp.emplace(model, *group);
+  if (group) ddp.emplace(setup.model, *group);
 
   LoopState state;
   if (config.resume) {
-    load(ckpt, identity, *model, optimizer, amp, state);
+    load(ckpt, identity, model, optimizer, amp, state);
     TORCH_CHECK(state.next_step <= total_steps, "ampx-train: checkpoint '", ckpt, "' is at step ",
                 state.next_step, ", past this run's ", total_steps, " steps; raise --steps");
   }
@@ -267,23 +353,24 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   const bool csv = config.metrics_format == "csv";
   std::optional<MetricsWriter> metrics;
   if (lead) {
-    metrics.emplace(fs::path(config.out_dir) / ("metrics-" + mode + (csv ? ".csv" : ".jsonl")), csv,
-                    config.resume ? state.next_step - 1 : -1);
+    metrics.emplace(fs::path(config.out_dir) / ("metrics-" + mode.name + (csv ? ".csv" : ".jsonl")),
+                    csv, config.resume ? state.next_step - 1 : -1);
     result.metrics_path = metrics->path().string();
   }
-  Progress progress(mode, state.next_step, total_steps, workload.unit() + "/s",
+  Progress progress(mode.name, state.next_step, total_steps, workload.unit() + "/s",
                     lead ? Progress::style_for(config.progress) : Progress::Style::kNone,
                     config.log_every);
 
-  auto eval_forward = [&](const torch::Tensor& input) {
-    auto forward = amp.forward_guard();
-    return amp.cast_output(workload.forward(amp.cast_input(input)));
-  };
   auto evaluate = [&]() {
     torch::NoGradGuard no_grad;
-    model->eval();
-    EvalResult r = workload.evaluate(eval_forward, device);
-    model->train();
+    model.eval();
+    EvalResult r = workload.evaluate(
+        [&](const torch::Tensor& input) {
+          auto forward = amp.forward_guard();
+          return setup.forward(workload, input);
+        },
+        device);
+    model.train();
     return r;
   };
 
@@ -292,31 +379,16 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
       config.profile.empty() || !lead
           ? -1
           : state.next_step + std::min<int64_t>(10, (total_steps - state.next_step) / 2);
-  const std::string profile_path = profile_path_for(config.profile, mode, !config.compare.empty());
+  const std::string profile_path =
+      profile_path_for(config.profile, mode.name, !config.compare.empty());
   std::vector<double> step_ms;
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = state.next_step; step < total_steps; ++step) {
     std::optional<StepProfile> profile;
     if (step == profile_step) profile.emplace(profile_path);
     const auto t0 = std::chrono::steady_clock::now();
-    Batch batch = workload.batch(step, device);
-    if (world > 1) {  // this rank's rows of the global batch
-      const int64_t rows = batch.input.size(0) / world;
-      batch.input = batch.input.slice(0, rank * rows, (rank + 1) * rows);
-      batch.target = batch.target.slice(0, rank * rows, (rank + 1) * rows);
-    }
-    optimizer.zero_grad();
-    torch::Tensor loss;
-    {
-      auto forward = amp.forward_guard();
-      auto output = amp.cast_output(workload.forward(amp.cast_input(batch.input)));
-      loss = workload.loss(output, batch.target);
-    }
-    auto& scaler = amp.scaler();
-    scaler.scale(loss).backward();
-    if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
-    const bool stepped = static_cast<bool>(scaler.step(optimizer));
-    scaler.update();
+    const Batch batch = rank_rows(workload.batch(step, device), rank, world);
+    auto [loss, stepped] = train_step(setup, workload, batch, ddp ? &*ddp : nullptr);
     if (group) {  // the global batch's loss: the mean of the ranks' means
       auto global = loss.detach().to(torch::kFloat).reshape({1});
       group->all_reduce_sum(global);
@@ -327,59 +399,39 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (profile) {
       profile.reset();  // writes the trace
-      result.profile_summary = "[" + mode + "] profile of step " + std::to_string(step + 1) + " (" +
-                               std::to_string(ms) + " ms with the profiler on): " + profile_path +
-                               "\n" + summarize_trace(profile_path, 15);
+      result.profile_summary = "[" + mode.name + "] profile of step " + std::to_string(step + 1) +
+                               " (" + std::to_string(ms) +
+                               " ms with the profiler on): " + profile_path + "\n" +
+                               summarize_trace(profile_path, 15);
     } else {
       step_ms.push_back(ms);
     }
     if (!stepped) ++state.skipped;
     state.losses.push_back(loss_value);
-    const double scale = scaler.is_enabled() ? scaler.get_scale() : 1.0;
-    const double rate = workload.items_per_step() * 1000.0 / ms;
-    nlohmann::ordered_json record = {
-        {"mode", mode},
-        {"step", step},
-        {"epoch", static_cast<double>(step + 1) / workload.steps_per_epoch()},
-        {"loss", loss_value},
-        {"scale", scale},
-        {"skipped", !stepped},
-        {"lr", config.lr},
-        {"step_ms", ms},
-        {workload.unit() + "_per_s", rate},
-        {"elapsed_s",
-         std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count()},
-    };
+    const double scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
+    nlohmann::ordered_json record = step_record(
+        config, workload, mode.name, step, loss_value, scale, stepped, ms,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count());
     const bool eval_now = lead && config.eval_every > 0 && (step + 1) % config.eval_every == 0 &&
                           step + 1 < total_steps;
     if (eval_now) {
       const EvalResult e = evaluate();
       result.evals.emplace_back(step + 1, e);
       record["eval_loss"] = e.loss;
-      record["eval_" + std::string(workload.name() == "gpt" ? "bpc" : "accuracy")] = e.metric;
+      record["eval_" + workload.metric_name()] = e.metric;
     }
     if (metrics) metrics->write(record);
-    progress.update(step, loss_value, scale, rate);
+    progress.update(step, loss_value, scale, workload.items_per_step() * 1000.0 / ms);
     state.next_step = step + 1;
     if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps)) {
-      if (lead) save(ckpt, identity, workload, *model, optimizer, amp, state);
+      if (lead) save(ckpt, identity, workload, model, optimizer, amp, state);
       result.checkpoint_path = ckpt;
     }
   }
   progress.finish();
   result.peak_bytes = peak_allocated_bytes(device) - base;
 
-  // Throughput over the steps after warm-up (the first steps pay for lazy
-  // initialisation in oneDNN, the allocator and the optimizer's state).
-  const size_t warm = std::min<size_t>(10, std::max<size_t>(1, step_ms.size() / 10));
-  if (step_ms.size() > warm) {
-    std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warm), step_ms.end());
-    double sum = 0;
-    for (double t : timed) sum += t;
-    result.timed_steps = static_cast<int64_t>(timed.size());
-    result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
-    result.median_step_ms = median(timed);
-  }
+  summarize_timing(workload, step_ms, result);
   result.skipped = state.skipped;
   result.losses = std::move(state.losses);
   const auto& losses = result.losses;  // steps >= 1, so never empty

@@ -11,11 +11,13 @@
 #include "config.h"
 #include "workloads.h"
 
+#include <ampx/ampx.h>
 #include <ampx/dist.h>
 
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,7 @@ namespace ampx::train {
 struct RunResult {
   std::string mode;         // fp32 | O1 | O2 | O3
   std::string dtype;        // fp32, bf16 or fp16
+  std::string blas;         // the BLAS build the training process ran on (machine.h)
   int64_t steps = 0;        // steps of the whole run (resumed ones included)
   int64_t timed_steps = 0;  // steps timed in this process, after warm-up
   double items_per_s = 0;   // tokens or samples per second over the timed steps
@@ -48,6 +51,37 @@ RunResult run_result_from_json(const nlohmann::json& json);
 /// Where mode `mode`'s checkpoint lives: --checkpoint-dir itself for a
 /// single run, a folder per mode under it for --compare.
 std::string checkpoint_path_for(const TrainConfig& config, const std::string& mode);
+
+/// What a mode trains: the workload's fresh model (from config.seed), its
+/// ampx::optim::AdamW, and ampx's opt level over both, as the mode defines
+/// them (fp32: O0; O1, O2, O3 in config.dtype; O3 without masters). The
+/// model lives in the workload (Workload::forward runs it).
+struct ModeSetUp {
+  std::shared_ptr<torch::nn::Module> model;
+  std::unique_ptr<ampx::optim::AdamW> optimizer;  // initialize() holds its address
+  std::unique_ptr<ampx::AmpSession> amp;
+
+  /// The model's output for `input` (cast to the model's dtype), in the
+  /// dtype the mode's forward made it: call under amp->forward_guard().
+  torch::Tensor model_output(Workload& workload, const torch::Tensor& input) const;
+  /// model_output() cast to fp32 for the loss (mixed modes).
+  torch::Tensor forward(Workload& workload, const torch::Tensor& input) const;
+};
+
+ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
+                      const torch::Device& device);
+
+/// One optimizer step of `setup` on `batch` (this rank's rows of it): the
+/// forward under the mode's guard, the scaled backward, the gradients
+/// averaged over `ddp`'s ranks, the scaler's step and update. Returns the
+/// loss (this rank's) and whether the optimizer stepped (false: inf/NaN
+/// gradients, skipped).
+struct StepOutcome {
+  torch::Tensor loss;
+  bool stepped = true;
+};
+StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
+                       ampx::dist::DistributedDataParallel* ddp = nullptr);
 
 /// Trains `mode` from config.seed (or from its checkpoint with --resume).
 /// With a process group, this process is one rank of a data-parallel run:

@@ -6,6 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <cstdio>
 
 namespace ampx::train {
 namespace {
@@ -43,6 +44,7 @@ class GptWorkload final : public Workload {
   std::string name() const override { return "gpt"; }
   std::string unit() const override { return "tokens"; }
   std::string metric_name() const override { return "bpc"; }
+  bool metric_is_percent() const override { return false; }
   int64_t items_per_step() const override { return batch_ * cfg_.block; }
   int64_t steps_per_epoch() const override {
     return std::max<int64_t>(1, data_.train.numel() / items_per_step());
@@ -116,7 +118,8 @@ class ImageWorkload final : public Workload {
   }
   std::string name() const override { return workload_; }
   std::string unit() const override { return "samples"; }
-  std::string metric_name() const override { return "accuracy %"; }
+  std::string metric_name() const override { return "accuracy"; }
+  bool metric_is_percent() const override { return true; }
   int64_t items_per_step() const override { return batch_; }
   int64_t steps_per_epoch() const override { return train_x_.size(0) / batch_; }
   nlohmann::json identity() const override {
@@ -181,6 +184,12 @@ class ImageWorkload final : public Workload {
 };
 
 }  // namespace
+
+std::string Workload::describe_metric(double value) const {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), metric_is_percent() ? "%.2f%%" : "%.3f", value);
+  return metric_name() + " " + buf;
+}
 
 std::unique_ptr<Workload> make_workload(const TrainConfig& c) {
   const std::filesystem::path dir = c.data_dir;

@@ -36,8 +36,13 @@ class Workload {
   virtual std::string name() const = 0;
   /// "tokens" or "samples": what throughput counts.
   virtual std::string unit() const = 0;
-  /// "bpc" or "accuracy %".
+  /// The held-out metric as the metrics and JSON files name it: "bpc" or
+  /// "accuracy".
   virtual std::string metric_name() const = 0;
+  /// Whether the metric is a percentage (accuracy) rather than a value (bpc).
+  virtual bool metric_is_percent() const = 0;
+  /// `value` as a reader expects it: "bpc 2.345" or "accuracy 42.68%".
+  std::string describe_metric(double value) const;
   virtual int64_t items_per_step() const = 0;
   virtual int64_t steps_per_epoch() const = 0;
   /// The settings a checkpoint must share with the run resuming it.
