@@ -20,6 +20,8 @@ using ampx::GradScaler;
 using ampx::GradScalerOptions;
 using ampx::StateDict;
 using ampx::test::error_text;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
 
 TEST(GradScalerStateTest, StateDictHasPyTorchsKeysAndTypes) {
   GradScaler s(GradScalerOptions().init_scale(512.0).growth_interval(11));
@@ -47,19 +49,19 @@ TEST(GradScalerStateTest, BadStateDictNamesTheKeyAndChangesNothing) {
   auto d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
   d.erase("growth_interval");
   auto text = error_text([&] { s.load_state_dict(d); });
-  EXPECT_NE(text.find("missing key 'growth_interval'"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("missing key 'growth_interval'"));
   d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
   d["growth_interval"] = c10::IValue(std::string("often"));
   text = error_text([&] { s.load_state_dict(d); });
-  EXPECT_NE(text.find("'growth_interval' must be an int, got String"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("'growth_interval' must be an int, got String"));
   d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
   d["scale"] = std::numeric_limits<double>::infinity();
   text = error_text([&] { s.load_state_dict(d); });
-  EXPECT_NE(text.find("'scale' must be finite and > 0, got inf"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("'scale' must be finite and > 0, got inf"));
   d = GradScaler(GradScalerOptions().init_scale(8.0)).state_dict();
   d["_ampx_state_version"] = int64_t(99);
   text = error_text([&] { s.load_state_dict(d); });
-  EXPECT_NE(text.find("'_ampx_state_version' is 99"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("'_ampx_state_version' is 99"));
   EXPECT_EQ(s.get_scale(), 256.0) << "a rejected state dict must change nothing";
 }
 
@@ -150,7 +152,7 @@ TEST(GradScalerStateTest, ArchiveWithoutScalerStateIsAClearError) {
   in.load_from(path);
   GradScaler s;
   const auto text = error_text([&] { in >> s; });
-  EXPECT_NE(text.find("holds no GradScaler state"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("holds no GradScaler state"));
   std::remove(path.c_str());
 }
 
@@ -186,10 +188,9 @@ TEST(GradScalerStateTest, SavedFileRoundTripsAndCorruptFilesAreRejected) {
   const std::string bad = ::testing::TempDir() + "ampx_truncated.pt";
   std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   auto text = error_text([&] { ampx::load_state_dict(bad); });
-  EXPECT_NE(text.find("'" + bad + "' is not a readable torch.save file"), std::string::npos)
-      << text;
+  EXPECT_THAT(text, HasSubstr("'" + bad + "' is not a readable torch.save file"));
   text = error_text([&] { ampx::load_state_dict(bad + ".missing"); });
-  EXPECT_NE(text.find("cannot open"), std::string::npos) << text;
+  EXPECT_THAT(text, HasSubstr("cannot open"));
   std::remove(path.c_str());
   std::remove(bad.c_str());
 }
@@ -233,7 +234,7 @@ TEST(GradScalerStateTest, UpdateRuleMatchesReferenceOverLongRandomSequences) {
   const std::string version = ref["torch_version"].get<std::string>();
   const std::string expected_prefix =
       std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) + ".";
-  ASSERT_EQ(version.rfind(expected_prefix, 0), 0u)
+  ASSERT_THAT(version, StartsWith(expected_prefix))
       << "reference made by torch " << version << " for LibTorch " << TORCH_VERSION;
   ASSERT_EQ(ref["torch_scaler_used"].get<bool>(), kTorchHasCpuScaler) << version;
   size_t long_default_cases = 0;

@@ -1,4 +1,4 @@
-"""ampx-train's three networks (apps/ampx-train/models.h) in Python, layer for layer.
+"""ampx-train's three networks (apps/workloads/models.h) in Python, layer for layer.
 
 The modules are named as the C++ ones register them, so a state dict exported
 from LibTorch (named_parameters() + named_buffers()) loads here with
