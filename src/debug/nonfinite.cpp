@@ -48,7 +48,7 @@ std::string to_string(Direction direction) {
 
 bool NonFiniteReport::propagated() const {
   return std::any_of(inputs.begin(), inputs.end(),
-                     [&](const TensorSummary& s) { return s.non_finite > 0 && !in_place; });
+                     [](const TensorSummary& s) { return s.non_finite > 0 && !s.written; });
 }
 
 std::string NonFiniteReport::message() const {
@@ -66,14 +66,14 @@ std::string NonFiniteReport::message() const {
   for (const auto& in : inputs) {
     m << " " << in.name;
     if (!in.parameter.empty()) m << " (parameter " << in.parameter << ")";
+    if (in.written) m << " (written)";
     m << " " << c10::toString(in.dtype) << " " << shape_string(in.shape)
       << " abs max " << number(in.abs_max);
     if (in.non_finite > 0) m << ", " << in.non_finite << " non-finite";
     m << ";";
   }
-  if (in_place) {
-    m << " (the mutated input shows its value after the op)";
-  } else if (propagated()) {
+  if (in_place) m << " Written inputs show their values after the op.";
+  if (propagated()) {
     m << " An input already held non-finite values: the op propagated them; they came "
          "from outside the guarded region or from an op that was not checked.";
   } else {
@@ -83,7 +83,9 @@ std::string NonFiniteReport::message() const {
 }
 
 NonFiniteError::NonFiniteError(NonFiniteReport report)
-    : c10::Error(report.message(), ""), report_(std::move(report)) {}
+    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                 report.message()),
+      report_(std::move(report)) {}
 
 struct NonFiniteGuard::Impl : detail::Observer {
   Impl(const NonFiniteOptions& o) : Observer(o.forward(), o.backward()), options(o) {}

@@ -228,10 +228,13 @@ std::vector<TensorSummary> summarize_inputs(const OpEvent& event) {
   std::vector<TensorSummary> out;
   const auto& args = event.op->schema().arguments();
   for (size_t i = 0; i < event.inputs.size() && i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    const bool written = alias != nullptr && alias->isWrite();
     auto add = [&](const at::Tensor& t, const std::string& name) {
       if (!t.defined()) return;
       TensorSummary s;
       s.name = name;
+      s.written = written;
       s.dtype = t.scalar_type();
       s.shape = t.sizes().vec();
       if (t.is_floating_point() && t.layout() == c10::kStrided && t.numel() > 0) {

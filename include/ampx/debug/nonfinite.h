@@ -68,6 +68,7 @@ struct TensorSummary {
   double abs_max = 0;            ///< over the finite values
   int64_t non_finite = 0;        ///< inf and NaN elements it already held
   std::string parameter;         ///< "blocks.0.fc.weight" for a named parameter
+  bool written = false;          ///< the op wrote into it (in place, out=): values after the op
 };
 
 struct NonFiniteReport {
@@ -87,8 +88,8 @@ struct NonFiniteReport {
   bool in_place = false;             ///< output is a mutated input
   std::vector<TensorSummary> inputs;
 
-  /// True when some input already held inf/NaN (the op propagated them);
-  /// false when this op created them.
+  /// True when some input the op only read already held inf/NaN (the op
+  /// propagated them); false when this op created them.
   bool propagated() const;
   /// A paragraph naming all of the above.
   std::string message() const;
