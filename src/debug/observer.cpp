@@ -241,7 +241,8 @@ std::vector<TensorSummary> summarize_inputs(const OpEvent& event) {
         const auto scan = scan_finite(t);
         s.abs_max = scan.abs_max;
         s.non_finite = scan.nan + scan.inf;
-      } else if (t.numel() > 0 && t.layout() == c10::kStrided && !t.is_complex()) {
+      } else if (t.numel() > 0 && t.layout() == c10::kStrided && !t.is_complex() &&
+                 t.scalar_type() != at::kBool) {
         s.abs_max = t.abs().max().to(at::kDouble).item<double>();
       }
       ParameterName pn;

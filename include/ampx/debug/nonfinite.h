@@ -23,6 +23,11 @@
 // checked (their base was); in-place ops are, and their report says that the
 // mutated input shows its value after the op. Ops in the c10d namespace
 // (collectives) are not checked: their results arrive asynchronously.
+// Values written on purpose are not faults: an op given an inf or NaN scalar
+// (`masked_fill(mask, -inf)` for causal attention, `full({n, n}, -inf)`)
+// makes deliberate values, and so does an op whose only non-finite inputs
+// hold deliberate ones (`scores + mask`); they are neither reported nor
+// counted.
 //
 // Off costs nothing: the dispatcher entry ampx uses (see docs/numerics.md)
 // is registered only while a guard or a RangeStatsCollector is alive.
