@@ -2,7 +2,8 @@
 
 // ampx: automatic mixed precision for LibTorch. Include this for everything
 // but data parallelism, which needs c10d: include "ampx/dist.h" (process
-// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that.
+// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that, and
+// "ampx/debug.h" for the numerics diagnostics (ampx::debug).
 
 #include "ampx/amp.h"
 #include "ampx/autocast.h"
