@@ -92,7 +92,7 @@ struct NonFiniteGuard::Impl : detail::Observer {
   Impl(const NonFiniteOptions& o) : Observer(o.forward(), o.backward()), options(o) {}
 
   void on_op(const detail::OpEvent& event) override {
-    for (const auto& out : detail::floating_outputs(event)) {
+    for (const auto& out : event.tensors) {
       const auto quick = detail::scan_finite(out.tensor, /*full=*/false);
       if (quick.nan + quick.inf == 0) continue;
       if (deliberate(event)) {
@@ -163,22 +163,27 @@ struct NonFiniteGuard::Impl : detail::Observer {
     }
     return any_bad_input;
   }
+  // By storage: views and reshapes of a deliberate tensor are deliberate too.
   bool is_deliberate(const at::Tensor& t) const {
-    auto it = deliberate_values.find(t.unsafeGetTensorImpl());
+    if (!t.has_storage()) return false;
+    auto it = deliberate_values.find(t.storage().unsafeGetStorageImpl());
     return it != deliberate_values.end() && !it->second.expired();
   }
   void mark_deliberate(const at::Tensor& t) {
+    if (!t.has_storage()) return;
     if (deliberate_values.size() > 4096) {
       for (auto it = deliberate_values.begin(); it != deliberate_values.end();) {
         it = it->second.expired() ? deliberate_values.erase(it) : std::next(it);
       }
     }
-    deliberate_values.insert_or_assign(t.unsafeGetTensorImpl(),
-                                       c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+    const auto& storage = t.storage();
+    deliberate_values.insert_or_assign(
+        storage.unsafeGetStorageImpl(),
+        storage.getWeakStorageImpl());
   }
 
   NonFiniteOptions options;
-  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>
+  std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>>
       deliberate_values;
   std::vector<NonFiniteReport> reports;
   int64_t count = 0;

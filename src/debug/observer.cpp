@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <memory>
 #include <mutex>
+#include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace ampx {
@@ -45,6 +47,9 @@ struct ThreadState {
   int observers = 0;            // live observers owned by this thread
   at::CallbackHandle callback = 0;
   bool busy = false;            // inside an observer: its own ops pass through
+  int depth = 0;                // nesting of observed ops
+  // Outputs inspected during the current top-level op: (data, numel, dtype).
+  std::vector<std::tuple<const void*, int64_t, c10::ScalarType>> seen;
   std::vector<std::pair<std::string, std::string>> nodes;  // backward: (node, scope)
 };
 thread_local ThreadState t_state;
@@ -96,6 +101,56 @@ class ParameterScope {
   bool pushed_ = false;
 };
 
+// Whether `op` is a composition of other ops (CompositeImplicitAutograd):
+// such an op touches no data itself, so what it returns was last written by
+// a nested op, which was inspected then. Kernels of their own (addmm copies
+// its bias into the result, then multiplies in place) are always inspected.
+bool is_composite(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const void*, bool> cache;
+  const void* key = &op.schema();
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const bool composite = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd);
+  cache.emplace(key, composite);
+  return composite;
+}
+
+// The floating outputs of an op worth inspecting: not views (their base was
+// inspected) and, for a composite op, not data a nested op produced.
+std::vector<OutputTensor> fresh_floating_outputs(const c10::OperatorHandle& op,
+                                                 c10::ArrayRef<c10::IValue> outputs,
+                                                 ThreadState* state) {
+  std::vector<OutputTensor> out;
+  const bool composite = is_composite(op);
+  const auto& returns = op.schema().returns();
+  for (size_t i = 0; i < outputs.size() && i < returns.size(); ++i) {
+    const auto* alias = returns[i].alias_info();
+    if (alias && !alias->isWrite()) continue;
+    const bool written = alias != nullptr;
+    auto add = [&](const at::Tensor& t) {
+      if (!t.defined() || !t.is_floating_point() || t.numel() == 0 || t.is_sparse() ||
+          t.layout() != c10::kStrided) {
+        return;
+      }
+      const auto key = std::make_tuple(static_cast<const void*>(t.data_ptr()), t.numel(),
+                                       t.scalar_type());
+      if (composite && !written &&
+          std::find(state->seen.begin(), state->seen.end(), key) != state->seen.end()) {
+        return;
+      }
+      state->seen.push_back(key);
+      out.push_back(OutputTensor{i, t, written});
+    };
+    const auto& v = outputs[i];
+    if (v.isTensor()) {
+      add(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorList()) add(t);
+    }
+  }
+  return out;
+}
+
 void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto below = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kKey);
   auto& state = t_state;
@@ -111,6 +166,12 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
                                   stack->end());
   {
     ParameterScope parameter_scope(inputs);
+    ++state.depth;
+    struct Leave {
+      ~Leave() {
+        if (--t_state.depth == 0) t_state.seen.clear();
+      }
+    } leave;
     op.redispatchBoxed(below, stack);
     const size_t num_returns = schema.returns().size();
     if (num_returns == 0 || stack->size() < num_returns) return;
@@ -129,15 +190,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     event.inputs = inputs;
     event.outputs = c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_returns,
                                                num_returns);
-    event.written.resize(num_returns, false);
-    bool any = false;
-    for (size_t i = 0; i < num_returns; ++i) {
-      const auto* alias = schema.returns()[i].alias_info();
-      if (alias && !alias->isWrite()) continue;  // a view: its base was inspected
-      event.written[i] = alias != nullptr;
-      any = true;
-    }
-    if (!any) return;
+    event.tensors = fresh_floating_outputs(op, event.outputs, &state);
+    if (event.tensors.empty()) return;
 
     state.busy = true;
     struct Unbusy {
@@ -200,28 +254,6 @@ void detach(Observer* observer) {
   g.observers.erase(std::remove(g.observers.begin(), g.observers.end(), observer),
                     g.observers.end());
   if (g.observers.empty()) g.library.reset();
-}
-
-std::vector<OutputTensor> floating_outputs(const OpEvent& event) {
-  std::vector<OutputTensor> out;
-  const auto* schema = &event.op->schema();
-  for (size_t i = 0; i < event.outputs.size(); ++i) {
-    const auto* alias = schema->returns()[i].alias_info();
-    if (alias && !alias->isWrite()) continue;
-    auto add = [&](const at::Tensor& t) {
-      if (t.defined() && t.is_floating_point() && t.numel() > 0 && !t.is_sparse() &&
-          t.layout() == c10::kStrided) {
-        out.push_back(OutputTensor{i, t, event.written[i]});
-      }
-    };
-    const auto& v = event.outputs[i];
-    if (v.isTensor()) {
-      add(v.toTensor());
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) add(t);
-    }
-  }
-  return out;
 }
 
 std::vector<TensorSummary> summarize_inputs(const OpEvent& event) {

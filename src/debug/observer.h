@@ -23,6 +23,14 @@ namespace ampx {
 namespace debug {
 namespace detail {
 
+/// A floating output tensor to inspect, with the index of the output it
+/// came from and whether the op wrote it into an input.
+struct OutputTensor {
+  size_t output_index;
+  at::Tensor tensor;
+  bool written;
+};
+
 /// One op that just ran.
 struct OpEvent {
   const c10::OperatorHandle* op = nullptr;
@@ -32,8 +40,10 @@ struct OpEvent {
   const std::string* backward_node = nullptr;  // "" in forward
   c10::ArrayRef<c10::IValue> inputs;
   c10::ArrayRef<c10::IValue> outputs;
-  /// Per output: whether it is a mutated input (in-place or out=).
-  std::vector<bool> written;
+  /// The floating outputs to inspect: not views, and not values a nested op
+  /// of the same top-level call already produced (aten::linear returns what
+  /// its aten::addmm made: inspected once, attributed to the innermost op).
+  std::vector<OutputTensor> tensors;
 };
 
 class Observer {
@@ -59,14 +69,6 @@ class Observer {
 void attach(Observer* observer);
 void detach(Observer* observer);
 
-/// Every tensor of an output that should be inspected (floating, defined, not
-/// a view), with the index of the output it came from.
-struct OutputTensor {
-  size_t output_index;
-  at::Tensor tensor;
-  bool written;
-};
-std::vector<OutputTensor> floating_outputs(const OpEvent& event);
 
 /// Inputs of an event as summaries (name, dtype, shape, abs max, non-finite
 /// count, parameter name).

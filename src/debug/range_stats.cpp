@@ -109,7 +109,7 @@ struct RangeStatsCollector::Impl : detail::Observer {
   explicit Impl(const RangeStatsOptions& o) : Observer(o.forward(), o.backward()) {}
 
   void on_op(const detail::OpEvent& event) override {
-    for (const auto& out : detail::floating_outputs(event)) {
+    for (const auto& out : event.tensors) {
       RangeRecord r = scan_range(out.tensor);
       std::lock_guard<std::mutex> lock(mutex);
       ++stats.ops_seen;
