@@ -35,7 +35,7 @@ std::string fmt(const char* f, double v) {
 
 /// A scope as tables and tics show it.
 std::string shown(const std::string& scope) {
-  return scope.empty() ? "(no scope)" : scope;
+  return scope.empty() ? "(top level)" : scope;
 }
 
 /// [log2 min non-zero, log2 max] of a record; false when it holds no
@@ -79,6 +79,8 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
       f << "\n";
     }
   }
+  x_lo = std::floor(x_lo) - 2;
+  x_hi = std::ceil(x_hi) + 2;
   const char* colors[] = {"#d62728", "#1f77b4", "#2ca02c", "#ff7f0e"};
   std::ostringstream formats;
   {
@@ -87,23 +89,24 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
          "log2 max\n";
     for (size_t k = 0; k < debug::kAllFormats.size(); ++k) {
       const auto& limits = debug::format(debug::kAllFormats[k]);
+      const double lo = std::log2(limits.min_subnormal), hi = std::log2(limits.max);
       f << "# " << limits.name << "\n"
-        << std::log2(limits.min_subnormal) << " -0.6 0 " << n + 0.2 << "\n"
-        << std::log2(limits.max) << " -0.6 0 " << n + 0.2 << "\n\n\n";
+        << lo << " -0.6 0 " << n + 0.2 << "\n"
+        << hi << " -0.6 0 " << n + 0.2 << "\n\n\n";
       formats << ", \\\n     'diagnose-formats.dat' index " << k
               << " using 1:2:3:4 with vectors nohead lw 2 dt 2 lc rgb '" << colors[k] << "' title '"
-              << limits.name << ": 2^" << fmt("%.0f", std::log2(limits.min_subnormal)) << " .. "
-              << fmt("%g", limits.max) << "'";
+              << limits.name << ": 2^" << fmt("%.0f", lo) << " .. " << fmt("%.4g", limits.max)
+              << (lo < x_lo && hi > x_hi ? " (beyond the plot)" : "") << "'";
     }
   }
   std::ofstream f(out / "diagnose.gp");
   f << "# gnuplot diagnose.gp  (run in this folder)\n"
-    << "set terminal pngcairo size 1100," << 160 + 20 * n << " font ',10'\n"
+    << "set terminal pngcairo noenhanced size 1100," << 160 + 20 * n << " font ',10'\n"
     << "set output 'diagnose.png'\n"
     << "set title '" << title << "'\n"
     << "set datafile missing '?'\n"
     << "set xlabel 'log2 |x|: the bar spans [smallest non-zero, largest] of each scope'\n"
-    << "set xrange [" << std::floor(x_lo) - 2 << ":" << std::ceil(x_hi) + 2 << "]\n"
+    << "set xrange [" << x_lo << ":" << x_hi << "]\n"
     << "set yrange [-0.7:" << n - 0.3 << "]\n"
     << "set grid xtics\nset xtics 4\nset ytics nomirror\n"
     << "set key outside bottom center horizontal\n"

@@ -71,7 +71,8 @@ std::string nonfinite_stop_message(const debug::NonFiniteError& error) {
         "until it has backed off to a scale that fits; --detect-nonfinite=warn reports them "
         "and trains on.)";
   }
-  text += "\nNo checkpoint was written for this step; the last one saved is intact.";
+  text +=
+      "\nNothing was saved for this step; a checkpoint written before it (--save-every) is intact.";
   return text;
 }
 
