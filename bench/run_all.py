@@ -246,12 +246,14 @@ DEBUG_RUNS = [("plain", []), ("detect-nonfinite", ["--detect-nonfinite"]),
               ("range-stats", ["--range-stats"])]
 
 
-def debug_run(args, out, name, flags, rnd=0, exe=None):
-    d = os.path.join(out, "debug", name if rnd == 0 else f"{name}-r{rnd}")
+def debug_run(args, out, workload, name, flags, rnd=0, exe=None):
+    d = os.path.join(out, "debug", f"{workload}-{name}" + (f"-r{rnd}" if rnd else ""))
     shutil.rmtree(d, ignore_errors=True)
     cmd = [exe or os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload",
-           "gpt", "--precision", "fp32", "--steps", str(args.debug_steps), "--threads",
+           workload, "--precision", "fp32", "--steps", str(args.debug_steps), "--threads",
            str(args.threads), "--out-dir", d, "--progress", "none", "--eval-batches", "1"] + flags
+    if args.debug_batch_size and workload == "gpt":
+        cmd += ["--batch-size", str(args.debug_batch_size)]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
     run(cmd)
@@ -259,17 +261,29 @@ def debug_run(args, out, name, flags, rnd=0, exe=None):
         return json.load(f)["modes"][0]
 
 
-def debug_cost(args, out):
-    """Each diagnostic's median step (the median of its rounds' medians), runs interleaved."""
+def debug_cost(args, out, workload):
+    """Each diagnostic's median step (the median of its rounds' medians), runs interleaved. A
+    diagnostic that fails is reported as failed (with its message), not fatal."""
     runs = list(DEBUG_RUNS) + ([("baseline", [])] if args.baseline_train else [])
-    rounds = {name: [] for name, _ in runs}
+    rounds, failed = {name: [] for name, _ in runs}, {}
     for rnd in range(args.rounds):
         for name, flags in runs:
+            if name in failed:
+                continue
             exe = args.baseline_train if name == "baseline" else None
-            rounds[name].append(debug_run(args, out, name, flags, rnd, exe)["median_step_ms"])
-    result = {"steps": args.debug_steps,
+            try:
+                rounds[name].append(
+                    debug_run(args, out, workload, name, flags, rnd, exe)["median_step_ms"])
+            except SystemExit as e:
+                if name == "plain":
+                    raise
+                failed[name] = str(e)
+    result = {"workload": workload, "steps": args.debug_steps, "threads": args.threads,
+              "batch_size": args.debug_batch_size if args.debug_batch_size and
+              workload == "gpt" else None,
               "runs": {name: {"median_step_ms": statistics.median(ms), "round_ms": ms}
-                       for name, ms in rounds.items()}}
+                       for name, ms in rounds.items() if name not in failed},
+              "failed": failed}
     if args.baseline_train:
         result["baseline_train"] = args.baseline_train
     plain = result["runs"]["plain"]["median_step_ms"]
@@ -417,15 +431,16 @@ def build_report(args, data):
         w(dist_r["summary"].strip())
         w("```")
         w("")
-    dbg = data.get("debug")
-    if dbg:
-        w("## Numerics diagnostics (`ampx::debug`, gpt fp32)")
+    for dbg in (data.get("debug") or {}).values():
+        batch = f" --batch-size {dbg['batch_size']}" if dbg.get("batch_size") else ""
+        w(f"## Numerics diagnostics (`ampx::debug`, {dbg['workload']} fp32)")
         w("")
-        w(f"`ampx-train --workload gpt --precision fp32 --steps {dbg['steps']}`, plain and with "
-          "each diagnostic (docs/numerics.md); median step after warm-up. `plain` has every "
-          "model scope open (`ModuleScope`) and nothing alive: what a user pays when the "
-          "diagnostics are off." + (f" `baseline` is `{dbg['baseline_train']}` (another build)."
-                                    if dbg.get("baseline_train") else ""))
+        w(f"`ampx-train --workload {dbg['workload']} --precision fp32 --steps {dbg['steps']}{batch} "
+          f"--threads {dbg['threads']}`, plain and with each diagnostic (docs/numerics.md); median "
+          "step after warm-up. `plain` has every model scope open (`ModuleScope`) and nothing "
+          "alive: what a user pays when the diagnostics are off."
+          + (f" `baseline` is `{dbg['baseline_train']}` (another build)."
+             if dbg.get("baseline_train") else ""))
         w("")
         w("| run | median step ms | rounds ms | vs plain |")
         w("| --- | ---: | ---: | ---: |")
@@ -433,6 +448,8 @@ def build_report(args, data):
             rounds = (f"{min(r['round_ms']):.1f}–{max(r['round_ms']):.1f}"
                       if len(r["round_ms"]) > 1 else "-")
             w(f"| {name} | {fmt(r['median_step_ms'])} | {rounds} | {r['vs_plain']:.2f}x |")
+        for name, why in dbg.get("failed", {}).items():
+            w(f"| {name} | failed: {why} | | |")
         w("")
     w("## Notes")
     w("")
@@ -483,13 +500,14 @@ def targets(data):
         pys = [x for x in (py_step(w, "fp32"), py_step(w, "autocast-bf16")) if x]
         add(f"{w}, ampx best mode vs Python's best (fp32 or autocast)", ">= 2x",
             min(pys) / best_any if pys else None, 2.0)
-    dbg = data.get("debug")
-    if dbg:
-        add("gpt fp32 step with range statistics (--range-stats) vs plain", "<= 2x",
-            dbg["runs"]["range-stats"]["vs_plain"], 2.0, higher_is_better=False)
-        if "baseline" in dbg["runs"]:
-            add("gpt fp32 step, diagnostics off, vs the baseline build", "<= 1.02x",
-                1 / dbg["runs"]["baseline"]["vs_plain"], 1.02, higher_is_better=False,
+    for w, dbg in (data.get("debug") or {}).items():
+        runs = dbg["runs"]
+        add(f"{w} fp32 step with range statistics (--range-stats) vs plain", "<= 2x",
+            runs["range-stats"]["vs_plain"] if "range-stats" in runs else None, 2.0,
+            higher_is_better=False, note=dbg["failed"].get("range-stats", ""))
+        if "baseline" in runs:
+            add(f"{w} fp32 step, diagnostics off, vs the baseline build", "<= 1.02x",
+                1 / runs["baseline"]["vs_plain"], 1.02, higher_is_better=False,
                 note=dbg["baseline_train"])
     optim = bench_by_name(data["micro"], "ampx_optim_bench")
     adamw = worst_ratio(optim, "BM_AdamWTorchFp32", "BM_AdamWAmpxBf16", "real_time") if optim else None
@@ -530,6 +548,10 @@ def main():
     p.add_argument("--data-dir", default=None)
     p.add_argument("--debug-steps", type=int, default=20,
                    help="steps of each numerics-diagnostics run (part 'debug')")
+    p.add_argument("--debug-batch-size", type=int, default=0,
+                   help="gpt's batch in the numerics-diagnostics runs [default: gpt's, 32]")
+    p.add_argument("--debug-workloads", default="gpt",
+                   help="comma-separated workloads the numerics-diagnostics part runs")
     p.add_argument("--baseline-train", default=None,
                    help="another build's ampx-train: part 'debug' also times its plain gpt "
                         "fp32 step (diagnostics off here vs that build)")
@@ -572,7 +594,7 @@ def main():
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
     if "debug" in parts:
-        data["debug"] = debug_cost(args, args.out)
+        data["debug"] = {w: debug_cost(args, args.out, w) for w in args.debug_workloads.split(",")}
     data["machine"] = machine(args, data["gemm"], data["e2e"])
     data["commit"] = git_commit()
     data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]

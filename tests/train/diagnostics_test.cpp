@@ -334,31 +334,23 @@ TEST_F(DiagnosticsTest, WarnTrainsOnAndTheSummaryCountsAndQuotesTheFirst) {
   EXPECT_TRUE(contains(r.err, {"ampx::debug::NonFiniteGuard: non-finite values from "}));
 }
 
-// fp16's GradScaler starts at 65536 and lets the gradients overflow until it
-// has backed off: =throw stops at the first backward and says why, =warn
-// shows those overflows and trains on. LibTorch 2.x only (fp16 on the CPU).
-TEST_F(DiagnosticsTest, Fp16LossScalingOverflowsInBackwardOnPurposeAndWarnTrainsOn) {
+// fp16 with loss scaling (GradScaler, dynamic) under the guard: the same
+// losses as without. LibTorch 2.x only (fp16 on the CPU).
+TEST_F(DiagnosticsTest, Fp16WithLossScalingTrainsTheSameUnderTheGuard) {
   if (std::string(ampx::torch_version()).rfind("1.", 0) == 0) {
     GTEST_SKIP() << "fp16 on CPU needs LibTorch 2.x; this is " << ampx::torch_version();
   }
-  auto args = mlp("fp16", "O1");
-  args.insert(args.end(), {"--dtype", "fp16", "--detect-nonfinite"});
-  const BinaryRun thrown = run(args);
-  EXPECT_EQ(thrown.status, ampx::train::kExitNonFinite) << thrown.out << thrown.err;
-  EXPECT_TRUE(contains(thrown.err,
-                       {" in backward, scope '", "step 0:", "the loss scaler starts at 65536"}));
-
+  auto args = mlp("fp16-plain", "O1");
+  args.insert(args.end(), {"--dtype", "fp16"});
+  const BinaryRun plain = run(args);
+  ASSERT_EQ(plain.status, 0) << plain.err;
   args = mlp("fp16-warn", "O1");
   args.insert(args.end(), {"--dtype", "fp16", "--detect-nonfinite=warn"});
   const BinaryRun warned = run(args);
   ASSERT_EQ(warned.status, 0) << warned.out << warned.err;
-  EXPECT_TRUE(contains(warned.out, {"[O1] --detect-nonfinite=warn: ", " in backward, scope '"}));
-  // Skipped steps and all, the same losses as without the guard.
-  args = mlp("fp16-plain", "O1");
-  args.insert(args.end(), {"--dtype", "fp16"});
-  const BinaryRun plain = run(args);
-  ASSERT_EQ(plain.status, 0) << plain.err;
-  EXPECT_EQ(losses("fp16-warn", "O1"), losses("fp16-plain", "O1"));
+  const auto expected = losses("fp16-plain", "O1");
+  ASSERT_EQ(expected.size(), 6u);
+  EXPECT_EQ(losses("fp16-warn", "O1"), expected);
 }
 
 #endif  // AMPX_TRAIN_BINARY
