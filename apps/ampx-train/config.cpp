@@ -248,15 +248,17 @@ std::string settings_table(const TrainConfig& c) {
   std::string modes;
   for (const auto& m : modes_of(c)) modes += (modes.empty() ? "" : ",") + m;
   add("workload", c.workload);
-  add(c.compare.empty() ? "precision" : "compare", modes);
-  add("dtype", c.dtype);
+  if (!c.diagnose) {  // --diagnose trains --diagnose-steps fp32 steps, its own row says
+    add(c.compare.empty() ? "precision" : "compare", modes);
+    add("dtype", c.dtype);
+  }
   add("device", c.device);
   if (c.nproc > 1) add("processes", c.nproc);
   add("threads", c.threads);
   add("batch size", c.batch_size);
-  if (c.steps > 0) {
+  if (!c.diagnose && c.steps > 0) {
     add("steps", c.steps);
-  } else {
+  } else if (!c.diagnose) {
     add("epochs", c.epochs);
   }
   add("lr (AdamW)", c.lr);
@@ -272,7 +274,7 @@ std::string settings_table(const TrainConfig& c) {
   add("output", c.out_dir);
   if (c.diagnose) {
     add("diagnose", std::to_string(c.diagnose_steps) +
-                        " fp32 steps under range statistics (--precision not used)");
+                        " fp32 steps under range statistics, then the precision advice");
   }
   if (!c.detect_nonfinite.empty()) {
     add("non-finite check",
