@@ -21,7 +21,9 @@ GradScaler::GradScaler(GradScalerOptions options)
       rule_{options.growth_factor(), options.backoff_factor(), options.growth_interval(),
             options.hysteresis(), options.min_scale(), options.max_scale()},
       init_scale_(options.init_scale()),
-      init_hysteresis_tracker_(options.hysteresis()) {
+      init_hysteresis_tracker_(options.hysteresis()),
+      explain_skipped_steps_(options.explain_skipped_steps()),
+      collapse_warning_steps_(options.collapse_warning_steps()) {
   if (!enabled_) {
     return;
   }
@@ -36,6 +38,9 @@ GradScaler::GradScaler(GradScalerOptions options)
                     "GradScaler: growth_interval must be > 0, got ", options.growth_interval());
   TORCH_CHECK_VALUE(options.hysteresis() >= 1, "GradScaler: hysteresis must be >= 1, got ",
                     options.hysteresis());
+  TORCH_CHECK_VALUE(options.collapse_warning_steps() >= 0,
+                    "GradScaler: collapse_warning_steps must be >= 0, got ",
+                    options.collapse_warning_steps());
   if (options.min_scale()) {
     TORCH_CHECK_VALUE(*options.min_scale() > 0.0, "GradScaler: min_scale must be > 0, got ",
                       *options.min_scale());
@@ -220,6 +225,9 @@ StepResult GradScaler::step(torch::optim::Optimizer& optimizer) {
     TORCH_CHECK(!state.found_inf_per_device.empty(),
                 "No inf checks were recorded for this optimizer.");
     auto found_inf = sum_found_inf(flags_of(state.found_inf_per_device), scale_);
+    if (explain_skipped_steps_ && found_inf.item<float>() != 0.f) {  // opt-in host read
+      explain_skipped_step(optimizer);
+    }
     aware->step_scaled(grad_scale, found_inf);
     state.stage = OptState::kStepped;
     return StepResult(found_inf);
@@ -237,6 +245,8 @@ StepResult GradScaler::step(torch::optim::Optimizer& optimizer) {
   const bool stepped = found == 0.0;
   if (stepped) {
     optimizer.step();
+  } else if (explain_skipped_steps_) {
+    explain_skipped_step(optimizer);
   }
   state.stage = OptState::kStepped;
   return StepResult(stepped);
@@ -247,14 +257,35 @@ void GradScaler::update() {
     return;
   }
   check_initialized("update");
+  const auto found_infs = all_found_infs();
+  TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
+  const auto combined = sum_found_inf(found_infs, scale_);
+  const auto scale_before = collapse_warning_steps_ > 0 ? scale_.clone() : at::Tensor();
+  update_scale_(scale_, growth_tracker_, hysteresis_tracker_, combined, rule_);
+  if (collapse_warning_steps_ > 0) {
+    track_collapse(scale_before, combined);
+  }
+  restore_buffers(combined);
+  ++updates_;
+  per_optimizer_.clear();
+}
+
+std::vector<at::Tensor> GradScaler::all_found_infs() const {
   std::vector<at::Tensor> found_infs;
   for (const auto& entry : per_optimizer_) {
     const auto flags = flags_of(entry.second.found_inf_per_device);
     found_infs.insert(found_infs.end(), flags.begin(), flags.end());
   }
-  TORCH_CHECK(!found_infs.empty(), "No inf checks were recorded prior to update.");
-  const auto combined = sum_found_inf(found_infs, scale_);
-  update_scale_(scale_, growth_tracker_, hysteresis_tracker_, combined, rule_);
+  return found_infs;
+}
+
+void GradScaler::finish_manual_update() {
+  // No overflow rule moved the scale: a streak of overflows ends here.
+  const auto found_infs = all_found_infs();
+  restore_buffers(found_infs.empty() ? at::Tensor() : sum_found_inf(found_infs, scale_));
+  overflow_streak_ = 0;
+  scale_history_.clear();
+  ++updates_;
   per_optimizer_.clear();
 }
 
@@ -264,7 +295,7 @@ void GradScaler::update(double new_scale) {
   }
   check_initialized("update");
   scale_.fill_(new_scale);
-  per_optimizer_.clear();
+  finish_manual_update();
 }
 
 void GradScaler::update(const at::Tensor& new_scale) {
@@ -279,7 +310,7 @@ void GradScaler::update(const at::Tensor& new_scale) {
   TORCH_CHECK(new_scale.numel() == 1, reason);
   TORCH_CHECK(!new_scale.requires_grad(), reason);
   scale_.copy_(new_scale.reshape({}));
-  per_optimizer_.clear();
+  finish_manual_update();
 }
 
 double GradScaler::get_scale() const {

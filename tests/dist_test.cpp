@@ -238,6 +238,24 @@ TEST_F(DistTest, OverflowOnOneRankSkipsAndBacksOffOnEveryRank) {
   EXPECT_THAT(la, HasSubstr("2 1024 1\n3 512 0\n4 512 1\n"));
 }
 
+TEST_F(DistTest, NonFiniteGuardUnderDdpLeavesTrainingBitwiseAndFindsTheRankThatOverflowed) {
+  // Clean training: the guard finds nothing and changes no bit.
+  auto plain = run("train", 2);
+  auto guarded = run("guarded-train", 2);
+  for (const auto& w : plain) ASSERT_EQ(w.status, 0) << w.output;
+  for (const auto& w : guarded) ASSERT_EQ(w.status, 0) << w.output;
+  EXPECT_EQ(params(guarded[0].out), params(plain[0].out));
+  EXPECT_THAT(guarded[0].output, HasSubstr("nonfinite 0"));
+  // Rank 1's loss overflows in a multiplication at step 3: its guard names
+  // that op as the creator; rank 0 first sees the inf arrive through the
+  // all-reduce (a propagated value, in DDP's averaging of the buckets).
+  auto overflow = run("guarded-overflow-op", 2);
+  for (const auto& w : overflow) ASSERT_EQ(w.status, 0) << w.output;
+  EXPECT_THAT(overflow[1].output, HasSubstr("first aten::mul forward step 3 created"));
+  EXPECT_THAT(overflow[0].output, HasSubstr(" step 3 propagated"));
+  EXPECT_EQ(text(overflow[0].out), text(overflow[1].out));  // both skipped step 3
+}
+
 TEST_F(DistTest, CompressedCommunicationHalvesTheBytesWithinStatedError) {
   auto fp32 = run("train", 2);
   auto bf16 = run("compressed", 2);

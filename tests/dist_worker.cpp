@@ -13,6 +13,7 @@
 // compressed) or one "step scale stepped" line per step (overflow).
 
 #include <ampx/ampx.h>
+#include <ampx/debug.h>
 #include <ampx/dist.h>
 #include <ampx/zero.h>
 
@@ -331,7 +332,15 @@ int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::Proce
   return 0;
 }
 
-int run(const std::string& scenario, const std::string& out) {
+int run(std::string scenario, const std::string& out) {
+  // "guarded-<scenario>": the same under ampx::debug::NonFiniteGuard (warn
+  // mode); the first report goes to stdout.
+  std::unique_ptr<ampx::debug::NonFiniteGuard> guard;
+  if (scenario.rfind("guarded-", 0) == 0) {
+    scenario = scenario.substr(8);
+    guard = std::make_unique<ampx::debug::NonFiniteGuard>(
+        ampx::debug::NonFiniteOptions().action(ampx::debug::NonFiniteAction::kWarn));
+  }
   ampx::dist::InitOptions init;
   init.timeout(std::chrono::seconds(scenario == "kill" ? 5 : 60));
   auto pg = ampx::dist::init_process_group(init);
@@ -352,15 +361,17 @@ int run(const std::string& scenario, const std::string& out) {
   }
   if (scenario == "bf16-probe") options.communication_dtype(torch::kBFloat16);
   ampx::dist::DistributedDataParallel ddp(model.ptr(), pg, options);
+  ampx::debug::name_modules(*model);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
   ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(1000));
 
   const auto batch = batch_shard(rank, world);
   const auto& xs = batch.first;
   const auto& ys = batch.second;
-  std::ofstream log(scenario == "overflow" ? out : "/dev/null");
+  std::ofstream log(scenario.rfind("overflow", 0) == 0 ? out : "/dev/null");
 
   for (int step = 0; step < kSteps; ++step) {
+    ampx::debug::set_step(step);
     opt.zero_grad();
     if (scenario == "kill" && rank == 1 && step == 2) std::_Exit(3);  // dies mid-training
     if (scenario == "accumulate") {
@@ -378,14 +389,24 @@ int run(const std::string& scenario, const std::string& out) {
     }
     auto loss = torch::mse_loss(model->forward(xs), ys);
     if (scenario == "overflow" && rank == 1 && step == 3) loss = loss * INFINITY;
+    // An op that makes the inf itself (the scalars are finite).
+    if (scenario == "overflow-op" && rank == 1 && step == 3) loss = loss * 1e30 * 1e30;
     scaler.scale(loss).backward();
     ddp.synchronize();
     const bool stepped = static_cast<bool>(scaler.step(opt));
     scaler.update();
     log << step << " " << scaler.get_scale() << " " << stepped << "\n";
   }
-  if (scenario != "overflow") write_params(model, out);
+  if (scenario.rfind("overflow", 0) != 0) write_params(model, out);
   std::cout << "bytes " << ddp.bytes_communicated() << std::endl;
+  if (guard) {
+    std::cout << "nonfinite " << guard->count() << std::endl;
+    if (!guard->reports().empty()) {
+      const auto& r = guard->reports().front();
+      std::cout << "first " << r.op << " " << ampx::debug::to_string(r.direction) << " step "
+                << r.step << (r.propagated() ? " propagated" : " created") << std::endl;
+    }
+  }
   return 0;
 }
 

@@ -223,6 +223,20 @@ TEST(NonFiniteGuardTest, InPlaceOpsAreCheckedViewsAreNot) {
   EXPECT_NO_THROW((void)x.view({2, 1}).transpose(0, 1));
 }
 
+TEST(NonFiniteGuardTest, DeliberateInfinitiesOfAttentionMasksAreNotFaults) {
+  auto scores = torch::randn({4, 4});
+  const auto causal = torch::ones({4, 4}, torch::kBool).triu(1);
+  NonFiniteGuard guard;
+  // masked_fill with -inf, and an additive mask built from full(-inf).
+  auto p = torch::softmax(scores.masked_fill(causal, -INFINITY), -1);
+  auto additive = torch::full({4, 4}, -INFINITY).triu(1);
+  auto q = torch::softmax(scores + additive, -1);
+  EXPECT_TRUE(torch::allclose(p, q));
+  EXPECT_EQ(guard.count(), 0);
+  // A real overflow next to them is still found.
+  EXPECT_THROW((void)(scores + additive + torch::full({4, 4}, 3e38f) * 10), NonFiniteError);
+}
+
 TEST(NonFiniteGuardTest, WarnModeKeepsGoingAndKeepsTheFirstReports) {
   auto x = torch::tensor({-1.0f});
   NonFiniteGuard guard(NonFiniteOptions().action(NonFiniteAction::kWarn).max_reports(2));

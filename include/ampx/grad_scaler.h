@@ -20,6 +20,19 @@
 // (step); update() puts every optimizer back to READY. The scale lives on the
 // device of the first tensor passed to scale(). Not thread safe (nor is
 // PyTorch's); one scaler serves any number of optimizers and losses.
+//
+// Opt-in diagnostics, free when off (no extra kernel, no host sync):
+//
+//   ampx::GradScaler scaler(ampx::GradScalerOptions()
+//                               .explain_skipped_steps(true)   // who overflowed
+//                               .collapse_warning_steps(50));  // scale stuck falling
+//   scaler.name_parameters(model->named_parameters());
+//   scaler.protect_buffers(*model);   // BatchNorm stats survive skipped steps
+//   ...
+//   scaler.last_skipped_step()->to_string();
+//   // "skipped step at iteration 7 (scale 65536): 2 of 4 gradients hold inf/NaN:
+//   //  fc2.weight [1, 16] Float (16 non-finite), fc2.bias [1] Float (1 non-finite)"
+//   scaler.scale_collapsed();         // false
 
 #include "ampx/scale_update.h"
 #include "ampx/scaler_aware_optimizer.h"
@@ -27,10 +40,16 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/Optional.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
+#include <torch/ordered_dict.h>
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <string>
 #include <unordered_map>
@@ -38,6 +57,9 @@
 #include <vector>
 
 namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
 namespace optim {
 class Optimizer;
 }  // namespace optim
@@ -68,6 +90,41 @@ struct GradScalerOptions {
   /// Ceiling for the scale after each update (none by default, as PyTorch;
   /// `ampx::initialize`'s dynamic scaler sets Apex's 2^24).
   TORCH_ARG(c10::optional<double>, max_scale) = c10::nullopt;
+  /// On a skipped step, find the parameters whose gradients hold inf/NaN
+  /// (one check and one host read per parameter, on skipped steps only),
+  /// record them (`skipped_steps()`) and TORCH_WARN one line. Off: no cost.
+  TORCH_ARG(bool, explain_skipped_steps) = false;
+  /// N > 0: TORCH_WARN once ("loss scale collapsed: ...") when N consecutive
+  /// update() calls each found inf/NaN, i.e. the scale fell (or sat at
+  /// min_scale, or was held by hysteresis) N times in a row without growing.
+  /// Costs one host read per update(). 0 = off (default).
+  TORCH_ARG(int64_t, collapse_warning_steps) = 0;
+};
+
+/// A gradient that held inf/NaN on a skipped step.
+struct NonFiniteGrad {
+  /// The name given by GradScaler::name_parameters, else
+  /// "param_groups[g].params[i]" (the optimizer's indices).
+  std::string name;
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
+  /// Elements that are inf or NaN (of the values, for a sparse gradient).
+  int64_t non_finite;
+};
+
+/// Why GradScaler skipped one optimizer's step (explain_skipped_steps).
+struct SkippedStep {
+  /// update() calls before the step: 0 = the first iteration.
+  int64_t iteration;
+  /// The loss scale the gradients were computed with.
+  double scale;
+  /// Parameters with a gradient (the optimizer's, in its order).
+  int64_t num_grads;
+  /// Those that held inf/NaN, in the optimizer's order. Empty when only the
+  /// found-inf hook's agreement (another rank) skipped the step.
+  std::vector<NonFiniteGrad> grads;
+  /// One line, as TORCH_WARN prints it (at most 8 names, then "and N more").
+  std::string to_string() const;
 };
 
 /// Per-optimizer stage within one iteration (PyTorch's OptState).
@@ -113,8 +170,10 @@ class GradScaler {
   StepResult step(torch::optim::Optimizer& optimizer);
 
   /// Updates the scale from this iteration's overflow checks (all optimizers).
+  /// Buffers given to protect_buffers() are restored where any check found
+  /// inf/NaN.
   void update();
-  /// Sets the scale to `new_scale` instead.
+  /// Sets the scale to `new_scale` instead (protected buffers as update()).
   void update(double new_scale);
   /// Copies a 1-element float tensor (no grad, on the scale's device).
   void update(const at::Tensor& new_scale);
@@ -159,6 +218,30 @@ class GradScaler {
   using FoundInfHook = std::function<void(at::Tensor& found_inf)>;
   void set_found_inf_hook(FoundInfHook hook) { found_inf_hook_ = std::move(hook); }
 
+  /// Names for explanations of skipped steps, e.g. `model->named_parameters()`.
+  /// Looked up by tensor identity (never serialized); later calls add names.
+  void name_parameters(const torch::OrderedDict<std::string, at::Tensor>& named_parameters);
+
+  /// The last kSkippedStepHistory skipped steps, oldest first (empty unless
+  /// explain_skipped_steps).
+  static constexpr size_t kSkippedStepHistory = 16;
+  const std::deque<SkippedStep>& skipped_steps() const { return skipped_steps_; }
+  /// The newest of skipped_steps(), if any.
+  c10::optional<SkippedStep> last_skipped_step() const;
+
+  /// Whether the last collapse_warning_steps updates all found inf/NaN
+  /// (always false when collapse_warning_steps is 0). The warning that
+  /// goes with it is emitted once per scaler.
+  bool scale_collapsed() const;
+
+  /// Keeps `module`'s buffers (recursively: BatchNorm's running_mean,
+  /// running_var, num_batches_tracked, ...) as they were before an iteration
+  /// whose step is skipped: update() restores them from a snapshot where the
+  /// found-inf flags say so, on the buffers' device and without a host sync,
+  /// then snapshots them again. The scaler holds references to the buffers
+  /// (a copy each); call it after moving the module. No-op when disabled.
+  void protect_buffers(const torch::nn::Module& module);
+
   /// PyTorch's keys `scale`, `growth_factor`, `backoff_factor`,
   /// `growth_interval`, `_growth_tracker`, plus ampx's `hysteresis`,
   /// `_hysteresis_tracker`, `min_scale`, `max_scale` and
@@ -178,7 +261,28 @@ class GradScaler {
     std::unordered_map<c10::Device, at::Tensor> found_inf_per_device;
   };
 
+  // A parameter's name; the weak reference keeps the address from being
+  // reused, so a live entry is the parameter it was given for.
+  struct NamedParameter {
+    std::string name;
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> param;
+  };
+  struct ProtectedBuffer {
+    at::Tensor buffer;    // the module's tensor
+    at::Tensor snapshot;  // its value after the last update()
+  };
+
   void lazy_init(const c10::Device& device);
+  // explain_skipped_steps: records and warns why `optimizer`'s step is skipped.
+  void explain_skipped_step(const torch::optim::Optimizer& optimizer);
+  // collapse_warning_steps: follows the scale across one update() (host read).
+  void track_collapse(const at::Tensor& scale_before, const at::Tensor& found_inf);
+  // protect_buffers: restores buffers where found_inf > 0, then snapshots.
+  void restore_buffers(const at::Tensor& found_inf);
+  // Every found-inf flag recorded this iteration, over all optimizers.
+  std::vector<at::Tensor> all_found_infs() const;
+  // The end of update(double) and update(Tensor): buffers, streak, counters.
+  void finish_manual_update();
   void check_initialized(const char* funcname) const;
   // Applies found_inf_hook_ (if any) to the flags of one check.
   void agree_on_found_inf(std::unordered_map<c10::Device, at::Tensor>& per_device) const;
@@ -197,6 +301,17 @@ class GradScaler {
   // Keyed by identity as PyTorch keys by id(optimizer); never serialized.
   std::unordered_map<const torch::optim::Optimizer*, PerOptimizerState> per_optimizer_;
   FoundInfHook found_inf_hook_;
+  // Diagnostics (GradScalerOptions::explain_skipped_steps and
+  // collapse_warning_steps, protect_buffers); host-side, never serialized.
+  bool explain_skipped_steps_;
+  int64_t collapse_warning_steps_;
+  int64_t updates_ = 0;  // update() calls so far
+  std::unordered_map<const c10::TensorImpl*, NamedParameter> parameter_names_;
+  std::deque<SkippedStep> skipped_steps_;
+  int64_t overflow_streak_ = 0;       // consecutive update()s that found inf/NaN
+  std::deque<double> scale_history_;  // the scale before and after each of them
+  bool collapse_warned_ = false;
+  std::vector<ProtectedBuffer> protected_buffers_;
 };
 
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,

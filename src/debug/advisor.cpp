@@ -43,9 +43,19 @@ double fraction(int64_t part, int64_t whole) {
 // Power-of-two exponent of the zero boundary of `f`: min_subnormal / 2.
 int zero_exponent(Format f) { return std::ilogb(format(f).zero_up_to); }
 
+// Ops outside every named scope (data preparation, the loss, the seed
+// gradient of backward) are not the model's: autocast keeps losses in fp32.
+// They are judged only when nothing is named at all.
+bool judged(const RangeStats& stats, const std::string& scope) {
+  if (!scope.empty()) return true;
+  const auto scopes = stats.scopes();
+  return std::all_of(scopes.begin(), scopes.end(), [](const std::string& s) { return s.empty(); });
+}
+
 std::vector<RangeRecord> per_scope(const RangeStats& stats, Direction d) {
   std::vector<RangeRecord> out;
   for (const auto& scope : stats.scopes()) {
+    if (!judged(stats, scope)) continue;
     auto r = stats.merged(scope, d);
     if (r.numel > 0) out.push_back(std::move(r));
   }
@@ -151,7 +161,7 @@ FormatAdvice advise_fp8(Format f, const RangeStats& stats, const AdvisorOptions&
   std::vector<RangeRecord> merged;
   bool raw_problem = false;
   for (const auto& r : stats.records) {
-    if (r.direction != d || r.nonzero_finite() == 0) continue;
+    if (r.direction != d || r.nonzero_finite() == 0 || !judged(stats, r.scope)) continue;
     if (r.counts(f).overflow > 0 || r.fraction_to_zero(f) > o.underflow_tolerance()) raw_problem = true;
     const int shift = static_cast<int>(std::floor(std::log2(lim.max / r.abs_max)));
     const int64_t to_zero = below_power_of_two(r, zero_exponent(f) - shift);

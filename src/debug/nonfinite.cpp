@@ -10,6 +10,7 @@
 #include <cmath>
 #include <iomanip>
 #include <sstream>
+#include <unordered_map>
 #include <utility>
 
 namespace ampx {
@@ -48,7 +49,7 @@ std::string to_string(Direction direction) {
 
 bool NonFiniteReport::propagated() const {
   return std::any_of(inputs.begin(), inputs.end(),
-                     [&](const TensorSummary& s) { return s.non_finite > 0 && !in_place; });
+                     [](const TensorSummary& s) { return s.non_finite > 0 && !s.written; });
 }
 
 std::string NonFiniteReport::message() const {
@@ -66,14 +67,14 @@ std::string NonFiniteReport::message() const {
   for (const auto& in : inputs) {
     m << " " << in.name;
     if (!in.parameter.empty()) m << " (parameter " << in.parameter << ")";
+    if (in.written) m << " (written)";
     m << " " << c10::toString(in.dtype) << " " << shape_string(in.shape)
       << " abs max " << number(in.abs_max);
     if (in.non_finite > 0) m << ", " << in.non_finite << " non-finite";
     m << ";";
   }
-  if (in_place) {
-    m << " (the mutated input shows its value after the op)";
-  } else if (propagated()) {
+  if (in_place) m << " Written inputs show their values after the op.";
+  if (propagated()) {
     m << " An input already held non-finite values: the op propagated them; they came "
          "from outside the guarded region or from an op that was not checked.";
   } else {
@@ -83,7 +84,9 @@ std::string NonFiniteReport::message() const {
 }
 
 NonFiniteError::NonFiniteError(NonFiniteReport report)
-    : c10::Error(report.message(), ""), report_(std::move(report)) {}
+    : c10::Error(c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                 report.message()),
+      report_(std::move(report)) {}
 
 struct NonFiniteGuard::Impl : detail::Observer {
   Impl(const NonFiniteOptions& o) : Observer(o.forward(), o.backward()), options(o) {}
@@ -92,6 +95,10 @@ struct NonFiniteGuard::Impl : detail::Observer {
     for (const auto& out : detail::floating_outputs(event)) {
       const auto quick = detail::scan_finite(out.tensor, /*full=*/false);
       if (quick.nan + quick.inf == 0) continue;
+      if (deliberate(event)) {
+        mark_deliberate(out.tensor);
+        continue;
+      }
       ++count;
       if (options.action() == NonFiniteAction::kWarn &&
           static_cast<int64_t>(reports.size()) >= options.max_reports()) {
@@ -125,7 +132,54 @@ struct NonFiniteGuard::Impl : detail::Observer {
     return r;
   }
 
+  // Values a program writes on purpose are not faults: an op given an inf or
+  // NaN scalar (masked_fill(mask, -inf) for attention, full(-inf)) makes
+  // deliberate non-finite values, and so does an op whose only non-finite
+  // inputs hold deliberate ones (mask + scores). Tracked by weak reference.
+  bool deliberate(const detail::OpEvent& event) {
+    for (const auto& v : event.inputs) {
+      if (v.isDouble() && !std::isfinite(v.toDouble())) return true;
+      // A Scalar argument that reached the op as a wrapped-number tensor.
+      if (v.isTensor() && v.toTensor().defined() &&
+          v.toTensor().unsafeGetTensorImpl()->is_wrapped_number() &&
+          v.toTensor().is_floating_point() &&
+          !std::isfinite(v.toTensor().item<double>())) {
+        return true;
+      }
+    }
+    const auto& args = event.op->schema().arguments();
+    bool any_bad_input = false;
+    for (size_t i = 0; i < event.inputs.size() && i < args.size(); ++i) {
+      const auto* alias = args[i].alias_info();
+      if (alias && alias->isWrite()) continue;  // holds the op's result already
+      const auto& v = event.inputs[i];
+      if (!v.isTensor()) continue;
+      const auto& t = v.toTensor();
+      if (!t.defined() || !t.is_floating_point() || t.numel() == 0) continue;
+      const auto scan = detail::scan_finite(t, /*full=*/false);
+      if (scan.nan + scan.inf == 0) continue;
+      any_bad_input = true;
+      if (!is_deliberate(t)) return false;
+    }
+    return any_bad_input;
+  }
+  bool is_deliberate(const at::Tensor& t) const {
+    auto it = deliberate_values.find(t.unsafeGetTensorImpl());
+    return it != deliberate_values.end() && !it->second.expired();
+  }
+  void mark_deliberate(const at::Tensor& t) {
+    if (deliberate_values.size() > 4096) {
+      for (auto it = deliberate_values.begin(); it != deliberate_values.end();) {
+        it = it->second.expired() ? deliberate_values.erase(it) : std::next(it);
+      }
+    }
+    deliberate_values.insert_or_assign(t.unsafeGetTensorImpl(),
+                                       c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
+  }
+
   NonFiniteOptions options;
+  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>>
+      deliberate_values;
   std::vector<NonFiniteReport> reports;
   int64_t count = 0;
 };

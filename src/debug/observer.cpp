@@ -228,17 +228,21 @@ std::vector<TensorSummary> summarize_inputs(const OpEvent& event) {
   std::vector<TensorSummary> out;
   const auto& args = event.op->schema().arguments();
   for (size_t i = 0; i < event.inputs.size() && i < args.size(); ++i) {
+    const auto* alias = args[i].alias_info();
+    const bool written = alias != nullptr && alias->isWrite();
     auto add = [&](const at::Tensor& t, const std::string& name) {
       if (!t.defined()) return;
       TensorSummary s;
       s.name = name;
+      s.written = written;
       s.dtype = t.scalar_type();
       s.shape = t.sizes().vec();
       if (t.is_floating_point() && t.layout() == c10::kStrided && t.numel() > 0) {
         const auto scan = scan_finite(t);
         s.abs_max = scan.abs_max;
         s.non_finite = scan.nan + scan.inf;
-      } else if (t.numel() > 0 && t.layout() == c10::kStrided && !t.is_complex()) {
+      } else if (t.numel() > 0 && t.layout() == c10::kStrided && !t.is_complex() &&
+                 t.scalar_type() != at::kBool) {
         s.abs_max = t.abs().max().to(at::kDouble).item<double>();
       }
       ParameterName pn;

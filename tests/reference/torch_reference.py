@@ -15,6 +15,9 @@ Files written:
                          itself for every rule PyTorch can express
   python_scaler_state.pt a GradScaler state dict saved with torch.save
   python_scaler_state.json  the values that file holds
+  format_limits.json     torch.finfo of float16, bfloat16 (and the float8 formats
+                         where torch has them) and each format's rounding
+                         boundaries, found by casting float32 values with torch
 """
 import json
 import os
@@ -297,6 +300,47 @@ def check_state(path):
     print("ampx state read by torch", torch.__version__, ":", state)
 
 
+# ---------------------------------------------------------------- formats
+def _f32_of_bits(u):
+    return torch.tensor([u], dtype=torch.int32).view(torch.float32)
+
+
+def _first_bits(lo, hi, pred):
+    """Smallest float32 bit pattern u in [lo, hi] with pred(value) true
+    (pred is monotone in u over positive floats)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pred(_f32_of_bits(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def format_limits():
+    formats = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if hasattr(torch, name):
+            formats[name] = getattr(torch, name)
+    out = {}
+    for name, dtype in formats.items():
+        info = torch.finfo(dtype)
+        as_int = torch.int16 if info.bits == 16 else torch.uint8
+        min_sub = float(torch.tensor([1], dtype=as_int).view(dtype).float())
+
+        def cast(x):
+            return x.to(dtype).float()
+
+        inf_bits = 0x7F800000
+        overflow = _first_bits(1, inf_bits, lambda x: not bool(torch.isfinite(cast(x))))
+        above_zero = _first_bits(1, inf_bits, lambda x: float(cast(x)) > 0)
+        normal = _first_bits(1, inf_bits, lambda x: float(cast(x)) >= info.tiny)
+        out[name] = dict(max=float(info.max), tiny=float(info.tiny), min_subnormal=min_sub,
+                         overflow_from_bits=overflow, zero_up_to_bits=above_zero - 1,
+                         normal_from_bits=normal)
+    return dict(torch_version=torch.__version__, formats=out)
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "generate":
         out = sys.argv[2]
@@ -306,6 +350,8 @@ def main():
         with open(os.path.join(out, "scaler_sequences.json"), "w") as f:
             json.dump(scaler_sequences(), f)
         python_scaler_state(out)
+        with open(os.path.join(out, "format_limits.json"), "w") as f:
+            json.dump(format_limits(), f, indent=1)
         print("reference files from torch", torch.__version__, "in", out)
     elif len(sys.argv) == 3 and sys.argv[1] == "check-state":
         check_state(sys.argv[2])

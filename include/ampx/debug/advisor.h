@@ -22,6 +22,10 @@
 // that its amax meets the format's max, activations in e4m3 and gradients in
 // e5m2; what matters then is the fraction that falls below the format's
 // smallest subnormal, read from the log2 histogram (one-binade resolution).
+// Ops outside every named scope (data preparation, the loss and the seed of
+// backward, which autocast keeps in fp32) are judged only when no scope is
+// named at all. Gradients are every value computed in backward, including the
+// intermediates of backward formulas.
 
 #include "ampx/debug/formats.h"
 #include "ampx/debug/range_stats.h"

@@ -23,6 +23,11 @@
 // checked (their base was); in-place ops are, and their report says that the
 // mutated input shows its value after the op. Ops in the c10d namespace
 // (collectives) are not checked: their results arrive asynchronously.
+// Values written on purpose are not faults: an op given an inf or NaN scalar
+// (`masked_fill(mask, -inf)` for causal attention, `full({n, n}, -inf)`)
+// makes deliberate values, and so does an op whose only non-finite inputs
+// hold deliberate ones (`scores + mask`); they are neither reported nor
+// counted.
 //
 // Off costs nothing: the dispatcher entry ampx uses (see docs/numerics.md)
 // is registered only while a guard or a RangeStatsCollector is alive.
@@ -68,6 +73,7 @@ struct TensorSummary {
   double abs_max = 0;            ///< over the finite values
   int64_t non_finite = 0;        ///< inf and NaN elements it already held
   std::string parameter;         ///< "blocks.0.fc.weight" for a named parameter
+  bool written = false;          ///< the op wrote into it (in place, out=): values after the op
 };
 
 struct NonFiniteReport {
@@ -87,8 +93,8 @@ struct NonFiniteReport {
   bool in_place = false;             ///< output is a mutated input
   std::vector<TensorSummary> inputs;
 
-  /// True when some input already held inf/NaN (the op propagated them);
-  /// false when this op created them.
+  /// True when some input the op only read already held inf/NaN (the op
+  /// propagated them); false when this op created them.
   bool propagated() const;
   /// A paragraph naming all of the above.
   std::string message() const;
