@@ -12,7 +12,10 @@ In one run, on one machine, with the same threads everywhere:
      pure bf16 with stochastic rounding): median step, throughput, peak allocated memory, MFU;
   4. the same models in Python with torch.autocast and torch.optim.AdamW (bench/python, Debian's
      python3-torch: the same LibTorch underneath), fp32 and autocast bf16;
-  5. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes.
+  5. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes;
+  6. numerics diagnostics (ampx::debug): ampx-train gpt fp32 plain, with --detect-nonfinite
+     (NonFiniteGuard) and with --range-stats (RangeStatsCollector), step time and ratio to plain;
+     with --baseline-train, also the plain step of another build (nothing active vs before).
 Then the targets of the benchmark issue, each as a ratio measured in this run, met or not.
 
 Only the standard library: the orchestration runs under any python3.
@@ -237,6 +240,58 @@ def dist(args, out):
     return result
 
 
+# (name in the results, ampx-train's extra flags): the diagnostics' cost on one
+# fp32 gpt run each (docs/numerics.md)
+DEBUG_RUNS = [("plain", []), ("detect-nonfinite", ["--detect-nonfinite"]),
+              ("range-stats", ["--range-stats"])]
+
+
+def debug_run(args, out, workload, name, flags, rnd=0, exe=None):
+    d = os.path.join(out, "debug", f"{workload}-{name}" + (f"-r{rnd}" if rnd else ""))
+    shutil.rmtree(d, ignore_errors=True)
+    cmd = [exe or os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload",
+           workload, "--precision", "fp32", "--steps", str(args.debug_steps), "--threads",
+           str(args.threads), "--out-dir", d, "--progress", "none", "--eval-batches", "1"] + flags
+    if args.debug_batch_size and workload == "gpt":
+        cmd += ["--batch-size", str(args.debug_batch_size)]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    run(cmd)
+    with open(os.path.join(d, "compare.json")) as f:
+        return json.load(f)["modes"][0]
+
+
+def debug_cost(args, out, workload):
+    """Each diagnostic's median step (the median of its rounds' medians), runs interleaved. A
+    diagnostic that fails is reported as failed (with its message), not fatal."""
+    runs = list(DEBUG_RUNS) + ([("baseline", [])] if args.baseline_train else [])
+    rounds, failed = {name: [] for name, _ in runs}, {}
+    for rnd in range(args.rounds):
+        for name, flags in runs:
+            if name in failed:
+                continue
+            exe = args.baseline_train if name == "baseline" else None
+            try:
+                rounds[name].append(
+                    debug_run(args, out, workload, name, flags, rnd, exe)["median_step_ms"])
+            except SystemExit as e:
+                if name == "plain":
+                    raise
+                failed[name] = str(e)
+    result = {"workload": workload, "steps": args.debug_steps, "threads": args.threads,
+              "batch_size": args.debug_batch_size if args.debug_batch_size and
+              workload == "gpt" else None,
+              "runs": {name: {"median_step_ms": statistics.median(ms), "round_ms": ms}
+                       for name, ms in rounds.items() if name not in failed},
+              "failed": failed}
+    if args.baseline_train:
+        result["baseline_train"] = args.baseline_train
+    plain = result["runs"]["plain"]["median_step_ms"]
+    for r in result["runs"].values():
+        r["vs_plain"] = r["median_step_ms"] / plain
+    return result
+
+
 # --------------------------------------------------------------------- report
 def fmt(x, digits=1):
     return "-" if x is None else f"{x:,.{digits}f}"
@@ -376,6 +431,26 @@ def build_report(args, data):
         w(dist_r["summary"].strip())
         w("```")
         w("")
+    for dbg in (data.get("debug") or {}).values():
+        batch = f" --batch-size {dbg['batch_size']}" if dbg.get("batch_size") else ""
+        w(f"## Numerics diagnostics (`ampx::debug`, {dbg['workload']} fp32)")
+        w("")
+        w(f"`ampx-train --workload {dbg['workload']} --precision fp32 --steps {dbg['steps']}{batch} "
+          f"--threads {dbg['threads']}`, plain and with each diagnostic (docs/numerics.md); median "
+          "step after warm-up. `plain` has every model scope open (`ModuleScope`) and nothing "
+          "alive: what a user pays when the diagnostics are off."
+          + (f" `baseline` is `{dbg['baseline_train']}` (another build)."
+             if dbg.get("baseline_train") else ""))
+        w("")
+        w("| run | median step ms | rounds ms | vs plain |")
+        w("| --- | ---: | ---: | ---: |")
+        for name, r in dbg["runs"].items():
+            rounds = (f"{min(r['round_ms']):.1f}–{max(r['round_ms']):.1f}"
+                      if len(r["round_ms"]) > 1 else "-")
+            w(f"| {name} | {fmt(r['median_step_ms'])} | {rounds} | {r['vs_plain']:.2f}x |")
+        for name, why in dbg.get("failed", {}).items():
+            w(f"| {name} | failed: {why} | | |")
+        w("")
     w("## Notes")
     w("")
     w("The analysis behind these numbers (where the time goes, what is outside ampx) is in "
@@ -425,6 +500,15 @@ def targets(data):
         pys = [x for x in (py_step(w, "fp32"), py_step(w, "autocast-bf16")) if x]
         add(f"{w}, ampx best mode vs Python's best (fp32 or autocast)", ">= 2x",
             min(pys) / best_any if pys else None, 2.0)
+    for w, dbg in (data.get("debug") or {}).items():
+        runs = dbg["runs"]
+        add(f"{w} fp32 step with range statistics (--range-stats) vs plain", "<= 2x",
+            runs["range-stats"]["vs_plain"] if "range-stats" in runs else None, 2.0,
+            higher_is_better=False, note=dbg["failed"].get("range-stats", ""))
+        if "baseline" in runs:
+            add(f"{w} fp32 step, diagnostics off, vs the baseline build", "<= 1.02x",
+                1 / runs["baseline"]["vs_plain"], 1.02, higher_is_better=False,
+                note=dbg["baseline_train"])
     optim = bench_by_name(data["micro"], "ampx_optim_bench")
     adamw = worst_ratio(optim, "BM_AdamWTorchFp32", "BM_AdamWAmpxBf16", "real_time") if optim else None
     add("fused AdamW vs torch::optim::AdamW (step time)", ">= 3x", adamw, 3.0,
@@ -462,13 +546,22 @@ def main():
                    help="end-to-end runs (ampx and PyTorch interleaved) per configuration; "
                         "the report takes the median")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--only", default="gemm,micro,e2e,python,dist",
+    p.add_argument("--debug-steps", type=int, default=20,
+                   help="steps of each numerics-diagnostics run (part 'debug')")
+    p.add_argument("--debug-batch-size", type=int, default=0,
+                   help="gpt's batch in the numerics-diagnostics runs [default: gpt's, 32]")
+    p.add_argument("--debug-workloads", default="gpt",
+                   help="comma-separated workloads the numerics-diagnostics part runs")
+    p.add_argument("--baseline-train", default=None,
+                   help="another build's ampx-train: part 'debug' also times its plain gpt "
+                        "fp32 step (diagnostics off here vs that build)")
+    p.add_argument("--only", default="gemm,micro,e2e,python,dist,debug",
                    help="comma-separated parts to run (the report covers what ran)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
     args = p.parse_args()
     if args.quick:
-        args.gpt_steps, args.image_steps, args.rounds = 8, 12, 1
+        args.gpt_steps, args.image_steps, args.rounds, args.debug_steps = 8, 12, 1, 6
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     parts = set(args.only.split(","))
@@ -476,7 +569,7 @@ def main():
     data = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "command": "bench/run_all.py " + " ".join(sys.argv[1:]) if sys.argv[1:] else
             "make bench",
-            "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None}
+            "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None, "debug": None}
     if "gemm" in parts:
         data["gemm"] = gemm_peaks(args, args.out)
     if "micro" in parts:
@@ -500,6 +593,8 @@ def main():
     data["rounds"] = args.rounds
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
+    if "debug" in parts:
+        data["debug"] = {w: debug_cost(args, args.out, w) for w in args.debug_workloads.split(",")}
     data["machine"] = machine(args, data["gemm"], data["e2e"])
     data["commit"] = git_commit()
     data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]

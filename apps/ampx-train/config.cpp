@@ -144,6 +144,26 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--profile", c.profile,
                  "profile one step after warm-up: a Chrome trace to this file (with --compare, "
                  "one per mode: FILE-<mode>.json) and the ops taking the most time on the console");
+  // Numerics diagnostics (ampx::debug; docs/numerics.md).
+  auto* detect =
+      app.add_flag("--detect-nonfinite{throw}", c.detect_nonfinite,
+                   "check every op's output in each step's forward and backward for inf/NaN: "
+                   "=throw (the default) stops at the first with a report naming the op, the "
+                   "layer and the step (exit status 3); =warn reports and trains on, and the "
+                   "summary counts them (suits fp16, whose loss scaler overflows on purpose)")
+          ->check(CLI::IsMember({"throw", "warn"}));
+  auto* diagnose = app.add_flag("--diagnose", c.diagnose,
+                                "train --diagnose-steps fp32 steps under range statistics and "
+                                "print which precision fits each layer: <out-dir>/diagnose.md, "
+                                ".json and .png (gnuplot)");
+  diagnose->excludes("--compare")->excludes("--resume")->excludes("--save-every")->excludes(detect);
+  app.add_option("--diagnose-steps", c.diagnose_steps, "fp32 steps --diagnose watches")
+      ->check(kPositive)
+      ->needs(diagnose);
+  app.add_flag("--range-stats", c.range_stats,
+               "collect range statistics of every layer while training (slow: for diagnosis and "
+               "benchmarks) and write them to <out-dir>/range-stats-<mode>.json")
+      ->excludes(diagnose);
   // Internal: a --compare run starts one process per mode with these.
   app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
   app.add_option("--result-file", c.result_file)->group("");
@@ -187,6 +207,10 @@ void resolve_defaults(TrainConfig& c) {
               ampx::torch_version(),
               ", which has no fp16 CPU autocast or fp16 CPU matrix "
               "products. Use --dtype bf16.");
+  TORCH_CHECK(!c.diagnose || c.nproc == 1,
+              "ampx-train: --diagnose runs in one process; drop "
+              "--nproc ",
+              c.nproc);
 }
 
 std::vector<std::string> modes_of(const TrainConfig& c) {
@@ -224,15 +248,17 @@ std::string settings_table(const TrainConfig& c) {
   std::string modes;
   for (const auto& m : modes_of(c)) modes += (modes.empty() ? "" : ",") + m;
   add("workload", c.workload);
-  add(c.compare.empty() ? "precision" : "compare", modes);
-  add("dtype", c.dtype);
+  if (!c.diagnose) {  // --diagnose trains --diagnose-steps fp32 steps, its own row says
+    add(c.compare.empty() ? "precision" : "compare", modes);
+    add("dtype", c.dtype);
+  }
   add("device", c.device);
   if (c.nproc > 1) add("processes", c.nproc);
   add("threads", c.threads);
   add("batch size", c.batch_size);
-  if (c.steps > 0) {
+  if (!c.diagnose && c.steps > 0) {
     add("steps", c.steps);
-  } else {
+  } else if (!c.diagnose) {
     add("epochs", c.epochs);
   }
   add("lr (AdamW)", c.lr);
@@ -246,6 +272,18 @@ std::string settings_table(const TrainConfig& c) {
   }
   add("data", c.data_dir);
   add("output", c.out_dir);
+  if (c.diagnose) {
+    add("diagnose", std::to_string(c.diagnose_steps) +
+                        " fp32 steps under range statistics, then the precision advice");
+  }
+  if (!c.detect_nonfinite.empty()) {
+    add("non-finite check",
+        c.detect_nonfinite + (c.detect_nonfinite == "throw"
+                                  ? " (stop at the first inf/NaN of forward or backward)"
+                                  : " (report inf/NaN of forward and backward, go on)"));
+  }
+  if (c.range_stats)
+    add("range statistics", "collected (slower), " + c.out_dir + "/range-stats-<mode>.json");
   if (c.save_every > 0 || c.resume) {
     add("checkpoints",
         c.checkpoint_dir +

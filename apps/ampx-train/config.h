@@ -54,6 +54,11 @@ struct TrainConfig {
   std::string metrics_format = "jsonl";  // jsonl | csv
   std::string progress = "auto";         // auto | bar | lines | none
   std::string profile;                   // Chrome trace of one step after warm-up
+  // numerics diagnostics (ampx::debug, docs/numerics.md)
+  std::string detect_nonfinite;  // --detect-nonfinite[=throw|warn]; "": off
+  bool diagnose = false;         // --diagnose: fp32 steps under range statistics, then advice
+  int64_t diagnose_steps = 4;    // --diagnose-steps
+  bool range_stats = false;      // --range-stats: collect while training, write the JSON
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare

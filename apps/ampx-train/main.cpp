@@ -14,6 +14,8 @@
 
 #include "config.h"
 #include "device_memory.h"
+#include "diagnose.h"
+#include "diagnostics.h"
 #include "machine.h"
 #include "report.h"
 #include "trainer.h"
@@ -124,6 +126,12 @@ void print_done(const Workload& workload, const RunResult& r) {
   if (!r.checkpoint_path.empty()) {
     std::printf("[%s] checkpoint: %s\n", r.mode.c_str(), r.checkpoint_path.c_str());
   }
+  if (!r.nonfinite_summary.empty()) {
+    std::printf("[%s] %s\n", r.mode.c_str(), r.nonfinite_summary.c_str());
+  }
+  if (!r.range_stats_path.empty()) {
+    std::printf("[%s] range statistics: %s\n", r.mode.c_str(), r.range_stats_path.c_str());
+  }
   std::fflush(stdout);
 }
 
@@ -164,6 +172,20 @@ int run(int argc, char** argv) {
     std::cout << std::endl;
   }
 
+  if (config.diagnose) {
+    const Diagnosis d = diagnose(config, *workload);
+    std::cout << d.advice_markdown << "\n"
+              << "report:  " << d.markdown_path << "\n"
+              << "json:    " << d.json_path << "\n";
+    if (!d.plot_path.empty()) {
+      std::cout << "plot:    " << d.plot_path << "\n";
+    } else {
+      std::cout << "plot:    none: " << d.plot_note << "\n";
+    }
+    std::cout << std::flush;
+    return 0;
+  }
+
   if (modes.size() == 1) {
     const RunResult r = train_mode(config, *workload, modes.front(), group ? &*group : nullptr);
     if (!rank0) return 0;
@@ -184,6 +206,11 @@ int run(int argc, char** argv) {
     fs::remove(result_file);
     const int code =
         run_child(argc, argv, {"--only-mode", mode, "--result-file", result_file.string()});
+    if (code == kExitNonFinite) {  // its report is above
+      std::fprintf(stderr, "ampx-train: --detect-nonfinite stopped %s; the comparison ends here\n",
+                   mode.c_str());
+      return kExitNonFinite;
+    }
     TORCH_CHECK(code == 0 && fs::exists(result_file), "ampx-train: training ", mode,
                 " failed (exit status ", code, "); see its messages above");
     std::ifstream in(result_file);
@@ -231,6 +258,10 @@ int main(int argc, char** argv) {
   switch_blas(argv);
   try {
     return run(argc, argv);
+  } catch (const ampx::debug::NonFiniteError& e) {
+    std::cout << std::flush;
+    std::fprintf(stderr, "%s\n", nonfinite_stop_message(e).c_str());
+    return kExitNonFinite;
   } catch (const c10::Error& e) {
     std::cout << std::flush;
     std::fprintf(stderr, "%s\n", e.what_without_backtrace());

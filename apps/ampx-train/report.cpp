@@ -182,21 +182,26 @@ Report write_report(const TrainConfig& c, const Workload& workload,
       << "     '' using 0:2:(sprintf('%.0f', $2)) with labels offset 0,1\n"
       << "unset multiplot\n";
   }
+  report.plot_path = run_gnuplot(out.string(), "compare.gp", "compare.png", report.plot_note);
+  return report;
+}
+
+std::string run_gnuplot(const std::string& dir, const std::string& script, const std::string& png,
+                        std::string& note) {
+  const fs::path out = dir;
   if (!gnuplot_installed()) {
-    report.plot_note =
+    note =
         "gnuplot is not installed (Debian: apt-get install gnuplot-nox); the "
         "plot's data and script are in " +
         out.string();
-    return report;
+    return "";
   }
-  const std::string cmd =
-      "cd " + shell_quote(out.string()) + " && gnuplot compare.gp > compare.gnuplot.log 2>&1";
-  if (std::system(cmd.c_str()) == 0 && fs::exists(out / "compare.png")) {
-    report.plot_path = (out / "compare.png").string();
-  } else {
-    report.plot_note = "gnuplot failed, see " + (out / "compare.gnuplot.log").string();
-  }
-  return report;
+  const std::string log = fs::path(script).stem().string() + ".gnuplot.log";
+  const std::string cmd = "cd " + shell_quote(out.string()) + " && gnuplot " + shell_quote(script) +
+                          " > " + shell_quote(log) + " 2>&1";
+  if (std::system(cmd.c_str()) == 0 && fs::exists(out / png)) return (out / png).string();
+  note = "gnuplot failed, see " + (out / log).string();
+  return "";
 }
 
 }  // namespace ampx::train

@@ -7,6 +7,8 @@
 #include "progress.h"
 
 #include <ampx/ampx.h>
+#include <ampx/debug/nonfinite.h>
+#include <ampx/debug/scope.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <mutex>
 #include <numeric>
@@ -226,19 +229,39 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
   setup.amp = std::make_unique<ampx::AmpSession>(
       ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
+  // Every submodule by its path, for the numerics diagnostics: ops that take
+  // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
+  // parameters it cast are the ones the forward takes).
+  ampx::debug::name_modules(*setup.model);
   return setup;
 }
 
+StepDiagnostics::Options diagnostics_options(const TrainConfig& config) {
+  StepDiagnostics::Options options;
+  if (config.detect_nonfinite == "throw") options.nonfinite = ampx::debug::NonFiniteAction::kThrow;
+  if (config.detect_nonfinite == "warn") options.nonfinite = ampx::debug::NonFiniteAction::kWarn;
+  options.range_stats = config.range_stats;
+  return options;
+}
+
 StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
-                       ampx::dist::DistributedDataParallel* ddp) {
+                       ampx::dist::DistributedDataParallel* ddp, StepDiagnostics* diagnostics) {
   setup.optimizer->zero_grad();
   StepOutcome out;
-  {
-    auto forward = setup.amp->forward_guard();
-    out.loss = workload.loss(setup.forward(workload, batch.input), batch.target);
-  }
   auto& scaler = setup.amp->scaler();
-  scaler.scale(out.loss).backward();
+  {
+    std::optional<StepDiagnostics::Watch> watch;
+    if (diagnostics) watch.emplace(diagnostics->active() ? diagnostics : nullptr);
+    torch::Tensor output;
+    {
+      auto forward = setup.amp->forward_guard();
+      output = setup.forward(workload, batch.input);
+      ampx::debug::ScopeGuard scope("loss");
+      out.loss = workload.loss(output, batch.target);
+      output.reset();  // as the temporary it was: freed before the backward
+    }
+    scaler.scale(out.loss).backward();
+  }
   if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
   out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
   scaler.update();
@@ -381,6 +404,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
           : state.next_step + std::min<int64_t>(10, (total_steps - state.next_step) / 2);
   const std::string profile_path =
       profile_path_for(config.profile, mode.name, !config.compare.empty());
+  StepDiagnostics diagnostics(diagnostics_options(config));
   std::vector<double> step_ms;
   const auto run_start = std::chrono::steady_clock::now();
   for (int64_t step = state.next_step; step < total_steps; ++step) {
@@ -388,7 +412,15 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     if (step == profile_step) profile.emplace(profile_path);
     const auto t0 = std::chrono::steady_clock::now();
     const Batch batch = rank_rows(workload.batch(step, device), rank, world);
-    auto [loss, stepped] = train_step(setup, workload, batch, ddp ? &*ddp : nullptr);
+    ampx::debug::set_step(step);
+    StepOutcome outcome;
+    try {
+      outcome = train_step(setup, workload, batch, ddp ? &*ddp : nullptr, &diagnostics);
+    } catch (const ampx::debug::NonFiniteError&) {
+      progress.finish();  // the live line ends before main prints the report
+      throw;
+    }
+    auto& [loss, stepped] = outcome;
     if (group) {  // the global batch's loss: the mean of the ranks' means
       auto global = loss.detach().to(torch::kFloat).reshape({1});
       group->all_reduce_sum(global);
@@ -430,6 +462,13 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   }
   progress.finish();
   result.peak_bytes = peak_allocated_bytes(device) - base;
+  ampx::debug::set_step(-1);
+  result.nonfinite_summary = diagnostics.nonfinite_summary();
+  if (config.range_stats && lead) {
+    const auto path = fs::path(config.out_dir) / ("range-stats-" + mode.name + ".json");
+    std::ofstream(path) << diagnostics.range_stats().to_json() << "\n";
+    result.range_stats_path = path.string();
+  }
 
   summarize_timing(workload, step_ms, result);
   result.skipped = state.skipped;

@@ -9,6 +9,7 @@
 //   r.items_per_s, r.peak_bytes, r.eval.loss, r.skipped, r.final_scale ...
 
 #include "config.h"
+#include "diagnostics.h"
 #include "workloads.h"
 
 #include <ampx/ampx.h>
@@ -39,8 +40,10 @@ struct RunResult {
   std::vector<double> losses;  // every step's training loss
   std::vector<std::pair<int64_t, EvalResult>> evals;  // (step, result) of --eval-every
   std::string metrics_path;
-  std::string checkpoint_path;  // empty when no checkpoint was written
-  std::string profile_summary;  // --profile: the trace's path and top ops
+  std::string checkpoint_path;    // empty when no checkpoint was written
+  std::string profile_summary;    // --profile: the trace's path and top ops
+  std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
+  std::string range_stats_path;   // --range-stats: the statistics' JSON
 };
 
 /// A RunResult as JSON and back: how a --compare run collects the result of
@@ -75,13 +78,18 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
 /// forward under the mode's guard, the scaled backward, the gradients
 /// averaged over `ddp`'s ranks, the scaler's step and update. Returns the
 /// loss (this rank's) and whether the optimizer stepped (false: inf/NaN
-/// gradients, skipped).
+/// gradients, skipped). `diagnostics` watches the forward and the backward
+/// (not the optimizer's step); the loss runs in the scope "loss".
 struct StepOutcome {
   torch::Tensor loss;
   bool stepped = true;
 };
 StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
-                       ampx::dist::DistributedDataParallel* ddp = nullptr);
+                       ampx::dist::DistributedDataParallel* ddp = nullptr,
+                       StepDiagnostics* diagnostics = nullptr);
+
+/// What --detect-nonfinite and --range-stats ask train_mode to watch.
+StepDiagnostics::Options diagnostics_options(const TrainConfig& config);
 
 /// Trains `mode` from config.seed (or from its checkpoint with --resume).
 /// With a process group, this process is one rank of a data-parallel run:

@@ -378,13 +378,14 @@ TEST_F(TrainCliTest, BinaryHelpListsEveryFlag) {
 #ifdef AMPX_TRAIN_BINARY
   const BinaryRun r = run_binary({"--help"});
   EXPECT_EQ(r.status, 0) << r.err;
-  for (const char* flag :
-       {"--workload",     "--precision",  "--compare",      "--dtype",          "--device",
-        "--threads",      "--batch-size", "--steps",        "--epochs",         "--lr",
-        "--weight-decay", "--seed",       "--block-size",   "--layers",         "--d-model",
-        "--heads",        "--data-dir",   "--out-dir",      "--checkpoint-dir", "--save-every",
-        "--resume",       "--eval-every", "--eval-batches", "--log-every",      "--metrics-format",
-        "--progress"}) {
+  for (const char* flag : {"--workload",       "--precision",  "--compare",          "--dtype",
+                           "--device",         "--threads",    "--batch-size",       "--steps",
+                           "--epochs",         "--lr",         "--weight-decay",     "--seed",
+                           "--block-size",     "--layers",     "--d-model",          "--heads",
+                           "--data-dir",       "--out-dir",    "--checkpoint-dir",   "--save-every",
+                           "--resume",         "--eval-every", "--eval-batches",     "--log-every",
+                           "--metrics-format", "--progress",   "--detect-nonfinite", "--diagnose",
+                           "--diagnose-steps", "--range-stats"}) {
     EXPECT_TRUE(contains(r.out, {std::string(flag) + " "})) << flag;
   }
 #endif
