@@ -8,6 +8,7 @@
 
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>

@@ -154,6 +154,8 @@ TEST(Fp8ScalingTest, ZeroAmaxChangesNothingAndNonFiniteAmaxKeepsTheScale) {
   s.update(amax1(NAN));  // max ignores NaN (fmaxf): window {2, NaN} -> 2
   EXPECT_EQ(scale_of(s), 224.0f);
   EXPECT_TRUE(std::isnan(history_of(s)[1]));
+  s.update(amax1(1.0f));  // window {NaN, 1}: 1, not NaN
+  EXPECT_EQ(scale_of(s), 448.0f);
   // most_recent: a NaN or inf amax keeps the previous scale.
   DelayedScalingState r(
       DelayedScaling().amax_history_len(2).amax_compute_algo(AmaxComputeAlgo::kMostRecent),

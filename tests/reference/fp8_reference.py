@@ -12,6 +12,7 @@ none of them (the C++ conformance tests then skip). Files, little-endian:
                                 between neighbours, +-max, half the smallest
                                 subnormal, ...) each with its neighbours +-1 ulp
   fp8_cast_f32_<fmt>.bin        uint8 codes: x.clamp(-max, max).to(float8_<fmt>)
+                                (NaN cast as it is: see clamp_cast)
   fp8_cast_bf16_<fmt>.bin       uint8 codes of the 65536 bfloat16 bit patterns
                                 (index = pattern), the same clamp-then-cast
   fp8_cast.json                 torch version, sizes, maxima
@@ -96,7 +97,11 @@ def cast_inputs():
 
 
 def clamp_cast(x, fmt, dtype):
-    return x.clamp(-MAX[fmt], MAX[fmt]).to(dtype).view(torch.uint8)
+    """Saturate, then PyTorch's cast. NaN goes to the cast unclamped: PyTorch's
+    vectorized bfloat16 clamp turns positive NaNs into 0xFFFF (negative), and
+    the NaN's sign, which the cast keeps, is the cast's to decide."""
+    clamped = torch.where(x.isnan(), x, x.clamp(-MAX[fmt], MAX[fmt]))
+    return clamped.to(dtype).view(torch.uint8)
 
 
 def write_casts(out):
