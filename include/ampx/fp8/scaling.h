@@ -1,0 +1,161 @@
+#pragma once
+
+// FP8 scaling recipes with Transformer Engine's semantics: delayed scaling
+// (the scale for this step comes from the amax history of the steps before)
+// and current scaling (the scale comes from the tensor being cast).
+//
+//   auto recipe = ampx::fp8::DelayedScaling().amax_history_len(16).margin(0);
+//   ampx::fp8::DelayedScalingState input(recipe, ampx::fp8::Pass::kForward);
+//   input.scale();                         // 1.0 before any step
+//   auto codes = ampx::fp8::quantize(x, input.format(), input.scale());
+//   input.update(ampx::fp8::compute_amax(x));      // x's amax 2.0 -> scale 448 / 2 = 224
+//
+// Delayed scaling, as TE's amax_and_scale_update does it (history length L):
+//   - the step's amax enters the history and the window is the last L amaxes,
+//     this step's included; amax_compute_algo picks max over the window
+//     (NaN entries ignored, as CUDA's fmaxf does) or the most recent one;
+//   - scale = (fp8_max * 2^-margin) / amax in float32, only when that amax is
+//     finite and > 0; otherwise the previous scale stays; a scale that
+//     overflows float32 (tiny amax) becomes FLT_MAX; scale_inv = 1 / scale;
+//   - a step whose amax is exactly 0 (the tensor was all zeros or not seen)
+//     changes nothing, neither history nor scale, as TE's fused update after
+//     amax reduction (the one its PyTorch modules run) skips it.
+// The history is stored in TE's layout: [L] float32, the oldest kept amax at
+// index 1, the newest at index L - 1, index 0 the zeroed slot TE writes the
+// next step's amax into.
+//
+// Everything is ATen ops on the state's device: update() never syncs with the
+// host on CUDA.
+
+#include "ampx/fp8/cast.h"
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <string>
+
+namespace torch {
+namespace serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace serialize
+}  // namespace torch
+
+namespace ampx {
+namespace fp8 {
+
+/// TE's `recipe.Format`: which element format each pass uses.
+enum class RecipeFormat {
+  kE4M3,    ///< E4M3 in both passes
+  kHybrid,  ///< E4M3 forward (inputs, weights), E5M2 backward (gradients)
+  kE5M2,    ///< E5M2 in both: refused by the recipes, as TE refuses it
+};
+
+/// Forward tensors (activations, weights) or backward ones (gradients).
+enum class Pass { kForward, kBackward };
+
+/// TE's `amax_compute_algo` (its callable form is not offered).
+enum class AmaxComputeAlgo {
+  kMax,         ///< "max": the largest amax in the history window
+  kMostRecent,  ///< "most_recent": this step's amax
+};
+
+/// The element format `recipe_format` gives `pass`.
+Fp8Format format_for(RecipeFormat recipe_format, Pass pass);
+
+/// The largest absolute value of x as a float32 tensor of one element (on x's
+/// device, no host sync). NaN in x gives NaN.
+[[nodiscard]] at::Tensor compute_amax(const at::Tensor& x);
+
+/// Options of the delayed scaling recipe; defaults are TE's (2.x).
+struct DelayedScaling {
+  /// Throws c10::Error on invalid options (pure E5M2, history length < 1,
+  /// negative margin).
+  void validate() const;
+
+  /// Scale headroom: scale = fp8_max / amax / 2^margin.
+  TORCH_ARG(int64_t, margin) = 0;
+  /// HYBRID (default) or E4M3; E5M2 is refused when a state is made from it.
+  TORCH_ARG(RecipeFormat, fp8_format) = RecipeFormat::kHybrid;
+  /// Length of the amax history window (TE >= 1.0: 1024; TE 0.x: 1).
+  TORCH_ARG(int64_t, amax_history_len) = 1024;
+  /// How the window's amaxes become the one the scale is computed from.
+  TORCH_ARG(AmaxComputeAlgo, amax_compute_algo) = AmaxComputeAlgo::kMax;
+};
+
+/// The delayed scaling state of one tensor role (e.g. a layer's input, weight
+/// or output gradient): its amax history, scale and scale_inv, all float32 on
+/// `device`. Starts with scale 1 and an all-zero history, as TE does.
+class DelayedScalingState {
+ public:
+  DelayedScalingState(const DelayedScaling& recipe, Pass pass,
+                      c10::Device device = c10::Device(c10::DeviceType::CPU));
+
+  /// Records this step's amax (a float32 tensor of one element, on the
+  /// state's device) and computes the scale the next step casts with.
+  void update(const at::Tensor& amax);
+
+  Fp8Format format() const { return format_; }
+  /// fp8_max / 2^margin: what the amax is mapped to.
+  float scaled_max() const { return scaled_max_; }
+  const DelayedScaling& recipe() const { return recipe_; }
+  /// [amax_history_len] float32, TE's layout (see the top of this header).
+  const at::Tensor& amax_history() const { return amax_history_; }
+  /// float32 of shape [1]: multiplies x before the cast.
+  const at::Tensor& scale() const { return scale_; }
+  /// float32 of shape [1]: 1 / scale, multiplies the codes' values back.
+  const at::Tensor& scale_inv() const { return scale_inv_; }
+
+  /// Writes history, scale and scale_inv under `<prefix>.amax_history` etc.,
+  /// with `<prefix>.version` and the recipe's settings.
+  void save(torch::serialize::OutputArchive& archive, const std::string& prefix) const;
+  /// Restores what save() wrote, bitwise, onto this state's device; the
+  /// recipe's settings must match this state's.
+  void load(torch::serialize::InputArchive& archive, const std::string& prefix);
+
+ private:
+  DelayedScaling recipe_;
+  Fp8Format format_;
+  float scaled_max_;
+  at::Tensor amax_history_;
+  at::Tensor scale_;
+  at::Tensor scale_inv_;
+};
+
+/// Options of TE's Float8CurrentScaling: each tensor is cast with the scale
+/// of its own amax, computed just before the cast.
+struct CurrentScaling {
+  /// Throws c10::Error on invalid options (pure E5M2, negative amax_epsilon).
+  void validate() const;
+
+  /// HYBRID (default) or E4M3; E5M2 is refused.
+  TORCH_ARG(RecipeFormat, fp8_format) = RecipeFormat::kHybrid;
+  /// Round the scale down to a power of two (TE: NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES).
+  TORCH_ARG(bool, power_2_scale) = false;
+  /// Floor for the amax (TE's QParams.amax_epsilon).
+  TORCH_ARG(double, amax_epsilon) = 0.0;
+};
+
+/// TE's compute_scale_from_amax: amax floored at amax_epsilon; scale 1 when
+/// that amax is 0, inf or NaN; else fp8_max / amax in float32, FLT_MAX where
+/// that overflows, truncated to a power of two with power_2_scale. amax: a
+/// float32 tensor of one element; the result has its shape and device.
+[[nodiscard]] at::Tensor current_scale(const at::Tensor& amax, Fp8Format format,
+                                       const CurrentScaling& recipe);
+
+/// A tensor cast with its own scale: codes (uint8), scale and scale_inv ([1] float32).
+struct CurrentScaled {
+  at::Tensor codes;
+  at::Tensor scale;
+  at::Tensor scale_inv;
+  Fp8Format format;
+};
+
+/// Current scaling of x for `pass`: compute_amax(x) -> current_scale -> quantize.
+[[nodiscard]] CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe,
+                                             Pass pass);
+
+}  // namespace fp8
+}  // namespace ampx

@@ -1,0 +1,215 @@
+#include "ampx/fp8/cast.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace ampx {
+namespace fp8 {
+namespace {
+
+// Elements per parallel_for task: a cast is a few integer ops per element.
+constexpr int64_t kGrain = 32768;
+
+const Fp8Limits kE4M3{"e4m3", 4, 3, 7, 448.0f, 0.015625f, 0.001953125f, 0x7E, 0x7F};
+const Fp8Limits kE5M2{"e5m2", 5,   2, 15, 57344.0f, 0.00006103515625f, 0.0000152587890625f,
+                      0x7B,   0x7F};
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// v / 2^shift rounded to nearest, ties to even (v < 2^24, so shift >= 25 gives 0).
+uint32_t shift_round_even(uint32_t v, int shift) {
+  if (shift <= 0) return v << -shift;
+  if (shift > 31) return 0;
+  const uint32_t q = v >> shift;
+  const uint32_t rest = v & ((uint32_t(1) << shift) - 1);
+  const uint32_t half = uint32_t(1) << (shift - 1);
+  return q + ((rest > half || (rest == half && (q & 1))) ? 1 : 0);
+}
+
+// The code of float32 bits `u`: saturate to +-max, round to nearest even.
+// Codes are contiguous in magnitude, so one rounding of the significand to the
+// format's quantum at x's exponent covers subnormals, normals and the carry
+// into the next binade alike.
+uint8_t encode_bits(uint32_t u, const Fp8Limits& f) {
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  uint32_t a = u & 0x7FFFFFFF;
+  if (a > 0x7F800000) return static_cast<uint8_t>(f.nan_code | sign);
+  if (a >= bits_of(f.max)) return static_cast<uint8_t>(f.max_code | sign);  // saturation
+  const int biased = static_cast<int>(a >> 23);
+  // x = sig * 2^(e - 23), sig with its hidden bit (float32 subnormals: e = -126)
+  const uint32_t sig = biased ? ((a & 0x7FFFFF) | 0x800000) : (a & 0x7FFFFF);
+  const int e = biased ? biased - 127 : -126;
+  // The quantum (spacing of codes) at x: 2^(max(e, emin) - M).
+  const int emin = 1 - f.bias;
+  const int quantum_exp = (e > emin ? e : emin) - f.mantissa_bits;
+  // The magnitude's code counted in quanta from 0 is sig rounded to that
+  // quantum, plus the codes below x's binade: (e - emin) << M for normals.
+  const uint32_t steps = shift_round_even(sig, quantum_exp - (e - 23));
+  const uint32_t below = e > emin ? static_cast<uint32_t>(e - emin) << f.mantissa_bits : 0;
+  // Normal: steps counts the hidden bit (1 << M) too; that is one binade's
+  // codes, exactly the offset from the subnormals (exponent field 1).
+  return static_cast<uint8_t>((below + steps) | sign);
+}
+
+std::array<float, 256> make_decode_table(const Fp8Limits& f) {
+  std::array<float, 256> table{};
+  for (int c = 0; c < 256; ++c) {
+    const int exp_field = (c & 0x7F) >> f.mantissa_bits;
+    const int mant = c & ((1 << f.mantissa_bits) - 1);
+    const int exp_all_ones = (1 << f.exponent_bits) - 1;
+    float v;
+    if (f.exponent_bits == 4 && exp_field == exp_all_ones && mant == 7) {
+      v = std::numeric_limits<float>::quiet_NaN();  // e4m3fn: the only NaN
+    } else if (f.exponent_bits == 5 && exp_field == exp_all_ones) {
+      v = mant == 0 ? std::numeric_limits<float>::infinity()
+                    : std::numeric_limits<float>::quiet_NaN();
+    } else if (exp_field == 0) {
+      v = std::ldexp(static_cast<float>(mant), 1 - f.bias - f.mantissa_bits);
+    } else {
+      v = std::ldexp(static_cast<float>((1 << f.mantissa_bits) + mant),
+                     exp_field - f.bias - f.mantissa_bits);
+    }
+    table[c] = (c & 0x80) ? -v : v;
+  }
+  return table;
+}
+
+const std::array<float, 256>& decode_table(Fp8Format format) {
+  static const std::array<float, 256> e4m3 = make_decode_table(kE4M3);
+  static const std::array<float, 256> e5m2 = make_decode_table(kE5M2);
+  return format == Fp8Format::kE4M3 ? e4m3 : e5m2;
+}
+
+void check_float_input(const at::Tensor& x, const char* fn) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, "ampx::fp8::", fn,
+              ": x must be float32, bfloat16 or float16, got ", t);
+}
+
+void check_scale(const at::Tensor& t, const char* fn, const char* what) {
+  TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat, "ampx::fp8::", fn, ": ", what,
+              " must be a float32 tensor of one element, got ", t.scalar_type(), " with ",
+              t.numel(), " elements");
+}
+
+// The CPU kernel: codes of float32 x * scale.
+at::Tensor quantize_cpu(const at::Tensor& x, const Fp8Limits& f, float scale) {
+  const at::Tensor x32 = x.to(at::kFloat).contiguous();  // exact for bf16/fp16
+  at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  const float* in = x32.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  at::parallel_for(0, x32.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = encode_bits(bits_of(in[i] * scale), f);
+  });
+  return codes;
+}
+
+at::Tensor dequantize_cpu(const at::Tensor& codes, Fp8Format format, float scale_inv) {
+  const at::Tensor c = codes.contiguous();
+  at::Tensor values = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  const auto& table = decode_table(format);
+  const uint8_t* in = c.data_ptr<uint8_t>();
+  float* out = values.data_ptr<float>();
+  at::parallel_for(0, c.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) out[i] = table[in[i]] * scale_inv;
+  });
+  return values;
+}
+
+#if AMPX_HAS_TORCH_FLOAT8
+// On a device: ATen's own cast, whose rounding is ours below max.
+at::Tensor quantize_on_device(const at::Tensor& x, Fp8Format format, const at::Tensor& scale) {
+  const float max = limits(format).max;
+  const at::Tensor y = x.to(at::kFloat).mul(scale.to(x.device())).clamp(-max, max);
+  return y.to(torch_dtype(format)).view(at::kByte);
+}
+#endif
+
+}  // namespace
+
+const Fp8Limits& limits(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? kE4M3 : kE5M2;
+}
+
+std::string to_string(Fp8Format format) {
+  return limits(format).name;
+}
+
+float decode(uint8_t code, Fp8Format format) {
+  return decode_table(format)[code];
+}
+
+uint8_t encode(float value, Fp8Format format) {
+  return encode_bits(bits_of(value), limits(format));
+}
+
+at::Tensor quantize(const at::Tensor& x, Fp8Format format, const at::Tensor& scale) {
+  check_float_input(x, "quantize");
+  check_scale(scale, "quantize", "scale");
+  if (!x.is_cpu()) {
+#if AMPX_HAS_TORCH_FLOAT8
+    return quantize_on_device(x, format, scale);
+#else
+    return quantize_cpu(x.cpu(), limits(format), scale.item<float>()).to(x.device());
+#endif
+  }
+  return quantize_cpu(x, limits(format), scale.item<float>());
+}
+
+at::Tensor dequantize(const at::Tensor& codes, Fp8Format format, const at::Tensor& scale_inv,
+                      c10::ScalarType out_dtype) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "ampx::fp8::dequantize: codes must be uint8, got ",
+              codes.scalar_type());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,
+              "ampx::fp8::dequantize: out_dtype must be float32, bfloat16 or float16, got ",
+              out_dtype);
+  check_scale(scale_inv, "dequantize", "scale_inv");
+  if (!codes.is_cpu()) {
+    // The 256 values as a table on the device: one gather, no host round trip.
+    const auto& table = decode_table(format);
+    const at::Tensor lut =
+        at::from_blob(const_cast<float*>(table.data()), {256}, at::kFloat).to(codes.device());
+    return lut.index_select(0, codes.reshape(-1).to(at::kLong))
+        .reshape(codes.sizes())
+        .mul(scale_inv.to(codes.device()))
+        .to(out_dtype);
+  }
+  return dequantize_cpu(codes, format, scale_inv.item<float>()).to(out_dtype);
+}
+
+at::Tensor round_to_fp8(const at::Tensor& x, Fp8Format format) {
+  check_float_input(x, "round_to_fp8");
+  const at::Tensor one = at::ones({}, x.options().dtype(at::kFloat));
+  return dequantize(quantize(x, format, one), format, one, x.scalar_type());
+}
+
+#if AMPX_HAS_TORCH_FLOAT8
+c10::ScalarType torch_dtype(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? at::kFloat8_e4m3fn : at::kFloat8_e5m2;
+}
+
+at::Tensor codes_to_torch_float8(const at::Tensor& codes, Fp8Format format) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte,
+              "ampx::fp8::codes_to_torch_float8: codes must be uint8, got ", codes.scalar_type());
+  return codes.view(torch_dtype(format));
+}
+
+at::Tensor torch_float8_to_codes(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat8_e4m3fn || x.scalar_type() == at::kFloat8_e5m2,
+              "ampx::fp8::torch_float8_to_codes: x must be float8_e4m3fn or float8_e5m2, got ",
+              x.scalar_type());
+  return x.view(at::kByte);
+}
+#endif
+
+}  // namespace fp8
+}  // namespace ampx

@@ -1,0 +1,182 @@
+#include "ampx/fp8/scaling.h"
+
+#include <torch/serialize/archive.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+namespace ampx {
+namespace fp8 {
+namespace {
+
+constexpr int64_t kStateVersion = 1;
+
+const char* to_string(AmaxComputeAlgo a) {
+  return a == AmaxComputeAlgo::kMax ? "max" : "most_recent";
+}
+
+void check_not_e5m2(RecipeFormat f, const char* recipe) {
+  // TE: `assert self.fp8_format != Format.E5M2, "Pure E5M2 training is not supported."`
+  TORCH_CHECK(f != RecipeFormat::kE5M2, recipe,
+              ": pure E5M2 training is not supported (fp8_format must be E4M3 or HYBRID)");
+}
+
+// A float32 [1] tensor holding `value`, like `like`.
+at::Tensor full1(const at::Tensor& like, float value) {
+  return at::full({1}, value, like.options().dtype(at::kFloat));
+}
+
+// One amax as float32 [1] on `device` (no host sync: checks are on metadata).
+at::Tensor one_amax(const at::Tensor& amax, c10::Device device, const char* fn) {
+  TORCH_CHECK(amax.numel() == 1, fn, ": amax must have one element, got ", amax.numel());
+  TORCH_CHECK(amax.device() == device, fn, ": amax is on ", amax.device(), " but the state is on ",
+              device);
+  return amax.reshape({1}).to(at::kFloat);
+}
+
+template <class T>
+T read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue v;
+  TORCH_CHECK(archive.try_read(key, v), "DelayedScalingState.load: '", key, "' is missing");
+  return v.to<T>();
+}
+
+}  // namespace
+
+Fp8Format format_for(RecipeFormat recipe_format, Pass pass) {
+  switch (recipe_format) {
+    case RecipeFormat::kE4M3:
+      return Fp8Format::kE4M3;
+    case RecipeFormat::kE5M2:
+      return Fp8Format::kE5M2;
+    case RecipeFormat::kHybrid:
+      return pass == Pass::kForward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+  }
+  return Fp8Format::kE4M3;
+}
+
+at::Tensor compute_amax(const at::Tensor& x) {
+  if (x.numel() == 0) return at::zeros({1}, x.options().dtype(at::kFloat));
+  return x.abs().max().reshape({1}).to(at::kFloat);
+}
+
+void DelayedScaling::validate() const {
+  check_not_e5m2(fp8_format_, "DelayedScaling");
+  TORCH_CHECK(amax_history_len_ >= 1, "DelayedScaling: amax_history_len must be >= 1, got ",
+              amax_history_len_);
+  TORCH_CHECK(margin_ >= 0, "DelayedScaling: margin must be >= 0, got ", margin_);
+}
+
+DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Pass pass,
+                                         c10::Device device)
+    : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
+  recipe_.validate();
+  // As TE: fp8_max * 2^-margin in float32.
+  scaled_max_ = limits(format_).max * std::pow(2.0f, -static_cast<float>(recipe_.margin()));
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  amax_history_ = at::zeros({recipe_.amax_history_len()}, options);
+  scale_ = at::ones({1}, options);
+  scale_inv_ = at::ones({1}, options);
+}
+
+void DelayedScalingState::update(const at::Tensor& amax) {
+  const at::Tensor last = one_amax(amax, amax_history_.device(), "DelayedScalingState.update");
+  const int64_t len = amax_history_.size(0);
+  // The window: the previous len - 1 amaxes (indices 1..len-1) and this one.
+  const at::Tensor window = at::cat({amax_history_.slice(0, 1, len), last});
+  at::Tensor chosen;
+  if (recipe_.amax_compute_algo() == AmaxComputeAlgo::kMax) {
+    // fmaxf from 0 over the window: NaN entries drop out.
+    const at::Tensor zero = full1(last, 0.0f);
+    chosen = at::where(at::isnan(window), zero, window).max().reshape({1}).clamp_min(0.0);
+  } else {
+    chosen = last;
+  }
+  // TE: the scale only moves on a finite, positive amax; FLT_MAX where it overflows.
+  at::Tensor scale =
+      at::where(at::isfinite(chosen) & (chosen > 0), full1(last, scaled_max_).div(chosen), scale_);
+  scale = at::where(at::isinf(scale), full1(last, std::numeric_limits<float>::max()), scale);
+  // Rolled history: slot 0 zeroed for the next step's amax.
+  at::Tensor rolled = window.clone();
+  rolled.select(0, 0).zero_();
+  // A zero amax (no data this step) changes nothing.
+  const at::Tensor seen = last != 0;
+  amax_history_.copy_(at::where(seen, rolled, amax_history_));
+  scale_.copy_(at::where(seen, scale, scale_));
+  scale_inv_.copy_(full1(last, 1.0f).div(scale_));
+}
+
+void DelayedScalingState::save(torch::serialize::OutputArchive& archive,
+                               const std::string& prefix) const {
+  archive.write(prefix + ".version", c10::IValue(kStateVersion));
+  archive.write(prefix + ".fp8_format", c10::IValue(std::string(to_string(format_))));
+  archive.write(prefix + ".margin", c10::IValue(recipe_.margin()));
+  archive.write(prefix + ".amax_compute_algo",
+                c10::IValue(std::string(to_string(recipe_.amax_compute_algo()))));
+  archive.write(prefix + ".amax_history", amax_history_.cpu(), /*is_buffer=*/true);
+  archive.write(prefix + ".scale", scale_.cpu(), /*is_buffer=*/true);
+  archive.write(prefix + ".scale_inv", scale_inv_.cpu(), /*is_buffer=*/true);
+}
+
+void DelayedScalingState::load(torch::serialize::InputArchive& archive, const std::string& prefix) {
+  const auto version = read_value<int64_t>(archive, prefix + ".version");
+  TORCH_CHECK(version >= 1 && version <= kStateVersion, "DelayedScalingState.load: '", prefix,
+              ".version' is ", version, " but this ampx reads versions 1 to ", kStateVersion);
+  const auto format = read_value<std::string>(archive, prefix + ".fp8_format");
+  TORCH_CHECK(format == to_string(format_), "DelayedScalingState.load: the saved state is ", format,
+              " but this state is ", to_string(format_));
+  const auto margin = read_value<int64_t>(archive, prefix + ".margin");
+  TORCH_CHECK(margin == recipe_.margin(), "DelayedScalingState.load: the saved margin is ", margin,
+              " but this recipe's is ", recipe_.margin());
+  const auto algo = read_value<std::string>(archive, prefix + ".amax_compute_algo");
+  TORCH_CHECK(algo == to_string(recipe_.amax_compute_algo()),
+              "DelayedScalingState.load: the saved amax_compute_algo is ", algo,
+              " but this recipe's is ", to_string(recipe_.amax_compute_algo()));
+  at::Tensor history, scale, scale_inv;
+  archive.read(prefix + ".amax_history", history, /*is_buffer=*/true);
+  archive.read(prefix + ".scale", scale, /*is_buffer=*/true);
+  archive.read(prefix + ".scale_inv", scale_inv, /*is_buffer=*/true);
+  TORCH_CHECK(history.dim() == 1 && history.size(0) == amax_history_.size(0),
+              "DelayedScalingState.load: the saved amax history has ", history.numel(),
+              " entries but this recipe's amax_history_len is ", amax_history_.size(0));
+  TORCH_CHECK(scale.numel() == 1 && scale_inv.numel() == 1 && history.scalar_type() == at::kFloat &&
+                  scale.scalar_type() == at::kFloat && scale_inv.scalar_type() == at::kFloat,
+              "DelayedScalingState.load: scale and scale_inv must be float32 of one element");
+  amax_history_.copy_(history);
+  scale_.copy_(scale.reshape({1}));
+  scale_inv_.copy_(scale_inv.reshape({1}));
+}
+
+void CurrentScaling::validate() const {
+  check_not_e5m2(fp8_format_, "CurrentScaling");
+  TORCH_CHECK(amax_epsilon_ >= 0, "CurrentScaling: amax_epsilon must be >= 0, got ", amax_epsilon_);
+}
+
+at::Tensor current_scale(const at::Tensor& amax, Fp8Format format, const CurrentScaling& recipe) {
+  TORCH_CHECK(amax.numel() == 1, "ampx::fp8::current_scale: amax must have one element, got ",
+              amax.numel());
+  const at::Tensor a32 = amax.reshape({1}).to(at::kFloat);
+  const at::Tensor eps = full1(a32, static_cast<float>(recipe.amax_epsilon()));
+  const at::Tensor a = at::where(a32 < eps, eps, a32);  // NaN < eps is false: stays NaN
+  at::Tensor scale = full1(a, limits(format).max).div(a);
+  scale = at::where(at::isinf(scale), full1(a, std::numeric_limits<float>::max()), scale);
+  if (recipe.power_2_scale()) {
+    // Keep sign and exponent: the largest power of two <= scale.
+    const auto exponent_mask = static_cast<int32_t>(0xFF800000u);
+    scale = scale.view(at::kInt).bitwise_and(exponent_mask).view(at::kFloat);
+  }
+  const at::Tensor usable = at::isfinite(a) & (a != 0);
+  return at::where(usable, scale, full1(a, 1.0f)).reshape(amax.sizes());
+}
+
+CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Pass pass) {
+  recipe.validate();
+  const Fp8Format format = format_for(recipe.fp8_format(), pass);
+  const at::Tensor scale = current_scale(compute_amax(x), format, recipe);
+  const at::Tensor scale_inv = full1(scale, 1.0f).div(scale);
+  return {quantize(x, format, scale), scale, scale_inv, format};
+}
+
+}  // namespace fp8
+}  // namespace ampx
