@@ -69,7 +69,8 @@ bool lists(const std::vector<ScopeFinding>& findings, const std::string& scope, 
 
 TEST(AdvisorTest, PredictsTheFp16ActivationOverflowThatFp16TrainingThenHits) {
   torch::manual_seed(0);
-  ScaledMlp net(1e5, 1.0);  // fc1's activations reach ~2e5 (its weights fit fp16); tanh shrinks them
+  ScaledMlp net(1e5,
+                1.0);  // fc1's activations reach ~2e5 (its weights fit fp16); tanh shrinks them
   name_modules(*net, "mlp");
   const auto advice = advise(fp32_statistics(net, 2, 1.0));
   const auto& fp16 = advice.at(Format::kFloat16);

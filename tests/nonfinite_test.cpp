@@ -109,7 +109,8 @@ TEST(NonFiniteGuardTest, LogOfNegativeNamesOpDirectionScopeAndElement) {
   EXPECT_EQ(r.inputs[0].name, "self");
   EXPECT_EQ(r.inputs[0].abs_max, 6.0);
   EXPECT_EQ(r.inputs[0].shape, (std::vector<int64_t>{2, 3}));
-  EXPECT_THAT(r.message(), HasSubstr("non-finite values from aten::log in forward, scope 'head', step 41"));
+  EXPECT_THAT(r.message(),
+              HasSubstr("non-finite values from aten::log in forward, scope 'head', step 41"));
   EXPECT_THAT(r.message(), HasSubstr("this op created the non-finite values"));
 }
 

@@ -2,8 +2,8 @@
 // scan's counts against a double-precision reference and against c10's own
 // conversions, and the collector's attribution to scopes, ops and directions.
 
-#include "ampx/debug/formats.h"
 #include "ampx/debug/range_stats.h"
+#include "ampx/debug/formats.h"
 #include "ampx/debug/scope.h"
 
 #include "test_util.h"
@@ -58,14 +58,18 @@ TEST(FormatsTest, LimitsAndRoundingBoundariesMatchTorch) {
 // magnitudes over fp32's whole range (subnormals included), signs, zeros,
 // infs and NaNs.
 std::vector<float> probe_values() {
-  std::vector<float> v = {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::infinity(),
                           std::numeric_limits<float>::quiet_NaN(),
                           std::numeric_limits<float>::max(),
-                          std::numeric_limits<float>::denorm_min(), 1.0f};
+                          std::numeric_limits<float>::denorm_min(),
+                          1.0f};
   for (const auto f : kAllFormats) {
     const auto& l = format(f);
-    for (float b : {l.max, l.min_normal, l.min_subnormal, l.overflow_from, l.zero_up_to, l.normal_from}) {
+    for (float b :
+         {l.max, l.min_normal, l.min_subnormal, l.overflow_from, l.zero_up_to, l.normal_from}) {
       for (int d = -1; d <= 1; ++d) {
         const float x = from_bits(bits(b) + d);
         v.push_back(x);
@@ -77,7 +81,8 @@ std::vector<float> probe_values() {
   std::uniform_int_distribution<uint32_t> any_finite(1, 0x7f7fffffu);
   std::uniform_real_distribution<double> log_mag(-30.0, 20.0);
   for (int i = 0; i < 100000; ++i) {
-    const float x = (i % 2) ? from_bits(any_finite(rng)) : static_cast<float>(std::exp2(log_mag(rng)));
+    const float x =
+        (i % 2) ? from_bits(any_finite(rng)) : static_cast<float>(std::exp2(log_mag(rng)));
     v.push_back(i % 3 ? x : -x);
   }
   return v;
@@ -141,7 +146,8 @@ TEST(RangeStatsTest, ScanMatchesDoublePrecisionAndC10Casts) {
 
 TEST(RangeStatsTest, HalfBf16AndStridedTensorsCountTheirValues) {
   torch::manual_seed(0);
-  const auto base = torch::randn({64, 96}) * torch::exp2(torch::randint(-30, 30, {64, 96}).to(torch::kFloat));
+  const auto base =
+      torch::randn({64, 96}) * torch::exp2(torch::randint(-30, 30, {64, 96}).to(torch::kFloat));
   for (auto dtype : {torch::kHalf, torch::kBFloat16, torch::kDouble}) {
     const auto low = base.to(dtype);
     const auto a = scan_range(low.t());  // non-contiguous
@@ -152,7 +158,8 @@ TEST(RangeStatsTest, HalfBf16AndStridedTensorsCountTheirValues) {
     EXPECT_EQ(a.abs_max, b.abs_max);
     EXPECT_EQ(a.min_nonzero, b.min_nonzero);
     EXPECT_EQ(a.histogram, b.histogram);
-    for (size_t i = 0; i < kAllFormats.size(); ++i) EXPECT_EQ(a.formats[i].overflow, b.formats[i].overflow);
+    for (size_t i = 0; i < kAllFormats.size(); ++i)
+      EXPECT_EQ(a.formats[i].overflow, b.formats[i].overflow);
   }
 }
 

@@ -24,7 +24,9 @@ std::string percent(double f) {
   return s.str();
 }
 
-std::string scope_name(const std::string& scope) { return scope.empty() ? "(top level)" : scope; }
+std::string scope_name(const std::string& scope) {
+  return scope.empty() ? "(top level)" : scope;
+}
 
 // Values of `r` that fall at or below 2^limit_exp, read from whole histogram
 // bins: a bin [2^e, 2^(e+1)) counts when 2^(e+1) <= 2^limit_exp.
@@ -41,7 +43,9 @@ double fraction(int64_t part, int64_t whole) {
 }
 
 // Power-of-two exponent of the zero boundary of `f`: min_subnormal / 2.
-int zero_exponent(Format f) { return std::ilogb(format(f).zero_up_to); }
+int zero_exponent(Format f) {
+  return std::ilogb(format(f).zero_up_to);
+}
 
 // Ops outside every named scope (data preparation, the loss, the seed
 // gradient of backward) are not the model's: autocast keeps losses in fp32.
@@ -73,13 +77,16 @@ std::string list_scopes(const std::vector<ScopeFinding>& v, bool with_max) {
   const size_t shown = std::min<size_t>(v.size(), 3);
   for (size_t i = 0; i < shown; ++i) {
     s << (i ? ", " : "") << scope_name(v[i].scope)
-      << (with_max ? " max " + sci(v[i].abs_max) : " " + percent(v[i].fraction_to_zero) + " to zero");
+      << (with_max ? " max " + sci(v[i].abs_max)
+                   : " " + percent(v[i].fraction_to_zero) + " to zero");
   }
   if (v.size() > shown) s << " and " << v.size() - shown << " more";
   return s.str();
 }
 
-std::string layers(size_t n) { return std::to_string(n) + (n == 1 ? " layer's" : " layers'"); }
+std::string layers(size_t n) {
+  return std::to_string(n) + (n == 1 ? " layer's" : " layers'");
+}
 
 // fp16 and bf16: activations as they are, gradients at the loss scale.
 FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOptions& o) {
@@ -89,8 +96,8 @@ FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOption
   const auto acts = per_scope(stats, Direction::kForward);
   const auto grads = per_scope(stats, Direction::kBackward);
   for (const auto& r : acts) {
-    ScopeFinding s{r.scope, Direction::kForward, r.abs_max, r.min_nonzero,
-                   r.fraction_overflow(f), r.fraction_to_zero(f)};
+    ScopeFinding s{r.scope,       Direction::kForward,    r.abs_max,
+                   r.min_nonzero, r.fraction_overflow(f), r.fraction_to_zero(f)};
     if (r.counts(f).overflow > 0) a.overflows.push_back(s);
   }
   // Loss scale: fp16 takes the largest power of two that keeps the largest
@@ -108,12 +115,17 @@ FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOption
   for (const auto& r : grads) {
     // Scaling by 2^k moves every value k binades up: exact on the histogram.
     // At k = 0 the exact per-format count is used.
-    const int64_t to_zero = k == 0 ? r.counts(f).to_zero : below_power_of_two(r, zero_exponent(f) - k);
+    const int64_t to_zero =
+        k == 0 ? r.counts(f).to_zero : below_power_of_two(r, zero_exponent(f) - k);
     const int64_t overflow = k == 0 ? r.counts(f).overflow : 0;
     lost += to_zero;
     total += r.nonzero_finite();
-    ScopeFinding s{r.scope, Direction::kBackward, r.abs_max, r.min_nonzero,
-                   fraction(overflow, r.nonzero_finite()), fraction(to_zero, r.nonzero_finite())};
+    ScopeFinding s{r.scope,
+                   Direction::kBackward,
+                   r.abs_max,
+                   r.min_nonzero,
+                   fraction(overflow, r.nonzero_finite()),
+                   fraction(to_zero, r.nonzero_finite())};
     if (overflow > 0) a.overflows.push_back(s);
     if (s.fraction_to_zero > o.underflow_tolerance()) a.underflows.push_back(s);
   }
@@ -123,8 +135,8 @@ FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOption
   const double lost_fraction = fraction(lost, total);
   if (!a.overflows.empty()) {
     a.verdict = Verdict::kOverflows;
-    a.reasons.push_back(name + ": " + layers(a.overflows.size()) + " values exceed " + sci(lim.max) +
-                        " (" + list_scopes(a.overflows, true) +
+    a.reasons.push_back(name + ": " + layers(a.overflows.size()) + " values exceed " +
+                        sci(lim.max) + " (" + list_scopes(a.overflows, true) +
                         "); use a wider format or keep those layers in fp32 with a cast policy "
                         "(ampx::policy)");
   }
@@ -136,10 +148,10 @@ FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOption
   }
   if (f == Format::kFloat16 && a.verdict == Verdict::kSafe && !grads.empty()) {
     a.verdict = Verdict::kNeedsScaling;
-    a.reasons.push_back(name + ": largest gradient " + sci(grad_max) + "; loss scale " + sci(a.loss_scale) +
-                        " keeps it below " + sci(lim.max / o.headroom()) + " and loses " +
-                        percent(lost_fraction) + " of gradient values to zero (GradScaler finds " +
-                        "such a scale by itself)");
+    a.reasons.push_back(
+        name + ": largest gradient " + sci(grad_max) + "; loss scale " + sci(a.loss_scale) +
+        " keeps it below " + sci(lim.max / o.headroom()) + " and loses " + percent(lost_fraction) +
+        " of gradient values to zero (GradScaler finds " + "such a scale by itself)");
   }
   if (a.verdict == Verdict::kSafe) {
     a.reasons.push_back(name + ": no value overflows; " + percent(lost_fraction) +
@@ -162,7 +174,8 @@ FormatAdvice advise_fp8(Format f, const RangeStats& stats, const AdvisorOptions&
   bool raw_problem = false;
   for (const auto& r : stats.records) {
     if (r.direction != d || r.nonzero_finite() == 0 || !judged(stats, r.scope)) continue;
-    if (r.counts(f).overflow > 0 || r.fraction_to_zero(f) > o.underflow_tolerance()) raw_problem = true;
+    if (r.counts(f).overflow > 0 || r.fraction_to_zero(f) > o.underflow_tolerance())
+      raw_problem = true;
     const int shift = static_cast<int>(std::floor(std::log2(lim.max / r.abs_max)));
     const int64_t to_zero = below_power_of_two(r, zero_exponent(f) - shift);
     auto it = std::find(order.begin(), order.end(), r.scope);
@@ -193,13 +206,14 @@ FormatAdvice advise_fp8(Format f, const RangeStats& stats, const AdvisorOptions&
   const std::string name = lim.name;
   if (!a.underflows.empty()) {
     a.verdict = Verdict::kUnderflows;
-    a.reasons.push_back(name + " (" + what + ", scaled per tensor to its amax): " +
-                        layers(a.underflows.size()) + " values lose more than " +
-                        percent(o.underflow_tolerance()) + " to zero (" +
-                        list_scopes(a.underflows, false) + ")");
+    a.reasons.push_back(name + " (" + what +
+                        ", scaled per tensor to its amax): " + layers(a.underflows.size()) +
+                        " values lose more than " + percent(o.underflow_tolerance()) +
+                        " to zero (" + list_scopes(a.underflows, false) + ")");
   } else if (raw_problem) {
     a.verdict = Verdict::kNeedsScaling;
-    a.reasons.push_back(name + " (" + what + "): unscaled values leave its range; scaled per tensor " +
+    a.reasons.push_back(name + " (" + what +
+                        "): unscaled values leave its range; scaled per tensor " +
                         "to its amax they lose " + percent(fraction(all_lost, all)) + " to zero");
   } else {
     a.reasons.push_back(name + " (" + what + "): in range even unscaled; " +
@@ -212,10 +226,14 @@ FormatAdvice advise_fp8(Format f, const RangeStats& stats, const AdvisorOptions&
 
 std::string to_string(Verdict v) {
   switch (v) {
-    case Verdict::kSafe: return "safe";
-    case Verdict::kNeedsScaling: return "needs scaling";
-    case Verdict::kOverflows: return "overflows";
-    case Verdict::kUnderflows: return "underflows";
+    case Verdict::kSafe:
+      return "safe";
+    case Verdict::kNeedsScaling:
+      return "needs scaling";
+    case Verdict::kOverflows:
+      return "overflows";
+    case Verdict::kUnderflows:
+      return "underflows";
   }
   return "?";
 }
@@ -298,8 +316,8 @@ std::string PrecisionAdvice::to_json() const {
     o << (i ? ", " : "") << "{\"format\": " << json_string(to_string(a.format))
       << ", \"verdict\": " << json_string(to_string(a.verdict))
       << ", \"loss_scale\": " << json_number(a.loss_scale)
-      << ", \"overflows\": " << findings(a.overflows) << ", \"underflows\": " << findings(a.underflows)
-      << ", \"reasons\": [";
+      << ", \"overflows\": " << findings(a.overflows)
+      << ", \"underflows\": " << findings(a.underflows) << ", \"reasons\": [";
     for (size_t r = 0; r < a.reasons.size(); ++r) o << (r ? ", " : "") << json_string(a.reasons[r]);
     o << "]}";
   }

@@ -18,9 +18,16 @@ FormatLimits make(Format f, const char* name, int mantissa_bits, float max, int 
   const float min_normal = std::ldexp(1.0f, min_normal_exp);
   const float min_subnormal = std::ldexp(1.0f, min_normal_exp - mantissa_bits);
   const float half_subnormal = min_subnormal / 2;
-  return FormatLimits{f,           name,          mantissa_bits,      max,
-                      min_normal,  min_subnormal, overflow_from,      overflow_inclusive,
-                      half_subnormal, min_normal - half_subnormal};
+  return FormatLimits{f,
+                      name,
+                      mantissa_bits,
+                      max,
+                      min_normal,
+                      min_subnormal,
+                      overflow_from,
+                      overflow_inclusive,
+                      half_subnormal,
+                      min_normal - half_subnormal};
 }
 
 const FormatLimits kLimits[] = {
@@ -40,7 +47,9 @@ const FormatLimits& format(Format f) {
   return kLimits[i];
 }
 
-std::string to_string(Format f) { return format(f).name; }
+std::string to_string(Format f) {
+  return format(f).name;
+}
 
 }  // namespace debug
 }  // namespace ampx

@@ -19,10 +19,18 @@ inline std::string json_string(const std::string& s) {
   o << '"';
   for (const unsigned char c : s) {
     switch (c) {
-      case '"': o << "\\\""; break;
-      case '\\': o << "\\\\"; break;
-      case '\n': o << "\\n"; break;
-      case '\t': o << "\\t"; break;
+      case '"':
+        o << "\\\"";
+        break;
+      case '\\':
+        o << "\\\\";
+        break;
+      case '\n':
+        o << "\\n";
+        break;
+      case '\t':
+        o << "\\t";
+        break;
       default:
         if (c < 0x20) {
           o << "\\u" << std::hex << std::setw(4) << std::setfill('0') << static_cast<int>(c)

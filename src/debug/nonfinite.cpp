@@ -68,8 +68,8 @@ std::string NonFiniteReport::message() const {
     m << " " << in.name;
     if (!in.parameter.empty()) m << " (parameter " << in.parameter << ")";
     if (in.written) m << " (written)";
-    m << " " << c10::toString(in.dtype) << " " << shape_string(in.shape)
-      << " abs max " << number(in.abs_max);
+    m << " " << c10::toString(in.dtype) << " " << shape_string(in.shape) << " abs max "
+      << number(in.abs_max);
     if (in.non_finite > 0) m << ", " << in.non_finite << " non-finite";
     m << ";";
   }
@@ -142,8 +142,7 @@ struct NonFiniteGuard::Impl : detail::Observer {
       // A Scalar argument that reached the op as a wrapped-number tensor.
       if (v.isTensor() && v.toTensor().defined() &&
           v.toTensor().unsafeGetTensorImpl()->is_wrapped_number() &&
-          v.toTensor().is_floating_point() &&
-          !std::isfinite(v.toTensor().item<double>())) {
+          v.toTensor().is_floating_point() && !std::isfinite(v.toTensor().item<double>())) {
         return true;
       }
     }
@@ -177,9 +176,8 @@ struct NonFiniteGuard::Impl : detail::Observer {
       }
     }
     const auto& storage = t.storage();
-    deliberate_values.insert_or_assign(
-        storage.unsafeGetStorageImpl(),
-        storage.getWeakStorageImpl());
+    deliberate_values.insert_or_assign(storage.unsafeGetStorageImpl(),
+                                       storage.getWeakStorageImpl());
   }
 
   NonFiniteOptions options;
@@ -190,16 +188,22 @@ struct NonFiniteGuard::Impl : detail::Observer {
 };
 
 NonFiniteGuard::NonFiniteGuard(NonFiniteOptions options) {
-  TORCH_CHECK(options.max_reports() >= 0,
-              "NonFiniteGuard: max_reports must be >= 0, got ", options.max_reports());
+  TORCH_CHECK(options.max_reports() >= 0, "NonFiniteGuard: max_reports must be >= 0, got ",
+              options.max_reports());
   impl_ = std::make_unique<Impl>(options);
   detail::attach(impl_.get());
 }
 
-NonFiniteGuard::~NonFiniteGuard() { detail::detach(impl_.get()); }
+NonFiniteGuard::~NonFiniteGuard() {
+  detail::detach(impl_.get());
+}
 
-const std::vector<NonFiniteReport>& NonFiniteGuard::reports() const { return impl_->reports; }
-int64_t NonFiniteGuard::count() const { return impl_->count; }
+const std::vector<NonFiniteReport>& NonFiniteGuard::reports() const {
+  return impl_->reports;
+}
+int64_t NonFiniteGuard::count() const {
+  return impl_->count;
+}
 
 }  // namespace debug
 }  // namespace ampx

@@ -4,9 +4,9 @@
 #include "tensor_scan.h"
 
 #include <ATen/core/function_schema.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,11 +25,16 @@ constexpr c10::DispatchKey kKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
 
 // Factories whose outputs are uninitialised memory: never inspected.
 const std::unordered_set<std::string>& uninitialised_ops() {
-  static const std::unordered_set<std::string> ops = {
-      "aten::empty",     "aten::empty_like",        "aten::empty_strided",
-      "aten::new_empty", "aten::new_empty_strided", "aten::resize_",
-      "aten::resize_as_", "aten::_empty_affine_quantized", "aten::empty_quantized",
-      "aten::set_"};
+  static const std::unordered_set<std::string> ops = {"aten::empty",
+                                                      "aten::empty_like",
+                                                      "aten::empty_strided",
+                                                      "aten::new_empty",
+                                                      "aten::new_empty_strided",
+                                                      "aten::resize_",
+                                                      "aten::resize_as_",
+                                                      "aten::_empty_affine_quantized",
+                                                      "aten::empty_quantized",
+                                                      "aten::set_"};
   return ops;
 }
 
@@ -44,10 +49,10 @@ Global& global() {
 }
 
 struct ThreadState {
-  int observers = 0;            // live observers owned by this thread
+  int observers = 0;  // live observers owned by this thread
   at::CallbackHandle callback = 0;
-  bool busy = false;            // inside an observer: its own ops pass through
-  int depth = 0;                // nesting of observed ops
+  bool busy = false;  // inside an observer: its own ops pass through
+  int depth = 0;      // nesting of observed ops
   // Outputs inspected during the current top-level op: (data, numel, dtype).
   std::vector<std::tuple<const void*, int64_t, c10::ScalarType>> seen;
   std::vector<std::pair<std::string, std::string>> nodes;  // backward: (node, scope)
@@ -57,8 +62,7 @@ thread_local ThreadState t_state;
 // Autograd runs a node inside a RecordFunction of scope BACKWARD_FUNCTION;
 // its sequence number and forward thread name the forward op's scope.
 std::unique_ptr<at::ObserverContext> on_node_start(const at::RecordFunction& fn) {
-  t_state.nodes.emplace_back(fn.name(),
-                             scope_of_sequence_nr(fn.forwardThreadId(), fn.seqNr()));
+  t_state.nodes.emplace_back(fn.name(), scope_of_sequence_nr(fn.forwardThreadId(), fn.seqNr()));
   return nullptr;
 }
 void on_node_end(const at::RecordFunction&, at::ObserverContext*) {
@@ -132,8 +136,8 @@ std::vector<OutputTensor> fresh_floating_outputs(const c10::OperatorHandle& op,
           t.layout() != c10::kStrided) {
         return;
       }
-      const auto key = std::make_tuple(static_cast<const void*>(t.data_ptr()), t.numel(),
-                                       t.scalar_type());
+      const auto key =
+          std::make_tuple(static_cast<const void*>(t.data_ptr()), t.numel(), t.scalar_type());
       if (composite && !written &&
           std::find(state->seen.begin(), state->seen.end(), key) != state->seen.end()) {
         return;
@@ -188,8 +192,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::ji
     event.scope = &scope;
     event.backward_node = in_backward ? &state.nodes.back().first : &kNone;
     event.inputs = inputs;
-    event.outputs = c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_returns,
-                                               num_returns);
+    event.outputs =
+        c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - num_returns, num_returns);
     event.tensors = fresh_floating_outputs(op, event.outputs, &state);
     if (event.tensors.empty()) return;
 
@@ -216,8 +220,8 @@ void attach(Observer* observer) {
     std::lock_guard<std::mutex> lock(g.mutex);
     if (!g.library) {
       try {
-        auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey,
-                                                        __FILE__, __LINE__);
+        auto library =
+            std::make_unique<torch::Library>(torch::Library::IMPL, "_", kKey, __FILE__, __LINE__);
         library->fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>());
         g.library = std::move(library);
       } catch (const c10::Error& e) {
@@ -233,9 +237,9 @@ void attach(Observer* observer) {
   auto& state = t_state;
   if (state.observers++ == 0) {
     c10::impl::tls_set_dispatch_key_included(kKey, true);
-    state.callback = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(&on_node_start, &on_node_end)
-            .scopes({at::RecordScope::BACKWARD_FUNCTION}));
+    state.callback =
+        at::addThreadLocalCallback(at::RecordFunctionCallback(&on_node_start, &on_node_end)
+                                       .scopes({at::RecordScope::BACKWARD_FUNCTION}));
   }
   set_recording(true);
 }

@@ -69,7 +69,6 @@ class Observer {
 void attach(Observer* observer);
 void detach(Observer* observer);
 
-
 /// Inputs of an event as summaries (name, dtype, shape, abs max, non-finite
 /// count, parameter name).
 std::vector<TensorSummary> summarize_inputs(const OpEvent& event);

@@ -26,7 +26,9 @@ double fraction(int64_t part, int64_t whole) {
 
 }  // namespace
 
-const FormatCounts& RangeRecord::counts(Format f) const { return formats[format_index(f)]; }
+const FormatCounts& RangeRecord::counts(Format f) const {
+  return formats[format_index(f)];
+}
 
 double RangeRecord::fraction_overflow(Format f) const {
   return fraction(counts(f).overflow, nonzero_finite());
@@ -45,7 +47,8 @@ void RangeRecord::merge(const RangeRecord& o) {
   zeros += o.zeros;
   non_finite += o.non_finite;
   abs_max = std::max(abs_max, o.abs_max);
-  if (o.nonzero_finite() > 0) min_nonzero = had ? std::min(min_nonzero, o.min_nonzero) : o.min_nonzero;
+  if (o.nonzero_finite() > 0)
+    min_nonzero = had ? std::min(min_nonzero, o.min_nonzero) : o.min_nonzero;
   for (int i = 0; i < kBins; ++i) histogram[i] += o.histogram[i];
   for (size_t f = 0; f < formats.size(); ++f) {
     formats[f].overflow += o.formats[f].overflow;
@@ -77,26 +80,29 @@ std::string RangeStats::to_json() const {
   using detail::json_number;
   using detail::json_string;
   std::ostringstream o;
-  o << "{\"ops_seen\": " << ops_seen << ", \"histogram_min_exponent\": " << RangeRecord::kMinExponent
-    << ", \"records\": [";
+  o << "{\"ops_seen\": " << ops_seen
+    << ", \"histogram_min_exponent\": " << RangeRecord::kMinExponent << ", \"records\": [";
   for (size_t i = 0; i < records.size(); ++i) {
     const auto& r = records[i];
     o << (i ? ",\n" : "\n") << "{\"scope\": " << json_string(r.scope)
-      << ", \"op\": " << json_string(r.op) << ", \"direction\": " << json_string(to_string(r.direction))
-      << ", \"calls\": " << r.calls << ", \"numel\": " << r.numel << ", \"zeros\": " << r.zeros
+      << ", \"op\": " << json_string(r.op)
+      << ", \"direction\": " << json_string(to_string(r.direction)) << ", \"calls\": " << r.calls
+      << ", \"numel\": " << r.numel << ", \"zeros\": " << r.zeros
       << ", \"non_finite\": " << r.non_finite << ", \"abs_max\": " << json_number(r.abs_max)
       << ", \"min_nonzero\": " << json_number(r.min_nonzero) << ", \"formats\": {";
     for (size_t f = 0; f < kAllFormats.size(); ++f) {
       const auto& c = r.formats[f];
-      o << (f ? ", " : "") << json_string(to_string(kAllFormats[f])) << ": {\"overflow\": " << c.overflow
-        << ", \"to_zero\": " << c.to_zero << ", \"subnormal\": " << c.subnormal << "}";
+      o << (f ? ", " : "") << json_string(to_string(kAllFormats[f]))
+        << ": {\"overflow\": " << c.overflow << ", \"to_zero\": " << c.to_zero
+        << ", \"subnormal\": " << c.subnormal << "}";
     }
     // The histogram as [exponent, count] pairs of its non-empty bins.
     o << "}, \"log2_histogram\": [";
     bool first = true;
     for (int b = 0; b < RangeRecord::kBins; ++b) {
       if (r.histogram[b] == 0) continue;
-      o << (first ? "" : ", ") << "[" << (RangeRecord::kMinExponent + b) << ", " << r.histogram[b] << "]";
+      o << (first ? "" : ", ") << "[" << (RangeRecord::kMinExponent + b) << ", " << r.histogram[b]
+        << "]";
       first = false;
     }
     o << "]}";
@@ -137,7 +143,9 @@ RangeStatsCollector::RangeStatsCollector(RangeStatsOptions options)
   detail::attach(impl_.get());
 }
 
-RangeStatsCollector::~RangeStatsCollector() { detail::detach(impl_.get()); }
+RangeStatsCollector::~RangeStatsCollector() {
+  detail::detach(impl_.get());
+}
 
 RangeStats RangeStatsCollector::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

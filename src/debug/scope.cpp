@@ -122,7 +122,9 @@ std::string scope_of_sequence_nr(uint64_t forward_thread, int64_t sequence_nr) {
   return std::prev(after)->second;
 }
 
-bool any_parameter_named() { return registry().any_parameter.load(std::memory_order_relaxed); }
+bool any_parameter_named() {
+  return registry().any_parameter.load(std::memory_order_relaxed);
+}
 
 bool parameter_name(const c10::TensorImpl* impl, ParameterName* out) {
   auto& r = registry();
@@ -203,16 +205,30 @@ std::string module_path(const torch::nn::Module& module) {
   return module.name();
 }
 
-ScopeGuard::ScopeGuard(std::string name) { detail::push_scope(std::move(name)); }
-ScopeGuard::~ScopeGuard() { detail::pop_scope(); }
+ScopeGuard::ScopeGuard(std::string name) {
+  detail::push_scope(std::move(name));
+}
+ScopeGuard::~ScopeGuard() {
+  detail::pop_scope();
+}
 
-ModuleScope::ModuleScope(const torch::nn::Module& module) { detail::push_scope(module_path(module)); }
-ModuleScope::~ModuleScope() { detail::pop_scope(); }
+ModuleScope::ModuleScope(const torch::nn::Module& module) {
+  detail::push_scope(module_path(module));
+}
+ModuleScope::~ModuleScope() {
+  detail::pop_scope();
+}
 
-std::string current_scope() { return detail::innermost_scope(); }
+std::string current_scope() {
+  return detail::innermost_scope();
+}
 
-void set_step(int64_t step) { g_step.store(step, std::memory_order_relaxed); }
-int64_t current_step() { return g_step.load(std::memory_order_relaxed); }
+void set_step(int64_t step) {
+  g_step.store(step, std::memory_order_relaxed);
+}
+int64_t current_step() {
+  return g_step.load(std::memory_order_relaxed);
+}
 
 }  // namespace debug
 }  // namespace ampx

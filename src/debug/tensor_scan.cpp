@@ -1,7 +1,7 @@
 #include "tensor_scan.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/Functions.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -35,26 +35,46 @@ inline float float_of(uint32_t u) {
 }
 
 // |x| as float32 bits, for each element type the scans read.
-inline uint32_t abs_bits(float x) { return bits_of(x) & kAbsMask; }
-inline uint32_t abs_bits(c10::BFloat16 x) { return (static_cast<uint32_t>(x.x) << 16) & kAbsMask; }
-inline uint32_t abs_bits(c10::Half x) { return bits_of(static_cast<float>(x)) & kAbsMask; }
-inline uint32_t abs_bits(double x) { return bits_of(static_cast<float>(x)) & kAbsMask; }
+inline uint32_t abs_bits(float x) {
+  return bits_of(x) & kAbsMask;
+}
+inline uint32_t abs_bits(c10::BFloat16 x) {
+  return (static_cast<uint32_t>(x.x) << 16) & kAbsMask;
+}
+inline uint32_t abs_bits(c10::Half x) {
+  return bits_of(static_cast<float>(x)) & kAbsMask;
+}
+inline uint32_t abs_bits(double x) {
+  return bits_of(static_cast<float>(x)) & kAbsMask;
+}
 
-inline bool is_nan(float x) { return std::isnan(x); }
-inline bool is_nan(double x) { return std::isnan(x); }
-inline bool is_nan(c10::BFloat16 x) { return std::isnan(static_cast<float>(x)); }
-inline bool is_nan(c10::Half x) { return std::isnan(static_cast<float>(x)); }
+inline bool is_nan(float x) {
+  return std::isnan(x);
+}
+inline bool is_nan(double x) {
+  return std::isnan(x);
+}
+inline bool is_nan(c10::BFloat16 x) {
+  return std::isnan(static_cast<float>(x));
+}
+inline bool is_nan(c10::Half x) {
+  return std::isnan(static_cast<float>(x));
+}
 template <typename T>
 inline double to_double(T x) {
   return static_cast<double>(static_cast<float>(x));
 }
-inline double to_double(double x) { return x; }
+inline double to_double(double x) {
+  return x;
+}
 
 template <typename T>
 inline bool is_finite(T x) {
   return std::isfinite(static_cast<double>(static_cast<float>(x)));
 }
-inline bool is_finite(double x) { return std::isfinite(x); }
+inline bool is_finite(double x) {
+  return std::isfinite(x);
+}
 
 at::Tensor host_contiguous(const at::Tensor& t) {
   auto host = t.device().is_cpu() ? t : t.to(at::kCPU);
@@ -64,10 +84,14 @@ at::Tensor host_contiguous(const at::Tensor& t) {
 template <typename F>
 void dispatch_floating(const at::Tensor& t, const char* what, F&& f) {
   switch (t.scalar_type()) {
-    case at::kFloat: return f(t.data_ptr<float>());
-    case at::kDouble: return f(t.data_ptr<double>());
-    case at::kHalf: return f(t.data_ptr<c10::Half>());
-    case at::kBFloat16: return f(t.data_ptr<c10::BFloat16>());
+    case at::kFloat:
+      return f(t.data_ptr<float>());
+    case at::kDouble:
+      return f(t.data_ptr<double>());
+    case at::kHalf:
+      return f(t.data_ptr<c10::Half>());
+    case at::kBFloat16:
+      return f(t.data_ptr<c10::BFloat16>());
     default:
       TORCH_CHECK(false, what, ": expected a float32, float64, float16 or bfloat16 tensor, got ",
                   t.scalar_type());
@@ -151,7 +175,7 @@ void full_finite_scan(const T* data, int64_t n, FiniteScan* out) {
 // Per format: counts of |x| >= bound for three bounds (overflow, beyond the
 // zero boundary, normal), as float32 bit patterns of |x|.
 struct Bounds {
-  std::array<uint32_t, 12> ge{};  // [format * 3 + {0 overflow, 1 above zero, 2 normal}]
+  std::array<uint32_t, 12> ge{};    // [format * 3 + {0 overflow, 1 above zero, 2 normal}]
   std::array<bool, 256> special{};  // exponent fields holding a bound
 };
 const Bounds& bounds() {

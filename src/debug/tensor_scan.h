@@ -17,8 +17,8 @@ namespace detail {
 struct FiniteScan {
   int64_t nan = 0;
   int64_t inf = 0;
-  double abs_max = 0;         // over the finite values
-  int64_t first_bad = -1;     // flat (row-major) index of the first inf/NaN
+  double abs_max = 0;      // over the finite values
+  int64_t first_bad = -1;  // flat (row-major) index of the first inf/NaN
   double first_value = 0;
 };
 

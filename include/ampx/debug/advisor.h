@@ -61,8 +61,8 @@ struct ScopeFinding {
   Direction direction = Direction::kForward;
   double abs_max = 0;
   double min_nonzero = 0;
-  double fraction_overflow = 0;   ///< at the scale the advisor chose
-  double fraction_to_zero = 0;    ///< at the scale the advisor chose
+  double fraction_overflow = 0;  ///< at the scale the advisor chose
+  double fraction_to_zero = 0;   ///< at the scale the advisor chose
 };
 
 struct FormatAdvice {
@@ -81,7 +81,7 @@ struct FormatAdvice {
 struct PrecisionAdvice {
   std::array<FormatAdvice, 4> formats;  ///< indexed like kAllFormats
   Format recommended = Format::kBFloat16;
-  std::string recommendation;           ///< one sentence
+  std::string recommendation;  ///< one sentence
 
   const FormatAdvice& at(Format format) const;
   Verdict verdict(Format format) const { return at(format).verdict; }

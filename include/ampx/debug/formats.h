@@ -30,15 +30,15 @@ inline constexpr std::array<Format, 4> kAllFormats = {Format::kFloat16, Format::
 
 struct FormatLimits {
   Format format;
-  const char* name;           ///< "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"
-  int mantissa_bits;          ///< explicit mantissa bits: 10, 7, 3, 2
-  float max;                  ///< largest finite value (finfo.max)
-  float min_normal;           ///< smallest positive normal (finfo.tiny / smallest_normal)
-  float min_subnormal;        ///< smallest positive subnormal
-  float overflow_from;        ///< |x| at or beyond this does not fit (see overflow_inclusive)
-  bool overflow_inclusive;    ///< whether |x| == overflow_from overflows (ties to even)
-  float zero_up_to;           ///< 0 < |x| <= this rounds to zero: min_subnormal / 2
-  float normal_from;          ///< |x| below this (and above zero_up_to) becomes subnormal
+  const char* name;         ///< "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"
+  int mantissa_bits;        ///< explicit mantissa bits: 10, 7, 3, 2
+  float max;                ///< largest finite value (finfo.max)
+  float min_normal;         ///< smallest positive normal (finfo.tiny / smallest_normal)
+  float min_subnormal;      ///< smallest positive subnormal
+  float overflow_from;      ///< |x| at or beyond this does not fit (see overflow_inclusive)
+  bool overflow_inclusive;  ///< whether |x| == overflow_from overflows (ties to even)
+  float zero_up_to;         ///< 0 < |x| <= this rounds to zero: min_subnormal / 2
+  float normal_from;        ///< |x| below this (and above zero_up_to) becomes subnormal
 };
 
 /// The limits of `format`.

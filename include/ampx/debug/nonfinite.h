@@ -67,22 +67,22 @@ struct NonFiniteOptions {
 
 /// One tensor an op took.
 struct TensorSummary {
-  std::string name;              ///< the schema's argument name: "self", "mat2"
+  std::string name;  ///< the schema's argument name: "self", "mat2"
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   std::vector<int64_t> shape;
-  double abs_max = 0;            ///< over the finite values
-  int64_t non_finite = 0;        ///< inf and NaN elements it already held
-  std::string parameter;         ///< "blocks.0.fc.weight" for a named parameter
-  bool written = false;          ///< the op wrote into it (in place, out=): values after the op
+  double abs_max = 0;      ///< over the finite values
+  int64_t non_finite = 0;  ///< inf and NaN elements it already held
+  std::string parameter;   ///< "blocks.0.fc.weight" for a named parameter
+  bool written = false;    ///< the op wrote into it (in place, out=): values after the op
 };
 
 struct NonFiniteReport {
-  std::string op;                  ///< "aten::log"
+  std::string op;  ///< "aten::log"
   Direction direction = Direction::kForward;
-  std::string scope;               ///< innermost scope ("" when none)
-  std::string backward_node;       ///< autograd node in backward: "LogBackward0"
-  int64_t step = -1;               ///< debug::current_step(), -1 when unknown
-  size_t output_index = 0;         ///< which output of the op
+  std::string scope;          ///< innermost scope ("" when none)
+  std::string backward_node;  ///< autograd node in backward: "LogBackward0"
+  int64_t step = -1;          ///< debug::current_step(), -1 when unknown
+  size_t output_index = 0;    ///< which output of the op
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   std::vector<int64_t> shape;
   int64_t numel = 0;

@@ -54,12 +54,12 @@ struct RangeRecord {
   std::string scope;
   std::string op;
   Direction direction = Direction::kForward;
-  int64_t calls = 0;          ///< outputs recorded
-  int64_t numel = 0;          ///< values recorded
+  int64_t calls = 0;  ///< outputs recorded
+  int64_t numel = 0;  ///< values recorded
   int64_t zeros = 0;
   int64_t non_finite = 0;
-  double abs_max = 0;         ///< over finite values
-  double min_nonzero = 0;     ///< smallest non-zero |x|; 0 when none
+  double abs_max = 0;      ///< over finite values
+  double min_nonzero = 0;  ///< smallest non-zero |x|; 0 when none
   std::array<int64_t, kBins> histogram{};
   std::array<FormatCounts, 4> formats{};  ///< indexed like kAllFormats
 
