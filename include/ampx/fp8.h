@@ -7,3 +7,4 @@
 
 #include "ampx/fp8/cast.h"
 #include "ampx/fp8/scaling.h"
+#include "ampx/fp8/linear.h"
