@@ -19,15 +19,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-bool has_cpu_fp16_autocast() {
-  try {
-    AutocastGuard g(torch::kCPU, torch::kHalf);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
-
 // fc1's weights are multiplied by `up` and fc2's by `down`, so that a model
 // can carry large activations between them and still produce small outputs.
 struct ScaledMlpImpl : torch::nn::Module {
@@ -85,7 +76,7 @@ TEST(AdvisorTest, PredictsTheFp16ActivationOverflowThatFp16TrainingThenHits) {
   EXPECT_THAT(advice.to_markdown(), HasSubstr("mlp.fc1 max "));
   EXPECT_THAT(advice.to_json(), HasSubstr("\"verdict\": \"overflows\""));
 
-  if (!has_cpu_fp16_autocast()) {
+  if (!test::cpu_fp16_autocast()) {
     clear_module_names();
     GTEST_SKIP() << "the prediction holds; checking it in fp16 needs float16 CPU autocast (2.x)";
   }
@@ -120,7 +111,7 @@ TEST(AdvisorTest, ChoosesTheLossScaleThatRescuesTinyFp16Gradients) {
   EXPECT_TRUE(fp16.underflows.empty()) << advice.to_markdown();
   EXPECT_EQ(advice.verdict(Format::kBFloat16), Verdict::kSafe) << advice.to_markdown();
 
-  if (!has_cpu_fp16_autocast()) {
+  if (!test::cpu_fp16_autocast()) {
     clear_module_names();
     GTEST_SKIP() << "the prediction holds; checking it in fp16 needs float16 CPU autocast (2.x)";
   }

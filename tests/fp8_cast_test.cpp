@@ -20,6 +20,8 @@ namespace {
 
 using ampx::fp8::Fp8Format;
 using ::testing::HasSubstr;
+using ampx::test::from_bits;
+using ampx::test::to_bits;
 
 constexpr Fp8Format kFormats[] = {Fp8Format::kE4M3, Fp8Format::kE5M2};
 
@@ -36,17 +38,6 @@ double formula_value(int code, Fp8Format f) {
   return sign * std::ldexp(1.0 + m / double(1 << M), E - bias);
 }
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 std::vector<uint8_t> read_bytes(const std::string& name) {
   const std::string path = ampx::test::reference_dir() + "/" + name;

@@ -23,18 +23,9 @@ using ampx::fp8::Fp8Format;
 using ampx::fp8::Pass;
 using ampx::fp8::RecipeFormat;
 using ::testing::HasSubstr;
+using ampx::test::from_bits;
+using ampx::test::to_bits;
 
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
 
 torch::Tensor amax1(float a) {
   return torch::full({1}, a);

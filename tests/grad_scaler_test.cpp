@@ -18,6 +18,7 @@ using ampx::GradScalerOptions;
 using ampx::OptState;
 using ampx::test::Batch;
 using ampx::test::copy_params;
+using ampx::test::cpu_fp16_autocast;
 using ampx::test::error_text;
 using ampx::test::expect_unchanged;
 using ampx::test::make_batch;
@@ -470,15 +471,6 @@ TEST(GradScalerTest, ScalerAwareOptimizerMayHaveFp16Grads) {
 }
 
 // ---- real float16 overflow and underflow (CPU float16 autocast: LibTorch 2.x)
-
-bool cpu_fp16_autocast() {
-  try {
-    ampx::AutocastGuard g(torch::kCPU, torch::kHalf);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
 
 TEST(GradScalerTest, RealFp16OverflowBacksOffAndSkipsThenTrains) {
   if (!cpu_fp16_autocast()) {

@@ -21,15 +21,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-bool has_cpu_fp16_autocast() {
-  try {
-    ampx::AutocastGuard g(torch::kCPU, torch::kHalf);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
-  }
-}
-
 // Runs `f`, which must throw NonFiniteError, and returns its report.
 template <typename F>
 NonFiniteReport expect_report(F&& f) {
@@ -161,7 +152,7 @@ TEST(NonFiniteGuardTest, BackwardCanBeLeftUnchecked) {
 }
 
 TEST(NonFiniteGuardTest, Fp16OverflowUnderAutocastNamesTheLayerOn2x) {
-  if (!has_cpu_fp16_autocast()) {
+  if (!test::cpu_fp16_autocast()) {
     GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no float16 CPU autocast";
   }
   torch::manual_seed(0);

@@ -21,16 +21,8 @@ namespace ampx {
 namespace debug {
 namespace {
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+using ampx::test::from_bits;
+using ampx::test::to_bits;
 
 TEST(FormatsTest, LimitsAndRoundingBoundariesMatchTorch) {
   const auto ref = test::load_reference("format_limits.json");
@@ -47,10 +39,10 @@ TEST(FormatsTest, LimitsAndRoundingBoundariesMatchTorch) {
     EXPECT_EQ(lim.min_subnormal, t.at("min_subnormal").get<double>());
     // torch's casts: the first float32 that overflows, the last that rounds
     // to zero, the first that rounds to a normal.
-    EXPECT_EQ(bits(lim.overflow_from) + (lim.overflow_inclusive ? 0 : 1),
+    EXPECT_EQ(to_bits(lim.overflow_from) + (lim.overflow_inclusive ? 0 : 1),
               t.at("overflow_from_bits").get<uint32_t>());
-    EXPECT_EQ(bits(lim.zero_up_to), t.at("zero_up_to_bits").get<uint32_t>());
-    EXPECT_EQ(bits(lim.normal_from), t.at("normal_from_bits").get<uint32_t>());
+    EXPECT_EQ(to_bits(lim.zero_up_to), t.at("zero_up_to_bits").get<uint32_t>());
+    EXPECT_EQ(to_bits(lim.normal_from), t.at("normal_from_bits").get<uint32_t>());
   }
 }
 
@@ -71,7 +63,7 @@ std::vector<float> probe_values() {
     for (float b :
          {l.max, l.min_normal, l.min_subnormal, l.overflow_from, l.zero_up_to, l.normal_from}) {
       for (int d = -1; d <= 1; ++d) {
-        const float x = from_bits(bits(b) + d);
+        const float x = from_bits(to_bits(b) + d);
         v.push_back(x);
         v.push_back(-x);
       }

@@ -2,6 +2,7 @@
 
 // Helpers shared by ampx's tests.
 
+#include "ampx/autocast.h"
 #include "ampx/optim.h"
 
 #include <c10/util/Exception.h>
@@ -10,7 +11,9 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -19,6 +22,28 @@
 
 namespace ampx {
 namespace test {
+
+/// Whether this LibTorch has float16 CPU autocast (2.x does, 1.13 not).
+inline bool cpu_fp16_autocast() {
+  try {
+    ampx::AutocastGuard g(torch::kCPU, torch::kHalf);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+/// A float32's bit pattern, and back.
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 /// Directory holding the files tests/reference/torch_reference.py wrote
 /// (ctest sets AMPX_REFERENCE_DIR; the fixture test generates them).

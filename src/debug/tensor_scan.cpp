@@ -98,49 +98,27 @@ void dispatch_floating(const at::Tensor& t, const char* what, F&& f) {
   }
 }
 
+// Non-finite test on the bits (all exponent bits set), so that the loops
+// vectorize; double through std::isfinite.
+inline bool non_finite(float x) {
+  return (bits_of(x) & kExpMask) == kExpMask;
+}
+inline bool non_finite(c10::BFloat16 x) {
+  return (x.x & 0x7f80u) == 0x7f80u;
+}
+inline bool non_finite(c10::Half x) {
+  return (x.x & 0x7c00u) == 0x7c00u;
+}
+inline bool non_finite(double x) {
+  return !std::isfinite(x);
+}
+
 template <typename T>
 int64_t count_non_finite(const T* data, int64_t n) {
   std::vector<int64_t> per_thread(at::get_num_threads(), 0);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     int64_t bad = 0;
-    for (int64_t i = begin; i < end; ++i) bad += !is_finite(data[i]);
-    per_thread[at::get_thread_num()] += bad;
-  });
-  int64_t total = 0;
-  for (auto b : per_thread) total += b;
-  return total;
-}
-// float: on the bits, so that the loop vectorizes.
-template <>
-int64_t count_non_finite<float>(const float* data, int64_t n) {
-  std::vector<int64_t> per_thread(at::get_num_threads(), 0);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    int64_t bad = 0;
-    for (int64_t i = begin; i < end; ++i) bad += (bits_of(data[i]) & kExpMask) == kExpMask;
-    per_thread[at::get_thread_num()] += bad;
-  });
-  int64_t total = 0;
-  for (auto b : per_thread) total += b;
-  return total;
-}
-template <>
-int64_t count_non_finite<c10::BFloat16>(const c10::BFloat16* data, int64_t n) {
-  std::vector<int64_t> per_thread(at::get_num_threads(), 0);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    int64_t bad = 0;
-    for (int64_t i = begin; i < end; ++i) bad += (data[i].x & 0x7f80u) == 0x7f80u;
-    per_thread[at::get_thread_num()] += bad;
-  });
-  int64_t total = 0;
-  for (auto b : per_thread) total += b;
-  return total;
-}
-template <>
-int64_t count_non_finite<c10::Half>(const c10::Half* data, int64_t n) {
-  std::vector<int64_t> per_thread(at::get_num_threads(), 0);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    int64_t bad = 0;
-    for (int64_t i = begin; i < end; ++i) bad += (data[i].x & 0x7c00u) == 0x7c00u;
+    for (int64_t i = begin; i < end; ++i) bad += non_finite(data[i]);
     per_thread[at::get_thread_num()] += bad;
   });
   int64_t total = 0;

@@ -65,19 +65,6 @@ std::string join(const std::vector<std::string>& args) {
   return s;
 }
 
-/// `s` in single quotes for /bin/sh.
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-/// What a run of the real binary did.
-struct BinaryRun {
-  int status = -1;  // exit status; -1 if it did not exit normally
-  std::string out, err;
-};
-
 /// Flags of a gpt run small enough to take a moment.
 const std::vector<std::string> kTinyGpt = {
     "--workload",   "gpt", "--layers",     "1",   "--d-model", "16", "--heads",        "2",
@@ -113,16 +100,7 @@ class TrainCliTest : public testing::Test {
 #ifdef AMPX_TRAIN_BINARY
   /// Runs the ampx-train binary with `args`, stdout and stderr kept apart.
   BinaryRun run_binary(const std::vector<std::string>& args) {
-    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    std::string cmd = shell_quote(AMPX_TRAIN_BINARY);
-    for (const auto& a : args) cmd += " " + shell_quote(a);
-    cmd += " >" + shell_quote(out.string()) + " 2>" + shell_quote(err.string()) + " </dev/null";
-    const int raw = std::system(cmd.c_str());
-    BinaryRun r;
-    r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    r.out = read_bytes(out);
-    r.err = read_bytes(err);
-    return r;
+    return run_binary_in(dir_, AMPX_TRAIN_BINARY, args);
   }
 #endif
 

@@ -85,17 +85,6 @@ TEST(DiagnosticsFlagsTest, DiagnoseTakesStepsAndRefusesWhatItCannotDo) {
 
 #ifdef AMPX_TRAIN_BINARY
 
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-struct BinaryRun {
-  int status = -1;  // exit status; -1 if it did not exit normally
-  std::string out, err;
-};
-
 void write_fashion(const fs::path& dir, uint32_t train, uint32_t test);
 
 class DiagnosticsTest : public testing::Test {
@@ -105,16 +94,7 @@ class DiagnosticsTest : public testing::Test {
   }
 
   BinaryRun run(const std::vector<std::string>& args) {
-    const fs::path out = dir_.path() / "stdout.txt", err = dir_.path() / "stderr.txt";
-    std::string cmd = shell_quote(AMPX_TRAIN_BINARY);
-    for (const auto& a : args) cmd += " " + shell_quote(a);
-    cmd += " >" + shell_quote(out.string()) + " 2>" + shell_quote(err.string()) + " </dev/null";
-    const int raw = std::system(cmd.c_str());
-    BinaryRun r;
-    r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    r.out = read_bytes(out);
-    r.err = read_bytes(err);
-    return r;
+    return run_binary_in(dir_.path(), AMPX_TRAIN_BINARY, args);
   }
 
   /// A 2-block gpt small enough to take a moment, writing into <tmp>/<name>.

@@ -7,8 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <stdlib.h>
+#include <sys/wait.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,6 +19,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 namespace ampx::train::test {
 
@@ -48,6 +51,34 @@ inline std::string read_bytes(const fs::path& path) {
 }
 
 /// Writes `bytes` to `path`, creating its folder.
+/// `s` in single quotes for /bin/sh.
+inline std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+/// What a run of a real binary did.
+struct BinaryRun {
+  int status = -1;  // exit status; -1 if it did not exit normally
+  std::string out, err;
+};
+
+/// Runs `binary` with `args`, stdout and stderr kept apart in files under `dir`.
+inline BinaryRun run_binary_in(const fs::path& dir, const std::string& binary,
+                               const std::vector<std::string>& args) {
+  const fs::path out = dir / "stdout.txt", err = dir / "stderr.txt";
+  std::string cmd = shell_quote(binary);
+  for (const auto& a : args) cmd += " " + shell_quote(a);
+  cmd += " >" + shell_quote(out.string()) + " 2>" + shell_quote(err.string()) + " </dev/null";
+  const int raw = std::system(cmd.c_str());
+  BinaryRun r;
+  r.status = raw != -1 && WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.out = read_bytes(out);
+  r.err = read_bytes(err);
+  return r;
+}
+
 inline void write_bytes(const fs::path& path, const std::string& bytes) {
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
