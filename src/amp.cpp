@@ -3,6 +3,7 @@
 #include "ampx/amp.h"
 
 #include "ampx/autocast.h"
+#include "ampx/fp8/linear.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
 
@@ -168,6 +169,8 @@ void cast_model(torch::nn::Module& model, AmpProperties& props) {
     for (auto& p : module->parameters(/*recurse=*/false)) {
       if (p.is_floating_point() && p.scalar_type() != dtype) p.set_data(p.data().to(dtype));
     }
+    // An FP8 layer's buffers are its scaling state: float32, as TE keeps it.
+    if (fp8::scaling_of(*module)) continue;
     for (auto& b : module->buffers(/*recurse=*/false)) {
       if (b.is_floating_point() && b.scalar_type() != dtype) b.set_data(b.data().to(dtype));
     }

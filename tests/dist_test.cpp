@@ -489,6 +489,34 @@ TEST_F(DistTest, ZeroWithoutSynchronizedScalersSaysSoInsteadOfDiverging) {
 
 #endif  // AMPX_DIST_WORKER
 
+// TE's reduce_amax: with the group, every rank's FP8 states hold the max over
+// the ranks of each step's amax, so ranks stay bitwise identical; without it
+// each rank's own. The first layer's input is the data, whatever the
+// weights: its reduced history is the element-wise max of the local ones.
+TEST_F(DistTest, Fp8AmaxReductionKeepsScalingStatesBitwiseIdenticalAcrossRanks) {
+  constexpr size_t kParams = 8 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4;
+  // Buffers per layer: 3 roles x (history 4 + scale 1 + scale_inv 1).
+  constexpr size_t kBuffers = 3 * 3 * 6;
+  auto reduced = run("fp8", 2);
+  for (const auto& w : reduced) ASSERT_EQ(w.status, 0) << w.output;
+  const auto r0 = params(reduced[0].out), r1 = params(reduced[1].out);
+  ASSERT_EQ(r0.size(), kParams + kBuffers);
+  EXPECT_EQ(r0, r1) << "with amax reduction the ranks must agree bitwise, states included";
+
+  auto local = run("fp8-local", 2);
+  for (const auto& w : local) ASSERT_EQ(w.status, 0) << w.output;
+  const auto l0 = params(local[0].out), l1 = params(local[1].out);
+  ASSERT_EQ(l0.size(), r0.size());
+  EXPECT_NE(std::vector<float>(l0.begin() + kParams, l0.end()),
+            std::vector<float>(l1.begin() + kParams, l1.end()))
+      << "the ranks' shards differ, so their own amaxes must too";
+  // named_buffers order: layer 0's input_amax_history comes first.
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(r0[kParams + i], std::max(l0[kParams + i], l1[kParams + i])) << "history slot " << i;
+  }
+  EXPECT_GT(r0[kParams + 3], 0.f);
+}
+
 TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   const char* vars[] = {
       "RANK",         "WORLD_SIZE",           "LOCAL_RANK",           "MASTER_ADDR",

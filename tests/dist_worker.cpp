@@ -6,6 +6,7 @@
 //   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
 //              unused-order | grads-fp32 | grads-fp16 | grads-bf16
+//              fp8 | fp8-local
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -332,6 +333,43 @@ int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::Proce
   return 0;
 }
 
+// FP8 Linears (every layer converted, delayed scaling, history 4) under DDP:
+// "fp8" max-reduces the amaxes over the group (TE's reduce_amax), "fp8-local"
+// keeps each rank's. Writes the parameters, then every FP8 buffer (float32).
+int run_fp8(const std::string& scenario, const std::string& out, const ampx::dist::ProcessGroup& pg) {
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  auto model = make_model(100 + rank);
+  const auto converted = ampx::fp8::convert_linears(
+      *model, ampx::fp8::ConvertOptions()
+                  .recipe(ampx::fp8::DelayedScaling().amax_history_len(4))
+                  .filter([](const std::string&, const torch::nn::LinearImpl&) { return true; }));
+  if (converted.size() != 3) return 4;
+  ampx::dist::DistributedDataParallel ddp(model.ptr(), pg);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));
+  const auto batch = batch_shard(rank, world);
+  ampx::fp8::Fp8AutocastOptions region;
+  if (scenario == "fp8") region.amax_reduction_group(&pg);
+  for (int step = 0; step < 6; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      ampx::fp8::Fp8AutocastGuard fp8(region);
+      loss = torch::mse_loss(model->forward(batch.first).to(torch::kFloat), batch.second);
+    }
+    loss.backward();
+    ddp.synchronize();
+    opt.step();
+  }
+  write_params(model, out);
+  std::ofstream file(out, std::ios::binary | std::ios::app);
+  for (const auto& b : model->named_buffers()) {
+    if (b.key().find("fp8_") == std::string::npos) continue;
+    auto c = b.value().detach().to(torch::kFloat).contiguous();
+    file.write(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+  }
+  return 0;
+}
+
 int run(std::string scenario, const std::string& out) {
   // "guarded-<scenario>": the same under ampx::debug::NonFiniteGuard (warn
   // mode); the first report goes to stdout.
@@ -350,6 +388,7 @@ int run(std::string scenario, const std::string& out) {
   if (scenario == "grads-fp16") return run_grads(torch::kHalf, out, pg);
   if (scenario == "grads-bf16") return run_grads(torch::kBFloat16, out, pg);
   if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
+  if (scenario.rfind("fp8", 0) == 0) return run_fp8(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's
   ampx::dist::DistributedDataParallelOptions options;

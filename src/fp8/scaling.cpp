@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <sstream>
 
 namespace ampx {
 namespace fp8 {
@@ -176,6 +177,49 @@ CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe
   const at::Tensor scale = current_scale(compute_amax(x), format, recipe);
   const at::Tensor scale_inv = full1(scale, 1.0f).div(scale);
   return {quantize(x, format, scale), scale, scale_inv, format};
+}
+
+Recipe::Recipe(const DelayedScaling& delayed) : delayed_(true), delayed_options_(delayed) {}
+Recipe::Recipe(const CurrentScaling& current) : delayed_(false), current_options_(current) {}
+
+const DelayedScaling& Recipe::delayed() const {
+  TORCH_CHECK(delayed_, "ampx::fp8::Recipe: ", to_string(), " is not a delayed-scaling recipe");
+  return delayed_options_;
+}
+
+const CurrentScaling& Recipe::current() const {
+  TORCH_CHECK(!delayed_, "ampx::fp8::Recipe: ", to_string(), " is not a current-scaling recipe");
+  return current_options_;
+}
+
+RecipeFormat Recipe::fp8_format() const {
+  return delayed_ ? delayed_options_.fp8_format() : current_options_.fp8_format();
+}
+
+void Recipe::validate() const {
+  if (delayed_) {
+    delayed_options_.validate();
+  } else {
+    current_options_.validate();
+  }
+}
+
+std::string Recipe::to_string() const {
+  const RecipeFormat f = fp8_format();
+  const char* format = f == RecipeFormat::kHybrid ? "hybrid" : f == RecipeFormat::kE4M3 ? "e4m3"
+                                                                                          : "e5m2";
+  std::ostringstream s;
+  if (delayed_) {
+    s << "delayed(" << format << ", history " << delayed_options_.amax_history_len() << ", "
+      << (delayed_options_.amax_compute_algo() == AmaxComputeAlgo::kMax ? "max" : "most_recent")
+      << ", margin "
+      << delayed_options_.margin() << ")";
+  } else {
+    s << "current(" << format << (current_options_.power_2_scale() ? ", power-of-2 scales" : "");
+    if (current_options_.amax_epsilon() > 0) s << ", amax_epsilon " << current_options_.amax_epsilon();
+    s << ")";
+  }
+  return s.str();
 }
 
 }  // namespace fp8

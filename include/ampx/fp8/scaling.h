@@ -157,5 +157,30 @@ struct CurrentScaled {
 [[nodiscard]] CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe,
                                              Pass pass);
 
+/// One of the two recipes, as a layer takes it: converts implicitly from
+/// either, so `LinearOptions(768, 768).recipe(CurrentScaling())` works.
+class Recipe {
+ public:
+  Recipe() = default;  // DelayedScaling's defaults
+  Recipe(const DelayedScaling& delayed);  // NOLINT(google-explicit-constructor)
+  Recipe(const CurrentScaling& current);  // NOLINT(google-explicit-constructor)
+
+  bool is_delayed() const { return delayed_; }
+  /// The delayed-scaling options; throws c10::Error for a current-scaling recipe.
+  const DelayedScaling& delayed() const;
+  /// The current-scaling options; throws c10::Error for a delayed-scaling recipe.
+  const CurrentScaling& current() const;
+  RecipeFormat fp8_format() const;
+  /// Throws c10::Error on invalid options (see the recipes' validate()).
+  void validate() const;
+  /// e.g. "delayed(hybrid, history 1024, max, margin 0)", "current(e4m3)".
+  std::string to_string() const;
+
+ private:
+  bool delayed_ = true;
+  DelayedScaling delayed_options_;
+  CurrentScaling current_options_;
+};
+
 }  // namespace fp8
 }  // namespace ampx
