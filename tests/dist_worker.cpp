@@ -336,7 +336,8 @@ int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::Proce
 // FP8 Linears (every layer converted, delayed scaling, history 4) under DDP:
 // "fp8" max-reduces the amaxes over the group (TE's reduce_amax), "fp8-local"
 // keeps each rank's. Writes the parameters, then every FP8 buffer (float32).
-int run_fp8(const std::string& scenario, const std::string& out, const ampx::dist::ProcessGroup& pg) {
+int run_fp8(const std::string& scenario, const std::string& out,
+            const ampx::dist::ProcessGroup& pg) {
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);
   const auto converted = ampx::fp8::convert_linears(

@@ -210,15 +210,15 @@ TEST(Fp8ConvertTest, ConvertedTorchLinearsRunAsFp8LinearDoesBitForBit) {
   EXPECT_TRUE(torch::equal(net->fc1->weight.grad(), twin->weight.grad()));
   EXPECT_TRUE(torch::equal(net->fc1->bias.grad(), twin->bias.grad()));
   const auto& s = *scaling_of(*net->fc1);
-  EXPECT_TRUE(torch::equal(s.input->delayed_state().amax_history(),
-                           twin->input_state().amax_history()));
+  EXPECT_TRUE(
+      torch::equal(s.input->delayed_state().amax_history(), twin->input_state().amax_history()));
   EXPECT_TRUE(torch::equal(s.grad_output->delayed_state().amax_history(),
                            twin->grad_output_state().amax_history()));
   EXPECT_NE(s.input->scale().item<float>(), 1.0f);
   // Outside a region, and for the unconverted head: the plain products.
   const auto x = torch::randn({4, 16});
-  EXPECT_TRUE(torch::equal(net->fc1->forward(x), torch::addmm(net->fc1->bias, x,
-                                                               net->fc1->weight.t())));
+  EXPECT_TRUE(
+      torch::equal(net->fc1->forward(x), torch::addmm(net->fc1->bias, x, net->fc1->weight.t())));
   {
     Fp8AutocastGuard fp8;
     const auto h = torch::randn({4, 16});
@@ -285,7 +285,8 @@ TEST(Fp8ConvertTest, O2KeepsFp32MastersAndFloat32StatesAndTrains) {
   PlainNet other;
   convert_linears(*other);
   ampx::optim::AdamW other_opt(other->parameters(), ampx::optim::AdamWOptions(3e-3));
-  auto other_amp = ampx::initialize(other.ptr(), {&other_opt}, ampx::AmpOptions(ampx::OptLevel::O2));
+  auto other_amp =
+      ampx::initialize(other.ptr(), {&other_opt}, ampx::AmpOptions(ampx::OptLevel::O2));
   ASSERT_EQ(other->fc1->weight.scalar_type(), torch::kBFloat16);
   for (const auto& b : other->fc1->named_buffers()) {
     EXPECT_EQ(b.value().scalar_type(), torch::kFloat) << b.key();

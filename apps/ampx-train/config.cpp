@@ -20,7 +20,7 @@ namespace ampx::train {
 namespace {
 
 const std::vector<std::string> kWorkloads = {"gpt", "mnist-cnn", "fashion-mlp"};
-const std::vector<std::string> kModes = {"fp32", "O1", "O2", "O3"};
+const std::vector<std::string> kModes = {"fp32", "O1", "O2", "O3", "fp8"};
 
 struct WorkloadDefaults {
   int64_t batch_size;
@@ -164,6 +164,19 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                "collect range statistics of every layer while training (slow: for diagnosis and "
                "benchmarks) and write them to <out-dir>/range-stats-<mode>.json")
       ->excludes(diagnose);
+  // FP8 (mode fp8; docs/fp8.md).
+  app.add_option("--fp8-recipe", c.fp8_recipe,
+                 "fp8 scaling: delayed (TE's DelayedScaling: scales from the amax history) or "
+                 "current (each tensor its own amax)")
+      ->check(CLI::IsMember({"delayed", "current"}));
+  app.add_option("--fp8-format", c.fp8_format,
+                 "fp8 formats: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (both passes)")
+      ->check(CLI::IsMember({"hybrid", "e4m3"}));
+  app.add_option("--amax-history", c.amax_history, "fp8 delayed scaling: amax history length")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--fp8-trace-layer", c.fp8_trace_layer,
+                 "fp8: the layer whose amax and scale the report plots, e.g. blocks.0.fc "
+                 "[default: the first FP8 layer]");
   // Internal: a --compare run starts one process per mode with these.
   app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
   app.add_option("--result-file", c.result_file)->group("");
@@ -229,13 +242,21 @@ std::string Mode::dtype_name() const {
 
 Mode parse_mode(const std::string& name, const TrainConfig& config) {
   TORCH_CHECK(std::find(kModes.begin(), kModes.end(), name) != kModes.end(),
-              "ampx-train: unknown precision mode '", name, "' (fp32, O1, O2, O3)");
+              "ampx-train: unknown precision mode '", name, "' (fp32, O1, O2, O3, fp8)");
   Mode mode;
   mode.name = name;
   if (name == "fp32") return mode;
-  mode.level = ampx::parse_opt_level(name);
+  mode.fp8 = name == "fp8";
+  mode.level = mode.fp8 ? ampx::OptLevel::O1 : ampx::parse_opt_level(name);
   mode.dtype = config.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
   return mode;
+}
+
+ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c) {
+  const auto format =
+      c.fp8_format == "e4m3" ? ampx::fp8::RecipeFormat::kE4M3 : ampx::fp8::RecipeFormat::kHybrid;
+  if (c.fp8_recipe == "current") return ampx::fp8::CurrentScaling().fp8_format(format);
+  return ampx::fp8::DelayedScaling().fp8_format(format).amax_history_len(c.amax_history);
 }
 
 std::string settings_table(const TrainConfig& c) {
@@ -281,6 +302,10 @@ std::string settings_table(const TrainConfig& c) {
         c.detect_nonfinite + (c.detect_nonfinite == "throw"
                                   ? " (stop at the first inf/NaN of forward or backward)"
                                   : " (report inf/NaN of forward and backward, go on)"));
+  }
+  const auto all_modes = modes_of(c);
+  if (std::find(all_modes.begin(), all_modes.end(), "fp8") != all_modes.end()) {
+    add("fp8 recipe", fp8_recipe_of(c).to_string() + (c.device == "cpu" ? ", emulated" : ""));
   }
   if (c.range_stats)
     add("range statistics", "collected (slower), " + c.out_dir + "/range-stats-<mode>.json");

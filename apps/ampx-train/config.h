@@ -23,7 +23,7 @@ namespace ampx::train {
 /// filled in by resolve_defaults().
 struct TrainConfig {
   std::string workload = "gpt";      // gpt | mnist-cnn | fashion-mlp
-  std::string precision = "O2";      // fp32 | O1 | O2 | O3 (one run)
+  std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 (one run)
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
   std::string device = "cpu";
@@ -59,6 +59,11 @@ struct TrainConfig {
   bool diagnose = false;         // --diagnose: fp32 steps under range statistics, then advice
   int64_t diagnose_steps = 4;    // --diagnose-steps
   bool range_stats = false;      // --range-stats: collect while training, write the JSON
+  // FP8 (mode fp8: O1 plus FP8 Linears; docs/fp8.md)
+  std::string fp8_recipe = "delayed";  // delayed | current
+  std::string fp8_format = "hybrid";   // hybrid | e4m3
+  int64_t amax_history = 1024;         // delayed scaling's history length
+  std::string fp8_trace_layer;         // the layer whose amax/scale the report plots; "": first
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare
@@ -85,18 +90,22 @@ std::vector<std::string> modes_of(const TrainConfig& config);
 ///
 ///   Mode m = parse_mode("O2", config);  // {"O2", OptLevel::O2, kBFloat16} on CPU
 struct Mode {
-  std::string name = "fp32";  // fp32 | O1 | O2 | O3: file names, tables, checkpoints
+  std::string name = "fp32";  // fp32 | O1 | O2 | O3 | fp8: file names, tables, checkpoints
   ampx::OptLevel level = ampx::OptLevel::O0;
   c10::ScalarType dtype = c10::kFloat;  // the low precision (fp32: kFloat)
+  bool fp8 = false;                     // fp8: O1 with the Linears in FP8
 
   bool mixed() const { return level != ampx::OptLevel::O0; }
   /// "fp32", "bf16" or "fp16".
   std::string dtype_name() const;
 };
 
-/// The mode `name` (fp32, O1, O2 or O3) in config.dtype. Throws c10::Error
+/// The mode `name` (fp32, O1, O2, O3 or fp8) in config.dtype. Throws c10::Error
 /// naming the modes for any other name.
 Mode parse_mode(const std::string& name, const TrainConfig& config);
+
+/// The FP8 recipe --fp8-recipe, --fp8-format and --amax-history ask for.
+ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& config);
 
 /// Two columns, one setting a line, for the start of a run.
 std::string settings_table(const TrainConfig& config);

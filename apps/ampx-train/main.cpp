@@ -129,6 +129,10 @@ void print_done(const Workload& workload, const RunResult& r) {
   if (!r.nonfinite_summary.empty()) {
     std::printf("[%s] %s\n", r.mode.c_str(), r.nonfinite_summary.c_str());
   }
+  if (!r.fp8_trace_path.empty()) {
+    std::printf("[%s] fp8 amax and scale trajectory: %s\n", r.mode.c_str(),
+                r.fp8_trace_path.c_str());
+  }
   if (!r.range_stats_path.empty()) {
     std::printf("[%s] range statistics: %s\n", r.mode.c_str(), r.range_stats_path.c_str());
   }

@@ -5,6 +5,7 @@
 #include "machine.h"
 #include "profile.h"
 #include "progress.h"
+#include "report.h"
 
 #include <ampx/ampx.h>
 #include <ampx/debug/nonfinite.h>
@@ -14,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -164,6 +166,7 @@ nlohmann::json to_json(const RunResult& r) {
           {"losses", r.losses},
           {"evals", evals},
           {"metrics_path", r.metrics_path},
+          {"fp8_trace_path", r.fp8_trace_path},
           {"checkpoint_path", r.checkpoint_path}};
 }
 
@@ -193,6 +196,7 @@ RunResult run_result_from_json(const nlohmann::json& j) {
     r.evals.emplace_back(e.at(0), EvalResult{number(e.at(1)), number(e.at(2))});
   }
   r.metrics_path = j.at("metrics_path");
+  r.fp8_trace_path = j.value("fp8_trace_path", "");
   r.checkpoint_path = j.at("checkpoint_path");
   return r;
 }
@@ -204,6 +208,10 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
 }
 
 torch::Tensor ModeSetUp::model_output(Workload& workload, const torch::Tensor& input) const {
+  // TE's fp8_autocast around the model's forward: the amaxes of its casts
+  // are reduced over the group when it ends (the backward's when that ends).
+  std::optional<ampx::fp8::Fp8AutocastGuard> region;
+  if (fp8) region.emplace(ampx::fp8::Fp8AutocastOptions().amax_reduction_group(fp8_group));
   return workload.forward(amp->cast_input(input));
 }
 
@@ -233,6 +241,15 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
   // parameters it cast are the ones the forward takes).
   ampx::debug::name_modules(*setup.model);
+  if (mode.fp8) {
+    // O1 plus FP8 Linears: every Linear FP8 tensor cores take (dimensions
+    // multiples of 16; the gpt's vocabulary head is not), as torchao does.
+    setup.fp8 = true;
+    setup.fp8_layers = ampx::fp8::convert_linears(
+        *setup.model, ampx::fp8::ConvertOptions().recipe(fp8_recipe_of(config)));
+    TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision fp8, but ", workload.name(),
+                " has no Linear layer whose dimensions are multiples of 16");
+  }
   return setup;
 }
 
@@ -324,6 +341,77 @@ void summarize_timing(const Workload& workload, const std::vector<double>& step_
   result.median_step_ms = median(timed);
 }
 
+/// Mode fp8: one layer's amaxes and scales (input, weight, output
+/// gradient) after every step, into the metrics and a plot.
+class Fp8Trace {
+ public:
+  Fp8Trace(const TrainConfig& config, torch::nn::Module& model,
+           const std::vector<std::string>& layers) {
+    layer_ = config.fp8_trace_layer.empty() ? layers.front() : config.fp8_trace_layer;
+    std::string known;
+    for (const auto& l : layers) known += (known.empty() ? "" : ", ") + l;
+    TORCH_CHECK(std::find(layers.begin(), layers.end(), layer_) != layers.end(),
+                "ampx-train: --fp8-trace-layer '", layer_, "' is not an FP8 layer of this model (",
+                known, ")");
+    scaling_ = ampx::fp8::scaling_of(*model.named_modules()[layer_]);
+  }
+
+  void add(int64_t step, nlohmann::ordered_json& record) {
+    const ampx::fp8::TensorScaling* roles[] = {scaling_->input.get(), scaling_->weight.get(),
+                                               scaling_->grad_output.get()};
+    static const char* names[] = {"input", "weight", "grad_output"};
+    std::array<double, 6> row{};
+    for (int i = 0; i < 3; ++i) {
+      row[2 * i] = roles[i]->last_amax().item<double>();
+      row[2 * i + 1] = roles[i]->scale().item<double>();
+      record[std::string("fp8_") + names[i] + "_amax"] = row[2 * i];
+      record[std::string("fp8_") + names[i] + "_scale"] = row[2 * i + 1];
+    }
+    record["fp8_layer"] = layer_;
+    rows_.emplace_back(step, row);
+  }
+
+  /// fp8-trace-<mode>.dat and .gp in `dir`; the PNG's path if gnuplot made
+  /// it, else the data's.
+  std::string write(const std::string& dir, const std::string& mode) const {
+    const fs::path data = fs::path(dir) / ("fp8-trace-" + mode + ".dat");
+    {
+      std::ofstream f(data);
+      f << "# " << layer_ << ": step input_amax input_scale weight_amax weight_scale "
+        << "grad_output_amax grad_output_scale (scale: the next step's)\n";
+      for (const auto& [step, r] : rows_) {
+        f << step + 1;
+        for (double v : r) f << " " << v;
+        f << "\n";
+      }
+    }
+    const std::string png = "fp8-trace-" + mode + ".png";
+    const std::string script = "fp8-trace-" + mode + ".gp";
+    {
+      std::ofstream f(fs::path(dir) / script);
+      const std::string d = data.filename().string();
+      f << "set terminal pngcairo size 1400,520 font ',11'\nset output '" << png << "'\n"
+        << "set multiplot layout 1,2 title 'FP8 scaling of " << layer_ << "'\n"
+        << "set grid\nset logscale y\nset key bottom right\nset xlabel 'step'\n"
+        << "set title 'amax (after the step)'\n"
+        << "plot '" << d << "' using 1:2 with lines title 'input', '' using 1:4 with lines "
+        << "title 'weight', '' using 1:6 with lines title 'output gradient'\n"
+        << "set title 'scale'\n"
+        << "plot '" << d << "' using 1:3 with lines title 'input (E4M3)', '' using 1:5 with "
+        << "lines title 'weight (E4M3)', '' using 1:7 with lines title 'output gradient'\n"
+        << "unset multiplot\n";
+    }
+    std::string note;
+    const std::string plot = run_gnuplot(dir, script, png, note);
+    return plot.empty() ? data.string() : plot;
+  }
+
+ private:
+  std::string layer_;
+  std::shared_ptr<ampx::fp8::LinearScaling> scaling_;
+  std::vector<std::pair<int64_t, std::array<double, 6>>> rows_;
+};
+
 }  // namespace
 
 RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode_name,
@@ -350,6 +438,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   identity["dtype"] = result.dtype;
   identity["device"] = config.device;
   identity["steps_per_epoch"] = workload.steps_per_epoch();
+  if (mode.fp8) identity["fp8_recipe"] = fp8_recipe_of(config).to_string();
 
   const std::string ckpt = checkpoint_path_for(config, mode.name);
   check_checkpoint_rules(config, ckpt);
@@ -364,6 +453,10 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   // After the cast: the broadcast and the buckets see the training dtypes.
   std::optional<ampx::dist::DistributedDataParallel> ddp;
   if (group) ddp.emplace(setup.model, *group);
+  // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.
+  if (group && setup.fp8 && fp8_recipe_of(config).is_delayed()) setup.fp8_group = group;
+  std::optional<Fp8Trace> fp8_trace;
+  if (setup.fp8 && lead) fp8_trace.emplace(config, model, setup.fp8_layers);
 
   LoopState state;
   if (config.resume) {
@@ -452,6 +545,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
       record["eval_loss"] = e.loss;
       record["eval_" + workload.metric_name()] = e.metric;
     }
+    if (fp8_trace) fp8_trace->add(step, record);
     if (metrics) metrics->write(record);
     progress.update(step, loss_value, scale, workload.items_per_step() * 1000.0 / ms);
     state.next_step = step + 1;
@@ -470,6 +564,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     result.range_stats_path = path.string();
   }
 
+  if (fp8_trace) result.fp8_trace_path = fp8_trace->write(config.out_dir, mode.name);
   summarize_timing(workload, step_ms, result);
   result.skipped = state.skipped;
   result.losses = std::move(state.losses);

@@ -44,6 +44,7 @@ struct RunResult {
   std::string profile_summary;    // --profile: the trace's path and top ops
   std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
   std::string range_stats_path;   // --range-stats: the statistics' JSON
+  std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
 };
 
 /// A RunResult as JSON and back: how a --compare run collects the result of
@@ -63,9 +64,15 @@ struct ModeSetUp {
   std::shared_ptr<torch::nn::Module> model;
   std::unique_ptr<ampx::optim::AdamW> optimizer;  // initialize() holds its address
   std::unique_ptr<ampx::AmpSession> amp;
+  /// fp8: the converted Linears (paths), and the group their amaxes are
+  /// max-reduced over (data-parallel runs with delayed scaling).
+  bool fp8 = false;
+  std::vector<std::string> fp8_layers;
+  const ampx::dist::ProcessGroup* fp8_group = nullptr;
 
   /// The model's output for `input` (cast to the model's dtype), in the
-  /// dtype the mode's forward made it: call under amp->forward_guard().
+  /// dtype the mode's forward made it: call under amp->forward_guard(). In
+  /// mode fp8, inside an FP8 region.
   torch::Tensor model_output(Workload& workload, const torch::Tensor& input) const;
   /// model_output() cast to fp32 for the loss (mixed modes).
   torch::Tensor forward(Workload& workload, const torch::Tensor& input) const;

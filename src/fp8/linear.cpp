@@ -4,9 +4,9 @@
 #include "ampx/dist.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/ivalue.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/core/ivalue.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/engine.h>
@@ -130,8 +130,7 @@ struct Operand {
 at::Tensor scaled_mm_nt(const Operand& a, const Operand& b) {
   static std::atomic<bool> refused{false};
   if (!a.codes.is_cuda() || refused.load() || a.codes.size(0) % 16 || a.codes.size(1) % 16 ||
-      b.codes.size(0) % 16 ||
-      (a.format == Fp8Format::kE5M2 && b.format == Fp8Format::kE5M2)) {
+      b.codes.size(0) % 16 || (a.format == Fp8Format::kE5M2 && b.format == Fp8Format::kE5M2)) {
     return {};
   }
   try {
@@ -203,7 +202,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     at::Tensor y = forward_product(xo, wo);
     if (bias.defined()) y = y + bias.to(at::kFloat);
     ctx->save_for_backward({xc.codes, wc.codes, xc.scale_inv, wc.scale_inv});
-    ctx->saved_data["scaling"] = c10::IValue::make_capsule(c10::make_intrusive<ScalingHolder>(scaling));
+    ctx->saved_data["scaling"] =
+        c10::IValue::make_capsule(c10::make_intrusive<ScalingHolder>(scaling));
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
     ctx->saved_data["has_bias"] = bias.defined();
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -281,9 +281,9 @@ c10::optional<Converted> lookup(const at::Tensor& weight) {
 at::Tensor transposed_base(const at::Tensor& t) {
   if (!t.defined() || t.dim() != 2 || !t.is_view()) return {};
   const at::Tensor base(at::TensorBase(t._base()));
-  if (!base.defined() || base.dim() != 2 || base.sizes() != at::IntArrayRef({t.size(1), t.size(0)}) ||
-      t.stride(0) != base.stride(1) || t.stride(1) != base.stride(0) ||
-      t.storage_offset() != base.storage_offset()) {
+  if (!base.defined() || base.dim() != 2 ||
+      base.sizes() != at::IntArrayRef({t.size(1), t.size(0)}) || t.stride(0) != base.stride(1) ||
+      t.stride(1) != base.stride(0) || t.storage_offset() != base.storage_offset()) {
     return {};
   }
   return base;
@@ -485,7 +485,8 @@ Fp8AutocastGuard::~Fp8AutocastGuard() noexcept(false) {
   c10::impl::tls_set_dispatch_key_included(kKey, region_->key_was_included);
   // The forward amaxes of the region, reduced over the group; not while an
   // exception unwinds (the other ranks may never get here).
-  if (mine.group && std::uncaught_exceptions() == 0) reduce_and_record(region_->pending, *mine.group);
+  if (mine.group && std::uncaught_exceptions() == 0)
+    reduce_and_record(region_->pending, *mine.group);
 }
 
 bool is_fp8_enabled() {

@@ -206,17 +206,18 @@ void Recipe::validate() const {
 
 std::string Recipe::to_string() const {
   const RecipeFormat f = fp8_format();
-  const char* format = f == RecipeFormat::kHybrid ? "hybrid" : f == RecipeFormat::kE4M3 ? "e4m3"
-                                                                                          : "e5m2";
+  const char* format = f == RecipeFormat::kHybrid ? "hybrid"
+                       : f == RecipeFormat::kE4M3 ? "e4m3"
+                                                  : "e5m2";
   std::ostringstream s;
   if (delayed_) {
     s << "delayed(" << format << ", history " << delayed_options_.amax_history_len() << ", "
       << (delayed_options_.amax_compute_algo() == AmaxComputeAlgo::kMax ? "max" : "most_recent")
-      << ", margin "
-      << delayed_options_.margin() << ")";
+      << ", margin " << delayed_options_.margin() << ")";
   } else {
     s << "current(" << format << (current_options_.power_2_scale() ? ", power-of-2 scales" : "");
-    if (current_options_.amax_epsilon() > 0) s << ", amax_epsilon " << current_options_.amax_epsilon();
+    if (current_options_.amax_epsilon() > 0)
+      s << ", amax_epsilon " << current_options_.amax_epsilon();
     s << ")";
   }
   return s.str();

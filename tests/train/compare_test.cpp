@@ -38,6 +38,15 @@ struct Metrics {
   int64_t skipped = 0;
 };
 
+// One numeric field of every line of a metrics file.
+std::vector<double> metrics_field(const fs::path& path, const std::string& field) {
+  std::vector<double> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    out.push_back(nlohmann::json::parse(line).at(field));
+  return out;
+}
+
 Metrics read_metrics(const fs::path& path) {
   Metrics out;
   std::ifstream in(path);
@@ -289,6 +298,37 @@ TEST_F(CompareTest, NprocTwoTrainsLikeOneProcessOnTheSameGlobalBatch) {
   ASSERT_EQ(o2_two.size(), 3u);
   EXPECT_NEAR(o2_one[0], o2_two[0], 1e-4) << "the same weights and global batch at step 0";
   for (size_t i = 1; i < 3; ++i) EXPECT_NEAR(o2_one[i], o2_two[i], 1e-2) << "step " << i;
+}
+
+// Mode fp8 over two processes: the amaxes are max-reduced over the ranks
+// (TE's reduce_amax), so each cast sees the global batch's amax, as one
+// process does: the same scales, the same training up to bf16 rounding.
+TEST_F(CompareTest, Fp8OverTwoProcessesReducesTheAmaxesToTheGlobalBatchs) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  ASSERT_EQ(run("--steps 3 --precision fp8 --amax-history 4 --save-every 3", "fp8-one"), 0)
+      << output_;
+  ASSERT_EQ(run("--steps 3 --precision fp8 --amax-history 4 --save-every 3 --nproc 2", "fp8-two"),
+            0)
+      << output_;
+  EXPECT_NE(output_.find("fp8 recipe    delayed(hybrid, history 4, max, margin 0)"),
+            std::string::npos)
+      << output_;
+  auto read = [&](const std::string& run) {
+    return ampx::train::read_checkpoint(dir_ / run / "checkpoints" / "checkpoint.ampx");
+  };
+  const auto one = read("fp8-one").meta.at("losses").get<std::vector<double>>();
+  const auto two = read("fp8-two").meta.at("losses").get<std::vector<double>>();
+  ASSERT_EQ(one.size(), 3u);
+  ASSERT_EQ(two.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(one[i], two[i], 1e-2) << "step " << i;
+  // The first block's input amax (the embeddings' LayerNorm output) over
+  // the three steps: the global batch's on both.
+  const auto h1 = metrics_field(dir_ / "fp8-one" / "metrics-fp8.jsonl", "fp8_input_amax");
+  const auto h2 = metrics_field(dir_ / "fp8-two" / "metrics-fp8.jsonl", "fp8_input_amax");
+  ASSERT_EQ(h1.size(), 3u);
+  ASSERT_EQ(h2.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(h1[i], h2[i], 1e-3 * h1[i]) << "step " << i;
+  EXPECT_EQ(h1[0], h2[0]) << "step 0: the same weights and batch, the same amax";
 }
 
 TEST_F(CompareTest, TorchrunNoPythonStartsRanksThatTrainAsNprocDoes) {

@@ -9,6 +9,8 @@
 #include "trainer.h"
 #include "workloads.h"
 
+#include <algorithm>
+
 #include <ampx/version.h>
 
 #include <gtest/gtest.h>
@@ -94,6 +96,7 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
   //         (fp32 weights are their own), loss scale with fp16
   //   O2:   low-precision weights (norm layers fp32), fp32 masters, loss scale with fp16
   //   O3:   low-precision weights and products, no masters, no loss scale
+  //   fp8:  O1 with every Linear whose dimensions are multiples of 16 in FP8
   const bool low_products = mode != "fp32";
   const bool low_weights = mode == "O2" || mode == "O3";
   const bool masters = mode == "O2";
@@ -128,13 +131,28 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
   }
   EXPECT_GT(matrices, 0);
   if (scaled) EXPECT_GT(setup.amp->scaler().get_scale(), 1.0) << mode;
+  EXPECT_EQ(setup.fp8, mode == "fp8");
+  if (mode == "fp8") {
+    // d 32: the four Linears of every block; the vocabulary head (Moby
+    // Dick's characters, not a multiple of 16) stays out. After one step
+    // each one's scales have moved off 1.
+    EXPECT_EQ(setup.fp8_layers.size(), 4u * static_cast<size_t>(config_.layers));
+    EXPECT_EQ(std::count(setup.fp8_layers.begin(), setup.fp8_layers.end(), "head"), 0);
+    for (const auto& name : setup.fp8_layers) {
+      auto scaling = ampx::fp8::scaling_of(*setup.model->named_modules()[name]);
+      ASSERT_NE(scaling, nullptr) << name;
+      EXPECT_NE(scaling->input->scale().item<float>(), 1.0f) << name;
+      EXPECT_NE(scaling->grad_output->scale().item<float>(), 1.0f) << name;
+      EXPECT_EQ(scaling->input->delayed_state().amax_history().size(0), config_.amax_history);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                          testing::Values(ModeCase{"fp32", "bf16"}, ModeCase{"O1", "bf16"},
-                                         ModeCase{"O2", "bf16"}, ModeCase{"O3", "bf16"},
-                                         ModeCase{"O1", "fp16"}, ModeCase{"O2", "fp16"},
-                                         ModeCase{"O3", "fp16"}),
+                                         ModeCase{"fp8", "bf16"}, ModeCase{"O2", "bf16"},
+                                         ModeCase{"O3", "bf16"}, ModeCase{"O1", "fp16"},
+                                         ModeCase{"O2", "fp16"}, ModeCase{"O3", "fp16"}),
                          case_name);
 
 }  // namespace

@@ -191,8 +191,8 @@ struct ConvertOptions {
   /// Called with each Linear's path (e.g. "blocks.0.fc") and the layer;
   /// unset: every Linear whose in_features and out_features are multiples
   /// of 16 (what FP8 tensor cores take; torchao's default filter too).
-  TORCH_ARG(std::function<bool(const std::string&, const torch::nn::LinearImpl&)>, filter) =
-      nullptr;
+  TORCH_ARG(std::function<bool(const std::string&, const torch::nn::LinearImpl&)>,
+            filter) = nullptr;
 };
 
 /// Turns the torch::nn::Linear layers of `model` (and `model` itself if it is

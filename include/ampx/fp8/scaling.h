@@ -161,7 +161,7 @@ struct CurrentScaled {
 /// either, so `LinearOptions(768, 768).recipe(CurrentScaling())` works.
 class Recipe {
  public:
-  Recipe() = default;  // DelayedScaling's defaults
+  Recipe() = default;                     // DelayedScaling's defaults
   Recipe(const DelayedScaling& delayed);  // NOLINT(google-explicit-constructor)
   Recipe(const CurrentScaling& current);  // NOLINT(google-explicit-constructor)
 
