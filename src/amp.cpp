@@ -105,7 +105,8 @@ AmpProperties resolve(const AmpOptions& o, const c10::Device& device) {
   const bool fp16 = p.dtype == c10::kHalf;
   // Apex's table. Dynamic scaling is on for fp16 only by default: bf16 has
   // fp32's exponent range, so its gradients do not underflow.
-  const auto dynamic_if_fp16 = fp16 ? c10::optional<LossScale>(LossScale::dynamic()) : c10::nullopt;
+  const auto dynamic_if_fp16 =
+      fp16 ? c10::optional<LossScale>(LossScale::dynamic()) : c10::nullopt;
   auto row = [&p](bool cast_model_type, bool patch_torch_functions, bool keep_batchnorm_fp32,
                   bool master_weights, c10::optional<LossScale> loss_scale) {
     p.cast_model_type = cast_model_type;

@@ -33,6 +33,7 @@ using ::testing::HasSubstr;
 
 #ifdef AMPX_DIST_WORKER
 
+
 struct Worker {
   pid_t pid = -1;
   int status = -1;  // exit code, -1 if killed or still running
@@ -367,9 +368,9 @@ TEST_P(ZeroTest, ShardedStatesGiveTheUnshardedParametersWithLessMemoryAndResumeB
   EXPECT_LT(max_abs_diff(zero, ddp), 1e-6f);
   // And DDP with ampx's fused AdamW trains as one process on the global batch.
   torch::manual_seed(100);
-  auto model =
-      torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(), torch::nn::Linear(32, 16),
-                            torch::nn::Tanh(), torch::nn::Linear(16, 4));
+  auto model = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(),
+                                     torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                                     torch::nn::Linear(16, 4));
   ampx::optim::AdamW adamw(model->parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
   torch::manual_seed(7);
   const auto x = torch::randn({12, 8}), y = torch::randn({12, 4});
@@ -390,8 +391,7 @@ TEST_P(ZeroTest, ShardedStatesGiveTheUnshardedParametersWithLessMemoryAndResumeB
   // Each rank holds exp_avg and exp_avg_sq (and the fp32 copy of its shard)
   // of 1/world of the parameters, plus at most world-1 elements of padding.
   const int64_t n = 8 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4;
-  const int64_t sharded = state_bytes(workers[0].output, 0),
-                full = state_bytes(workers[0].output, 1);
+  const int64_t sharded = state_bytes(workers[0].output, 0), full = state_bytes(workers[0].output, 1);
   EXPECT_EQ(full, 2 * 4 * n);  // fp32 params: moments only
   EXPECT_EQ(sharded, 3 * 4 * ((n + world - 1) / world));
 }
@@ -420,16 +420,15 @@ TEST_P(ZeroTest, O2KeepsShardedFp32MastersOfBf16WeightsAndFp32Norms) {
     moved += std::pow(ddp[i] - init[i], 2);
   }
   EXPECT_GT(std::sqrt(moved), 0.5);
-  EXPECT_LT(std::sqrt(apart / moved), 0.02)
-      << "|zero - ddp| = " << std::sqrt(apart) << ", |ddp - start| = " << std::sqrt(moved);
+  EXPECT_LT(std::sqrt(apart / moved), 0.02) << "|zero - ddp| = " << std::sqrt(apart)
+                                            << ", |ddp - start| = " << std::sqrt(moved);
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(params(workers[r].out.string() + ".resumed"), zero) << "rank " << r;
   }
   // Unsharded O2: fp32 masters of the bf16 weights + 2 moments = 12 B per
   // element, 8 for the fp32 norm (its own master). Sharded: 12 B for each
   // element of this rank's shard of each dtype space (fp32 copy + moments).
-  const int64_t sharded = state_bytes(workers[0].output, 0),
-                full = state_bytes(workers[0].output, 1);
+  const int64_t sharded = state_bytes(workers[0].output, 0), full = state_bytes(workers[0].output, 1);
   const int64_t n16 = 8 * 32 + 32 + 32 * 16 + 16 + 16 * 4 + 4, n32 = 2 * 32;
   EXPECT_EQ(full, 12 * n16 + 8 * n32);
   auto ceil_div = [world](int64_t n) { return (n + world - 1) / world; };
@@ -488,8 +487,6 @@ TEST_F(DistTest, ZeroWithoutSynchronizedScalersSaysSoInsteadOfDiverging) {
                           HasSubstr("failed on rank 1 of 2")));
 }
 
-#endif  // AMPX_DIST_WORKER
-
 // TE's reduce_amax: with the group, every rank's FP8 states hold the max over
 // the ranks of each step's amax, so ranks stay bitwise identical; without it
 // each rank's own. The first layer's input is the data, whatever the
@@ -518,20 +515,14 @@ TEST_F(DistTest, Fp8AmaxReductionKeepsScalingStatesBitwiseIdenticalAcrossRanks) 
   EXPECT_GT(r0[kParams + 3], 0.f);
 }
 
+#endif  // AMPX_DIST_WORKER
+
 TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
-  const char* vars[] = {"RANK",
-                        "WORLD_SIZE",
-                        "LOCAL_RANK",
-                        "MASTER_ADDR",
-                        "MASTER_PORT",
-                        "OMPI_COMM_WORLD_RANK",
-                        "OMPI_COMM_WORLD_SIZE",
-                        "OMPI_COMM_WORLD_LOCAL_RANK",
-                        "SLURM_PROCID",
-                        "SLURM_NTASKS",
-                        "SLURM_LOCALID",
-                        "TORCHELASTIC_USE_AGENT_STORE",
-                        "TORCHELASTIC_RESTART_COUNT"};
+  const char* vars[] = {
+      "RANK",         "WORLD_SIZE",           "LOCAL_RANK",           "MASTER_ADDR",
+      "MASTER_PORT",  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+      "SLURM_PROCID", "SLURM_NTASKS",         "SLURM_LOCALID",        "TORCHELASTIC_USE_AGENT_STORE",
+      "TORCHELASTIC_RESTART_COUNT"};
   std::vector<std::pair<std::string, std::string>> saved;
   for (const char* v : vars) {
     if (const char* x = std::getenv(v)) saved.emplace_back(v, x);
@@ -645,10 +636,11 @@ TEST(DistBackendTest, CudaTensorsGoThroughNcclForCollectivesDdpAndZero) {
   ampx::optim::AdamW plain_opt(plain->parameters(), options);
   ampx::dist::DistributedDataParallel ddp(ddp_model.ptr(), pg);
   ampx::optim::AdamW ddp_opt(ddp_model->parameters(), options);
-  ampx::dist::ZeroRedundancyOptimizer zero(
-      zero_model->parameters(), pg, [&](std::vector<torch::Tensor> shard) {
-        return std::make_unique<ampx::optim::AdamW>(std::move(shard), options);
-      });
+  ampx::dist::ZeroRedundancyOptimizer zero(zero_model->parameters(), pg,
+                                           [&](std::vector<torch::Tensor> shard) {
+                                             return std::make_unique<ampx::optim::AdamW>(
+                                                 std::move(shard), options);
+                                           });
   ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0));
   ampx::dist::synchronize_found_inf(scaler, pg);  // a CUDA flag: reduced by NCCL
   for (int step = 0; step < 5; ++step) {
