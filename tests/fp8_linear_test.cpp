@@ -347,6 +347,25 @@ TEST(Fp8ConvertTest, CurrentScalingCastsEachTensorWithItsOwnAmax) {
   EXPECT_TRUE(fc->named_buffers().contains("grad_output_amax"));
 }
 
+// Without a bias: two gradients, the same products.
+TEST(Fp8ConvertTest, ALinearWithoutBiasRunsInFp8) {
+  torch::manual_seed(8);
+  Linear fc(LinearOptions(16, 8).bias(false));
+  const auto x = torch::randn({4, 16}).requires_grad_(true);
+  at::Tensor y;
+  {
+    Fp8AutocastGuard fp8;
+    y = fc->forward(x);
+    y.sum().backward();
+  }
+  const auto one = torch::ones({1});
+  const auto xq = grid(x.detach(), Fp8Format::kE4M3, one, one);
+  const auto wq = grid(fc->weight.detach(), Fp8Format::kE4M3, one, one);
+  EXPECT_TRUE(torch::equal(y, xq.mm(wq.t()).to(torch::kBFloat16)));
+  EXPECT_TRUE(fc->weight.grad().defined());
+  EXPECT_TRUE(x.grad().defined());
+}
+
 // Evaluation (no grad) in a region casts with the scales it has and leaves
 // the states alone, so an evaluation never changes the training that follows.
 TEST(Fp8ConvertTest, InferenceLeavesTheScalingStatesAlone) {

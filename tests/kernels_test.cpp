@@ -4,6 +4,8 @@
 
 #include "ampx/detail/kernels.h"
 #include "ampx/kernels.h"
+#include "ampx/policy.h"
+#include "ampx/version.h"
 
 #include "test_util.h"
 
@@ -318,3 +320,150 @@ TEST(KernelsTest, UpdateArgumentErrors) {
 }
 
 }  // namespace
+
+// ---- mixed_layer_norm: 16-bit LayerNorm with float32 statistics ------------
+
+namespace {
+
+// One bf16/fp16 ulp at |v| (the spacing of the format around v).
+torch::Tensor ulp(const torch::Tensor& v, torch::ScalarType dtype) {
+  const int mantissa = dtype == torch::kBFloat16 ? 7 : 10;
+  const double min_exp = dtype == torch::kBFloat16 ? -126 : -14;
+  auto e = torch::floor(torch::log2(v.abs().clamp_min(1e-30))).clamp_min(min_exp);
+  return torch::pow(2.0, e - mantissa);
+}
+
+struct LnCase {
+  std::vector<int64_t> x_shape;
+  std::vector<int64_t> normalized;
+  torch::ScalarType dtype;
+  bool affine;
+};
+
+// The float64 LayerNorm of x's exact values, and its gradients for dy.
+struct LnReference {
+  torch::Tensor y, dx, dw, db;
+};
+LnReference reference_layer_norm(const torch::Tensor& x, const std::vector<int64_t>& shape,
+                                 const torch::Tensor& w, const torch::Tensor& b,
+                                 const torch::Tensor& dy) {
+  auto xd = x.to(torch::kDouble).detach().requires_grad_(true);
+  torch::Tensor wd, bd;
+  if (w.defined()) wd = w.to(torch::kDouble).detach().requires_grad_(true);
+  if (b.defined()) bd = b.to(torch::kDouble).detach().requires_grad_(true);
+  auto y = torch::layer_norm(xd, shape, wd, bd, 1e-5);
+  y.backward(dy.to(torch::kDouble));
+  return {y.detach(), xd.grad(), wd.defined() ? wd.grad() : torch::Tensor(),
+          bd.defined() ? bd.grad() : torch::Tensor()};
+}
+
+}  // namespace
+
+// Forward and all gradients against float64: y and dx within one ulp of the
+// 16-bit format (plus what float32 statistics add), dweight and dbias within
+// float32 rounding of sums over the rows. Shapes with a vector tail, several
+// normalized dims, no affine parameters; bf16 and fp16.
+TEST(MixedLayerNormTest, ForwardAndGradientsMatchFloat64WithinOneUlp) {
+  const std::vector<LnCase> cases = {{{4, 7, 256}, {256}, torch::kBFloat16, true},
+                                     {{3, 37}, {37}, torch::kBFloat16, true},
+                                     {{2, 3, 4, 5}, {4, 5}, torch::kBFloat16, true},
+                                     {{5, 48}, {48}, torch::kBFloat16, false},
+                                     {{6, 64}, {64}, torch::kHalf, true}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::PrintToString(c.x_shape) + " " + std::string(c10::toString(c.dtype)));
+    torch::manual_seed(11);
+    const auto x = (torch::randn(c.x_shape) * 3 + 1.5).to(c.dtype).requires_grad_(true);
+    torch::Tensor w, b;
+    if (c.affine) {
+      w = (torch::randn(c.normalized) * 0.5 + 1).requires_grad_(true);
+      b = (torch::randn(c.normalized) * 0.1).requires_grad_(true);
+    }
+    ASSERT_TRUE(ampx::mixed_layer_norm_is_fused(x, c.normalized, w, b));
+    const auto y = ampx::mixed_layer_norm(x, c.normalized, w, b);
+    ASSERT_EQ(y.scalar_type(), c.dtype);
+    const auto dy = torch::randn(c.x_shape).to(c.dtype);
+    y.backward(dy);
+    ASSERT_EQ(x.grad().scalar_type(), c.dtype);
+    const auto ref = reference_layer_norm(x.detach(), c.normalized, w, b, dy);
+    const auto y_err = (y.to(torch::kDouble) - ref.y).abs();
+    EXPECT_TRUE((y_err <= ulp(ref.y, c.dtype) + 1e-6).all().item<bool>())
+        << "y off by up to " << (y_err / ulp(ref.y, c.dtype)).max().item<double>() << " ulp";
+    const auto dx_err = (x.grad().to(torch::kDouble) - ref.dx).abs();
+    const double dx_scale = ref.dx.abs().max().item<double>();
+    EXPECT_TRUE((dx_err <= ulp(ref.dx, c.dtype) + 1e-5 * dx_scale).all().item<bool>())
+        << "dx off by up to " << (dx_err / ulp(ref.dx, c.dtype)).max().item<double>() << " ulp";
+    if (c.affine) {
+      ASSERT_EQ(w.grad().scalar_type(), torch::kFloat);
+      EXPECT_TRUE(torch::allclose(w.grad().to(torch::kDouble), ref.dw, 1e-5, 1e-4));
+      EXPECT_TRUE(torch::allclose(b.grad().to(torch::kDouble), ref.db, 1e-5, 1e-4));
+    }
+  }
+}
+
+// Against the composite it replaces (O2's fp32 norm: cast in, float32
+// layer_norm, cast out) and, on LibTorch 2.x, PyTorch's own mixed-dtype
+// CPU layer_norm: at most one bf16 ulp apart, almost everywhere equal.
+TEST(MixedLayerNormTest, AgreesWithTheFloat32CompositeAndPyTorchsOwnKernel) {
+  torch::manual_seed(12);
+  const auto x = (torch::randn({64, 128, 256}) * 2).to(torch::kBFloat16);
+  const auto w = torch::randn({256}) * 0.3 + 1, b = torch::randn({256}) * 0.1;
+  const auto fused = ampx::mixed_layer_norm(x, {256}, w, b);
+  auto compare = [&](const torch::Tensor& other, const char* what) {
+    const auto diff = (fused.to(torch::kFloat) - other.to(torch::kFloat)).abs();
+    // One ulp, or float32 rounding of the statistics where y is near 0.
+    const auto one_ulp = ulp(other.to(torch::kFloat).to(torch::kDouble), torch::kBFloat16) + 1e-5;
+    EXPECT_TRUE((diff.to(torch::kDouble) <= one_ulp).all().item<bool>())
+        << what << ": up to " << (diff.to(torch::kDouble) / one_ulp).max().item<double>();
+    const double differ = (diff > 0).to(torch::kDouble).mean().item<double>();
+    EXPECT_LT(differ, 0.01) << what << ": " << differ * 100 << "% of elements differ";
+  };
+  compare(at::layer_norm(x.to(torch::kFloat), {256}, w, b, 1e-5).to(torch::kBFloat16),
+          "the float32 composite");
+  if (std::string(ampx::torch_version()).rfind("1.", 0) != 0) {
+    compare(at::layer_norm(x, {256}, w, b, 1e-5), "PyTorch's bf16 CPU layer_norm");
+  }
+}
+
+// The same bits on one thread as on two: rows are independent, and the
+// weight and bias gradients sum fixed blocks of rows in a fixed order.
+TEST(MixedLayerNormTest, ResultsDoNotDependOnTheThreadCount) {
+  torch::manual_seed(13);
+  const auto x0 = torch::randn({300, 96}).to(torch::kBFloat16);
+  const auto dy = torch::randn({300, 96}).to(torch::kBFloat16);
+  auto run = [&](int threads) {
+    at::set_num_threads(threads);
+    auto x = x0.clone().requires_grad_(true);
+    auto w = torch::ones({96}).requires_grad_(true), b = torch::zeros({96}).requires_grad_(true);
+    auto y = ampx::mixed_layer_norm(x, {96}, w, b);
+    y.backward(dy);
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+  };
+  const int before = at::get_num_threads();
+  const auto one = run(1), two = run(2);
+  at::set_num_threads(before);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << i;
+}
+
+// O2's norms take the fused kernel: a LayerNorm module under
+// KeepNormsFp32Guard returns bf16 from ampx's function (not a cast of a
+// float32 result), and saves the bf16 input, not a float32 copy.
+TEST(MixedLayerNormTest, O2NormsRunTheFusedKernel) {
+  torch::manual_seed(14);
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({64}));
+  const auto x = torch::randn({8, 64}).to(torch::kBFloat16).requires_grad_(true);
+  torch::Tensor y;
+  {
+    ampx::KeepNormsFp32Guard guard(torch::kCPU);
+    y = ln->forward(x);
+  }
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  ASSERT_NE(y.grad_fn(), nullptr);
+  EXPECT_THAT(y.grad_fn()->name(), HasSubstr("MixedLayerNorm"));
+  EXPECT_TRUE(torch::equal(y, ampx::mixed_layer_norm(x, {64}, ln->weight, ln->bias)));
+  y.sum().backward();
+  EXPECT_EQ(ln->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_EQ(x.grad().scalar_type(), torch::kBFloat16);
+  // Not fused: float32 input, or bf16 weights (O3) -> the composite.
+  EXPECT_FALSE(ampx::mixed_layer_norm_is_fused(x.to(torch::kFloat), {64}, ln->weight, ln->bias));
+  EXPECT_FALSE(ampx::mixed_layer_norm_is_fused(x, {64}, ln->weight.to(torch::kBFloat16), {}));
+}

@@ -15,6 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 
+#include <cstdint>
+
 namespace ampx {
 
 /// In place, for every tensor `g` in `grads`: `g *= inv_scale`, and
@@ -32,5 +34,25 @@ void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
 /// exactly ATen's `_amp_update_scale_`.
 void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
                    const at::Tensor& found_inf, const ScaleUpdateRule& rule);
+
+/// LayerNorm over the last `normalized_shape` dimensions of a 16-bit input
+/// with float32 statistics and float32 weight and bias, returned in x's
+/// dtype: what `at::layer_norm(x.float(), ...).to(x.dtype())` computes (the
+/// float32 norm of O2 and of autocast's fp32 policy), in one pass over the
+/// rows forward and one backward on the CPU, saving the 16-bit input (not a
+/// float32 copy) for backward. The gradients: dx in x's dtype, dweight and
+/// dbias float32, summed in a fixed order (the same bits on any thread
+/// count). Other devices and dtypes run the composite above. O2's norms use
+/// it (CastPolicy::kFp32OutputsAsInput on aten::layer_norm); under O1,
+/// `set_cast_policy("aten::layer_norm", CastPolicy::kFp32OutputsAsInput)`
+/// makes autocast use it too.
+at::Tensor mixed_layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shape,
+                            const at::Tensor& weight, const at::Tensor& bias, double eps = 1e-5);
+
+/// Whether mixed_layer_norm runs the fused CPU kernel for these arguments
+/// (CPU, bfloat16 or float16 x whose trailing sizes are normalized_shape,
+/// float32 or undefined weight and bias of that shape, at least one element).
+bool mixed_layer_norm_is_fused(const at::Tensor& x, at::IntArrayRef normalized_shape,
+                               const at::Tensor& weight, const at::Tensor& bias);
 
 }  // namespace ampx

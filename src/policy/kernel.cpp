@@ -5,6 +5,8 @@
 
 #include "registry.h"
 
+#include "ampx/kernels.h"
+
 #include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -69,6 +71,27 @@ bool has_tensor(const c10::IValue& v) {
   return v.isTensor() || v.isTensorList() || v.isList();
 }
 
+// kFp32OutputsAsInput on aten::layer_norm(input, normalized_shape, weight?,
+// bias?, eps, cudnn_enable) with a 16-bit CPU input: ampx's fused kernel,
+// the same float32 math without the float32 copies. True if it ran.
+bool fused_layer_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (op.schema().name() != "aten::layer_norm" || !op.schema().overload_name().empty()) {
+    return false;
+  }
+  const size_t n = stack->size();
+  const c10::IValue& input = (*stack)[n - 6];
+  if (!input.isTensor()) return false;
+  const at::Tensor x = input.toTensor();
+  const auto shape = (*stack)[n - 5].toIntVector();
+  const at::Tensor weight = (*stack)[n - 4].isNone() ? at::Tensor() : (*stack)[n - 4].toTensor();
+  const at::Tensor bias = (*stack)[n - 3].isNone() ? at::Tensor() : (*stack)[n - 3].toTensor();
+  if (!mixed_layer_norm_is_fused(x, shape, weight, bias)) return false;
+  const double eps = (*stack)[n - 2].toDouble();
+  torch::jit::drop(*stack, 6);
+  stack->emplace_back(mixed_layer_norm(x, shape, weight, bias, eps));
+  return true;
+}
+
 void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::OperatorHandle& op,
                 torch::jit::Stack* stack) {
   // PyTorch's autocast kernels exclude the key for the op and everything it
@@ -79,6 +102,7 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
     op.callBoxed(stack);
     return;
   }
+  if (policy == CastPolicy::kFp32OutputsAsInput && fused_layer_norm(op, stack)) return;
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const size_t first_arg = stack->size() - args.size();

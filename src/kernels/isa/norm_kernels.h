@@ -1,0 +1,61 @@
+#pragma once
+
+// The row kernels of ampx's mixed-precision LayerNorm (norm_span.cpp), one
+// per instruction set like the other span kernels (see unscale_kernels.h):
+// 16-bit (bfloat16 or float16) rows in and out, statistics and affine
+// parameters in float32, every row read once forward and once backward.
+
+#include "ampx/detail/cpu_isa.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+
+#define AMPX_DECLARE_ISA_KERNELS(ns)                                                         \
+  namespace ns {                                                                             \
+  /* Rows [r0, r1) of x (n columns, `dtype`): y = (x - mean) * rstd * w + b, mean and     \
+     rstd (float32, one per row) written out. w, b: float32 [n] or null (1, 0). */         \
+  void layer_norm_rows(const void* x, c10::ScalarType dtype, const float* w, const float* b,  \
+                       void* y, float* mean, float* rstd, int64_t r0, int64_t r1, int64_t n, \
+                       float eps);                                                           \
+  /* Backward of rows [r0, r1): dx (x's dtype) from dy, x, mean, rstd and w; dw and db     \
+     (float32 [n], may be null) accumulate this span's sums of dy * xhat and dy. */        \
+  void layer_norm_backward_rows(const void* dy, const void* x, c10::ScalarType dtype,        \
+                                const float* mean, const float* rstd, const float* w,        \
+                                void* dx, float* dw, float* db, int64_t r0, int64_t r1,      \
+                                int64_t n);                                                  \
+  }
+AMPX_DECLARE_ISA_KERNELS(DEFAULT)
+AMPX_DECLARE_ISA_KERNELS(AVX2)
+AMPX_DECLARE_ISA_KERNELS(AVX512)
+#undef AMPX_DECLARE_ISA_KERNELS
+
+using LayerNormRowsFn = void (*)(const void*, c10::ScalarType, const float*, const float*, void*,
+                                 float*, float*, int64_t, int64_t, int64_t, float);
+using LayerNormBackwardRowsFn = void (*)(const void*, const void*, c10::ScalarType, const float*,
+                                         const float*, const float*, void*, float*, float*,
+                                         int64_t, int64_t, int64_t);
+
+inline LayerNormRowsFn layer_norm_rows_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return &AVX512::layer_norm_rows;
+    case Isa::kAvx2: return &AVX2::layer_norm_rows;
+    default: return &DEFAULT::layer_norm_rows;
+  }
+}
+
+inline LayerNormBackwardRowsFn layer_norm_backward_rows_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return &AVX512::layer_norm_backward_rows;
+    case Isa::kAvx2: return &AVX2::layer_norm_backward_rows;
+    default: return &DEFAULT::layer_norm_backward_rows;
+  }
+}
+
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx

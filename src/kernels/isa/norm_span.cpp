@@ -1,0 +1,179 @@
+// The row kernels of ampx's mixed-precision LayerNorm, compiled once per
+// instruction set (see norm_kernels.h). Each row is widened to float32 once
+// into a buffer, normalised there, and narrowed once on the way out: the
+// 16-bit tensors are read and written exactly once per pass. Sums run in
+// float32 vectors and are reduced lane by lane in a fixed order, so a row's
+// result does not depend on the thread that runs it.
+
+#include "norm_kernels.h"
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+using FVec = Vectorized<float>;
+
+// src[0, n) of `dtype` -> float32 dst.
+void widen(const void* src, c10::ScalarType dtype, float* dst, int64_t n) {
+  if (dtype == c10::kBFloat16) {
+    using BVec = Vectorized<c10::BFloat16>;
+    const auto* p = static_cast<const c10::BFloat16*>(src);
+    int64_t i = 0;
+    for (; i + BVec::size() <= n; i += BVec::size()) {
+      FVec lo, hi;
+      std::tie(lo, hi) = at::vec::convert_bfloat16_float(BVec::loadu(p + i));
+      lo.store(dst + i);
+      hi.store(dst + i + FVec::size());
+    }
+    for (; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+  } else if (dtype == c10::kHalf) {
+    const auto* p = static_cast<const c10::Half*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
+  } else {
+    const auto* p = static_cast<const float*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = p[i];
+  }
+}
+
+// float32 src[0, n) -> dst of `dtype`, rounded to nearest even.
+void narrow(const float* src, void* dst, c10::ScalarType dtype, int64_t n) {
+  if (dtype == c10::kBFloat16) {
+    using BVec = Vectorized<c10::BFloat16>;
+    auto* p = static_cast<c10::BFloat16*>(dst);
+    int64_t i = 0;
+    for (; i + BVec::size() <= n; i += BVec::size()) {
+      at::vec::convert_float_bfloat16(FVec::loadu(src + i), FVec::loadu(src + i + FVec::size()))
+          .store(p + i);
+    }
+    for (; i < n; ++i) p[i] = static_cast<c10::BFloat16>(src[i]);
+  } else if (dtype == c10::kHalf) {
+    auto* p = static_cast<c10::Half*>(dst);
+    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<c10::Half>(src[i]);
+  } else {
+    auto* p = static_cast<float*>(dst);
+    for (int64_t i = 0; i < n; ++i) p[i] = src[i];
+  }
+}
+
+// The lanes of v summed in lane order.
+float lane_sum(const FVec& v) {
+  float lanes[FVec::size()];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t l = 0; l < FVec::size(); ++l) s += lanes[l];
+  return s;
+}
+
+int64_t element_size(c10::ScalarType dtype) {
+  return dtype == c10::kFloat ? 4 : 2;
+}
+
+}  // namespace
+
+void layer_norm_rows(const void* x, c10::ScalarType dtype, const float* w, const float* b, void* y,
+                     float* mean, float* rstd, int64_t r0, int64_t r1, int64_t n, float eps) {
+  std::vector<float> buf(static_cast<size_t>(n));
+  float* xb = buf.data();
+  const int64_t row_bytes = n * element_size(dtype);
+  const int64_t nv = n - n % FVec::size();
+  for (int64_t r = r0; r < r1; ++r) {
+    widen(static_cast<const char*>(x) + r * row_bytes, dtype, xb, n);
+    FVec acc(0.f);
+    for (int64_t i = 0; i < nv; i += FVec::size()) acc = acc + FVec::loadu(xb + i);
+    float s = lane_sum(acc);
+    for (int64_t i = nv; i < n; ++i) s += xb[i];
+    const float m = s / static_cast<float>(n);
+    const FVec vm(m);
+    FVec sq(0.f);
+    for (int64_t i = 0; i < nv; i += FVec::size()) {
+      const FVec d = FVec::loadu(xb + i) - vm;
+      sq = at::vec::fmadd(d, d, sq);
+    }
+    float ss = lane_sum(sq);
+    for (int64_t i = nv; i < n; ++i) ss += (xb[i] - m) * (xb[i] - m);
+    const float rs = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    const FVec vrs(rs);
+    int64_t i = 0;
+    for (; i < nv; i += FVec::size()) {
+      FVec v = (FVec::loadu(xb + i) - vm) * vrs;
+      if (w) v = v * FVec::loadu(w + i);
+      if (b) v = v + FVec::loadu(b + i);
+      v.store(xb + i);
+    }
+    for (; i < n; ++i) {
+      float v = (xb[i] - m) * rs;
+      if (w) v = v * w[i];
+      if (b) v = v + b[i];
+      xb[i] = v;
+    }
+    narrow(xb, static_cast<char*>(y) + r * row_bytes, dtype, n);
+    mean[r] = m;
+    rstd[r] = rs;
+  }
+}
+
+void layer_norm_backward_rows(const void* dy, const void* x, c10::ScalarType dtype,
+                              const float* mean, const float* rstd, const float* w, void* dx,
+                              float* dw, float* db, int64_t r0, int64_t r1, int64_t n) {
+  std::vector<float> buf(2 * static_cast<size_t>(n));
+  float* xb = buf.data();  // x, then xhat, then dx
+  float* gb = xb + n;      // dy, then dy * w
+  const int64_t row_bytes = n * element_size(dtype);
+  const int64_t nv = n - n % FVec::size();
+  const float inv_n = 1.f / static_cast<float>(n);
+  for (int64_t r = r0; r < r1; ++r) {
+    widen(static_cast<const char*>(x) + r * row_bytes, dtype, xb, n);
+    widen(static_cast<const char*>(dy) + r * row_bytes, dtype, gb, n);
+    const FVec vm(mean[r]), vrs(rstd[r]);
+    FVec a1(0.f), a2(0.f);
+    int64_t i = 0;
+    for (; i < nv; i += FVec::size()) {
+      const FVec xhat = (FVec::loadu(xb + i) - vm) * vrs;
+      FVec g = FVec::loadu(gb + i);
+      if (dw) (FVec::loadu(dw + i) + g * xhat).store(dw + i);
+      if (db) (FVec::loadu(db + i) + g).store(db + i);
+      if (w) g = g * FVec::loadu(w + i);
+      a1 = a1 + g;
+      a2 = at::vec::fmadd(g, xhat, a2);
+      xhat.store(xb + i);
+      g.store(gb + i);
+    }
+    float s1 = lane_sum(a1), s2 = lane_sum(a2);
+    for (; i < n; ++i) {
+      const float xhat = (xb[i] - mean[r]) * rstd[r];
+      float g = gb[i];
+      if (dw) dw[i] += g * xhat;
+      if (db) db[i] += g;
+      if (w) g *= w[i];
+      s1 += g;
+      s2 += g * xhat;
+      xb[i] = xhat;
+      gb[i] = g;
+    }
+    const float c1 = s1 * inv_n, c2 = s2 * inv_n;
+    const FVec vc1(c1), vc2(c2);
+    for (i = 0; i < nv; i += FVec::size()) {
+      const FVec xhat = FVec::loadu(xb + i);
+      (vrs * (FVec::loadu(gb + i) - vc1 - xhat * vc2)).store(xb + i);
+    }
+    for (; i < n; ++i) xb[i] = rstd[r] * (gb[i] - c1 - xb[i] * c2);
+    narrow(xb, static_cast<char*>(dx) + r * row_bytes, dtype, n);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx
