@@ -393,6 +393,7 @@ class Fp8Trace {
       f << "set terminal pngcairo size 1400,520 font ',11'\nset output '" << png << "'\n"
         << "set multiplot layout 1,2 title 'FP8 scaling of " << layer_ << "'\n"
         << "set grid\nset logscale y\nset key bottom right\nset xlabel 'step'\n"
+        << "set offsets 0, 0, graph 0.08, graph 0.08\n"
         << "set title 'amax (after the step)'\n"
         << "plot '" << d << "' using 1:2 with lines title 'input', '' using 1:4 with lines "
         << "title 'weight', '' using 1:6 with lines title 'output gradient'\n"
