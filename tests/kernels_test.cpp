@@ -467,3 +467,78 @@ TEST(MixedLayerNormTest, O2NormsRunTheFusedKernel) {
   EXPECT_FALSE(ampx::mixed_layer_norm_is_fused(x.to(torch::kFloat), {64}, ln->weight, ln->bias));
   EXPECT_FALSE(ampx::mixed_layer_norm_is_fused(x, {64}, ln->weight.to(torch::kBFloat16), {}));
 }
+
+// ---- mixed_batch_norm: 16-bit batch norm with float32 statistics -----------
+
+// Training and evaluation, forward and gradients, against float64 batch norm
+// of the same values; the running statistics as ATen's float32 batch norm
+// updates them (momentum, unbiased variance).
+TEST(MixedBatchNormTest, MatchesFloat64AndUpdatesRunningStatisticsAsAtenDoes) {
+  for (const bool training : {true, false}) {
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+      SCOPED_TRACE(std::string(training ? "training " : "eval ") + c10::toString(dtype));
+      torch::manual_seed(21);
+      const auto x = (torch::randn({6, 5, 7, 9}) * 2 + 0.5).to(dtype).requires_grad_(true);
+      const auto w = (torch::randn({5}) * 0.3 + 1).requires_grad_(true);
+      const auto b = (torch::randn({5}) * 0.2).requires_grad_(true);
+      const auto rm0 = torch::randn({5}) * 0.1, rv0 = torch::rand({5}) + 0.5;
+      auto rm = rm0.clone(), rv = rv0.clone();
+      ASSERT_TRUE(ampx::mixed_batch_norm_is_fused(x, w, b, rm, rv, training));
+      const auto y = ampx::mixed_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5);
+      ASSERT_EQ(y.scalar_type(), dtype);
+      const auto dy = torch::randn(x.sizes()).to(dtype);
+      y.backward(dy);
+
+      auto xd = x.detach().to(torch::kDouble).requires_grad_(true);
+      auto wd = w.detach().to(torch::kDouble).requires_grad_(true);
+      auto bd = b.detach().to(torch::kDouble).requires_grad_(true);
+      auto rmd = rm0.to(torch::kDouble), rvd = rv0.to(torch::kDouble);
+      const auto yd = torch::batch_norm(xd, wd, bd, rmd, rvd, training, 0.1, 1e-5, false);
+      yd.backward(dy.to(torch::kDouble));
+      const auto y_err = (y.to(torch::kDouble) - yd).abs();
+      EXPECT_TRUE((y_err <= ulp(yd, dtype) + 1e-5).all().item<bool>())
+          << "y off by up to " << (y_err / ulp(yd, dtype)).max().item<double>() << " ulp";
+      const auto dx_err = (x.grad().to(torch::kDouble) - xd.grad()).abs();
+      const double dx_scale = xd.grad().abs().max().item<double>();
+      EXPECT_TRUE((dx_err <= ulp(xd.grad(), dtype) + 1e-4 * dx_scale).all().item<bool>())
+          << "dx off by up to " << (dx_err / ulp(xd.grad(), dtype)).max().item<double>() << " ulp";
+      EXPECT_TRUE(torch::allclose(w.grad().to(torch::kDouble), wd.grad(), 1e-5, 1e-3));
+      EXPECT_TRUE(torch::allclose(b.grad().to(torch::kDouble), bd.grad(), 1e-5, 1e-3));
+      // Running statistics: as ATen's float32 batch norm of the same values.
+      auto rm32 = rm0.clone(), rv32 = rv0.clone();
+      (void)torch::batch_norm(x.detach().to(torch::kFloat), w.detach(), b.detach(), rm32, rv32,
+                              training, 0.1, 1e-5, false);
+      EXPECT_TRUE(torch::allclose(rm, rm32, 1e-5, 1e-6)) << rm << rm32;
+      EXPECT_TRUE(torch::allclose(rv, rv32, 1e-5, 1e-6)) << rv << rv32;
+      if (!training) EXPECT_TRUE(torch::equal(rm, rm0));
+    }
+  }
+}
+
+// O2's batch norm takes the fused kernel; one thread or two, the same bits.
+TEST(MixedBatchNormTest, O2BatchNormRunsTheFusedKernelWhateverTheThreads) {
+  torch::manual_seed(22);
+  const auto x0 = torch::randn({8, 16, 14, 14}).to(torch::kBFloat16);
+  const auto dy = torch::randn({8, 16, 14, 14}).to(torch::kBFloat16);
+  auto run = [&](int threads) {
+    at::set_num_threads(threads);
+    torch::manual_seed(23);
+    torch::nn::BatchNorm2d bn(16);
+    auto x = x0.clone().requires_grad_(true);
+    torch::Tensor y;
+    {
+      ampx::KeepNormsFp32Guard guard(torch::kCPU);
+      y = bn->forward(x);
+    }
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_THAT(y.grad_fn()->name(), HasSubstr("MixedBatchNorm"));
+    y.backward(dy);
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), bn->weight.grad(), bn->bias.grad(),
+                                      bn->running_mean, bn->running_var};
+  };
+  const int before = at::get_num_threads();
+  const auto one = run(1), two = run(2);
+  at::set_num_threads(before);
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << i;
+  EXPECT_FALSE(ampx::mixed_batch_norm_is_fused(x0, {}, {}, {}, {}, /*training=*/false));
+}

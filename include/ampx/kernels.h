@@ -55,4 +55,24 @@ at::Tensor mixed_layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shap
 bool mixed_layer_norm_is_fused(const at::Tensor& x, at::IntArrayRef normalized_shape,
                                const at::Tensor& weight, const at::Tensor& bias);
 
+/// Batch norm of a 16-bit input [N, C, *] with float32 statistics, weight,
+/// bias and running statistics (updated in place when training, as
+/// at::batch_norm does: momentum, unbiased running variance), returned in x's
+/// dtype: what `at::batch_norm(x.float(), ...).to(x.dtype())` computes (O2's
+/// fp32 batch norm), channel by channel in passes over the 16-bit input on
+/// the CPU, saving the 16-bit input for backward (dx in x's dtype, dweight
+/// and dbias float32). Other devices and dtypes run that composite. O2's
+/// norms use it (kFp32OutputsAsInput on aten::batch_norm).
+at::Tensor mixed_batch_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                            const at::Tensor& running_mean, const at::Tensor& running_var,
+                            bool training, double momentum = 0.1, double eps = 1e-5);
+
+/// Whether mixed_batch_norm runs the fused CPU kernel for these arguments
+/// (CPU, bfloat16 or float16 x with at least 2 dimensions, float32 or
+/// undefined contiguous [C] weight, bias and running statistics, the running
+/// statistics defined when not training).
+bool mixed_batch_norm_is_fused(const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& bias, const at::Tensor& running_mean,
+                               const at::Tensor& running_var, bool training);
+
 }  // namespace ampx

@@ -114,13 +114,14 @@ struct MixedLayerNormFunction : public torch::autograd::Function<MixedLayerNormF
 bool mixed_layer_norm_is_fused(const at::Tensor& x, at::IntArrayRef normalized_shape,
                                const at::Tensor& weight, const at::Tensor& bias) {
   auto fp32_param = [&](const at::Tensor& p) {
-    return !p.defined() || (p.device().is_cpu() && p.scalar_type() == at::kFloat &&
-                            p.sizes() == normalized_shape);
+    return !p.defined() ||
+           (p.device().is_cpu() && p.scalar_type() == at::kFloat && p.sizes() == normalized_shape);
   };
   const auto d = static_cast<int64_t>(normalized_shape.size());
-  return x.device().is_cpu() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) &&
-         d >= 1 && x.dim() >= d && x.sizes().slice(x.dim() - d) == normalized_shape &&
-         fp32_param(weight) && fp32_param(bias) && x.numel() > 0;
+  return x.device().is_cpu() &&
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && d >= 1 &&
+         x.dim() >= d && x.sizes().slice(x.dim() - d) == normalized_shape && fp32_param(weight) &&
+         fp32_param(bias) && x.numel() > 0;
 }
 
 at::Tensor mixed_layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shape,

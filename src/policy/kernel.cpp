@@ -92,6 +92,31 @@ bool fused_layer_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
+// The same for aten::batch_norm(input, weight?, bias?, running_mean?,
+// running_var?, training, momentum, eps, cudnn_enabled).
+bool fused_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (op.schema().name() != "aten::batch_norm" || !op.schema().overload_name().empty()) {
+    return false;
+  }
+  const size_t n = stack->size();
+  auto tensor_at = [&](size_t from_end) {
+    const c10::IValue& v = (*stack)[n - from_end];
+    return v.isTensor() ? v.toTensor() : at::Tensor();
+  };
+  const at::Tensor x = tensor_at(9), weight = tensor_at(8), bias = tensor_at(7);
+  const at::Tensor running_mean = tensor_at(6), running_var = tensor_at(5);
+  const bool training = (*stack)[n - 4].toBool();
+  if (!x.defined() ||
+      !mixed_batch_norm_is_fused(x, weight, bias, running_mean, running_var, training)) {
+    return false;
+  }
+  const double momentum = (*stack)[n - 3].toDouble(), eps = (*stack)[n - 2].toDouble();
+  torch::jit::drop(*stack, 9);
+  stack->emplace_back(
+      mixed_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps));
+  return true;
+}
+
 void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::OperatorHandle& op,
                 torch::jit::Stack* stack) {
   // PyTorch's autocast kernels exclude the key for the op and everything it
@@ -102,7 +127,10 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
     op.callBoxed(stack);
     return;
   }
-  if (policy == CastPolicy::kFp32OutputsAsInput && fused_layer_norm(op, stack)) return;
+  if (policy == CastPolicy::kFp32OutputsAsInput &&
+      (fused_layer_norm(op, stack) || fused_batch_norm(op, stack))) {
+    return;
+  }
   const auto& schema = op.schema();
   const auto& args = schema.arguments();
   const size_t first_arg = stack->size() - args.size();

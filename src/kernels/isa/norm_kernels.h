@@ -28,6 +28,23 @@ namespace cpu {
                                 const float* mean, const float* rstd, const float* w,        \
                                 void* dx, float* dw, float* db, int64_t r0, int64_t r1,      \
                                 int64_t n);                                                  \
+  /* Batch norm, channel c of x [nb, channels, s] (`dtype`, contiguous): the float32 sum  \
+     of its nb * s values, and the sum of squared deviations from `mean`. */              \
+  double channel_sum(const void* x, c10::ScalarType dtype, int64_t nb, int64_t channels,    \
+                     int64_t s, int64_t c);                                                  \
+  double channel_sq_dev(const void* x, c10::ScalarType dtype, int64_t nb, int64_t channels, \
+                        int64_t s, int64_t c, float mean);                                   \
+  /* out = a * in + b over channel c (out, in of `dtype`). */                              \
+  void channel_affine(const void* in, void* out, c10::ScalarType dtype, int64_t nb,         \
+                      int64_t channels, int64_t s, int64_t c, float a, float b);             \
+  /* Backward of channel c: sums of dy and of dy * (x - mean) (float32 lanes). */          \
+  void channel_backward_sums(const void* dy, const void* x, c10::ScalarType dtype,          \
+                             int64_t nb, int64_t channels, int64_t s, int64_t c, float mean, \
+                             double* sum_dy, double* sum_dy_dev);                            \
+  /* dx = k * dy + p * x + q over channel c. */                                            \
+  void channel_backward_dx(const void* dy, const void* x, void* dx, c10::ScalarType dtype,  \
+                           int64_t nb, int64_t channels, int64_t s, int64_t c, float k,      \
+                           float p, float q);                                                \
   }
 AMPX_DECLARE_ISA_KERNELS(DEFAULT)
 AMPX_DECLARE_ISA_KERNELS(AVX2)
@@ -39,6 +56,33 @@ using LayerNormRowsFn = void (*)(const void*, c10::ScalarType, const float*, con
 using LayerNormBackwardRowsFn = void (*)(const void*, const void*, c10::ScalarType, const float*,
                                          const float*, const float*, void*, float*, float*,
                                          int64_t, int64_t, int64_t);
+
+/// The batch-norm channel kernels of one ISA.
+struct BatchNormKernels {
+  double (*channel_sum)(const void*, c10::ScalarType, int64_t, int64_t, int64_t, int64_t);
+  double (*channel_sq_dev)(const void*, c10::ScalarType, int64_t, int64_t, int64_t, int64_t,
+                           float);
+  void (*channel_affine)(const void*, void*, c10::ScalarType, int64_t, int64_t, int64_t, int64_t,
+                         float, float);
+  void (*channel_backward_sums)(const void*, const void*, c10::ScalarType, int64_t, int64_t,
+                                int64_t, int64_t, float, double*, double*);
+  void (*channel_backward_dx)(const void*, const void*, void*, c10::ScalarType, int64_t, int64_t,
+                              int64_t, int64_t, float, float, float);
+};
+
+#define AMPX_BATCH_NORM_KERNELS(ns)                                                   \
+  BatchNormKernels {                                                                  \
+    &ns::channel_sum, &ns::channel_sq_dev, &ns::channel_affine,                       \
+        &ns::channel_backward_sums, &ns::channel_backward_dx                           \
+  }
+inline BatchNormKernels batch_norm_kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return AMPX_BATCH_NORM_KERNELS(AVX512);
+    case Isa::kAvx2: return AMPX_BATCH_NORM_KERNELS(AVX2);
+    default: return AMPX_BATCH_NORM_KERNELS(DEFAULT);
+  }
+}
+#undef AMPX_BATCH_NORM_KERNELS
 
 inline LayerNormRowsFn layer_norm_rows_for(Isa isa) {
   switch (isa) {
