@@ -21,14 +21,20 @@
 // bias gradient is the sum of the unquantized output gradient, as TE does.
 // The weight stays float32 (the master), updated by any optimizer.
 //
-// Execution: CPU and every device here emulate FP8 exactly (cast to the FP8
-// grid, multiply in float32). The numbers are what the recipe defines; the
-// speed is not the point (docs/fp8.md).
+// Execution: the CPU emulates FP8 exactly (cast to the FP8 grid, multiply in
+// float32): the numbers are what the recipe defines, the speed is not the
+// point (docs/fp8.md). CUDA tensors on LibTorch 2.5+ multiply on FP8 tensor
+// cores through at::_scaled_mm where the device and the shapes allow it
+// (every dimension a multiple of 16), and emulate otherwise.
 //
 // The scaling states (amax histories, scales, scale_invs of input, weight
 // and output gradient) are buffers of the module: torch::save / torch::load
-// of the model keep them bitwise. The module must outlive the backward of
-// the forward it ran (its output-gradient state is updated there).
+// of the model keep them bitwise. A forward without gradients (evaluation)
+// casts with them and records nothing.
+//
+// convert_linears(model) gives a model's existing torch::nn::Linear layers
+// the same behaviour in place (see below); Fp8AutocastOptions carries TE's
+// amax reduction across data-parallel ranks.
 
 #include "ampx/fp8/scaling.h"
 
