@@ -31,99 +31,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <vector>
 
+#include "network.h"
 #include "process_group_impl.h"
 
 namespace ampx {
 namespace dist {
-namespace {
-
-// The value of `name`, or nullptr when unset or empty.
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : nullptr;
-}
-
-struct Reader {
-  std::vector<std::string> missing, malformed;
-  int64_t integer(const char* name, int64_t min) {
-    const char* v = env(name);
-    if (v == nullptr) {
-      missing.emplace_back(name);
-      return 0;
-    }
-    char* end = nullptr;
-    const long long x = std::strtoll(v, &end, 10);
-    if (*end != '\0' || x < min) {
-      malformed.push_back(std::string(name) + "='" + v + "'");
-      return 0;
-    }
-    return x;
-  }
-  std::string text(const char* name) {
-    const char* v = env(name);
-    if (v == nullptr) missing.emplace_back(name);
-    return v != nullptr ? v : "";
-  }
-};
-
-std::string join(const std::vector<std::string>& v) {
-  std::string out;
-  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
-  return out;
-}
-
-}  // namespace
-
-LaunchEnv launch_env_from_environment() {
-  Reader r;
-  LaunchEnv e;
-  if (env("RANK") || env("WORLD_SIZE")) {
-    e.launcher = "torchrun";
-    e.rank = r.integer("RANK", 0);
-    e.world_size = r.integer("WORLD_SIZE", 1);
-    e.local_rank = env("LOCAL_RANK") ? r.integer("LOCAL_RANK", 0) : 0;
-    const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
-    e.agent_store = agent != nullptr && std::string(agent) == "True";
-    if (e.agent_store) {
-      e.restart_count =
-          env("TORCHELASTIC_RESTART_COUNT") ? r.integer("TORCHELASTIC_RESTART_COUNT", 0) : 0;
-    }
-  } else if (env("OMPI_COMM_WORLD_RANK")) {
-    e.launcher = "Open MPI";
-    e.rank = r.integer("OMPI_COMM_WORLD_RANK", 0);
-    e.world_size = r.integer("OMPI_COMM_WORLD_SIZE", 1);
-    e.local_rank =
-        env("OMPI_COMM_WORLD_LOCAL_RANK") ? r.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0) : 0;
-  } else if (env("SLURM_PROCID")) {
-    e.launcher = "Slurm";
-    e.rank = r.integer("SLURM_PROCID", 0);
-    e.world_size = r.integer("SLURM_NTASKS", 1);
-    e.local_rank = env("SLURM_LOCALID") ? r.integer("SLURM_LOCALID", 0) : 0;
-  } else {
-    TORCH_CHECK(false,
-                "ampx::dist: no launcher environment: set RANK and WORLD_SIZE (torchrun), or run "
-                "under Open MPI (OMPI_COMM_WORLD_RANK) or Slurm (SLURM_PROCID), with "
-                "MASTER_ADDR and MASTER_PORT");
-  }
-  e.master_addr = r.text("MASTER_ADDR");
-  e.master_port = r.integer("MASTER_PORT", 1);
-  TORCH_CHECK(r.missing.empty() && r.malformed.empty(), "ampx::dist: incomplete ", e.launcher,
-              " environment:", r.missing.empty() ? "" : " missing " + join(r.missing) + ";",
-              r.malformed.empty() ? "" : " malformed " + join(r.malformed) + ";",
-              " needed: rank, world size, MASTER_ADDR, MASTER_PORT");
-  TORCH_CHECK(e.rank < e.world_size, "ampx::dist: rank ", e.rank, " is not below the world size ",
-              e.world_size, " (", e.launcher, ")");
-  TORCH_CHECK(e.master_port <= 65535, "ampx::dist: MASTER_PORT=", e.master_port,
-              " is not a TCP port");
-  return e;
-}
-
 bool is_available() {
 #if defined(AMPX_WITH_DIST)
   return true;
@@ -190,17 +109,57 @@ bool ProcessGroup::has_nccl() const {
 std::string ProcessGroup::backends() const {
   return has_nccl() ? "gloo+nccl" : "gloo";
 }
+std::string ProcessGroup::gloo_endpoint() const {
+  return impl_->endpoint;
+}
+
+void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) const {
+  std::ostringstream out;
+  out << "ampx::dist: " << what << " failed on rank " << rank << " of " << world_size;
+  if (rank < static_cast<int64_t>(peers.size())) out << " (" << peers[rank].address << ")";
+  out << " within the timeout of " << timeout.count() << " ms";
+  std::vector<std::pair<std::string, int>> targets;
+  std::vector<int64_t> ranks;
+  for (int64_t r = 0; r < static_cast<int64_t>(peers.size()); ++r) {
+    if (r == rank || peers[r].port == 0) continue;
+    targets.emplace_back(peers[r].address, peers[r].port);
+    ranks.push_back(r);
+  }
+  const auto states = net::probe(targets, probe_budget);
+  std::string lost, answering;
+  for (size_t k = 0; k < states.size(); ++k) {
+    const auto& p = peers[ranks[k]];
+    const std::string who = "rank " + std::to_string(ranks[k]) + " at " + p.address;
+    if (states[k] == net::PeerState::kAnswers) {
+      answering += (answering.empty() ? "" : ", ") + std::to_string(ranks[k]);
+    } else {
+      lost += (lost.empty() ? "" : "; ") + who + " (host '" + p.host + "'): " +
+              (states[k] == net::PeerState::kRefused
+                   ? "connection refused, its process is gone"
+                   : "no answer within " + std::to_string(probe_budget.count()) +
+                         " ms, its host is down or the network to it is cut");
+    }
+  }
+  if (!lost.empty()) {
+    out << "; unreachable peer(s): " << lost;
+  } else if (!targets.empty()) {
+    out << "; every peer still answers (a rank may be stuck, or out of step)";
+  }
+  if (!answering.empty()) out << "; answering: rank(s) " << answering;
+  out << ". Gloo: " << message_of(e);
+  TORCH_CHECK(false, out.str());
+}
 
 #if defined(AMPX_WITH_DIST)
 
 namespace {
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, const ProcessGroup& pg) {
+  const auto& impl = detail::ProcessGroupAccess::impl(pg);
   try {
-    work->wait(pg.timeout());
+    work->wait(impl.collective_timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ampx::dist: ", what, " failed on rank ", pg.rank(), " of ", pg.world_size(),
-                " (a rank died or timed out after ", pg.timeout().count(), " ms): ", message_of(e));
+    impl.fail(what, e);
   }
 }
 
@@ -211,7 +170,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& 
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions o;
   o.reduceOp = op;
-  o.timeout = timeout;
+  o.timeout = collective_timeout;
   return backend_for(t).allreduce(tensors, o);
 }
 
@@ -237,7 +196,7 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) con
     for (int64_t r = 0; r < world_size(); ++r) inputs[0].push_back(input.narrow(0, r * n, n));
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = impl_->timeout;
+    o.timeout = impl_->collective_timeout;
     c10::intrusive_ptr<c10d::Work> work;
     try {
       work = impl_->backend_for(input).reduce_scatter(outputs, inputs, o);
@@ -269,7 +228,7 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
   for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * n, n));
   std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
   c10d::AllgatherOptions o;
-  o.timeout = impl_->timeout;
+  o.timeout = impl_->collective_timeout;
   wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
 }
 
@@ -277,7 +236,7 @@ void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions o;
   o.rootRank = root;
-  o.timeout = impl_->timeout;
+  o.timeout = impl_->collective_timeout;
   wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast", *this);
 }
 
@@ -285,6 +244,124 @@ void ProcessGroup::barrier() const {
   auto t = torch::zeros({1});
   all_reduce_sum(t);  // a barrier that also reports a dead rank
 }
+
+namespace {
+
+/// Where this rank's Gloo binds: InitOptions::interfaces, else
+/// InitOptions::hostname, else GLOO_SOCKET_IFNAME (PyTorch's variable, the
+/// same comma-separated list), else the source address of the route to
+/// MASTER_ADDR.
+net::GlooEndpoint choose_gloo_endpoint(const LaunchEnv& env, const InitOptions& options) {
+  net::GlooEndpoint out;
+  std::string list, setting;
+  if (!options.interfaces().empty()) {
+    list = options.interfaces();
+    setting = "InitOptions::interfaces '" + list + "'";
+  } else if (options.hostname().empty()) {
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname != nullptr && *ifname != '\0') {
+      list = ifname;
+      setting = "GLOO_SOCKET_IFNAME=" + list;
+    }
+  }
+  if (!setting.empty()) {
+    out.interfaces = net::split_interfaces(list);
+    TORCH_CHECK(!out.interfaces.empty(), "ampx::dist: ", setting, " names no interface");
+    for (const auto& iface : out.interfaces) {
+      const std::string address = net::interface_address(iface, setting);
+      if (out.address.empty()) out.address = address;
+    }
+    out.chosen_by = setting;
+    return out;
+  }
+  if (!options.hostname().empty()) {
+    out.address = net::source_address_towards(options.hostname());
+    out.chosen_by = "InitOptions::hostname '" + options.hostname() + "'";
+    return out;
+  }
+  out.address = net::source_address_towards(env.master_addr);
+  out.chosen_by = "the route to MASTER_ADDR " + env.master_addr;
+  return out;
+}
+
+/// Every rank's Gloo address, liveness port and host, through the store;
+/// fails naming the ranks that did not arrive within `timeout`.
+std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& root,
+                                                         const LaunchEnv& env,
+                                                         const net::GlooEndpoint& endpoint,
+                                                         int port,
+                                                         std::chrono::milliseconds timeout) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>("ampx-net", root);
+  const std::string mine = endpoint.address + "\n" + std::to_string(port) + "\n" +
+                           net::network_stack_id() + "\n" + net::host_name() + "\n" +
+                           endpoint.chosen_by + "\n" + net::interface_summary();
+  store->set(std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(std::to_string(r));
+  try {
+    store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (const auto& k : keys) {
+      bool there = false;
+      try {
+        there = store->check({k});
+      } catch (const std::exception&) {
+      }
+      if (!there) missing += (missing.empty() ? "" : ", ") + k;
+    }
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
+                missing.empty() ? std::string("?") : missing,
+                " did not reach the rendezvous at MASTER_ADDR ", env.master_addr, ":",
+                env.master_port, " within ", timeout.count(),
+                " ms (did every rank start, and does every host reach that address?): ",
+                message_of(e));
+  }
+  std::vector<net::Peer> peers;
+  for (const auto& k : keys) {
+    const auto bytes = store->get(k);
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    net::Peer p;
+    std::string port_text;
+    std::getline(in, p.address);
+    std::getline(in, port_text);
+    std::getline(in, p.stack);
+    std::getline(in, p.host);
+    std::getline(in, p.chosen_by);
+    std::getline(in, p.interfaces);
+    p.port = std::atoi(port_text.c_str());
+    peers.push_back(std::move(p));
+  }
+  return peers;
+}
+
+/// Loopback reaches only the ranks of the same network stack: a rank bound
+/// to it that ranks elsewhere must connect to fails every rank here, the
+/// same on all, before Gloo waits the whole timeout for connections that
+/// cannot come.
+void check_loopback_reachable(const std::vector<net::Peer>& peers, int64_t rank) {
+  for (size_t p = 0; p < peers.size(); ++p) {
+    if (!net::is_loopback(peers[p].address)) continue;
+    std::string others;
+    for (size_t q = 0; q < peers.size(); ++q) {
+      if (peers[q].stack != peers[p].stack) {
+        others += (others.empty() ? "" : ", ") + std::to_string(q) + " (" + peers[q].address + ")";
+      }
+    }
+    if (others.empty()) continue;
+    TORCH_CHECK(false, "ampx::dist: rank ", p, " on host '", peers[p].host, "' would serve Gloo on ",
+                peers[p].address, ", chosen by ", peers[p].chosen_by,
+                ": a loopback address, which rank(s) ", others,
+                " on other hosts cannot reach (this is rank ", rank,
+                "). Set GLOO_SOCKET_IFNAME on that host to the network interface the other "
+                "hosts reach it through (its interfaces: ",
+                peers[p].interfaces,
+                "), as for PyTorch. The usual cause: MASTER_ADDR there is a name that resolves "
+                "to loopback on that host (e.g. its hostname mapped to 127.0.1.1 in /etc/hosts)");
+  }
+}
+
+}  // namespace
 
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options) {
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
@@ -316,25 +393,55 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
                 env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
                 " ms: ", message_of(e));
   }
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
-  const std::string host = options.hostname().empty() ? env.master_addr : options.hostname();
-  try {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
-  } catch (const std::exception&) {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>(
         "/worker/attempt_" + std::to_string(env.restart_count), store);
+  }
+  // The probe that names lost peers comes out of the timeout.
+  impl->probe_budget = std::min(std::chrono::milliseconds(1000),
+                                std::max(std::chrono::milliseconds(1), options.timeout() / 10));
+  impl->collective_timeout = std::max(std::chrono::milliseconds(1),
+                                      options.timeout() - impl->probe_budget);
+  const net::GlooEndpoint endpoint = choose_gloo_endpoint(env, options);
+  impl->endpoint = endpoint.address + " (" + endpoint.chosen_by + ")";
+  try {
+    impl->listener = std::make_unique<net::LivenessListener>(endpoint.address);
+  } catch (const std::exception&) {
+    // Only the names of lost peers depend on it: their probe then finds none.
+  }
+  impl->peers = exchange_endpoints(store, env, endpoint, impl->listener ? impl->listener->port() : 0,
+                                   options.timeout());
+  check_loopback_reachable(impl->peers, env.rank);
+
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->collective_timeout);
+  try {
+    if (endpoint.interfaces.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(endpoint.address));
+    } else {
+      for (const auto& iface : endpoint.interfaces) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " cannot make a Gloo device on ",
+                impl->endpoint, ": ", message_of(e));
   }
   try {
     impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("ampx", store), static_cast<int>(env.rank),
         static_cast<int>(env.world_size), gloo_options);
   } catch (const std::exception& e) {
+    std::string where;
+    for (size_t r = 0; r < impl->peers.size(); ++r) {
+      where += (where.empty() ? "" : ", ") + std::to_string(r) + " " + impl->peers[r].address;
+    }
     TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
-                " could not join the Gloo group within ", options.timeout().count(),
-                " ms (did every rank start?): ", message_of(e));
+                " could not connect the Gloo group within ", options.timeout().count(),
+                " ms (ranks' Gloo addresses: ", where,
+                "; every host must reach the others' on any TCP port: check firewalls, and "
+                "GLOO_SOCKET_IFNAME where a host has several networks): ",
+                message_of(e));
   }
 #if defined(AMPX_WITH_NCCL)
   // NCCL's communicators are made at the first collective, on the device of
