@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "network.h"
@@ -125,7 +126,12 @@ void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) 
     targets.emplace_back(peers[r].address, peers[r].port);
     ranks.push_back(r);
   }
-  const auto states = net::probe(targets, probe_budget);
+  // A process that was just killed closes its sockets one after the other:
+  // the one Gloo saw close may go before its listener. Probing after a
+  // moment's settling finds the whole of it gone.
+  const auto settle = std::min(std::chrono::milliseconds(200), probe_budget / 2);
+  std::this_thread::sleep_for(settle);
+  const auto states = net::probe(targets, probe_budget - settle);
   std::string lost, answering;
   for (size_t k = 0; k < states.size(); ++k) {
     const auto& p = peers[ranks[k]];
@@ -136,7 +142,7 @@ void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) 
       lost += (lost.empty() ? "" : "; ") + who + " (host '" + p.host + "'): " +
               (states[k] == net::PeerState::kRefused
                    ? "connection refused, its process is gone"
-                   : "no answer within " + std::to_string(probe_budget.count()) +
+                   : "no answer within " + std::to_string((probe_budget - settle).count()) +
                          " ms, its host is down or the network to it is cut");
     }
   }

@@ -142,12 +142,16 @@ class SimulatedHosts {
     }
   }
 
-  void kill(pid_t pid) {
-    ::kill(pid, SIGKILL);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    forget(pid);
+  /// SIGKILL to every one of `pids` at once, then reaps them.
+  void kill(const std::vector<pid_t>& pids) {
+    for (const pid_t pid : pids) ::kill(pid, SIGKILL);
+    for (const pid_t pid : pids) {
+      int status = 0;
+      ::waitpid(pid, &status, 0);
+      forget(pid);
+    }
   }
+  void kill(pid_t pid) { kill(std::vector<pid_t>{pid}); }
 
   /// Pulls host `host`'s cable out of the switch: its link goes down, and
   /// nothing it sends arrives anywhere (and nothing reaches it).
@@ -185,7 +189,7 @@ class SimulatedHosts {
   }
 
   void remove() {
-    for (const pid_t pid : std::vector<pid_t>(pids_)) kill(pid);
+    kill(std::vector<pid_t>(pids_));
     for (int h = 0; h < hosts_; ++h) {
       std::system(("ip netns del " + ns(h) + " >/dev/null 2>&1").c_str());
     }
