@@ -308,13 +308,15 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
     store->wait(keys, timeout);
   } catch (const std::exception& e) {
     std::string missing;
-    for (const auto& k : keys) {
-      bool there = false;
-      try {
-        there = store->check({k});
-      } catch (const std::exception&) {
+    try {
+      for (const auto& k : keys) {
+        if (!store->check({k})) missing += (missing.empty() ? "" : ", ") + k;
       }
-      if (!there) missing += (missing.empty() ? "" : ", ") + k;
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
+                  " lost the rendezvous store at MASTER_ADDR ", env.master_addr, ":",
+                  env.master_port, " (its server, rank 0 or the launcher's agent, ended: see its "
+                  "message): ", message_of(e));
     }
     TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
                 missing.empty() ? std::string("?") : missing,
@@ -337,6 +339,17 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
     std::getline(in, p.interfaces);
     p.port = std::atoi(port_text.c_str());
     peers.push_back(std::move(p));
+  }
+  // The store's server (rank 0, unless the launcher's agent serves it) stays
+  // until every rank has the table: a rank that fails on what it says must
+  // not take the store away from the others' reading of it.
+  if (store->add("read", 1) == env.world_size) store->set("all-read", std::vector<uint8_t>{1});
+  if (env.rank == 0) {
+    try {
+      store->wait({"all-read"}, timeout);
+    } catch (const std::exception&) {
+      // a rank that stopped reading fails on its own; this one goes on
+    }
   }
   return peers;
 }
