@@ -219,6 +219,8 @@ struct Layout {
   std::string name;
 };
 
+void PrintTo(const Layout& layout, std::ostream* os) { *os << layout.name; }
+
 class MultiHostTrainTest : public MultiHostTest, public ::testing::WithParamInterface<Layout> {};
 
 TEST_P(MultiHostTrainTest, GptO2TrainsAsOneProcessOnTheGlobalBatchWithRanksBitwiseEqual) {
