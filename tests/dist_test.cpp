@@ -550,12 +550,23 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
 }
 
 TEST(DistEnvTest, ReadsEachLaunchersLocalWorldSizeAndNodeRank) {
-  const char* vars[] = {"RANK",          "WORLD_SIZE",    "LOCAL_RANK",
-                        "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-                        "MASTER_ADDR",   "MASTER_PORT",   "OMPI_COMM_WORLD_RANK",
-                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID",
-                        "SLURM_NTASKS",  "SLURM_LOCALID", "SLURM_NODEID",
-                        "SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE"};
+  const char* vars[] = {"RANK",
+                        "WORLD_SIZE",
+                        "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE",
+                        "GROUP_RANK",
+                        "NODE_RANK",
+                        "MASTER_ADDR",
+                        "MASTER_PORT",
+                        "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE",
+                        "SLURM_PROCID",
+                        "SLURM_NTASKS",
+                        "SLURM_LOCALID",
+                        "SLURM_NODEID",
+                        "SLURM_TASKS_PER_NODE",
+                        "SLURM_STEP_TASKS_PER_NODE"};
   std::vector<std::pair<std::string, std::string>> saved;
   for (const char* v : vars) {
     if (const char* x = std::getenv(v)) saved.emplace_back(v, x);

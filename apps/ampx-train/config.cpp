@@ -66,7 +66,8 @@ int cores_available() {
 int local_processes(int nproc) {
   if (!launched_as_rank()) return nproc;
   try {
-    return static_cast<int>(std::max<int64_t>(1, ampx::dist::launch_env_from_environment().local_world_size));
+    return static_cast<int>(
+        std::max<int64_t>(1, ampx::dist::launch_env_from_environment().local_world_size));
   } catch (const c10::Error&) {
     return 1;  // the incomplete environment is reported when the ranks meet
   }

@@ -29,12 +29,12 @@ struct TrainConfig {
   std::string device = "cpu";
   int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead) // cpu
                   // | cuda
-  int threads = 0;         // intra-op threads; 0: this host's cores / its processes
+  int threads = 0;            // intra-op threads; 0: this host's cores / its processes
   double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take
-  int64_t batch_size = 0;  // per step
-  int64_t steps = 0;       // optimizer steps (or --epochs)
-  double epochs = 0;       // passes over the training split
-  double lr = 0;           // AdamW learning rate
+  int64_t batch_size = 0;     // per step
+  int64_t steps = 0;          // optimizer steps (or --epochs)
+  double epochs = 0;          // passes over the training split
+  double lr = 0;              // AdamW learning rate
   double weight_decay = 0.01;
   uint64_t seed = 1337;
   // gpt model shape

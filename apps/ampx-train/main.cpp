@@ -127,12 +127,13 @@ Role role_of(const TrainConfig& config) {
 /// One line per rank at the start: where it runs and what it uses.
 void print_placement(const ampx::dist::LaunchEnv& env, const ampx::dist::ProcessGroup& group,
                      int threads) {
-  std::printf("rank %lld of %lld (%s): host '%s'%s, local rank %lld of %lld, %d thread%s, Gloo on %s\n",
-              static_cast<long long>(group.rank()), static_cast<long long>(group.world_size()),
-              env.launcher.c_str(), host_name().c_str(),
-              env.node_rank >= 0 ? (" (node " + std::to_string(env.node_rank) + ")").c_str() : "",
-              static_cast<long long>(env.local_rank), static_cast<long long>(env.local_world_size),
-              threads, threads == 1 ? "" : "s", group.gloo_endpoint().c_str());
+  std::printf(
+      "rank %lld of %lld (%s): host '%s'%s, local rank %lld of %lld, %d thread%s, Gloo on %s\n",
+      static_cast<long long>(group.rank()), static_cast<long long>(group.world_size()),
+      env.launcher.c_str(), host_name().c_str(),
+      env.node_rank >= 0 ? (" (node " + std::to_string(env.node_rank) + ")").c_str() : "",
+      static_cast<long long>(env.local_rank), static_cast<long long>(env.local_world_size), threads,
+      threads == 1 ? "" : "s", group.gloo_endpoint().c_str());
   std::fflush(stdout);
 }
 
@@ -182,8 +183,8 @@ int run(int argc, char** argv) {
   if (rank_role && modes.size() == 1) {
     const auto env = ampx::dist::launch_env_from_environment();
     group.emplace(ampx::dist::init_process_group(
-        env, ampx::dist::InitOptions().timeout(std::chrono::milliseconds(
-                 static_cast<int64_t>(config.dist_timeout * 1000)))));
+        env, ampx::dist::InitOptions().timeout(
+                 std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)))));
     print_placement(env, *group, config.threads);
   }
   const bool rank0 = !group || group->rank() == 0;

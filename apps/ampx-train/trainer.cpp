@@ -17,11 +17,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <functional>
-#include <iterator>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -299,7 +299,8 @@ namespace {
 /// What `fn` returns on rank 0, on every rank: rank 0 alone reads files
 /// (the other hosts need not have them). When `fn` throws there, every
 /// rank throws, the others with rank 0's message.
-std::string from_rank0(const ampx::dist::ProcessGroup* group, const std::function<std::string()>& fn) {
+std::string from_rank0(const ampx::dist::ProcessGroup* group,
+                       const std::function<std::string()>& fn) {
   if (group == nullptr) return fn();
   std::string bytes;
   int64_t failed = 0;
@@ -315,7 +316,8 @@ std::string from_rank0(const ampx::dist::ProcessGroup* group, const std::functio
   group->broadcast(header);
   failed = header[0].item<int64_t>();
   auto data = torch::empty({header[1].item<int64_t>()}, torch::kByte);
-  if (group->rank() == 0 && !bytes.empty()) std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+  if (group->rank() == 0 && !bytes.empty())
+    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
   if (data.numel() > 0) group->broadcast(data);
   bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
   TORCH_CHECK(!failed, group->rank() == 0 ? "" : "rank 0: ", bytes);

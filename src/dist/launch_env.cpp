@@ -48,7 +48,6 @@ std::string join(const std::vector<std::string>& v) {
   return out;
 }
 
-
 // Slurm's tasks per node ("2(x3),1": 2 on each of the first three nodes,
 // then 1) at node `node`; 0 when `spec` is malformed or too short.
 int64_t slurm_tasks_on_node(const std::string& spec, int64_t node) {

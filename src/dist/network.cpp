@@ -94,8 +94,8 @@ std::string interface_address(const std::string& name, const std::string& settin
     if (a->ifa_addr->sa_family == AF_INET6 && v6.empty()) v6 = numeric(a->ifa_addr);
   }
   if (!names.empty()) names = names.substr(1, names.size() - 2);
-  TORCH_CHECK(found, "ampx::dist: ", setting, ": host '", host_name(), "' has no interface '",
-              name, "' (it has: ", names, ")");
+  TORCH_CHECK(found, "ampx::dist: ", setting, ": host '", host_name(), "' has no interface '", name,
+              "' (it has: ", names, ")");
   TORCH_CHECK(!v4.empty() || !v6.empty(), "ampx::dist: ", setting, ": interface '", name,
               "' of host '", host_name(), "' has no IP address");
   return v4.empty() ? v6 : v4;

@@ -60,7 +60,7 @@ struct ProcessGroup::Impl {
   /// lost peers when one fails, so that the failure comes within the timeout.
   std::chrono::milliseconds collective_timeout{0};
   std::chrono::milliseconds probe_budget{0};
-  std::string endpoint;  // gloo_endpoint()
+  std::string endpoint;          // gloo_endpoint()
   std::vector<net::Peer> peers;  // by rank, this one's included
   std::unique_ptr<net::LivenessListener> listener;
   /// Throws the failure of collective `what`: `e`'s message, after a probe

@@ -155,7 +155,9 @@ class SimulatedHosts {
 
   /// Pulls host `host`'s cable out of the switch: its link goes down, and
   /// nothing it sends arrives anywhere (and nothing reaches it).
-  void cut(int host) { sh("ip -n " + switch_ns() + " link set p" + std::to_string(host) + " down"); }
+  void cut(int host) {
+    sh("ip -n " + switch_ns() + " link set p" + std::to_string(host) + " down");
+  }
 
  private:
   std::string switch_ns() const { return prefix_ + "s"; }
