@@ -13,7 +13,8 @@
 //   pid_t p = hosts.start(0, {"RANK=0", ...}, {binary, args...}, log, cwd);
 //   hosts.cut(1);                                 // host 1's cable out of the switch
 //
-// Needs root and the `ip` tool (iproute2); unavailable_reason() says why not.
+// Needs root, the `ip` tool (iproute2) and nsenter (util-linux);
+// unavailable_reason() says why not.
 
 #include <c10/util/Exception.h>
 
@@ -43,6 +44,7 @@ class SimulatedHosts {
   static std::string unavailable_reason() {
     if (::geteuid() != 0) return "needs root to make network namespaces (ip netns)";
     if (std::system("ip -V >/dev/null 2>&1") != 0) return "no `ip` tool (iproute2)";
+    if (std::system("nsenter --version >/dev/null 2>&1") != 0) return "no nsenter (util-linux)";
     const std::string probe = "ampxnetprobe" + std::to_string(::getpid());
     if (std::system(("ip netns add " + probe + " >/dev/null 2>&1").c_str()) != 0) {
       return "this system cannot make network namespaces (ip netns add failed)";
@@ -55,8 +57,8 @@ class SimulatedHosts {
     remove_stale();
     try {
       sh("ip netns add " + switch_ns());
-      sh("ip -n " + switch_ns() + " link add br0 type bridge");
-      sh("ip -n " + switch_ns() + " link set br0 up");
+      ip_in(switch_ns(), "link add br0 type bridge");
+      ip_in(switch_ns(), "link set br0 up");
       for (int h = 0; h < hosts; ++h) add_host();
     } catch (...) {
       remove();
@@ -155,12 +157,17 @@ class SimulatedHosts {
 
   /// Pulls host `host`'s cable out of the switch: its link goes down, and
   /// nothing it sends arrives anywhere (and nothing reaches it).
-  void cut(int host) {
-    sh("ip -n " + switch_ns() + " link set p" + std::to_string(host) + " down");
-  }
+  void cut(int host) { ip_in(switch_ns(), "link set p" + std::to_string(host) + " down"); }
 
  private:
   std::string switch_ns() const { return prefix_ + "s"; }
+
+  /// `ip <args>` inside namespace `ns`. Not `ip -n`, which remounts / as
+  /// `ip netns exec` does, and cannot in a chroot (the 2.6 leg's): nsenter
+  /// enters the network namespace alone.
+  static void ip_in(const std::string& ns, const std::string& args) {
+    sh("nsenter --net=/run/netns/" + ns + " ip " + args);
+  }
 
   static void sh(const std::string& cmd) {
     const int rc = std::system((cmd + " 2>&1").c_str());
@@ -173,12 +180,12 @@ class SimulatedHosts {
     sh("ip netns add " + host);
     // The veth pair is made inside the two namespaces: the machine's own
     // namespace never holds either end.
-    sh("ip -n " + host + " link add eth0 type veth peer name " + port + " netns " + switch_ns());
-    sh("ip -n " + host + " addr add " + address(h) + "/24 dev eth0");
-    sh("ip -n " + host + " link set eth0 up");
-    sh("ip -n " + host + " link set lo up");
-    sh("ip -n " + switch_ns() + " link set " + port + " master br0");
-    sh("ip -n " + switch_ns() + " link set " + port + " up");
+    ip_in(host, "link add eth0 type veth peer name " + port + " netns " + switch_ns());
+    ip_in(host, "addr add " + address(h) + "/24 dev eth0");
+    ip_in(host, "link set eth0 up");
+    ip_in(host, "link set lo up");
+    ip_in(switch_ns(), "link set " + port + " master br0");
+    ip_in(switch_ns(), "link set " + port + " up");
   }
 
   void forget(pid_t pid) {
