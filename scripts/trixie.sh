@@ -122,7 +122,7 @@ PACKAGES=(
   libopenblas0-pthread libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
-  ca-certificates
+  ca-certificates iproute2
 )
 # Host variables passed into the chroot (besides AMPX_*).
 KEEP_VARS=(CI TERM CMAKE_BUILD_PARALLEL_LEVEL CTEST_PARALLEL_LEVEL

@@ -577,6 +577,78 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   for (const auto& [k, v] : saved) ::setenv(k.c_str(), v.c_str(), 1);
 }
 
+TEST(DistEnvTest, ReadsEachLaunchersLocalWorldSizeAndNodeRank) {
+  const char* vars[] = {"RANK",
+                        "WORLD_SIZE",
+                        "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE",
+                        "GROUP_RANK",
+                        "NODE_RANK",
+                        "MASTER_ADDR",
+                        "MASTER_PORT",
+                        "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE",
+                        "SLURM_PROCID",
+                        "SLURM_NTASKS",
+                        "SLURM_LOCALID",
+                        "SLURM_NODEID",
+                        "SLURM_TASKS_PER_NODE",
+                        "SLURM_STEP_TASKS_PER_NODE"};
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const char* v : vars) {
+    if (const char* x = std::getenv(v)) saved.emplace_back(v, x);
+    ::unsetenv(v);
+  }
+  ::setenv("MASTER_ADDR", "10.0.0.1", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  // torchrun: its own variables; a launch without them is one process per host.
+  ::setenv("RANK", "5", 1);
+  ::setenv("WORLD_SIZE", "8", 1);
+  auto e = ampx::dist::launch_env_from_environment();
+  EXPECT_EQ(e.local_world_size, 1);
+  EXPECT_EQ(e.node_rank, -1);
+  ::setenv("LOCAL_WORLD_SIZE", "4", 1);
+  ::setenv("NODE_RANK", "3", 1);
+  EXPECT_EQ(ampx::dist::launch_env_from_environment().node_rank, 3);
+  ::setenv("GROUP_RANK", "1", 1);  // torchrun's own name wins
+  e = ampx::dist::launch_env_from_environment();
+  EXPECT_EQ(e.local_world_size, 4);
+  EXPECT_EQ(e.node_rank, 1);
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK"}) {
+    ::unsetenv(v);
+  }
+  // Open MPI
+  ::setenv("OMPI_COMM_WORLD_RANK", "2", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "6", 1);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+  EXPECT_EQ(ampx::dist::launch_env_from_environment().local_world_size, 3);
+  ::unsetenv("OMPI_COMM_WORLD_RANK");
+  // Slurm: tasks per node in srun's compressed form, at this node's index;
+  // the step's count wins over the job's.
+  ::setenv("SLURM_PROCID", "5", 1);
+  ::setenv("SLURM_NTASKS", "7", 1);
+  ::setenv("SLURM_NODEID", "2", 1);
+  ::setenv("SLURM_TASKS_PER_NODE", "2(x2),3", 1);
+  e = ampx::dist::launch_env_from_environment();
+  EXPECT_EQ(e.node_rank, 2);
+  EXPECT_EQ(e.local_world_size, 3);
+  ::setenv("SLURM_NODEID", "1", 1);
+  EXPECT_EQ(ampx::dist::launch_env_from_environment().local_world_size, 2);
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "1,4", 1);
+  EXPECT_EQ(ampx::dist::launch_env_from_environment().local_world_size, 4);
+  ::setenv("SLURM_STEP_TASKS_PER_NODE", "2(3)", 1);
+  std::string error;
+  try {
+    ampx::dist::launch_env_from_environment();
+  } catch (const c10::Error& err) {
+    error = err.what_without_backtrace();
+  }
+  EXPECT_THAT(error, HasSubstr("malformed SLURM_STEP_TASKS_PER_NODE='2(3)' at SLURM_NODEID=1"));
+  for (const char* v : vars) ::unsetenv(v);
+  for (const auto& [k, v] : saved) ::setenv(k.c_str(), v.c_str(), 1);
+}
+
 // A group of one, in this process: what the backends carry.
 ampx::dist::ProcessGroup group_of_one(bool nccl = true) {
   ampx::dist::LaunchEnv env;

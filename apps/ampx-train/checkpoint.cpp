@@ -76,6 +76,10 @@ Checkpoint read_checkpoint(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path.string(), "'");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse_checkpoint(bytes, path);
+}
+
+Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::path& path) {
   const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
   TORCH_CHECK(
       bytes.size() >= sizeof(kMagic) && std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) == 0,

@@ -35,6 +35,10 @@ void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& m
 /// wrong: missing, not a checkpoint, newer version, truncated, corrupted.
 Checkpoint read_checkpoint(const std::filesystem::path& path);
 
+/// The same checks on a checkpoint file's `bytes` (read by another rank, on
+/// another host); `path` names it in errors.
+Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::path& path);
+
 /// Errors unless every key of `expected` has the same value in `saved` (the
 /// `run` object of a checkpoint's meta); the message names the key and both
 /// values as JSON, e.g. `was written by a run with precision="O2", this run

@@ -3,11 +3,14 @@
 #include "data.h"
 #include "machine.h"
 
+#include <ampx/dist.h>
 #include <ampx/version.h>
 
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 #include <CLI/CLI.hpp>
+
+#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
@@ -49,7 +52,37 @@ const CLI::Validator kPositive(
     },
     "POSITIVE");
 
+/// The cores this process may run on (its affinity: taskset, cgroup
+/// cpusets, a batch system's binding), else all online ones.
+int cores_available() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+/// The processes of this run on this host: the launcher's local world size
+/// (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, Slurm's tasks per node),
+/// or --nproc.
+int local_processes(int nproc) {
+  if (!launched_as_rank()) return nproc;
+  try {
+    return static_cast<int>(
+        std::max<int64_t>(1, ampx::dist::launch_env_from_environment().local_world_size));
+  } catch (const c10::Error&) {
+    return 1;  // the incomplete environment is reported when the ranks meet
+  }
+}
+
 }  // namespace
+
+bool launched_as_rank() {
+  auto above_one = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::atoll(v) > 1;
+  };
+  return std::getenv("WORLD_SIZE") != nullptr || above_one("OMPI_COMM_WORLD_SIZE") ||
+         (std::getenv("SLURM_PROCID") != nullptr && above_one("SLURM_NTASKS"));
+}
 
 std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
   CLI::App app{
@@ -84,7 +117,12 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                  "data-parallel processes on this machine (Gloo); --batch-size is the global "
                  "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
       ->check(kPositive);
-  app.add_option("--threads", c.threads, "intra-op CPU threads [default: all cores]")
+  app.add_option("--dist-timeout", c.dist_timeout,
+                 "seconds the ranks' rendezvous and each collective may take before the run "
+                 "fails naming the ranks that stopped answering")
+      ->check(kPositive);
+  app.add_option("--threads", c.threads,
+                 "intra-op CPU threads [default: this host's cores / its processes of the run]")
       ->check(kPositive)
       ->default_str("auto");
   app.add_option("--batch-size", c.batch_size,
@@ -198,12 +236,7 @@ void resolve_defaults(TrainConfig& c) {
   if (c.lr == 0) c.lr = d.lr;
   if (c.eval_batches == 0) c.eval_batches = 32;
   if (c.dtype.empty()) c.dtype = c.device == "cuda" ? "fp16" : "bf16";
-  if (c.threads == 0) {  // all cores, shared by the processes of this machine
-    int local = c.nproc;
-    if (const char* l = std::getenv("LOCAL_WORLD_SIZE")) local = std::max(1, std::atoi(l));
-    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    c.threads = std::max(1, cores / local);
-  }
+  if (c.threads == 0) c.threads = std::max(1, cores_available() / local_processes(c.nproc));
   if (c.out_dir.empty()) c.out_dir = "runs/" + c.workload;
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = c.out_dir + "/checkpoints";
   c.data_dir = resolve_data_dir(c.data_dir).string();

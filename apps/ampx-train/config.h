@@ -29,11 +29,12 @@ struct TrainConfig {
   std::string device = "cpu";
   int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead) // cpu
                   // | cuda
-  int threads = 0;         // intra-op threads; 0: all cores
-  int64_t batch_size = 0;  // per step
-  int64_t steps = 0;       // optimizer steps (or --epochs)
-  double epochs = 0;       // passes over the training split
-  double lr = 0;           // AdamW learning rate
+  int threads = 0;            // intra-op threads; 0: this host's cores / its processes
+  double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take
+  int64_t batch_size = 0;     // per step
+  int64_t steps = 0;          // optimizer steps (or --epochs)
+  double epochs = 0;          // passes over the training split
+  double lr = 0;              // AdamW learning rate
   double weight_decay = 0.01;
   uint64_t seed = 1337;
   // gpt model shape
@@ -69,6 +70,11 @@ struct TrainConfig {
   std::string only_mode;    // --only-mode: train this mode of --compare
   std::string result_file;  // --result-file: write the RunResult as JSON
 };
+
+/// Whether a launcher started this process as one rank of several
+/// (torchrun's or --nproc's WORLD_SIZE, Open MPI's or Slurm's task count
+/// above 1).
+bool launched_as_rank();
 
 /// Parses argv into `config`. Returns an exit code when the program should
 /// stop (0 after --help, CLI11's code after a usage error, printed to

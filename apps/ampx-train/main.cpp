@@ -29,6 +29,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -83,7 +84,8 @@ int run_ranks(int argc, char** argv, int nproc) {
     pids.push_back(spawn_self(
         argc, argv, {},
         {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
-         "WORLD_SIZE=" + std::to_string(nproc), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+         "WORLD_SIZE=" + std::to_string(nproc), "LOCAL_WORLD_SIZE=" + std::to_string(nproc),
+         "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
   }
   int result = 0;
   for (size_t done = 0; done < pids.size(); ++done) {
@@ -110,11 +112,29 @@ enum class Role {
   kExternalRank,  // one rank an outside launcher (torchrun) started
 };
 
+std::string host_name() {
+  char name[256] = {0};
+  return ::gethostname(name, sizeof(name) - 1) == 0 ? name : "?";
+}
+
 Role role_of(const TrainConfig& config) {
-  if (std::getenv("WORLD_SIZE") != nullptr) {  // a rank: ours carry --nproc or --only-mode
+  if (launched_as_rank()) {  // ours carry --nproc or --only-mode
     return config.nproc > 1 || !config.only_mode.empty() ? Role::kRank : Role::kExternalRank;
   }
   return config.only_mode.empty() ? Role::kMain : Role::kModeProcess;
+}
+
+/// One line per rank at the start: where it runs and what it uses.
+void print_placement(const ampx::dist::LaunchEnv& env, const ampx::dist::ProcessGroup& group,
+                     int threads) {
+  std::printf(
+      "rank %lld of %lld (%s): host '%s'%s, local rank %lld of %lld, %d thread%s, Gloo on %s\n",
+      static_cast<long long>(group.rank()), static_cast<long long>(group.world_size()),
+      env.launcher.c_str(), host_name().c_str(),
+      env.node_rank >= 0 ? (" (node " + std::to_string(env.node_rank) + ")").c_str() : "",
+      static_cast<long long>(env.local_rank), static_cast<long long>(env.local_world_size), threads,
+      threads == 1 ? "" : "s", group.gloo_endpoint().c_str());
+  std::fflush(stdout);
 }
 
 void print_done(const Workload& workload, const RunResult& r) {
@@ -164,7 +184,13 @@ int run(int argc, char** argv) {
     return run_ranks(argc, argv, config.nproc);
   }
   std::optional<ampx::dist::ProcessGroup> group;
-  if (rank_role && modes.size() == 1) group.emplace(ampx::dist::init_process_group());
+  if (rank_role && modes.size() == 1) {
+    const auto env = ampx::dist::launch_env_from_environment();
+    group.emplace(ampx::dist::init_process_group(
+        env, ampx::dist::InitOptions().timeout(
+                 std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)))));
+    print_placement(env, *group, config.threads);
+  }
   const bool rank0 = !group || group->rank() == 0;
   at::set_num_threads(config.threads);
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
@@ -192,6 +218,12 @@ int run(int argc, char** argv) {
 
   if (modes.size() == 1) {
     const RunResult r = train_mode(config, *workload, modes.front(), group ? &*group : nullptr);
+    if (group) {
+      std::printf("[%s] rank %lld of %lld: weights %s\n", r.mode.c_str(),
+                  static_cast<long long>(group->rank()),
+                  static_cast<long long>(group->world_size()), r.weights_checksum.c_str());
+      std::fflush(stdout);
+    }
     if (!rank0) return 0;
     print_done(*workload, r);
     if (!config.result_file.empty()) {

@@ -17,9 +17,13 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <iterator>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -107,9 +111,9 @@ void save(const std::string& path, const nlohmann::json& identity, const Workloa
   write_checkpoint(path, meta, payload.str());
 }
 
-void load(const std::string& path, const nlohmann::json& identity, torch::nn::Module& model,
-          torch::optim::Optimizer& opt, ampx::AmpSession& amp, LoopState& state) {
-  const Checkpoint c = read_checkpoint(path);
+void load(const std::string& path, const Checkpoint& c, const nlohmann::json& identity,
+          torch::nn::Module& model, torch::optim::Optimizer& opt, ampx::AmpSession& amp,
+          LoopState& state) {
   check_compatible(path, c.meta.at("run"), identity);
   try {
     std::istringstream payload(c.payload);
@@ -137,6 +141,28 @@ void load(const std::string& path, const nlohmann::json& identity, torch::nn::Mo
   state.next_step = c.meta.at("step").get<int64_t>();
   state.skipped = c.meta.at("skipped").get<int64_t>();
   state.losses = c.meta.at("losses").get<std::vector<double>>();
+}
+
+std::string read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path, "'");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+/// FNV-1a (64-bit) of every parameter's bytes in order: equal on ranks
+/// whose weights are bitwise equal.
+std::string weights_checksum(torch::nn::Module& model) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : model.parameters()) {
+    const auto c = p.detach().to(torch::kCPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {
+      h = (h ^ bytes[i]) * 1099511628211ull;
+    }
+  }
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%016llx", static_cast<unsigned long long>(h));
+  return text;
 }
 
 double median(std::vector<double> v) {
@@ -286,6 +312,34 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
 }
 
 namespace {
+
+/// What `fn` returns on rank 0, on every rank: rank 0 alone reads files
+/// (the other hosts need not have them). When `fn` throws there, every
+/// rank throws, the others with rank 0's message.
+std::string from_rank0(const ampx::dist::ProcessGroup* group,
+                       const std::function<std::string()>& fn) {
+  if (group == nullptr) return fn();
+  std::string bytes;
+  int64_t failed = 0;
+  if (group->rank() == 0) {
+    try {
+      bytes = fn();
+    } catch (const c10::Error& e) {
+      bytes = e.what_without_backtrace();
+      failed = 1;
+    }
+  }
+  auto header = torch::tensor({failed, static_cast<int64_t>(bytes.size())}, torch::kLong);
+  group->broadcast(header);
+  failed = header[0].item<int64_t>();
+  auto data = torch::empty({header[1].item<int64_t>()}, torch::kByte);
+  if (group->rank() == 0 && !bytes.empty())
+    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
+  if (data.numel() > 0) group->broadcast(data);
+  bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
+  TORCH_CHECK(!failed, group->rank() == 0 ? "" : "rank 0: ", bytes);
+  return bytes;
+}
 
 /// Refuses to overwrite a checkpoint, or to resume without one.
 void check_checkpoint_rules(const TrainConfig& config, const std::string& ckpt) {
@@ -442,7 +496,10 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   if (mode.fp8) identity["fp8_recipe"] = fp8_recipe_of(config).to_string();
 
   const std::string ckpt = checkpoint_path_for(config, mode.name);
-  check_checkpoint_rules(config, ckpt);
+  from_rank0(group, [&] {  // rank 0 alone writes and reads checkpoints
+    check_checkpoint_rules(config, ckpt);
+    return std::string();
+  });
 
   const int64_t base = allocated_bytes(device);
   reset_peak_memory(device);
@@ -461,12 +518,13 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
 
   LoopState state;
   if (config.resume) {
-    load(ckpt, identity, model, optimizer, amp, state);
+    const std::string bytes = from_rank0(group, [&] { return read_file_bytes(ckpt); });
+    load(ckpt, parse_checkpoint(bytes, ckpt), identity, model, optimizer, amp, state);
     TORCH_CHECK(state.next_step <= total_steps, "ampx-train: checkpoint '", ckpt, "' is at step ",
                 state.next_step, ", past this run's ", total_steps, " steps; raise --steps");
   }
 
-  fs::create_directories(config.out_dir);
+  if (lead) fs::create_directories(config.out_dir);
   const bool csv = config.metrics_format == "csv";
   std::optional<MetricsWriter> metrics;
   if (lead) {
@@ -574,6 +632,7 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   result.train_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail;
   result.final_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
   if (lead) result.eval = evaluate();
+  result.weights_checksum = weights_checksum(model);
   return result;
 }
 

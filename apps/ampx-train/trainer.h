@@ -45,6 +45,7 @@ struct RunResult {
   std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
   std::string range_stats_path;   // --range-stats: the statistics' JSON
   std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
+  std::string weights_checksum;   // FNV-1a of the final parameters' bytes, "0x..."
 };
 
 /// A RunResult as JSON and back: how a --compare run collects the result of

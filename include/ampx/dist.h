@@ -53,6 +53,13 @@ struct LaunchEnv {
   int64_t rank = 0;
   int64_t world_size = 1;
   int64_t local_rank = 0;
+  /// Processes of this run on this host: torchrun's LOCAL_WORLD_SIZE, Open
+  /// MPI's OMPI_COMM_WORLD_LOCAL_SIZE, Slurm's SLURM_STEP_TASKS_PER_NODE (or
+  /// SLURM_TASKS_PER_NODE, e.g. "2(x3),1") at SLURM_NODEID; 1 when unset.
+  int64_t local_world_size = 1;
+  /// This host's index among the hosts: torchrun's GROUP_RANK (or NODE_RANK),
+  /// Slurm's SLURM_NODEID; -1 when the launcher does not say.
+  int64_t node_rank = -1;
   std::string master_addr;
   int64_t master_port = 0;
   std::string launcher;  // "torchrun", "Open MPI", "Slurm"
@@ -73,8 +80,14 @@ LaunchEnv launch_env_from_environment();
 struct InitOptions {
   /// How long rendezvous and each collective may take before they fail.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(300);
-  /// Interface address Gloo binds to; empty: the one MASTER_ADDR routes from
-  /// (loopback when MASTER_ADDR is local).
+  /// Network interfaces Gloo binds to, comma separated ("eth0" or
+  /// "eth0,eth1": one Gloo device each, used in turn), as PyTorch's
+  /// GLOO_SOCKET_IFNAME, which applies when this and hostname() are empty.
+  TORCH_ARG(std::string, interfaces) = "";
+  /// Address (or name) Gloo binds to, when interfaces() is empty. With
+  /// neither, nor GLOO_SOCKET_IFNAME: the source address of this host's
+  /// route to MASTER_ADDR (never a guess from the hostname), so a rank on
+  /// another host binds to the interface that reaches the first one.
   TORCH_ARG(std::string, hostname) = "";
   /// Also make an NCCL group, which then carries every collective on CUDA
   /// tensors (PyTorch 2's default "cpu:gloo,cuda:nccl"), when this ampx was
@@ -95,6 +108,9 @@ class ProcessGroup {
   /// Whether CUDA tensors go through NCCL ("gloo" or "gloo+nccl" in backends()).
   bool has_nccl() const;
   std::string backends() const;
+  /// The address Gloo serves this rank on and how it was chosen:
+  /// "10.0.0.2 (the route to MASTER_ADDR 10.0.0.1)", "10.0.0.1 (GLOO_SOCKET_IFNAME=eth0)".
+  std::string gloo_endpoint() const;
   /// Sums `tensor` in place over all ranks and waits.
   void all_reduce_sum(at::Tensor& tensor) const;
   /// Takes the element-wise maximum in place over all ranks and waits.
@@ -130,9 +146,14 @@ class ProcessGroup {
 void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
 
 /// Rendezvous through c10d's TCPStore at env.master_addr:master_port (rank 0
-/// serves it, or torchrun's agent) and a Gloo process group over it (and an
-/// NCCL one, see InitOptions::nccl). Errors name what is missing and, on
-/// timeout, how many ranks arrived.
+/// serves it on every interface, or torchrun's agent) and a Gloo process
+/// group over it (and an NCCL one, see InitOptions::nccl). Errors name what
+/// is missing and, on timeout, the ranks that did not arrive. Before Gloo
+/// connects, the ranks exchange their Gloo addresses: a rank bound to
+/// loopback that ranks on other hosts would have to reach is an error
+/// naming GLOO_SOCKET_IFNAME. A collective that fails (a rank died, a host
+/// fell off the network) fails within the timeout, naming the ranks that
+/// no longer answer and their addresses.
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options = {});
 /// The same, from launch_env_from_environment().
 ProcessGroup init_process_group(const InitOptions& options = {});

@@ -130,12 +130,10 @@ struct DistributedDataParallel::Impl {
     const double inv_world = 1.0 / static_cast<double>(group.world_size());
     for (auto& b : buckets) {
       try {
-        b.work->wait(group.timeout());
+        b.work->wait(detail::ProcessGroupAccess::impl(group).collective_timeout);
       } catch (const std::exception& e) {
         reset();
-        TORCH_CHECK(false, "ampx::dist: gradient all-reduce failed on rank ", group.rank(), " of ",
-                    group.world_size(), " (a rank died or timed out after ",
-                    group.timeout().count(), " ms): ", message_of(e));
+        detail::ProcessGroupAccess::impl(group).fail("gradient all-reduce", e);
       }
       bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
       for (const int64_t i : b.params) {

@@ -31,99 +31,20 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <thread>
 #include <vector>
 
+#include "network.h"
 #include "process_group_impl.h"
+#include "rendezvous.h"
 
 namespace ampx {
 namespace dist {
-namespace {
-
-// The value of `name`, or nullptr when unset or empty.
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? v : nullptr;
-}
-
-struct Reader {
-  std::vector<std::string> missing, malformed;
-  int64_t integer(const char* name, int64_t min) {
-    const char* v = env(name);
-    if (v == nullptr) {
-      missing.emplace_back(name);
-      return 0;
-    }
-    char* end = nullptr;
-    const long long x = std::strtoll(v, &end, 10);
-    if (*end != '\0' || x < min) {
-      malformed.push_back(std::string(name) + "='" + v + "'");
-      return 0;
-    }
-    return x;
-  }
-  std::string text(const char* name) {
-    const char* v = env(name);
-    if (v == nullptr) missing.emplace_back(name);
-    return v != nullptr ? v : "";
-  }
-};
-
-std::string join(const std::vector<std::string>& v) {
-  std::string out;
-  for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
-  return out;
-}
-
-}  // namespace
-
-LaunchEnv launch_env_from_environment() {
-  Reader r;
-  LaunchEnv e;
-  if (env("RANK") || env("WORLD_SIZE")) {
-    e.launcher = "torchrun";
-    e.rank = r.integer("RANK", 0);
-    e.world_size = r.integer("WORLD_SIZE", 1);
-    e.local_rank = env("LOCAL_RANK") ? r.integer("LOCAL_RANK", 0) : 0;
-    const char* agent = env("TORCHELASTIC_USE_AGENT_STORE");
-    e.agent_store = agent != nullptr && std::string(agent) == "True";
-    if (e.agent_store) {
-      e.restart_count =
-          env("TORCHELASTIC_RESTART_COUNT") ? r.integer("TORCHELASTIC_RESTART_COUNT", 0) : 0;
-    }
-  } else if (env("OMPI_COMM_WORLD_RANK")) {
-    e.launcher = "Open MPI";
-    e.rank = r.integer("OMPI_COMM_WORLD_RANK", 0);
-    e.world_size = r.integer("OMPI_COMM_WORLD_SIZE", 1);
-    e.local_rank =
-        env("OMPI_COMM_WORLD_LOCAL_RANK") ? r.integer("OMPI_COMM_WORLD_LOCAL_RANK", 0) : 0;
-  } else if (env("SLURM_PROCID")) {
-    e.launcher = "Slurm";
-    e.rank = r.integer("SLURM_PROCID", 0);
-    e.world_size = r.integer("SLURM_NTASKS", 1);
-    e.local_rank = env("SLURM_LOCALID") ? r.integer("SLURM_LOCALID", 0) : 0;
-  } else {
-    TORCH_CHECK(false,
-                "ampx::dist: no launcher environment: set RANK and WORLD_SIZE (torchrun), or run "
-                "under Open MPI (OMPI_COMM_WORLD_RANK) or Slurm (SLURM_PROCID), with "
-                "MASTER_ADDR and MASTER_PORT");
-  }
-  e.master_addr = r.text("MASTER_ADDR");
-  e.master_port = r.integer("MASTER_PORT", 1);
-  TORCH_CHECK(r.missing.empty() && r.malformed.empty(), "ampx::dist: incomplete ", e.launcher,
-              " environment:", r.missing.empty() ? "" : " missing " + join(r.missing) + ";",
-              r.malformed.empty() ? "" : " malformed " + join(r.malformed) + ";",
-              " needed: rank, world size, MASTER_ADDR, MASTER_PORT");
-  TORCH_CHECK(e.rank < e.world_size, "ampx::dist: rank ", e.rank, " is not below the world size ",
-              e.world_size, " (", e.launcher, ")");
-  TORCH_CHECK(e.master_port <= 65535, "ampx::dist: MASTER_PORT=", e.master_port,
-              " is not a TCP port");
-  return e;
-}
-
 bool is_available() {
 #if defined(AMPX_WITH_DIST)
   return true;
@@ -151,8 +72,8 @@ int free_loopback_port() {
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   const int error = errno;
   ::close(fd);
-  TORCH_CHECK(ok, "ampx::dist::free_loopback_port: no free port on 127.0.0.1: ",
-              std::strerror(error));
+  TORCH_CHECK(ok,
+              "ampx::dist::free_loopback_port: no free port on 127.0.0.1: ", std::strerror(error));
   return ntohs(addr.sin_port);
 }
 
@@ -190,17 +111,62 @@ bool ProcessGroup::has_nccl() const {
 std::string ProcessGroup::backends() const {
   return has_nccl() ? "gloo+nccl" : "gloo";
 }
+std::string ProcessGroup::gloo_endpoint() const {
+  return impl_->endpoint;
+}
+
+void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) const {
+  std::ostringstream out;
+  out << "ampx::dist: " << what << " failed on rank " << rank << " of " << world_size;
+  if (rank < static_cast<int64_t>(peers.size())) out << " (" << peers[rank].address << ")";
+  out << " within the timeout of " << timeout.count() << " ms";
+  std::vector<std::pair<std::string, int>> targets;
+  std::vector<int64_t> ranks;
+  for (int64_t r = 0; r < static_cast<int64_t>(peers.size()); ++r) {
+    if (r == rank || peers[r].port == 0) continue;
+    targets.emplace_back(peers[r].address, peers[r].port);
+    ranks.push_back(r);
+  }
+  // A process that was just killed closes its sockets one after the other:
+  // the one Gloo saw close may go before its listener. Probing after a
+  // moment's settling finds the whole of it gone.
+  const auto settle = std::min(std::chrono::milliseconds(200), probe_budget / 2);
+  std::this_thread::sleep_for(settle);
+  const auto states = net::probe(targets, probe_budget - settle);
+  std::string lost, answering;
+  for (size_t k = 0; k < states.size(); ++k) {
+    const auto& p = peers[ranks[k]];
+    const std::string who = "rank " + std::to_string(ranks[k]) + " at " + p.address;
+    if (states[k] == net::PeerState::kAnswers) {
+      answering += (answering.empty() ? "" : ", ") + std::to_string(ranks[k]);
+    } else {
+      lost += (lost.empty() ? "" : "; ") + who + " (host '" + p.host + "'): " +
+              (states[k] == net::PeerState::kRefused
+                   ? "connection refused, its process is gone"
+                   : "no answer within " + std::to_string((probe_budget - settle).count()) +
+                         " ms, its host is down or the network to it is cut");
+    }
+  }
+  if (!lost.empty()) {
+    out << "; unreachable peer(s): " << lost;
+  } else if (!targets.empty()) {
+    out << "; every peer still answers (a rank may be stuck, or out of step)";
+  }
+  if (!answering.empty()) out << "; answering: rank(s) " << answering;
+  out << ". Gloo: " << message_of(e);
+  TORCH_CHECK(false, out.str());
+}
 
 #if defined(AMPX_WITH_DIST)
 
 namespace {
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, const ProcessGroup& pg) {
+  const auto& impl = detail::ProcessGroupAccess::impl(pg);
   try {
-    work->wait(pg.timeout());
+    work->wait(impl.collective_timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ampx::dist: ", what, " failed on rank ", pg.rank(), " of ", pg.world_size(),
-                " (a rank died or timed out after ", pg.timeout().count(), " ms): ", message_of(e));
+    impl.fail(what, e);
   }
 }
 
@@ -211,7 +177,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& 
   std::vector<at::Tensor> tensors{t};
   c10d::AllreduceOptions o;
   o.reduceOp = op;
-  o.timeout = timeout;
+  o.timeout = collective_timeout;
   return backend_for(t).allreduce(tensors, o);
 }
 
@@ -237,7 +203,7 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) con
     for (int64_t r = 0; r < world_size(); ++r) inputs[0].push_back(input.narrow(0, r * n, n));
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = impl_->timeout;
+    o.timeout = impl_->collective_timeout;
     c10::intrusive_ptr<c10d::Work> work;
     try {
       work = impl_->backend_for(input).reduce_scatter(outputs, inputs, o);
@@ -269,7 +235,7 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
   for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * n, n));
   std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
   c10d::AllgatherOptions o;
-  o.timeout = impl_->timeout;
+  o.timeout = impl_->collective_timeout;
   wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
 }
 
@@ -277,7 +243,7 @@ void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions o;
   o.rootRank = root;
-  o.timeout = impl_->timeout;
+  o.timeout = impl_->collective_timeout;
   wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast", *this);
 }
 
@@ -316,25 +282,55 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
                 env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
                 " ms: ", message_of(e));
   }
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout());
-  const std::string host = options.hostname().empty() ? env.master_addr : options.hostname();
-  try {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(host));
-  } catch (const std::exception&) {
-    gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
-  }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>(
         "/worker/attempt_" + std::to_string(env.restart_count), store);
+  }
+  // The probe that names lost peers comes out of the timeout.
+  impl->probe_budget = std::min(std::chrono::milliseconds(1000),
+                                std::max(std::chrono::milliseconds(1), options.timeout() / 10));
+  impl->collective_timeout =
+      std::max(std::chrono::milliseconds(1), options.timeout() - impl->probe_budget);
+  const net::GlooEndpoint endpoint = choose_gloo_endpoint(env, options);
+  impl->endpoint = endpoint.address + " (" + endpoint.chosen_by + ")";
+  try {
+    impl->listener = std::make_unique<net::LivenessListener>(endpoint.address);
+  } catch (const std::exception&) {
+    // Only the names of lost peers depend on it: their probe then finds none.
+  }
+  impl->peers = exchange_endpoints(store, env, endpoint,
+                                   impl->listener ? impl->listener->port() : 0, options.timeout());
+  check_loopback_reachable(impl->peers, env.rank);
+
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->collective_timeout);
+  try {
+    if (endpoint.interfaces.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(endpoint.address));
+    } else {
+      for (const auto& iface : endpoint.interfaces) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " cannot make a Gloo device on ",
+                impl->endpoint, ": ", message_of(e));
   }
   try {
     impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
         c10::make_intrusive<c10d::PrefixStore>("ampx", store), static_cast<int>(env.rank),
         static_cast<int>(env.world_size), gloo_options);
   } catch (const std::exception& e) {
+    std::string where;
+    for (size_t r = 0; r < impl->peers.size(); ++r) {
+      where += (where.empty() ? "" : ", ") + std::to_string(r) + " " + impl->peers[r].address;
+    }
     TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
-                " could not join the Gloo group within ", options.timeout().count(),
-                " ms (did every rank start?): ", message_of(e));
+                " could not connect the Gloo group within ", options.timeout().count(),
+                " ms (ranks' Gloo addresses: ", where,
+                "; every host must reach the others' on any TCP port: check firewalls, and "
+                "GLOO_SOCKET_IFNAME where a host has several networks): ",
+                message_of(e));
   }
 #if defined(AMPX_WITH_NCCL)
   // NCCL's communicators are made at the first collective, on the device of

@@ -13,8 +13,10 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ampx/detail/compat.h"
+#include "network.h"
 
 #if defined(AMPX_WITH_DIST)
 #if __has_include(<torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>)
@@ -54,6 +56,17 @@ struct ProcessGroup::Impl {
   int64_t rank = 0;
   int64_t world_size = 1;
   std::chrono::milliseconds timeout{0};
+  /// What a collective may take: the timeout less the probe that names the
+  /// lost peers when one fails, so that the failure comes within the timeout.
+  std::chrono::milliseconds collective_timeout{0};
+  std::chrono::milliseconds probe_budget{0};
+  std::string endpoint;          // gloo_endpoint()
+  std::vector<net::Peer> peers;  // by rank, this one's included
+  std::unique_ptr<net::LivenessListener> listener;
+  /// Throws the failure of collective `what`: `e`'s message, after a probe
+  /// of every peer, naming those that do not answer (host down, link cut)
+  /// or refuse (process gone).
+  [[noreturn]] void fail(const std::string& what, const std::exception& e) const;
 #if defined(AMPX_WITH_DIST)
   c10::intrusive_ptr<C10dBackend> gloo;
   c10::intrusive_ptr<C10dBackend> nccl;  // null: none (CPU build, or InitOptions::nccl(false))

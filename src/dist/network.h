@@ -1,0 +1,86 @@
+#pragma once
+
+// What a process group needs to know about the network of its host: which
+// address Gloo binds to (PyTorch's GLOO_SOCKET_IFNAME, or the source address
+// of the route to MASTER_ADDR), whether two ranks share a network stack
+// (loopback reaches only those that do), and whether a peer still answers.
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+namespace net {
+
+/// How Gloo's device(s) of this rank were chosen, and the address each binds.
+struct GlooEndpoint {
+  std::vector<std::string> interfaces;  // empty: bound by address (hostname)
+  std::string address;                  // the first device's address
+  std::string chosen_by;                // "GLOO_SOCKET_IFNAME=eth0", "the route to MASTER_ADDR ..."
+};
+
+/// A rank as the others see it, exchanged through the store at rendezvous.
+struct Peer {
+  std::string address;     // where its Gloo (and its liveness listener) is
+  int port = 0;            // its liveness listener; 0: none
+  std::string host;        // its hostname
+  std::string stack;       // network_stack_id()
+  std::string chosen_by;   // how its address was chosen
+  std::string interfaces;  // its host's interfaces, for messages
+};
+
+/// `list` split at commas, empty parts dropped ("eth0,eth1" -> {eth0, eth1}).
+std::vector<std::string> split_interfaces(const std::string& list);
+
+/// The first IPv4 address of interface `name` (else its first IPv6 one).
+/// Throws naming `setting` (e.g. "GLOO_SOCKET_IFNAME='eth9'") and the
+/// interfaces this host has when there is no such interface or it has no
+/// address.
+std::string interface_address(const std::string& name, const std::string& setting);
+
+/// The local address the kernel sends from to reach `host` (resolved:
+/// an IP address or a name), without sending anything. Throws when `host`
+/// does not resolve or no route leads there.
+std::string source_address_towards(const std::string& host);
+
+/// Whether `address` (numeric IPv4 or IPv6) is a loopback address.
+bool is_loopback(const std::string& address);
+
+/// This process's network stack: two processes reach each other over
+/// loopback exactly when they share it (same kernel boot, same network
+/// namespace).
+std::string network_stack_id();
+
+/// This host's interfaces with an address, for messages: "eth0 10.0.0.1, lo 127.0.0.1".
+std::string interface_summary();
+
+/// This host's name (gethostname), for messages.
+std::string host_name();
+
+/// A TCP socket listening on `address`, port chosen by the kernel, for as
+/// long as it lives: peers probe it to tell a lost rank (no answer, or
+/// refused once its process is gone) from a slow one. The kernel answers
+/// connections without the process doing anything.
+class LivenessListener {
+ public:
+  explicit LivenessListener(const std::string& address);
+  ~LivenessListener();
+  LivenessListener(const LivenessListener&) = delete;
+  LivenessListener& operator=(const LivenessListener&) = delete;
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+enum class PeerState { kAnswers, kRefused, kNoAnswer };
+
+/// Connects to every (address, port) at once and waits at most `budget`.
+std::vector<PeerState> probe(const std::vector<std::pair<std::string, int>>& peers,
+                             std::chrono::milliseconds budget);
+
+}  // namespace net
+}  // namespace dist
+}  // namespace ampx

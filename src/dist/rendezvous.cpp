@@ -1,0 +1,153 @@
+// The rendezvous of a process group across hosts: where each rank's Gloo
+// binds, the table of every rank's address exchanged through the store, and
+// the check that no rank other hosts must reach sits on loopback.
+
+#include "rendezvous.h"
+
+#include <c10/util/Exception.h>
+
+#if __has_include(<torch/csrc/distributed/c10d/PrefixStore.hpp>)
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/PrefixStore.h>
+#endif
+
+#include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "process_group_impl.h"  // message_of
+
+namespace ampx {
+namespace dist {
+
+/// Where this rank's Gloo binds: InitOptions::interfaces, else
+/// InitOptions::hostname, else GLOO_SOCKET_IFNAME (PyTorch's variable, the
+/// same comma-separated list), else the source address of the route to
+/// MASTER_ADDR.
+net::GlooEndpoint choose_gloo_endpoint(const LaunchEnv& env, const InitOptions& options) {
+  net::GlooEndpoint out;
+  std::string list, setting;
+  if (!options.interfaces().empty()) {
+    list = options.interfaces();
+    setting = "InitOptions::interfaces '" + list + "'";
+  } else if (options.hostname().empty()) {
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    if (ifname != nullptr && *ifname != '\0') {
+      list = ifname;
+      setting = "GLOO_SOCKET_IFNAME=" + list;
+    }
+  }
+  if (!setting.empty()) {
+    out.interfaces = net::split_interfaces(list);
+    TORCH_CHECK(!out.interfaces.empty(), "ampx::dist: ", setting, " names no interface");
+    for (const auto& iface : out.interfaces) {
+      const std::string address = net::interface_address(iface, setting);
+      if (out.address.empty()) out.address = address;
+    }
+    out.chosen_by = setting;
+    return out;
+  }
+  if (!options.hostname().empty()) {
+    out.address = net::source_address_towards(options.hostname());
+    out.chosen_by = "InitOptions::hostname '" + options.hostname() + "'";
+    return out;
+  }
+  out.address = net::source_address_towards(env.master_addr);
+  out.chosen_by = "the route to MASTER_ADDR " + env.master_addr;
+  return out;
+}
+
+/// Every rank's Gloo address, liveness port and host, through the store;
+/// fails naming the ranks that did not arrive within `timeout`.
+std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& root,
+                                          const LaunchEnv& env, const net::GlooEndpoint& endpoint,
+                                          int port, std::chrono::milliseconds timeout) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>("ampx-net", root);
+  const std::string mine = endpoint.address + "\n" + std::to_string(port) + "\n" +
+                           net::network_stack_id() + "\n" + net::host_name() + "\n" +
+                           endpoint.chosen_by + "\n" + net::interface_summary();
+  store->set(std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(std::to_string(r));
+  try {
+    store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    try {
+      for (const auto& k : keys) {
+        if (!store->check({k})) missing += (missing.empty() ? "" : ", ") + k;
+      }
+    } catch (const std::exception&) {
+      TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
+                  " lost the rendezvous store at MASTER_ADDR ", env.master_addr, ":",
+                  env.master_port,
+                  " (its server, rank 0 or the launcher's agent, ended: see its "
+                  "message): ",
+                  message_of(e));
+    }
+    TORCH_CHECK(
+        false, "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
+        missing.empty() ? std::string("?") : missing,
+        " did not reach the rendezvous at MASTER_ADDR ", env.master_addr, ":", env.master_port,
+        " within ", timeout.count(),
+        " ms (did every rank start, and does every host reach that address?): ", message_of(e));
+  }
+  std::vector<net::Peer> peers;
+  for (const auto& k : keys) {
+    const auto bytes = store->get(k);
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    net::Peer p;
+    std::string port_text;
+    std::getline(in, p.address);
+    std::getline(in, port_text);
+    std::getline(in, p.stack);
+    std::getline(in, p.host);
+    std::getline(in, p.chosen_by);
+    std::getline(in, p.interfaces);
+    p.port = std::atoi(port_text.c_str());
+    peers.push_back(std::move(p));
+  }
+  // The store's server (rank 0, unless the launcher's agent serves it) stays
+  // until every rank has the table: a rank that fails on what it says must
+  // not take the store away from the others' reading of it.
+  if (store->add("read", 1) == env.world_size) store->set("all-read", std::vector<uint8_t>{1});
+  if (env.rank == 0) {
+    try {
+      store->wait({"all-read"}, timeout);
+    } catch (const std::exception&) {
+      // a rank that stopped reading fails on its own; this one goes on
+    }
+  }
+  return peers;
+}
+
+/// Loopback reaches only the ranks of the same network stack: a rank bound
+/// to it that ranks elsewhere must connect to fails every rank here, the
+/// same on all, before Gloo waits the whole timeout for connections that
+/// cannot come.
+void check_loopback_reachable(const std::vector<net::Peer>& peers, int64_t rank) {
+  for (size_t p = 0; p < peers.size(); ++p) {
+    if (!net::is_loopback(peers[p].address)) continue;
+    std::string others;
+    for (size_t q = 0; q < peers.size(); ++q) {
+      if (peers[q].stack != peers[p].stack) {
+        others += (others.empty() ? "" : ", ") + std::to_string(q) + " (" + peers[q].address + ")";
+      }
+    }
+    if (others.empty()) continue;
+    TORCH_CHECK(false, "ampx::dist: rank ", p, " on host '", peers[p].host,
+                "' would serve Gloo on ", peers[p].address, ", chosen by ", peers[p].chosen_by,
+                ": a loopback address, which rank(s) ", others,
+                " on other hosts cannot reach (this is rank ", rank,
+                "). Set GLOO_SOCKET_IFNAME on that host to the network interface the other "
+                "hosts reach it through (its interfaces: ",
+                peers[p].interfaces,
+                "), as for PyTorch. The usual cause: MASTER_ADDR there is a name that resolves "
+                "to loopback on that host (e.g. its hostname mapped to 127.0.1.1 in /etc/hosts)");
+  }
+}
+
+}  // namespace dist
+}  // namespace ampx
