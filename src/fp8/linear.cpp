@@ -123,6 +123,8 @@ struct Operand {
   at::Tensor value() const { return dequantize(codes, format, scale_inv, at::kFloat); }
 };
 
+std::atomic<int64_t> g_scaled_mm_calls{0};
+
 #if AMPX_HAS_SCALED_MM
 // a [M, K] times b [N, K] transposed on FP8 tensor cores, float32 result;
 // undefined where the device or the shapes do not allow it (then the caller
@@ -136,8 +138,11 @@ at::Tensor scaled_mm_nt(const Operand& a, const Operand& b) {
   try {
     const at::Tensor a8 = codes_to_torch_float8(a.codes.contiguous(), a.format);
     const at::Tensor b8 = codes_to_torch_float8(b.codes.contiguous(), b.format).t();
-    return at::_scaled_mm(a8, b8, a.scale_inv.reshape({}), b.scale_inv.reshape({}), c10::nullopt,
-                          c10::nullopt, at::kFloat, /*use_fast_accum=*/false);
+    at::Tensor out = at::_scaled_mm(a8, b8, a.scale_inv.reshape({}), b.scale_inv.reshape({}),
+                                    c10::nullopt, c10::nullopt, at::kFloat,
+                                    /*use_fast_accum=*/false);
+    g_scaled_mm_calls.fetch_add(1);
+    return out;
   } catch (const c10::Error& e) {
     // Not Hopper/Ada, or a build without the kernel: emulate from now on.
     TORCH_WARN_ONCE("ampx::fp8: at::_scaled_mm is not available on ", a.codes.device(), " (",
@@ -572,6 +577,10 @@ std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module) {
 }
 
 namespace detail {
+
+int64_t scaled_mm_calls() {
+  return g_scaled_mm_calls.load();
+}
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const std::shared_ptr<LinearScaling>& scaling,

@@ -219,6 +219,9 @@ std::vector<std::string> convert_linears(torch::nn::Module& model,
 std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module);
 
 namespace detail {
+/// How many FP8 products ran on tensor cores (at::_scaled_mm) in this process.
+int64_t scaled_mm_calls();
+
 /// y = FP8(x) @ FP8(weight)^T + bias with `scaling`, in `out_dtype`; the
 /// autograd function both layer kinds run.
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,

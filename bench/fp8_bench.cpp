@@ -1,0 +1,99 @@
+// FP8 Linear against bf16 on the matrix shapes of a GPT-2-small block
+// (d 768: qkv 768->2304, proj 768->768, fc 768->3072, out 3072->768), one
+// forward and backward per iteration, median of the timed iterations:
+//
+//   build/host/bench/ampx_fp8_bench [--device cuda|cpu] [--tokens N] [--iters N]
+//
+// On CUDA with LibTorch 2.5+ on Hopper/Ada the FP8 products run on tensor
+// cores (at::_scaled_mm; the JSON says how many did); elsewhere they are the
+// float32 emulation, whose time is the cost of checking numerics, not a speed.
+// Prints one JSON object.
+
+#include <ampx/ampx.h>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+void sync(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize();
+}
+
+// Median ms of one forward + backward of `linear` on x, in bf16 autocast or FP8.
+double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, int iters,
+                   const torch::Device& device) {
+  std::vector<double> ms;
+  const auto g = torch::randn({x.size(0), linear->options.out_features()},
+                              x.options().dtype(torch::kBFloat16));
+  for (int i = 0; i < iters + 3; ++i) {
+    sync(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    {
+      ampx::AutocastGuard autocast(device.type(), torch::kBFloat16);
+      ampx::fp8::Fp8AutocastGuard region(fp8);
+      auto y = linear->forward(x);
+      y.backward(g.to(y.scalar_type()));
+    }
+    sync(device);
+    const double t =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 3) ms.push_back(t);  // after warm-up
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
+  int64_t tokens = 0;
+  int iters = 20;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--device")) device_name = argv[i + 1];
+    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
+  }
+  const torch::Device device(device_name == "cuda" ? torch::kCUDA : torch::kCPU);
+  if (tokens == 0) tokens = device.is_cuda() ? 8 * 1024 : 512;  // batch 8 x context 1024
+  struct Shape {
+    const char* name;
+    int64_t in, out;
+  };
+  const Shape shapes[] = {
+      {"qkv", 768, 2304}, {"proj", 768, 768}, {"fc", 768, 3072}, {"out", 3072, 768}};
+  std::printf("{\"device\": \"%s\", \"torch\": \"%s\", \"tokens\": %lld, \"shapes\": [",
+              device_name.c_str(), ampx::torch_version(), static_cast<long long>(tokens));
+  double total_bf16 = 0, total_fp8 = 0;
+  const int64_t calls_before = ampx::fp8::detail::scaled_mm_calls();
+  for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); ++s) {
+    torch::manual_seed(0);
+    torch::nn::Linear bf16(shapes[s].in, shapes[s].out), fp8(shapes[s].in, shapes[s].out);
+    bf16->to(device);
+    fp8->to(device);
+    ampx::fp8::convert_linears(*fp8);
+    const auto x = torch::randn({tokens, shapes[s].in}, torch::TensorOptions().device(device))
+                       .to(torch::kBFloat16)
+                       .requires_grad_(true);
+    const double a = time_linear(bf16, x, false, iters, device);
+    const double b = time_linear(fp8, x, true, iters, device);
+    total_bf16 += a;
+    total_fp8 += b;
+    const double flops = 6.0 * tokens * shapes[s].in * shapes[s].out;  // fwd + 2 bwd products
+    std::printf(
+        "%s{\"name\": \"%s\", \"bf16_ms\": %.4f, \"fp8_ms\": %.4f, \"speedup\": %.3f, "
+        "\"bf16_tflops\": %.2f, \"fp8_tflops\": %.2f}",
+        s ? ", " : "", shapes[s].name, a, b, a / b, flops / a / 1e9, flops / b / 1e9);
+  }
+  std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld}\n", total_bf16 / total_fp8,
+              static_cast<long long>(ampx::fp8::detail::scaled_mm_calls() - calls_before));
+  return 0;
+}
