@@ -113,10 +113,9 @@ void load(const std::string& path, const nlohmann::json& identity, torch::nn::Mo
           torch::optim::Optimizer& opt, ampx::AmpSession& amp, LoopState& state) {
   const Checkpoint c = read_checkpoint(path);
   check_compatible(path, c.meta.at("run"), identity);
+  torch::serialize::InputArchive archive, model_archive, opt_archive;
+  read_payload(path, c, archive);
   try {
-    std::istringstream payload(c.payload);
-    torch::serialize::InputArchive archive, model_archive, opt_archive;
-    archive.load_from(payload);
     archive.read("model", model_archive);
     archive.read("optimizer", opt_archive);
     model.load(model_archive);
