@@ -8,6 +8,8 @@
 #   make test       build and run every test on both LibTorch legs
 #   make test-host  LibTorch 1.13 (Debian 12, this machine) only
 #   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
+#   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
+#                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
 #                   peaks, micro-benchmarks, ampx-train's workloads in every mode next to
 #                   PyTorch's torch.autocast, data parallel; writes docs/PERFORMANCE.md
@@ -18,7 +20,7 @@ HOST_BUILD := build/host
 TRIXIE_BUILD := build/trixie
 CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps data build run test test-host test-2x bench clean
+.PHONY: all deps data build run test test-host test-2x fuzz bench clean
 
 all: build
 
@@ -60,6 +62,17 @@ test-2x: deps
 	@scripts/check-skips.py tests/skips/trixie-2.6.txt $(TRIXIE_BUILD)/ctest-junit.xml
 
 test: test-host test-2x
+
+# A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
+# FUZZ_SECONDS each; the checkpoint_crc target mutates the checkpoint seeds.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS := checkpoint checkpoint_crc state_dict idx text launch_env
+fuzz: build
+	@mkdir -p build/fuzz && cd build/fuzz && for t in $(FUZZ_TARGETS); do \
+	  corpus=$(CURDIR)/tests/fuzz/corpus/$$t; \
+	  if [ $$t = checkpoint_crc ]; then corpus=$(CURDIR)/tests/fuzz/corpus/checkpoint; fi; \
+	  $(CURDIR)/$(HOST_BUILD)/tests/fuzz/ampx_fuzz run $$t $$corpus $(FUZZ_SECONDS) || exit 1; \
+	done
 
 # The benchmarks' PyTorch runs load OpenBLAS through Python's torch: the
 # OpenMP build goes first on LD_LIBRARY_PATH here, tested when the recipe runs

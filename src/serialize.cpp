@@ -1,5 +1,6 @@
 #include "ampx/serialize.h"
 
+#include "archive_check.h"
 #include "atomic_file.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -75,11 +76,15 @@ StateDict load_state_dict(const std::string& path) {
                                 std::istreambuf_iterator<char>());
   TORCH_CHECK(!bytes.empty(), "load_state_dict: '", path, "' is empty");
   c10::IValue value;
+  const std::string where = "load_state_dict: '" + path + "'";
   try {
+    // LibTorch allocates what the file's length fields say: bound them first.
+    detail::check_torch_archive(bytes.data(), bytes.size(), where);
     value = torch::pickle_load(bytes);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "load_state_dict: '", path, "' is not a readable torch.save file (",
-                e.what_without_backtrace(), ")");
+    std::string why = e.what_without_backtrace();
+    if (why.rfind(where + ": ", 0) == 0) why.erase(0, where.size() + 2);  // the path once
+    TORCH_CHECK(false, where, " is not a readable torch.save file (", why, ")");
   }
   TORCH_CHECK(value.isGenericDict(), "load_state_dict: '", path,
               "' holds a ", value.tagKind(), ", not a dict");

@@ -1,6 +1,7 @@
 #include "checkpoint.h"
 
-#include "atomic_file.h"  // ampx's src/: crash-safe writes
+#include "archive_check.h"  // ampx's src/: bounds of LibTorch archives
+#include "atomic_file.h"    // ampx's src/: crash-safe writes
 
 #include <c10/util/Exception.h>
 #include <zlib.h>
@@ -114,6 +115,18 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
   TORCH_CHECK(c.meta.is_object() && c.meta.contains("run") && c.meta.contains("step"), where,
               " has no run description or step");
   return c;
+}
+
+void read_payload(const std::filesystem::path& path, const Checkpoint& c,
+                  torch::serialize::InputArchive& archive) {
+  const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
+  ampx::detail::check_torch_archive(c.payload.data(), c.payload.size(), where);
+  std::istringstream payload(c.payload);
+  try {
+    archive.load_from(payload);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, where, " holds no readable LibTorch archive: ", e.what_without_backtrace());
+  }
 }
 
 void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,

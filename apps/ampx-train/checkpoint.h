@@ -12,6 +12,7 @@
 //   "AMPXCKPT" | u32 version | u64 meta bytes | u64 payload bytes |
 //   u32 CRC-32 (zlib) of meta + payload | meta (JSON text) | payload
 
+#include <torch/serialize/input-archive.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -38,6 +39,12 @@ Checkpoint read_checkpoint(const std::filesystem::path& path);
 /// The same checks on a checkpoint file's `bytes` (read by another rank, on
 /// another host); `path` names it in errors.
 Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::path& path);
+/// Reads the LibTorch archive in `c`'s payload into `archive`, its length
+/// fields checked first (src/archive_check.h): a hostile or damaged payload
+/// with a valid CRC cannot make LibTorch allocate without bound. Errors name
+/// `path`.
+void read_payload(const std::filesystem::path& path, const Checkpoint& c,
+                  torch::serialize::InputArchive& archive);
 
 /// Errors unless every key of `expected` has the same value in `saved` (the
 /// `run` object of a checkpoint's meta); the message names the key and both

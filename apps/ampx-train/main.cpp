@@ -17,6 +17,8 @@
 #include "diagnose.h"
 #include "diagnostics.h"
 #include "machine.h"
+#include "output_file.h"
+#include "preemption.h"
 #include "report.h"
 #include "trainer.h"
 #include "workloads.h"
@@ -29,6 +31,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -72,11 +75,14 @@ int wait_child(pid_t pid) {
 }
 
 int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
-  return wait_child(spawn_self(argc, argv, extra));
+  const pid_t child = spawn_self(argc, argv, extra);
+  forward_preemption_to(child);  // it stops, checkpoints and exits kExitPreempted
+  return wait_child(child);
 }
 
 /// --nproc N: N copies of this run as ranks 0..N-1 (torchrun's variables on
-/// loopback); the first to fail stops the others.
+/// loopback); the first to fail stops the others. A preemption signal goes
+/// to every rank; they stop after the same step (kExitPreempted).
 int run_ranks(int argc, char** argv, int nproc) {
   const std::string port = std::to_string(ampx::dist::free_loopback_port());
   std::vector<pid_t> pids;
@@ -86,17 +92,24 @@ int run_ranks(int argc, char** argv, int nproc) {
         {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
          "WORLD_SIZE=" + std::to_string(nproc), "LOCAL_WORLD_SIZE=" + std::to_string(nproc),
          "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+    forward_preemption_to(pids.back());
   }
   int result = 0;
   for (size_t done = 0; done < pids.size(); ++done) {
     int status = 0;
     const pid_t pid = ::wait(&status);
+    if (pid < 0 && errno == EINTR) {  // a preemption signal, passed on to the ranks
+      --done;
+      continue;
+    }
     if (pid < 0) break;
     const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (code != 0 && result == 0) {
+    if (code == kExitPreempted && result == 0) result = code;  // the others stop too
+    if (code != 0 && code != kExitPreempted && (result == 0 || result == kExitPreempted)) {
       result = code;
+      // SIGTERM would ask them to finish their step, which waits for this rank.
       for (const pid_t other : pids) {
-        if (other != pid) ::kill(other, SIGTERM);
+        if (other != pid) ::kill(other, SIGKILL);
       }
     }
   }
@@ -159,6 +172,24 @@ void print_done(const Workload& workload, const RunResult& r) {
   std::fflush(stdout);
 }
 
+/// After a preemption signal stopped training: says where each rank
+/// stopped and where the checkpoint is; returns kExitPreempted.
+int report_preemption(const RunResult& r, const ampx::dist::ProcessGroup* group) {
+  const int signal = preemption_signal();
+  const std::string why =
+      signal != 0 ? signal_name(signal) : std::string("a preemption signal to another rank");
+  const std::string who = group ? " rank " + std::to_string(group->rank()) + ":" : "";
+  std::cout << std::flush;
+  std::fprintf(stderr, "[%s]%s %s: stopped after step %lld\n", r.mode.c_str(), who.c_str(),
+               why.c_str(), static_cast<long long>(r.preempted_after));
+  if (!group || group->rank() == 0) {
+    std::fprintf(stderr,
+                 "[%s] checkpoint: %s (continue with --resume); exit status %d (preempted)\n",
+                 r.mode.c_str(), r.checkpoint_path.c_str(), kExitPreempted);
+  }
+  return kExitPreempted;
+}
+
 int run(int argc, char** argv) {
   TrainConfig config;
   if (auto code = parse_command_line(argc, argv, config)) return *code;
@@ -178,6 +209,8 @@ int run(int argc, char** argv) {
       std::cout << warning << "\n";
     }
   }
+  // A diagnosis is short and writes no checkpoint: a signal ends it as usual.
+  if (!config.diagnose) install_preemption_handlers();
   const bool rank_role = role == Role::kRank || role == Role::kExternalRank;
   if (modes.size() == 1 && config.nproc > 1 && !rank_role) {
     std::cout << std::endl;
@@ -218,6 +251,7 @@ int run(int argc, char** argv) {
 
   if (modes.size() == 1) {
     const RunResult r = train_mode(config, *workload, modes.front(), group ? &*group : nullptr);
+    if (r.preempted_after > 0) return report_preemption(r, group ? &*group : nullptr);
     if (group) {
       std::printf("[%s] rank %lld of %lld: weights %s\n", r.mode.c_str(),
                   static_cast<long long>(group->rank()),
@@ -227,7 +261,7 @@ int run(int argc, char** argv) {
     if (!rank0) return 0;
     print_done(*workload, r);
     if (!config.result_file.empty()) {
-      std::ofstream(config.result_file) << to_json(r).dump() << "\n";
+      write_output_file(config.result_file, to_json(r).dump() + "\n");
     }
     if (!config.only_mode.empty()) return 0;  // the --compare parent reports
     const Report report = write_report(config, *workload, {r});
@@ -238,6 +272,11 @@ int run(int argc, char** argv) {
   std::vector<RunResult> results;
   fs::create_directories(config.out_dir);
   for (const auto& mode : modes) {
+    if (const int signal = preemption_signal(); signal != 0) {
+      std::fprintf(stderr, "ampx-train: %s: the comparison stops before %s\n",
+                   signal_name(signal).c_str(), mode.c_str());
+      return kExitPreempted;
+    }
     const auto result_file = fs::path(config.out_dir) / ("result-" + mode + ".json");
     fs::remove(result_file);
     const int code =
@@ -246,6 +285,11 @@ int run(int argc, char** argv) {
       std::fprintf(stderr, "ampx-train: --detect-nonfinite stopped %s; the comparison ends here\n",
                    mode.c_str());
       return kExitNonFinite;
+    }
+    if (code == kExitPreempted) {  // its checkpoint and message are above
+      std::fprintf(stderr, "ampx-train: %s was preempted; the comparison ends here\n",
+                   mode.c_str());
+      return kExitPreempted;
     }
     TORCH_CHECK(code == 0 && fs::exists(result_file), "ampx-train: training ", mode,
                 " failed (exit status ", code, "); see its messages above");

@@ -43,9 +43,16 @@ class Progress {
 /// Per-step metrics as JSON lines or CSV (header from the first record's
 /// keys). Opened on resume, it keeps the records up to `keep_through_step`
 /// and drops the rest, so the file always matches the checkpoint's history.
+///
+/// Every record goes to the file before write() returns; a write that fails
+/// (no space left, I/O error) throws naming the path and the cause, and
+/// leaves the file ending with the last whole record.
 class MetricsWriter {
  public:
   MetricsWriter(std::filesystem::path path, bool csv, int64_t keep_through_step);
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
   void write(const nlohmann::ordered_json& record);
   const std::filesystem::path& path() const { return path_; }
 
@@ -53,7 +60,7 @@ class MetricsWriter {
   std::filesystem::path path_;
   bool csv_;
   std::vector<std::string> columns_;
-  std::ofstream out_;
+  int fd_ = -1;
 };
 
 }  // namespace ampx::train

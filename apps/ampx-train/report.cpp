@@ -1,5 +1,7 @@
 #include "report.h"
 
+#include "output_file.h"
+
 #include "machine.h"
 
 #include <ampx/version.h>
@@ -137,16 +139,16 @@ Report write_report(const TrainConfig& c, const Workload& workload,
      << ".\n\n"
      << report.table;
   report.markdown_path = (out / "compare.md").string();
-  std::ofstream(report.markdown_path) << md.str();
+  write_output_file(report.markdown_path, md.str());
   report.json_path = (out / "compare.json").string();
-  std::ofstream(report.json_path) << comparison_json(c, workload, results).dump(2) << "\n";
+  write_output_file(report.json_path, comparison_json(c, workload, results).dump(2) + "\n");
 
   // gnuplot input: one smoothed loss curve per mode, one throughput bar each.
   std::ostringstream curves, bars;
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     const auto dat = out / ("loss-" + r.mode + ".dat");
-    std::ofstream f(dat);
+    std::ostringstream f;
     f << "# step loss ema(0.95, bias-corrected)\n";
     double ema = 0, weight = 0;
     for (size_t s = 0; s < r.losses.size(); ++s) {
@@ -154,18 +156,20 @@ Report write_report(const TrainConfig& c, const Workload& workload,
       weight = 0.95 * weight + 0.05;
       f << s + 1 << " " << r.losses[s] << " " << ema / weight << "\n";
     }
+    write_output_file(dat, f.str());
     curves << (i ? ", \\\n     " : "") << shell_quote(dat.filename().string())
            << " using 1:3 with lines lw 2 lc " << i + 1 << " title '" << r.mode << " (" << r.dtype
            << ")'";
   }
   {
-    std::ofstream f(out / "throughput.dat");
+    std::ostringstream f;
     f << "# mode " << workload.unit() << "/s\n";
     for (const auto& r : results) f << r.mode << " " << r.items_per_s << "\n";
+    write_output_file(out / "throughput.dat", f.str());
   }
   const auto script = out / "compare.gp";
   {
-    std::ofstream f(script);
+    std::ostringstream f;
     f << "# gnuplot " << script.filename().string() << "  (run in this folder)\n"
       << "set terminal pngcairo size 1400,520 font ',11'\n"
       << "set output 'compare.png'\n"
@@ -181,6 +185,7 @@ Report write_report(const TrainConfig& c, const Workload& workload,
       << "plot 'throughput.dat' using 0:2:xtic(1) with boxes lc rgb '#4878b0', \\\n"
       << "     '' using 0:2:(sprintf('%.0f', $2)) with labels offset 0,1\n"
       << "unset multiplot\n";
+    write_output_file(script, f.str());
   }
   report.plot_path = run_gnuplot(out.string(), "compare.gp", "compare.png", report.plot_note);
   return report;

@@ -3,6 +3,8 @@
 #include "checkpoint.h"
 #include "device_memory.h"
 #include "machine.h"
+#include "output_file.h"
+#include "preemption.h"
 #include "profile.h"
 #include "progress.h"
 #include "report.h"
@@ -115,10 +117,9 @@ void load(const std::string& path, const Checkpoint& c, const nlohmann::json& id
           torch::nn::Module& model, torch::optim::Optimizer& opt, ampx::AmpSession& amp,
           LoopState& state) {
   check_compatible(path, c.meta.at("run"), identity);
+  torch::serialize::InputArchive archive, model_archive, opt_archive;
+  read_payload(path, c, archive);
   try {
-    std::istringstream payload(c.payload);
-    torch::serialize::InputArchive archive, model_archive, opt_archive;
-    archive.load_from(payload);
     archive.read("model", model_archive);
     archive.read("optimizer", opt_archive);
     model.load(model_archive);
@@ -500,6 +501,8 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     check_checkpoint_rules(config, ckpt);
     return std::string();
   });
+  // A preemption checkpoint never replaces one this run neither resumed nor writes anyway.
+  const bool may_write_checkpoint = config.resume || config.save_every > 0 || !fs::exists(ckpt);
 
   const int64_t base = allocated_bytes(device);
   reset_peak_memory(device);
@@ -573,10 +576,15 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
       throw;
     }
     auto& [loss, stepped] = outcome;
+    // A preemption signal (preemption.h) stops the run after this step; the
+    // ranks agree on it through the loss's all-reduce: one flag per rank.
+    bool stop = preemption_signal() != 0;
     if (group) {  // the global batch's loss: the mean of the ranks' means
-      auto global = loss.detach().to(torch::kFloat).reshape({1});
+      const auto local = loss.detach().to(torch::kFloat).reshape({1});
+      auto global = torch::cat({local, torch::full({1}, stop ? 1.0 : 0.0, local.options())});
       group->all_reduce_sum(global);
-      loss = global / static_cast<double>(world);
+      loss = global.slice(0, 0, 1) / static_cast<double>(world);
+      stop = global[1].item<float>() > 0;
     }
     const double loss_value = loss.item<double>();  // also waits for the device
     const double ms =
@@ -608,18 +616,33 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
     if (metrics) metrics->write(record);
     progress.update(step, loss_value, scale, workload.items_per_step() * 1000.0 / ms);
     state.next_step = step + 1;
-    if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps)) {
+    const bool planned =
+        config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps);
+    stop = stop && step + 1 < total_steps;  // after the last step: the run ends as planned
+    if (planned || stop) {
+      TORCH_CHECK(planned || may_write_checkpoint, "ampx-train: ", signal_name(preemption_signal()),
+                  " asked to stop after step ", step + 1, ", but '", ckpt,
+                  "' holds a checkpoint this run did not write; it stays as it is, and the steps "
+                  "of this run are lost (pass --save-every or another --checkpoint-dir)");
       if (lead) save(ckpt, identity, workload, model, optimizer, amp, state);
       result.checkpoint_path = ckpt;
     }
+    if (stop) {
+      result.preempted_after = step + 1;
+      break;
+    }
   }
   progress.finish();
+  if (result.preempted_after > 0) {
+    result.losses = std::move(state.losses);
+    return result;  // no evaluation or timing: the process is asked to end
+  }
   result.peak_bytes = peak_allocated_bytes(device) - base;
   ampx::debug::set_step(-1);
   result.nonfinite_summary = diagnostics.nonfinite_summary();
   if (config.range_stats && lead) {
     const auto path = fs::path(config.out_dir) / ("range-stats-" + mode.name + ".json");
-    std::ofstream(path) << diagnostics.range_stats().to_json() << "\n";
+    write_output_file(path, diagnostics.range_stats().to_json() + "\n");
     result.range_stats_path = path.string();
   }
 

@@ -46,6 +46,10 @@ struct RunResult {
   std::string range_stats_path;   // --range-stats: the statistics' JSON
   std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
   std::string weights_checksum;   // FNV-1a of the final parameters' bytes, "0x..."
+  /// > 0: a preemption signal (here or on another rank) stopped the run
+  /// after this many steps, and its checkpoint holds them; nothing after the
+  /// last step (timing, evaluation, peak memory) is filled in.
+  int64_t preempted_after = 0;
 };
 
 /// A RunResult as JSON and back: how a --compare run collects the result of
@@ -100,6 +104,8 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
 StepDiagnostics::Options diagnostics_options(const TrainConfig& config);
 
 /// Trains `mode` from config.seed (or from its checkpoint with --resume).
+/// After SIGTERM or SIGUSR1 (preemption.h) it finishes the current step,
+/// writes the checkpoint and returns with `preempted_after` set.
 /// With a process group, this process is one rank of a data-parallel run:
 /// each rank trains on its slice of every (global) batch through
 /// ampx::dist::DistributedDataParallel, and only rank 0 writes metrics,

@@ -30,44 +30,19 @@ namespace {
 
 #ifdef AMPX_TRAIN_BINARY
 
-struct Exit {
-  int status = -1;  // exit code, or -1 when killed
-  bool killed = false;
-  std::string output;  // stdout + stderr
-};
-
+using ampx::train::test::Exit;
 using ampx::train::test::read_bytes;
 using ampx::train::test::TempDir;
 using ampx::train::test::write_bytes;
 
-/// Starts ampx-train with `args`, output to `log`; returns the child's pid.
 pid_t spawn(const std::vector<std::string>& args, const fs::path& log) {
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    std::vector<char*> argv{const_cast<char*>(AMPX_TRAIN_BINARY)};
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(AMPX_TRAIN_BINARY, argv.data());
-    ::_exit(127);
-  }
-  return pid;
+  return ampx::train::test::spawn_train(args, log);
 }
-
 Exit wait_for(pid_t pid, const fs::path& log) {
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  Exit e;
-  e.killed = WIFSIGNALED(status);
-  e.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  e.output = read_bytes(log);
-  return e;
+  return ampx::train::test::wait_train(pid, log);
 }
-
 Exit run(const std::vector<std::string>& args, const fs::path& log) {
-  return wait_for(spawn(args, log), log);
+  return ampx::train::test::run_train(args, log);
 }
 
 /// A text of seeded random words: enough for a tiny GPT to learn something.
@@ -131,31 +106,7 @@ std::vector<double> losses_in_metrics(const fs::path& p) {
   return losses;
 }
 
-void collect_tensors(torch::serialize::InputArchive& archive, const std::string& prefix,
-                     std::vector<std::pair<std::string, torch::Tensor>>& out) {
-  for (const auto& key : archive.keys()) {
-    c10::IValue value;
-    if (archive.try_read(key, value) && value.isTensor()) {
-      out.emplace_back(prefix + key, value.toTensor());
-      continue;
-    }
-    torch::serialize::InputArchive child;  // a submodule
-    if (archive.try_read(key, child)) collect_tensors(child, prefix + key + ".", out);
-  }
-}
-
-/// The model parameters and buffers a checkpoint holds, by name, as stored.
-std::vector<std::pair<std::string, torch::Tensor>> model_tensors(const fs::path& path) {
-  const auto c = ampx::train::read_checkpoint(path);
-  std::istringstream payload(c.payload);
-  torch::serialize::InputArchive archive, model;
-  archive.load_from(payload);
-  archive.read("model", model);
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  collect_tensors(model, "", out);
-  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first < b.first; });
-  return out;
-}
+using ampx::train::test::model_tensors;
 
 TEST_P(ResumeTest, SigkillAtRandomStepThenResumeIsBitwiseIdenticalToUninterrupted) {
   constexpr int64_t kSteps = 60;

@@ -3,12 +3,20 @@
 // What ampx-train's tests share: temp folders, file bytes, error texts,
 // environment variables, generated text data.
 
+#include "checkpoint.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <torch/serialize.h>
 
+#include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -18,7 +26,9 @@
 #include <iterator>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace ampx::train::test {
@@ -50,7 +60,6 @@ inline std::string read_bytes(const fs::path& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-/// Writes `bytes` to `path`, creating its folder.
 /// `s` in single quotes for /bin/sh.
 inline std::string shell_quote(const std::string& s) {
   std::string out = "'";
@@ -79,12 +88,67 @@ inline BinaryRun run_binary_in(const fs::path& dir, const std::string& binary,
   return r;
 }
 
+/// Writes `bytes` to `path`, creating its folder.
 inline void write_bytes(const fs::path& path, const std::string& bytes) {
   if (path.has_parent_path()) fs::create_directories(path.parent_path());
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   TORCH_CHECK(out.good(), "cannot write ", path.string());
 }
+
+#ifdef AMPX_TRAIN_BINARY
+
+/// How a background ampx-train run ended.
+struct Exit {
+  int status = -1;  // exit code, or -1 when killed by a signal
+  bool killed = false;
+  std::string output;  // stdout + stderr
+};
+
+/// Starts ampx-train with `args` in a process group of its own (its ranks
+/// too), stdout and stderr to `log`; returns its pid.
+inline pid_t spawn_train(const std::vector<std::string>& args, const fs::path& log) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::setpgid(0, 0);
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    std::vector<char*> argv{const_cast<char*>(AMPX_TRAIN_BINARY)};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(AMPX_TRAIN_BINARY, argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+/// Waits for spawn_train's `pid`; past `limit`, SIGKILLs its process group
+/// (a hung run fails its test instead of hanging the suite).
+inline Exit wait_train(pid_t pid, const fs::path& log,
+                       std::chrono::seconds limit = std::chrono::seconds(300)) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  Exit e;
+  e.killed = WIFSIGNALED(status);
+  e.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  e.output = read_bytes(log);
+  return e;
+}
+
+inline Exit run_train(const std::vector<std::string>& args, const fs::path& log) {
+  return wait_train(spawn_train(args, log), log);
+}
+
+#endif  // AMPX_TRAIN_BINARY
 
 /// <data_dir>/moby-dick/data.txt: `size` characters drawn from `alphabet`
 /// with a seeded generator.
@@ -126,6 +190,32 @@ inline testing::AssertionResult expect_error_contains(const std::function<void()
   const std::string text = error_text(fn);
   if (text.empty()) return testing::AssertionFailure() << "no c10::Error was thrown";
   return contains(text, parts);
+}
+
+inline void collect_tensors(torch::serialize::InputArchive& archive, const std::string& prefix,
+                            std::vector<std::pair<std::string, torch::Tensor>>& out) {
+  for (const auto& key : archive.keys()) {
+    c10::IValue value;
+    if (archive.try_read(key, value) && value.isTensor()) {
+      out.emplace_back(prefix + key, value.toTensor());
+      continue;
+    }
+    torch::serialize::InputArchive child;  // a submodule
+    if (archive.try_read(key, child)) collect_tensors(child, prefix + key + ".", out);
+  }
+}
+
+/// The model parameters and buffers an ampx-train checkpoint holds, by name, as stored.
+inline std::vector<std::pair<std::string, torch::Tensor>> model_tensors(const fs::path& path) {
+  const auto c = read_checkpoint(path);
+  std::istringstream payload(c.payload);
+  torch::serialize::InputArchive archive, model;
+  archive.load_from(payload);
+  archive.read("model", model);
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  collect_tensors(model, "", out);
+  std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  return out;
 }
 
 /// Sets (or, with nullptr, unsets) an environment variable for one scope.

@@ -1,0 +1,208 @@
+#include "targets.h"
+
+#include "checkpoint.h"
+#include "data.h"
+
+#include <ampx/ampx.h>
+#include <ampx/dist.h>
+#include <ampx/serialize.h>
+
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+namespace ampx::fuzz {
+namespace {
+
+void write_file(const std::string& path, const uint8_t* data, size_t size) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size));
+  TORCH_CHECK(out.good(), "fuzz: cannot write ", path);
+}
+
+/// A loaded scaler state must give a usable scale; anything else is a finding.
+void check_scale(const ampx::GradScaler& scaler) {
+  const double scale = scaler.get_scale();
+  if (!(std::isfinite(scale) && scale > 0)) {
+    std::fprintf(stderr, "fuzz: a loaded GradScaler state has scale %g\n", scale);
+    std::abort();
+  }
+}
+
+// ampx-train's checkpoint reader; a checkpoint it accepts then goes through
+// LibTorch's archive reader as the trainer's resume does.
+void checkpoint(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("checkpoint.ampx");
+  write_file(path, data, size);
+  const auto c = ampx::train::read_checkpoint(path);
+  torch::serialize::InputArchive archive;
+  ampx::train::read_payload(path, c, archive);
+}
+
+// The same reader on files whose CRC-32 fits their (mutated) content, as a
+// hostile file would: the lengths, the JSON and the archive get fuzzed too.
+void checkpoint_crc(const uint8_t* data, size_t size) {
+  constexpr size_t kHeader = 32, kCrcAt = 28;
+  std::vector<uint8_t> bytes(data, data + size);
+  if (size >= kHeader) {
+    const uint32_t crc = static_cast<uint32_t>(
+        ::crc32(::crc32(0L, Z_NULL, 0), bytes.data() + kHeader, static_cast<uInt>(size - kHeader)));
+    for (size_t i = 0; i < 4; ++i) bytes[kCrcAt + i] = static_cast<uint8_t>(crc >> (8 * i));
+  }
+  checkpoint(bytes.data(), bytes.size());
+}
+
+// ampx::load_state_dict (files from Python's torch.save), then a
+// GradScaler loading what it returned.
+void state_dict(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("state.pt");
+  write_file(path, data, size);
+  const ampx::StateDict dict = ampx::load_state_dict(path);
+  ampx::GradScaler scaler;
+  scaler.load_state_dict(dict);
+  check_scale(scaler);
+}
+
+// IDX image + label files. Input: u16 little-endian length of the images
+// file, the images file, the labels file.
+void idx(const uint8_t* data, size_t size) {
+  if (size < 2) return;
+  const size_t n = std::min<size_t>(size - 2, data[0] | (data[1] << 8));
+  const std::string images = scratch_file("images-idx3-ubyte");
+  const std::string labels = scratch_file("labels-idx1-ubyte");
+  write_file(images, data + 2, n);
+  write_file(labels, data + 2 + n, size - 2 - n);
+  (void)ampx::train::read_idx(images, labels);
+}
+
+// The text dataset reader (byte tokens, train/val split).
+void text(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("data.txt");
+  write_file(path, data, size);
+  (void)ampx::train::load_text(path);
+}
+
+// The launcher-environment parser: lines of NAME=VALUE set for one call.
+void launch_env(const uint8_t* data, size_t size) {
+  static const char* const kNames[] = {"RANK",
+                                       "WORLD_SIZE",
+                                       "LOCAL_RANK",
+                                       "MASTER_ADDR",
+                                       "MASTER_PORT",
+                                       "TORCHELASTIC_USE_AGENT_STORE",
+                                       "TORCHELASTIC_RESTART_COUNT",
+                                       "OMPI_COMM_WORLD_RANK",
+                                       "OMPI_COMM_WORLD_SIZE",
+                                       "OMPI_COMM_WORLD_LOCAL_RANK",
+                                       "SLURM_PROCID",
+                                       "SLURM_NTASKS",
+                                       "SLURM_LOCALID"};
+  for (const char* name : kNames) ::unsetenv(name);
+  std::istringstream lines(std::string(reinterpret_cast<const char*>(data), size));
+  for (std::string line; std::getline(lines, line);) {
+    const auto eq = line.find('=');
+    if (eq == std::string::npos || eq == 0) continue;
+    const std::string name = line.substr(0, eq);
+    if (name.find('\0') != std::string::npos) continue;
+    ::setenv(name.c_str(), line.substr(eq + 1).c_str(), 1);  // (a NUL cuts the value short)
+  }
+  const auto env = ampx::dist::launch_env_from_environment();
+  if (!(env.rank >= 0 && env.rank < env.world_size && env.world_size >= 1 && env.master_port >= 1 &&
+        env.master_port <= 65535)) {
+    std::fprintf(stderr, "fuzz: launch environment accepted rank %lld of %lld, port %lld\n",
+                 static_cast<long long>(env.rank), static_cast<long long>(env.world_size),
+                 static_cast<long long>(env.master_port));
+    std::abort();
+  }
+}
+
+}  // namespace
+
+const std::vector<NamedTarget>& targets() {
+  static const std::vector<NamedTarget> all = {
+      {"checkpoint", checkpoint, "ampx-train's checkpoint reader (read_checkpoint + archive)"},
+      {"checkpoint_crc", checkpoint_crc, "the checkpoint reader on inputs given a valid CRC-32"},
+      {"state_dict", state_dict, "ampx::load_state_dict of torch.save files, into a GradScaler"},
+      {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
+      {"text", text, "ampx-train's text dataset reader (load_text)"},
+      {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
+  };
+  return all;
+}
+
+namespace {
+
+std::string read_whole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::string be32(uint32_t v) {
+  return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+          static_cast<char>(v)};
+}
+
+}  // namespace
+
+void write_seeds(const std::string& dir) {
+  namespace fs = std::filesystem;
+  auto out = [&](const std::string& target, const std::string& name, const std::string& bytes) {
+    fs::create_directories(fs::path(dir) / target);
+    const auto path = (fs::path(dir) / target / name).string();
+    write_file(path, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  };
+  {  // a checkpoint: the trainer's framing around a LibTorch archive of one small tensor
+    torch::serialize::OutputArchive archive;
+    archive.write("w", torch::arange(4, torch::kFloat));
+    std::ostringstream payload;
+    archive.save_to(payload);
+    const nlohmann::json meta = {
+        {"run", {{"workload", "gpt"}}}, {"step", 3}, {"amp", {{"scaler0", {{"scale", 65536.0}}}}}};
+    const std::string path = scratch_file("seed.ampx");
+    ampx::train::write_checkpoint(path, meta, payload.str());
+    out("checkpoint", "seed-1.ampx", read_whole(path));
+  }
+  {  // a GradScaler state as torch.save writes it
+    const std::string path = scratch_file("seed.pt");
+    ampx::save_state_dict(ampx::GradScaler().state_dict(), path);
+    out("state_dict", "seed-1.pt", read_whole(path));
+  }
+  {  // two 2x3 images and their labels
+    const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');
+    const std::string labels = be32(0x801) + be32(2) + std::string("\x03\x09", 2);
+    const std::string len = {static_cast<char>(images.size() & 0xff),
+                             static_cast<char>(images.size() >> 8)};
+    out("idx", "seed-1.bin", len + images + labels);
+  }
+  out("text", "seed-1.txt", "Call me Ishmael. Some years ago - never mind how long precisely.\n");
+  out("launch_env", "seed-torchrun.txt",
+      "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n");
+  out("launch_env", "seed-slurm.txt",
+      "SLURM_PROCID=0\nSLURM_NTASKS=4\nSLURM_LOCALID=0\nMASTER_ADDR=node1\nMASTER_PORT=1234\n");
+  out("launch_env", "seed-mpi.txt",
+      "OMPI_COMM_WORLD_RANK=2\nOMPI_COMM_WORLD_SIZE=3\nMASTER_ADDR=::1\nMASTER_PORT=80\n");
+}
+
+std::string scratch_file(const char* name) {
+  static const std::string dir = [] {
+    const char* base = std::getenv("AMPX_FUZZ_SCRATCH");
+    std::string pattern =
+        std::string(base ? base : (::access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp")) +
+        "/ampx-fuzz-XXXXXX";
+    TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr, "fuzz: mkdtemp failed for ", pattern);
+    return pattern;
+  }();
+  return dir + "/" + name;
+}
+
+}  // namespace ampx::fuzz

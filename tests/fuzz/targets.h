@@ -1,0 +1,35 @@
+#pragma once
+
+// Fuzz targets: every reader of bytes from outside ampx, behind one
+// signature (libFuzzer's LLVMFuzzerTestOneInput, one function per reader).
+// A target returns normally or throws c10::Error / std::exception for input
+// it refuses; anything else (a crash, a hang, an allocation past the
+// driver's limit, a loaded loss scale that is not finite and > 0) is a
+// finding. fuzz_driver.cpp runs them; tests/fuzz/README.md says how.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ampx::fuzz {
+
+using Target = void (*)(const uint8_t* data, size_t size);
+
+struct NamedTarget {
+  const char* name;
+  Target run;
+  const char* what;  // the reader it drives
+};
+
+/// Every target, by name: checkpoint, checkpoint_crc, state_dict, idx, text, launch_env.
+const std::vector<NamedTarget>& targets();
+
+/// Writes a small valid input for each target into <dir>/<target>/seed-*
+/// (how the checked-in corpora were made, with ampx's own writers).
+void write_seeds(const std::string& dir);
+
+/// Where targets that need a file write their input (a tmpfs when there is one).
+std::string scratch_file(const char* name);
+
+}  // namespace ampx::fuzz
