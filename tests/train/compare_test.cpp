@@ -22,6 +22,7 @@
 #include <vector>
 
 namespace fs = std::filesystem;
+using ampx::train::test::metrics_field;
 
 namespace {
 
@@ -37,15 +38,6 @@ struct Metrics {
   std::vector<double> losses, scales, step_ms;
   int64_t skipped = 0;
 };
-
-// One numeric field of every line of a metrics file.
-std::vector<double> metrics_field(const fs::path& path, const std::string& field) {
-  std::vector<double> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);)
-    out.push_back(nlohmann::json::parse(line).at(field));
-  return out;
-}
 
 Metrics read_metrics(const fs::path& path) {
   Metrics out;

@@ -34,23 +34,9 @@ namespace {
 
 using ampx::train::read_checkpoint;
 using ampx::train::test::Exit;
+using ampx::train::test::lines_in;
+using ampx::train::test::losses_in_metrics;
 using ampx::train::test::TempDir;
-
-int64_t lines_in(const fs::path& p) {
-  std::ifstream in(p);
-  int64_t n = 0;
-  for (std::string line; std::getline(in, line);) ++n;
-  return n;
-}
-
-std::vector<double> losses_in_metrics(const fs::path& p) {
-  std::vector<double> losses;
-  std::ifstream in(p);
-  for (std::string line; std::getline(in, line);) {
-    losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  }
-  return losses;
-}
 
 /// Every step's loss, the scaler's state and every parameter, bit for bit.
 void expect_same_run(const fs::path& a_path, const fs::path& b_path) {

@@ -31,6 +31,8 @@ namespace {
 #ifdef AMPX_TRAIN_BINARY
 
 using ampx::train::test::Exit;
+using ampx::train::test::lines_in;
+using ampx::train::test::losses_in_metrics;
 using ampx::train::test::read_bytes;
 using ampx::train::test::TempDir;
 using ampx::train::test::write_bytes;
@@ -89,22 +91,6 @@ class ResumeTest : public ::testing::TestWithParam<std::string> {
 
   TempDir dir_;
 };
-
-int64_t lines_in(const fs::path& p) {
-  std::ifstream in(p);
-  int64_t n = 0;
-  for (std::string line; std::getline(in, line);) ++n;
-  return n;
-}
-
-std::vector<double> losses_in_metrics(const fs::path& p) {
-  std::ifstream in(p);
-  std::vector<double> losses;
-  for (std::string line; std::getline(in, line);) {
-    losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  }
-  return losses;
-}
 
 using ampx::train::test::model_tensors;
 

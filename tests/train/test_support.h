@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/serialize.h>
 
 #include <fcntl.h>
@@ -61,6 +62,29 @@ inline std::string read_bytes(const fs::path& path) {
 }
 
 /// `s` in single quotes for /bin/sh.
+/// Lines of a text file (a metrics file: one record per step).
+inline int64_t lines_in(const fs::path& path) {
+  std::ifstream in(path);
+  int64_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+/// One numeric field of every record of a JSON-lines metrics file.
+inline std::vector<double> metrics_field(const fs::path& path, const std::string& field) {
+  std::vector<double> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    out.push_back(nlohmann::json::parse(line).at(field).get<double>());
+  }
+  return out;
+}
+
+/// Every step's loss in a JSON-lines metrics file.
+inline std::vector<double> losses_in_metrics(const fs::path& path) {
+  return metrics_field(path, "loss");
+}
+
 inline std::string shell_quote(const std::string& s) {
   std::string out = "'";
   for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
