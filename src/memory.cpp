@@ -11,7 +11,13 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include <atomic>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -96,5 +102,35 @@ MemoryStats cpu_memory_stats() {
 }
 
 void reset_peak_cpu_memory() { g_peak.store(g_allocated.load()); }
+
+MallocRetention keep_freed_cpu_memory(int64_t trim_threshold) {
+  // glibc refuses mmap thresholds above HEAP_MAX_SIZE / 2: 32 MiB on 64-bit.
+  constexpr int64_t kMmapThreshold = int64_t{32} << 20;
+  TORCH_CHECK(trim_threshold >= 0 && trim_threshold <= INT32_MAX,
+              "keep_freed_cpu_memory: trim_threshold must be in [0, 2147483647] bytes (mallopt "
+              "takes an int), got ",
+              trim_threshold);
+  MallocRetention r;
+#if defined(__GLIBC__)
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables != nullptr && (std::strstr(tunables, "glibc.malloc.mmap_threshold") != nullptr ||
+                              std::strstr(tunables, "glibc.malloc.trim_threshold") != nullptr)) {
+    r.reason = std::string("GLIBC_TUNABLES sets malloc's thresholds already: ") + tunables;
+    return r;
+  }
+  // Setting either threshold also turns off glibc's dynamic adjustment of both.
+  if (mallopt(M_MMAP_THRESHOLD, static_cast<int>(kMmapThreshold)) != 1 ||
+      mallopt(M_TRIM_THRESHOLD, static_cast<int>(trim_threshold)) != 1) {
+    r.reason = "mallopt refused M_MMAP_THRESHOLD or M_TRIM_THRESHOLD";
+    return r;
+  }
+  r.applied = true;
+  r.mmap_threshold = kMmapThreshold;
+  r.trim_threshold = trim_threshold;
+#else
+  r.reason = "the C library is not glibc";
+#endif
+  return r;
+}
 
 }  // namespace ampx

@@ -5,6 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+
+#include <cstdlib>
+#include <vector>
+
 namespace {
 
 TEST(MemoryTest, CountsAllocationsFreesAndPeak) {
@@ -93,6 +98,77 @@ TEST(MemoryTest, BackwardPeakIsAboveForwardActivations) {
   EXPECT_LE(peak, 6 * kActivation + 256 * 256 * 4 + 256 * 4);
   // After backward only the gradients stay: dW and db.
   EXPECT_EQ(ampx::cpu_memory_stats().allocated_bytes - base, 256 * 256 * 4 + 256 * 4);
+}
+
+// Minor page faults of this process (all threads) while `step` runs: each is
+// a page the kernel mapped and zero-filled anew.
+template <typename Step>
+int64_t page_faults_of(Step&& step) {
+  rusage before{};
+  rusage after{};
+  getrusage(RUSAGE_SELF, &before);
+  step();
+  getrusage(RUSAGE_SELF, &after);
+  return after.ru_minflt - before.ru_minflt;
+}
+
+// What a training step does to the heap: allocate and write eight 12 MiB
+// activations (96 MiB), then free them all.
+void activation_step() {
+  std::vector<torch::Tensor> acts;
+  for (int i = 0; i < 8; ++i) acts.push_back(torch::ones({3 << 20}));  // fp32, 12 MiB each
+}
+
+constexpr int64_t kStepPages = (96 << 20) / 4096;
+
+// The cost keep_freed_cpu_memory() removes, shown on glibc's defaults: once
+// the first free has raised the mmap threshold to 12 MiB, the blocks come
+// from the heap, and every step's frees leave 96 MiB free at its top, over
+// the (dynamic) trim threshold of 24 MiB: glibc hands it back, and the next
+// step faults every page in again.
+TEST(MallocRetentionTest, GlibcDefaultsReturnEveryStepsActivations) {
+#if !defined(__GLIBC__)
+  GTEST_SKIP() << "glibc's malloc only";
+#endif
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) GTEST_SKIP() << "GLIBC_TUNABLES is set";
+  for (int i = 0; i < 3; ++i) activation_step();
+  EXPECT_GT(page_faults_of(activation_step), kStepPages / 2);
+}
+
+// With the thresholds fixed, the pages of one step serve the next: after the
+// first steps, a step touches no new page.
+TEST(MallocRetentionTest, KeptMemoryServesTheNextStepWithoutPageFaults) {
+  const auto r = ampx::keep_freed_cpu_memory();
+#if !defined(__GLIBC__)
+  EXPECT_FALSE(r.applied);
+  EXPECT_EQ(r.reason, "the C library is not glibc");
+  GTEST_SKIP() << "glibc's malloc only";
+#endif
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) GTEST_SKIP() << "GLIBC_TUNABLES is set";
+  ASSERT_TRUE(r.applied) << r.reason;
+  EXPECT_EQ(r.mmap_threshold, 32 << 20);
+  EXPECT_EQ(r.trim_threshold, 1 << 30);
+  for (int i = 0; i < 3; ++i) activation_step();
+  EXPECT_LT(page_faults_of(activation_step), kStepPages / 20);
+}
+
+TEST(MallocRetentionTest, LeavesTheUsersTunablesAndRejectsBadThresholds) {
+  ASSERT_EQ(setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=4096", 1), 0);
+  const auto r = ampx::keep_freed_cpu_memory();
+  unsetenv("GLIBC_TUNABLES");
+  EXPECT_FALSE(r.applied);
+#if defined(__GLIBC__)
+  EXPECT_EQ(r.reason,
+            "GLIBC_TUNABLES sets malloc's thresholds already: glibc.malloc.trim_threshold=4096");
+#endif
+  try {
+    ampx::keep_freed_cpu_memory(int64_t{1} << 31);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(e.msg(),
+              "keep_freed_cpu_memory: trim_threshold must be in [0, 2147483647] bytes (mallopt "
+              "takes an int), got 2147483648");
+  }
 }
 
 }  // namespace

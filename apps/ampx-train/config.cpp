@@ -125,6 +125,12 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                  "intra-op CPU threads [default: this host's cores / its processes of the run]")
       ->check(kPositive)
       ->default_str("auto");
+  app.add_option("--malloc", c.malloc,
+                 "keep: glibc's malloc keeps freed memory for the next step "
+                 "(ampx::keep_freed_cpu_memory: no page faults re-taking activations); "
+                 "default: glibc's thresholds, which hand it back to the kernel")
+      ->check(CLI::IsMember({"keep", "default"}))
+      ->capture_default_str();
   app.add_option("--batch-size", c.batch_size,
                  "samples (gpt: sequences) per step [default: gpt 32, mnist-cnn 128, "
                  "fashion-mlp 256]")
@@ -309,6 +315,8 @@ std::string settings_table(const TrainConfig& c) {
   add("device", c.device);
   if (c.nproc > 1) add("processes", c.nproc);
   add("threads", c.threads);
+  add("malloc", c.malloc == "keep" ? "keeps freed memory (mmap threshold 32 MiB, trim 1 GiB)"
+                                   : "glibc's defaults");
   add("batch size", c.batch_size);
   if (!c.diagnose && c.steps > 0) {
     add("steps", c.steps);

@@ -30,6 +30,7 @@ struct TrainConfig {
   int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead) // cpu
                   // | cuda
   int threads = 0;            // intra-op threads; 0: this host's cores / its processes
+  std::string malloc = "keep";  // keep: ampx::keep_freed_cpu_memory() | default: glibc's own
   double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take
   int64_t batch_size = 0;     // per step
   int64_t steps = 0;          // optimizer steps (or --epochs)

@@ -11,6 +11,7 @@
 // caches and allocator history of one mode do not flatter or burden the next.
 
 #include "ampx/dist.h"
+#include "ampx/memory.h"
 
 #include "config.h"
 #include "device_memory.h"
@@ -226,6 +227,11 @@ int run(int argc, char** argv) {
   }
   const bool rank0 = !group || group->rank() == 0;
   at::set_num_threads(config.threads);
+  if (config.malloc == "keep") {
+    if (const auto kept = ampx::keep_freed_cpu_memory(); !kept.applied && show_settings) {
+      std::cout << "malloc: glibc's defaults stay: " << kept.reason << "\n";
+    }
+  }
   const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
   enable_memory_tracking(device);
   auto workload = make_workload(config);  // loads the data: missing data fails here

@@ -10,6 +10,7 @@
 //   auto peak = ampx::cpu_memory_stats().peak_allocated_bytes;
 
 #include <cstdint>
+#include <string>
 
 namespace ampx {
 
@@ -31,5 +32,29 @@ MemoryStats cpu_memory_stats();
 
 /// Sets the peak to what is allocated now.
 void reset_peak_cpu_memory();
+
+/// What keep_freed_cpu_memory() did.
+struct MallocRetention {
+  bool applied = false;        // false: nothing changed, `reason` says why
+  int64_t mmap_threshold = 0;  // bytes: blocks above it are mapped and unmapped one by one
+  int64_t trim_threshold = 0;  // bytes free at a heap's top before they go back to the OS
+  std::string reason;
+};
+
+/// Makes glibc's malloc keep freed memory for the next step instead of
+/// handing it back to the kernel. A training step frees and allocates the
+/// same activations every step; by default glibc returns the heap's free top
+/// whenever it exceeds a threshold that adapts to the largest block freed so
+/// far (twice its size), and the next step takes every page back with a page
+/// fault and a zero-fill: on the gpt of ampx-train, 29,000 faults and about
+/// 40 ms of a 500 ms fp32 step (docs/performance-notes.md). This fixes the mmap threshold
+/// at 32 MiB (glibc's largest on 64-bit: smaller blocks come from the heaps)
+/// and the trim threshold at `trim_threshold` bytes. A process-wide setting:
+/// call it once, at start, in a program that trains. Does nothing where the C
+/// library is not glibc, or where GLIBC_TUNABLES already sets either threshold
+/// (the user's choice wins).
+///
+///   auto r = ampx::keep_freed_cpu_memory();  // r.applied == true on glibc
+MallocRetention keep_freed_cpu_memory(int64_t trim_threshold = int64_t{1} << 30);
 
 }  // namespace ampx
