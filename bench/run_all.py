@@ -46,6 +46,7 @@ MICRO = [("ampx_bench", "ampx_bench", []),
          ("ampx_sgd_bench", "ampx_optim_bench", ["--optimizer=sgd"]),
          ("ampx_lamb_bench", "ampx_optim_bench", ["--optimizer=lamb"]),
          ("ampx_cast_bench", "ampx_cast_bench", []),
+         ("ampx_fused_bench", "ampx_fused_bench", []),
          ("ampx_scale_update_bench", "ampx_scale_update_bench", [])]
 
 

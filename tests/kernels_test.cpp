@@ -542,3 +542,94 @@ TEST(MixedBatchNormTest, O2BatchNormRunsTheFusedKernelWhateverTheThreads) {
   for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], two[i])) << i;
   EXPECT_FALSE(ampx::mixed_batch_norm_is_fused(x0, {}, {}, {}, {}, /*training=*/false));
 }
+
+// ---- mixed_gelu: exact GELU of 16-bit activations in float32 math --------
+
+namespace {
+
+// GELU and its derivative of x's exact values in float64.
+std::pair<torch::Tensor, torch::Tensor> reference_gelu(const torch::Tensor& x) {
+  const auto xd = x.to(torch::kDouble);
+  const auto cdf = 0.5 * (1 + torch::erf(xd * M_SQRT1_2));
+  const auto pdf = torch::exp(-0.5 * xd * xd) / std::sqrt(2 * M_PI);
+  return {xd * cdf, cdf + xd * pdf};
+}
+
+}  // namespace
+
+// Every instruction-set build, bf16 and fp16, a size with a partial block
+// (1024 elements) and a vector tail, inputs out to +-15: y and dx within one
+// ulp of the 16-bit format of float64's, plus float32's rounding near zero.
+TEST(MixedGeluTest, EveryIsaMatchesFloat64WithinOneUlpForwardAndBackward) {
+  for (const auto isa : ampx::detail::cpu::supported_isas()) {
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+      SCOPED_TRACE(ampx::detail::cpu::isa_name(isa) + " " + c10::toString(dtype));
+      torch::manual_seed(31);
+      const auto x = (torch::randn({3, 1031}) * 3).clamp(-15, 15).to(dtype).requires_grad_(true);
+      const auto y = ampx::detail::cpu::mixed_gelu(x, isa);
+      ASSERT_EQ(y.scalar_type(), dtype);
+      const auto dy = torch::randn({3, 1031}).to(dtype);
+      y.backward(dy);
+      ASSERT_EQ(x.grad().scalar_type(), dtype);
+      const auto ref = reference_gelu(x.detach());
+      const auto y_err = (y.to(torch::kDouble) - ref.first).abs();
+      const auto y_ulp = ulp(ref.first, dtype) + 1e-6;
+      EXPECT_TRUE((y_err <= y_ulp).all().item<bool>())
+          << "y off by up to " << (y_err / y_ulp).max().item<double>() << " ulp";
+      const auto dx_ref = dy.to(torch::kDouble) * ref.second;
+      const auto dx_err = (x.grad().to(torch::kDouble) - dx_ref).abs();
+      const auto dx_ulp = ulp(dx_ref, dtype) + 1e-6;
+      EXPECT_TRUE((dx_err <= dx_ulp).all().item<bool>())
+          << "dx off by up to " << (dx_err / dx_ulp).max().item<double>() << " ulp";
+    }
+  }
+}
+
+// Against what it replaces: ATen's float32 GELU, forward and backward,
+// rounded once to bf16 (which is what LibTorch's own bf16 GELU returns). At
+// most one bf16 ulp apart, almost everywhere equal: ampx's erf is a
+// polynomial, ATen's SLEEF's.
+TEST(MixedGeluTest, AgreesWithAtensFloat32GeluRoundedOnce) {
+  torch::manual_seed(32);
+  const auto x = (torch::randn({64, 1000}) * 2).to(torch::kBFloat16).requires_grad_(true);
+  const auto dy = torch::randn({64, 1000}).to(torch::kBFloat16);
+  const auto y = ampx::mixed_gelu(x);
+  y.backward(dy);
+  const auto xf = x.detach().to(torch::kFloat);
+  const auto y32 = at::gelu(xf).to(torch::kBFloat16);
+  const auto dx32 = at::gelu_backward(dy.to(torch::kFloat), xf).to(torch::kBFloat16);
+  for (const auto& [mine, theirs, what] :
+       {std::make_tuple(y.detach(), y32, "y"), std::make_tuple(x.grad(), dx32, "dx")}) {
+    const auto diff = (mine.to(torch::kDouble) - theirs.to(torch::kDouble)).abs();
+    const auto one_ulp = ulp(theirs.to(torch::kDouble), torch::kBFloat16) + 1e-6;
+    EXPECT_TRUE((diff <= one_ulp).all().item<bool>())
+        << what << ": up to " << (diff / one_ulp).max().item<double>() << " ulp";
+    const double differ = (diff > 0).to(torch::kDouble).mean().item<double>();
+    EXPECT_LT(differ, 0.01) << what << ": " << differ * 100 << "% of elements differ";
+  }
+  // float32 and float64 inputs run ATen's GELU as they are.
+  EXPECT_FALSE(ampx::mixed_gelu_is_fused(xf));
+  EXPECT_TRUE(torch::equal(ampx::mixed_gelu(xf), at::gelu(xf)));
+}
+
+// O2 (KeepNormsFp32Guard) runs a bf16 exact GELU through mixed_gelu on the
+// CPU; the tanh approximation takes the generic float32 path; outside the
+// guard GELU is ATen's.
+TEST(MixedGeluTest, O2GeluRunsTheFusedKernel) {
+  torch::manual_seed(33);
+  const auto x = torch::randn({16, 256}).to(torch::kBFloat16).requires_grad_(true);
+  torch::Tensor exact, tanh;
+  {
+    ampx::KeepNormsFp32Guard guard(torch::kCPU);
+    exact = torch::gelu(x);
+    tanh = torch::gelu(x, "tanh");
+  }
+  ASSERT_NE(exact.grad_fn(), nullptr);
+  EXPECT_THAT(exact.grad_fn()->name(), HasSubstr("MixedGelu"));
+  EXPECT_TRUE(torch::equal(exact, ampx::mixed_gelu(x)));
+  EXPECT_EQ(tanh.scalar_type(), torch::kBFloat16);
+  EXPECT_THAT(tanh.grad_fn()->name(), ::testing::Not(HasSubstr("MixedGelu")));
+  EXPECT_TRUE(torch::equal(tanh, at::gelu(x.to(torch::kFloat), "tanh").to(torch::kBFloat16)));
+  const auto outside = torch::gelu(x);
+  EXPECT_THAT(outside.grad_fn()->name(), ::testing::Not(HasSubstr("MixedGelu")));
+}

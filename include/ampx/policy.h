@@ -158,6 +158,9 @@ std::vector<std::string> norm_ops();
 /// except its norm layers: while it lives, on `device_type`,
 /// - the norm ops (norm_ops()) get kFp32OutputsAsInput: a bf16 input meets
 ///   the layer's fp32 weight and buffers in fp32 and leaves in bf16;
+/// - on the CPU, aten::gelu (exact) gets it too: a bf16/fp16 GELU runs
+///   ampx::mixed_gelu, the same float32 math in one vectorized pass each way
+///   (LibTorch 1.13's bf16 backward is several times slower);
 /// - every other op runs exactly as with autocast off: no casts anywhere.
 /// Mechanism: the guard turns autocast on for this thread (an AutocastGuard,
 /// so the ops meet the device's Autocast key) and, process-wide, registers a

@@ -38,7 +38,8 @@ bool is_norm(const std::string& name) {
   return false;
 }
 
-// One pass over the dispatcher: the functional overloads of the norm ops get
+// One pass over the dispatcher: the functional overloads of the norm ops (and,
+// on the CPU, of aten::gelu: its float32-math kernel, ampx::mixed_gelu) get
 // `norm`; every other op with a kernel on the key gets `rest`.
 Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEntry norm,
                   detail::PolicyEntry rest) {
@@ -48,7 +49,7 @@ Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEn
   for (auto& name : dispatcher.getAllOpNames()) {
     auto handle = dispatcher.findOp(name);
     if (!handle || !handle->hasSchema()) continue;
-    if (is_norm(name.name)) {
+    if (is_norm(name.name) || (device_type == c10::DeviceType::CPU && name.name == "aten::gelu")) {
       if (!detail::writes_an_argument(handle->schema())) {
         changes.emplace_back(std::move(name), norm);
       }

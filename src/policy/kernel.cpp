@@ -117,6 +117,21 @@ bool fused_batch_norm(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
+// kFp32OutputsAsInput on aten::gelu(self, approximate) with a 16-bit CPU
+// input and the exact GELU: ampx's float32-math kernel (ampx::mixed_gelu).
+bool fused_gelu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  if (op.schema().name() != "aten::gelu" || !op.schema().overload_name().empty()) return false;
+  const size_t n = stack->size();
+  const c10::IValue& self = (*stack)[n - 2];
+  if (!self.isTensor() || !mixed_gelu_is_fused(self.toTensor())) return false;
+  // approximate: "none" or "tanh" (a string in every LibTorch ampx builds with).
+  if ((*stack)[n - 1].toStringRef() != "none") return false;
+  const at::Tensor x = self.toTensor();
+  torch::jit::drop(*stack, 2);
+  stack->emplace_back(mixed_gelu(x));
+  return true;
+}
+
 void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::OperatorHandle& op,
                 torch::jit::Stack* stack) {
   // PyTorch's autocast kernels exclude the key for the op and everything it
@@ -128,7 +143,7 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
     return;
   }
   if (policy == CastPolicy::kFp32OutputsAsInput &&
-      (fused_layer_norm(op, stack) || fused_batch_norm(op, stack))) {
+      (fused_layer_norm(op, stack) || fused_batch_norm(op, stack) || fused_gelu(op, stack))) {
     return;
   }
   const auto& schema = op.schema();

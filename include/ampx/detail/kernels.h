@@ -27,6 +27,9 @@ void non_finite_check_and_unscale_(at::TensorList grads, at::Tensor& found_inf,
                                    const at::Tensor& inv_scale, Isa isa);
 void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
                    const at::Tensor& found_inf, const ScaleUpdateRule& rule);
+/// ampx::mixed_gelu's fused kernel with a chosen instruction set, forward and
+/// backward (x: a non-empty bfloat16 or float16 CPU tensor).
+at::Tensor mixed_gelu(const at::Tensor& x, Isa isa);
 }  // namespace cpu
 
 /// Device-generic versions built from ATen ops (no host sync): the CUDA path

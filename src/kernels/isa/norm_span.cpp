@@ -6,6 +6,7 @@
 // result does not depend on the thread that runs it.
 
 #include "norm_kernels.h"
+#include "span_convert.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -22,51 +23,6 @@ namespace detail {
 namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-using at::vec::Vectorized;
-using FVec = Vectorized<float>;
-
-// src[0, n) of `dtype` -> float32 dst.
-void widen(const void* src, c10::ScalarType dtype, float* dst, int64_t n) {
-  if (dtype == c10::kBFloat16) {
-    using BVec = Vectorized<c10::BFloat16>;
-    const auto* p = static_cast<const c10::BFloat16*>(src);
-    int64_t i = 0;
-    for (; i + BVec::size() <= n; i += BVec::size()) {
-      FVec lo, hi;
-      std::tie(lo, hi) = at::vec::convert_bfloat16_float(BVec::loadu(p + i));
-      lo.store(dst + i);
-      hi.store(dst + i + FVec::size());
-    }
-    for (; i < n; ++i) dst[i] = static_cast<float>(p[i]);
-  } else if (dtype == c10::kHalf) {
-    const auto* p = static_cast<const c10::Half*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(p[i]);
-  } else {
-    const auto* p = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = p[i];
-  }
-}
-
-// float32 src[0, n) -> dst of `dtype`, rounded to nearest even.
-void narrow(const float* src, void* dst, c10::ScalarType dtype, int64_t n) {
-  if (dtype == c10::kBFloat16) {
-    using BVec = Vectorized<c10::BFloat16>;
-    auto* p = static_cast<c10::BFloat16*>(dst);
-    int64_t i = 0;
-    for (; i + BVec::size() <= n; i += BVec::size()) {
-      at::vec::convert_float_bfloat16(FVec::loadu(src + i), FVec::loadu(src + i + FVec::size()))
-          .store(p + i);
-    }
-    for (; i < n; ++i) p[i] = static_cast<c10::BFloat16>(src[i]);
-  } else if (dtype == c10::kHalf) {
-    auto* p = static_cast<c10::Half*>(dst);
-    for (int64_t i = 0; i < n; ++i) p[i] = static_cast<c10::Half>(src[i]);
-  } else {
-    auto* p = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) p[i] = src[i];
-  }
-}
 
 // The lanes of v summed in lane order.
 float lane_sum(const FVec& v) {

@@ -1,0 +1,140 @@
+// ampx's fused 16-bit kernels (ampx/kernels.h) against what O2 ran before
+// them, forward + backward on the main job's shapes, at 1 and 2 threads: the
+// norms against their float32 composites, the GELU against LibTorch's bf16
+// GELU and a copy of the bytes it moves:
+//
+//   build/host/bench/ampx_fused_bench [--benchmark_filter=...] [--elements=N]
+//
+// --elements: activations per tensor (default 32 x 256 x 256, the gpt's
+// [batch, block, d]; the GELU runs 4x that, the MLP's hidden width).
+//   BM_LayerNorm_ampx       ampx::mixed_layer_norm: bf16 in and out, fp32 affine
+//   BM_LayerNorm_fp32_cast  cast to fp32, at::layer_norm, cast back
+//   BM_BatchNorm_ampx       ampx::mixed_batch_norm, training, [N, 64, 16, 16]
+//   BM_BatchNorm_fp32_cast  cast to fp32, at::batch_norm, cast back
+//   BM_Gelu_ampx            ampx::mixed_gelu on bf16, forward + backward
+//   BM_Gelu_aten_bf16       torch::gelu on bf16, forward + backward
+//   BM_Gelu_copy            five bf16 copies of the GELU's size: the bytes its
+//                           forward (x, y) and backward (x, dy, dx) move
+// Each iteration runs forward and backward through autograd, as training
+// does. The closing table gives each family's times against ampx's.
+
+#include "bench_util.h"
+
+#include "ampx/detail/compat.h"
+#include "ampx/kernels.h"
+#include "ampx/memory.h"
+
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+int64_t g_elements = int64_t{32} * 256 * 256;
+constexpr int64_t kWidth = 256;
+constexpr int64_t kChannels = 64;
+
+void clear_grads(std::initializer_list<torch::Tensor> ts) {
+  for (auto t : ts) t.mutable_grad() = torch::Tensor();
+}
+
+void BM_LayerNorm(benchmark::State& state, bool fused) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  torch::manual_seed(0);
+  const int64_t rows = g_elements / kWidth;
+  const auto x = torch::randn({rows, kWidth}).to(torch::kBFloat16).requires_grad_(true);
+  const auto dy = torch::randn({rows, kWidth}).to(torch::kBFloat16);
+  const auto w = torch::ones({kWidth}).requires_grad_(true);
+  const auto b = torch::zeros({kWidth}).requires_grad_(true);
+  for (auto _ : state) {
+    const auto y = fused ? ampx::mixed_layer_norm(x, {kWidth}, w, b)
+                         : at::layer_norm(x.to(torch::kFloat), {kWidth}, w, b).to(torch::kBFloat16);
+    y.backward(dy);
+    clear_grads({x, w, b});
+  }
+  ampx::bench::set_traffic(state, rows * kWidth * 2 * 5, rows * kWidth, at::get_num_threads());
+}
+
+void BM_BatchNorm(benchmark::State& state, bool fused) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  torch::manual_seed(0);
+  const int64_t n = g_elements / (kChannels * 256);
+  const auto x = torch::randn({n, kChannels, 16, 16}).to(torch::kBFloat16).requires_grad_(true);
+  const auto dy = torch::randn_like(x);
+  const auto w = torch::ones({kChannels}).requires_grad_(true);
+  const auto b = torch::zeros({kChannels}).requires_grad_(true);
+  auto mean = torch::zeros({kChannels}), var = torch::ones({kChannels});
+  for (auto _ : state) {
+    const auto y =
+        fused ? ampx::mixed_batch_norm(x, w, b, mean, var, /*training=*/true)
+              : at::batch_norm(x.to(torch::kFloat), w, b, mean, var, true, 0.1, 1e-5, false)
+                    .to(torch::kBFloat16);
+    y.backward(dy);
+    clear_grads({x, w, b});
+  }
+  ampx::bench::set_traffic(state, x.numel() * 2 * 5, x.numel(), at::get_num_threads());
+}
+
+enum class Gelu { kCopy, kAten, kAmpx };
+
+void BM_Gelu(benchmark::State& state, Gelu which) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  torch::manual_seed(0);
+  const int64_t n = 4 * g_elements;
+  const auto x = torch::randn({n}).to(torch::kBFloat16).requires_grad_(true);
+  const auto dy = torch::randn({n}).to(torch::kBFloat16);
+  auto dst = torch::empty_like(dy);
+  for (auto _ : state) {
+    if (which == Gelu::kCopy) {  // 5 x n x 2 bytes each way over the five copies' reads and writes
+      for (int i = 0; i < 5; ++i) dst.copy_(i % 2 ? dy : x.detach());
+      benchmark::ClobberMemory();
+    } else {
+      (which == Gelu::kAmpx ? ampx::mixed_gelu(x) : torch::gelu(x)).backward(dy);
+      clear_grads({x});
+    }
+  }
+  ampx::bench::set_traffic(state, n * 2 * 5, n, at::get_num_threads());
+}
+
+void print_ratios(const ampx::bench::Table& table) {
+  std::printf("%-8s %-24s %10s %10s\n", "threads", "benchmark", "ms", "vs first");
+  for (const auto& entry : table) {
+    for (const char* family : {"BM_LayerNorm", "BM_BatchNorm", "BM_Gelu"}) {
+      const std::string first = std::string(family) + "_ampx";
+      const auto* base = ampx::bench::find(entry.second, first);
+      for (const auto& row : entry.second) {
+        if (row.first.rfind(family, 0) != 0 || base == nullptr) continue;
+        std::printf("%-8s %-24s %10.2f %9.2fx\n", entry.first.c_str(), row.first.c_str(),
+                    row.second.ms, row.second.ms / base->ms);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const auto flags = ampx::bench::initialize(argc, argv, g_elements);
+  g_elements = flags.elements;
+  // As ampx-train does: freed activations stay mapped, so the timings are
+  // the kernels', not the kernel's page faults on every fresh output.
+  (void)ampx::keep_freed_cpu_memory();
+  const auto timed = [&](benchmark::internal::Benchmark* b) {
+    ampx::bench::timed(b->Arg(1)->Arg(2), flags, benchmark::kMillisecond, 1.0);
+  };
+  timed(benchmark::RegisterBenchmark("BM_LayerNorm_ampx", BM_LayerNorm, true));
+  timed(benchmark::RegisterBenchmark("BM_LayerNorm_fp32_cast", BM_LayerNorm, false));
+  timed(benchmark::RegisterBenchmark("BM_BatchNorm_ampx", BM_BatchNorm, true));
+  timed(benchmark::RegisterBenchmark("BM_BatchNorm_fp32_cast", BM_BatchNorm, false));
+  timed(benchmark::RegisterBenchmark("BM_Gelu_ampx", BM_Gelu, Gelu::kAmpx));
+  timed(benchmark::RegisterBenchmark("BM_Gelu_aten_bf16", BM_Gelu, Gelu::kAten));
+  timed(benchmark::RegisterBenchmark("BM_Gelu_copy", BM_Gelu, Gelu::kCopy));
+  benchmark::AddCustomContext("libtorch", ampx::detail::compat::torch_version());
+  ampx::bench::print_header(flags, "LibTorch %s, %lld bf16 activations per norm tensor\n",
+                            ampx::detail::compat::torch_version(),
+                            static_cast<long long>(g_elements));
+  ampx::bench::run_with_table(flags, print_ratios);
+  return 0;
+}

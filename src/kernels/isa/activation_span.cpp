@@ -1,0 +1,103 @@
+// The span kernels of ampx's mixed-precision GELU, compiled once per
+// instruction set (see activation_kernels.h). Blocks of the 16-bit input are
+// widened into float32 buffers, computed there in float32 vectors (one exp
+// per element forward and backward: erf's approximation and the normal
+// density share it), and narrowed once. A block's tail is padded to whole vectors, so every element
+// goes through the same vector code wherever it lies.
+
+#include "activation_kernels.h"
+#include "span_convert.h"
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kBlock = 1024;  // float32 elements per buffer: 4 KiB, in L1
+constexpr float kAlpha = static_cast<float>(M_SQRT1_2);
+constexpr float kBeta = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);  // 1 / sqrt(2 pi)
+
+int64_t element_size(c10::ScalarType dtype) {
+  return dtype == c10::kFloat ? 4 : 2;
+}
+
+// exp: SLEEF's vector expf (1 ulp) in the AVX2 and AVX-512 builds where this
+// build links SLEEF (CMakeLists.txt), libm lane by lane otherwise.
+FVec exp_of(const FVec& v) {
+#if defined(CPU_CAPABILITY_DEFAULT) || defined(AMPX_WITH_SLEEF)
+  return v.exp();
+#else
+  return v.map(static_cast<float (*)(float)>(std::exp));
+#endif
+}
+
+// Widens x[i0, i0 + len) into buf and zeroes the rest of its last vector;
+// returns the length rounded up to whole vectors.
+int64_t widen_block(const void* x, c10::ScalarType dtype, int64_t i0, int64_t len, float* buf) {
+  widen(static_cast<const char*>(x) + i0 * element_size(dtype), dtype, buf, len);
+  const int64_t padded = (len + FVec::size() - 1) / FVec::size() * FVec::size();
+  std::fill(buf + len, buf + padded, 0.f);
+  return padded;
+}
+
+// Phi(v) = 0.5 * (1 + erf(v / sqrt(2))), with erf by Abramowitz and Stegun
+// 7.1.26 (absolute error below 1.5e-7; the formula of ATen's AVX2 float32
+// erf), and `gauss` = exp(-v^2 / 2), which that erf needs and phi(v) is a
+// multiple of. SLEEF's 1-ulp erff would cost three times the whole GELU;
+// this keeps Phi's relative error under 3e-7, far below a 16-bit ulp.
+FVec normal_cdf(const FVec& v, FVec* gauss) {
+  const FVec one(1.f), half(0.5f), p(0.3275911f * kAlpha);
+  const FVec a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f), a4(-1.453152027f),
+      a5(1.061405429f);
+  const FVec ax = v.abs();
+  const FVec t = one / (one + p * ax);
+  const FVec poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t;
+  *gauss = exp_of(v * v * FVec(-0.5f));
+  const FVec erf_abs = one - poly * *gauss;  // erf(|v| / sqrt(2))
+  return half * (one + FVec::blendv(erf_abs, FVec(0.f) - erf_abs, v < FVec(0.f)));
+}
+
+}  // namespace
+
+void gelu_span(const void* x, c10::ScalarType dtype, void* y, int64_t n) {
+  alignas(64) float xb[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min(kBlock, n - i0);
+    const int64_t padded = widen_block(x, dtype, i0, len, xb);
+    for (int64_t i = 0; i < padded; i += FVec::size()) {
+      const FVec v = FVec::loadu(xb + i);
+      FVec gauss;
+      (v * normal_cdf(v, &gauss)).store(xb + i);
+    }
+    narrow(xb, static_cast<char*>(y) + i0 * element_size(dtype), dtype, len);
+  }
+}
+
+void gelu_backward_span(const void* dy, const void* x, c10::ScalarType dtype, void* dx, int64_t n) {
+  alignas(64) float xb[kBlock];
+  alignas(64) float gb[kBlock];
+  const FVec beta(kBeta);
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t len = std::min(kBlock, n - i0);
+    const int64_t padded = widen_block(x, dtype, i0, len, xb);
+    widen_block(dy, dtype, i0, len, gb);
+    for (int64_t i = 0; i < padded; i += FVec::size()) {
+      const FVec v = FVec::loadu(xb + i);
+      FVec gauss;
+      const FVec cdf = normal_cdf(v, &gauss);
+      (FVec::loadu(gb + i) * (cdf + v * (beta * gauss))).store(gb + i);
+    }
+    narrow(gb, static_cast<char*>(dx) + i0 * element_size(dtype), dtype, len);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx
