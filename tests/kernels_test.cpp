@@ -588,7 +588,8 @@ TEST(MixedGeluTest, EveryIsaMatchesFloat64WithinOneUlpForwardAndBackward) {
 // Against what it replaces: ATen's float32 GELU, forward and backward,
 // rounded once to bf16 (which is what LibTorch's own bf16 GELU returns). At
 // most one bf16 ulp apart, almost everywhere equal: ampx's erf is a
-// polynomial, ATen's SLEEF's.
+// polynomial, ATen's is SLEEF's (1.13) or its own (2.6), and an output next to
+// a rounding boundary can land on either side (1.03% of y on 2.6).
 TEST(MixedGeluTest, AgreesWithAtensFloat32GeluRoundedOnce) {
   torch::manual_seed(32);
   const auto x = (torch::randn({64, 1000}) * 2).to(torch::kBFloat16).requires_grad_(true);
@@ -605,7 +606,7 @@ TEST(MixedGeluTest, AgreesWithAtensFloat32GeluRoundedOnce) {
     EXPECT_TRUE((diff <= one_ulp).all().item<bool>())
         << what << ": up to " << (diff / one_ulp).max().item<double>() << " ulp";
     const double differ = (diff > 0).to(torch::kDouble).mean().item<double>();
-    EXPECT_LT(differ, 0.01) << what << ": " << differ * 100 << "% of elements differ";
+    EXPECT_LT(differ, 0.02) << what << ": " << differ * 100 << "% of elements differ";
   }
   // float32 and float64 inputs run ATen's GELU as they are.
   EXPECT_FALSE(ampx::mixed_gelu_is_fused(xf));

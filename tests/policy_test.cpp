@@ -413,6 +413,55 @@ TEST_F(PolicyTest, KeepNormsFp32RestoresAfterException) {
   EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kFloat);
 }
 
+// The guard's scan of the dispatcher is kept between guards (it costs about
+// 0.4 ms): a policy set after the first guard, on an op PyTorch has no
+// autocast kernel for, is still switched off inside later guards.
+TEST_F(PolicyTest, KeepNormsFp32SeesPoliciesSetAfterItsFirstUse) {
+  { ampx::KeepNormsFp32Guard keep(torch::kCPU); }
+  auto a = rnd({2, 2}), b = rnd({2, 2});
+  CastPolicyGuard policy(torch::kCPU, {{"ampx_test::scale_add", CastPolicy::kLowerPrecision}});
+  auto call = [&] {
+    return c10::Dispatcher::singleton()
+        .findSchemaOrThrow("ampx_test::scale_add", "")
+        .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>()
+        .call(a, b);
+  };
+  {
+    AutocastGuard autocast(torch::kCPU);
+    call();
+    EXPECT_EQ(g_seen_a, at::kBFloat16);
+  }
+  ampx::KeepNormsFp32Guard keep(torch::kCPU);
+  call();
+  EXPECT_EQ(g_seen_a, at::kFloat);
+}
+
+// An operator defined after the first guard, with an autocast kernel of its
+// own: later guards see it and switch that kernel off.
+TEST_F(PolicyTest, KeepNormsFp32SeesOperatorsDefinedAfterItsFirstUse) {
+  { ampx::KeepNormsFp32Guard keep(torch::kCPU); }
+  torch::Library def(torch::Library::DEF, "ampx_late", c10::nullopt, __FILE__, __LINE__);
+  def.def("mark(Tensor x) -> Tensor");
+  torch::Library cpu(torch::Library::IMPL, "ampx_late", c10::DispatchKey::CPU, __FILE__, __LINE__);
+  cpu.impl("mark", [](const at::Tensor& x) { return x.clone(); });
+  torch::Library autocast_impl(torch::Library::IMPL, "ampx_late", c10::DispatchKey::AutocastCPU,
+                               __FILE__, __LINE__);
+  autocast_impl.impl("mark", [](const at::Tensor& x) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+    return x.to(at::kBFloat16);  // what an autocast kernel of its own would do
+  });
+  const auto mark = c10::Dispatcher::singleton()
+                        .findSchemaOrThrow("ampx_late::mark", "")
+                        .typed<at::Tensor(const at::Tensor&)>();
+  auto x = rnd({2, 2});
+  {
+    AutocastGuard autocast(torch::kCPU);
+    EXPECT_EQ(mark.call(x).scalar_type(), torch::kBFloat16);
+  }
+  ampx::KeepNormsFp32Guard keep(torch::kCPU);
+  EXPECT_EQ(mark.call(x).scalar_type(), torch::kFloat);
+}
+
 TEST_F(PolicyTest, Fp32RegionInsideAutocast) {
   auto a = rnd({4, 8}), w = rnd({3, 8});
   auto low = a.to(torch::kBFloat16);

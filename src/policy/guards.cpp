@@ -9,8 +9,15 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <atomic>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
 #include <utility>
+#include <vector>
 
 namespace ampx {
 namespace {
@@ -38,22 +45,74 @@ bool is_norm(const std::string& name) {
   return false;
 }
 
-// One pass over the dispatcher: the functional overloads of the norm ops (and,
-// on the CPU, of aten::gelu: its float32-math kernel, ampx::mixed_gelu) get
-// `norm`; every other op with a kernel on the key gets `rest`.
-Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEntry norm,
-                  detail::PolicyEntry rest) {
-  const auto key = detail::autocast_key(device_type, who);
+// Operator definitions (and removals) since the process started, counted by a
+// dispatcher listener: the scan below is redone when the count moves.
+std::atomic<uint64_t> g_op_definitions{0};
+
+struct DefinitionCounter final : c10::OpRegistrationListener {
+  void onOperatorRegistered(const c10::OperatorHandle&) override { ++g_op_definitions; }
+  void onOperatorDeregistered(const c10::OperatorHandle&) override { ++g_op_definitions; }
+};
+
+// The ops a guard changes on one device: the functional overloads of the
+// norm ops (and, on the CPU, of aten::gelu: its float32-math kernel,
+// ampx::mixed_gelu), and every other op with a kernel on the Autocast key.
+// Scanning the dispatcher's ~2500 ops costs about 0.4 ms, paid once per
+// forward pass before this cache (docs/performance-notes.md).
+struct OpScan {
+  bool valid = false;
+  uint64_t definitions = 0;
+  std::vector<c10::OperatorName> norm, rest;
+  std::unordered_set<std::string> listed;  // op_string of each of them
+};
+
+OpScan scan_ops(c10::DispatchKey key, c10::DeviceType device_type) {
+  OpScan scan;
   auto& dispatcher = c10::Dispatcher::singleton();
-  Changes changes;
   for (auto& name : dispatcher.getAllOpNames()) {
     auto handle = dispatcher.findOp(name);
     if (!handle || !handle->hasSchema()) continue;
     if (is_norm(name.name) || (device_type == c10::DeviceType::CPU && name.name == "aten::gelu")) {
-      if (!detail::writes_an_argument(handle->schema())) {
-        changes.emplace_back(std::move(name), norm);
-      }
+      if (detail::writes_an_argument(handle->schema())) continue;
+      scan.listed.insert(detail::op_string(name));
+      scan.norm.push_back(std::move(name));
     } else if (handle->hasKernelForDispatchKey(key)) {
+      scan.listed.insert(detail::op_string(name));
+      scan.rest.push_back(std::move(name));
+    }
+  }
+  return scan;
+}
+
+// The changes of a guard: `norm` for the norm ops, `rest` for every other op
+// with a kernel on the key. The scan is kept until an operator is defined or
+// removed; ampx's own policies set since then (set_cast_policy on an op
+// PyTorch has no autocast kernel for) are added each time.
+Changes whole_set(c10::DeviceType device_type, const char* who, detail::PolicyEntry norm,
+                  detail::PolicyEntry rest) {
+  const auto key = detail::autocast_key(device_type, who);
+  static std::once_flag listening;
+  std::call_once(listening, [] {
+    // Leaked on purpose: it must outlive every guard, and the dispatcher.
+    new c10::RegistrationHandleRAII(c10::Dispatcher::singleton().addRegistrationListener(
+        std::make_unique<DefinitionCounter>()));
+  });
+  static std::mutex mutex;
+  static std::map<int, OpScan> scans;
+  std::lock_guard<std::mutex> lock(mutex);
+  OpScan& scan = scans[static_cast<int>(device_type)];
+  const uint64_t definitions = g_op_definitions.load();
+  if (!scan.valid || scan.definitions != definitions) {
+    scan = scan_ops(key, device_type);
+    scan.valid = true;
+    scan.definitions = definitions;
+  }
+  Changes changes;
+  changes.reserve(scan.norm.size() + scan.rest.size());
+  for (const auto& name : scan.norm) changes.emplace_back(name, norm);
+  for (const auto& name : scan.rest) changes.emplace_back(name, rest);
+  for (auto& name : detail::ops_with_policy(device_type)) {
+    if (scan.listed.count(detail::op_string(name)) == 0) {
       changes.emplace_back(std::move(name), rest);
     }
   }
