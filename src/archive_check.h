@@ -11,7 +11,9 @@
 //   torch::pickle_load(bytes);  // every length now bounded by the file's size
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ampx {
 namespace detail {
@@ -23,6 +25,40 @@ void check_torch_archive(const char* data, size_t size, const std::string& what)
 
 /// The same for one pickle stream.
 void check_pickle(const char* data, size_t size, const std::string& what);
+
+/// One record of a LibTorch zip archive, as check_torch_archive found it: its
+/// data is [offset, offset + size) of the archive, within it.
+struct ArchiveRecord {
+  std::string name;
+  uint64_t offset = 0, size = 0;
+  uint64_t stored_size = 0;  // its size once inflated (== size unless deflated)
+  bool deflated = false;
+};
+
+/// The records of a zip archive, bounds-checked as check_torch_archive does;
+/// empty when the input is not a zip archive.
+std::vector<ArchiveRecord> torch_archive_records(const char* data, size_t size,
+                                                 const std::string& what);
+
+/// Throws c10::Error starting with `what` unless `source`, the TorchScript
+/// source record `name` of an archive written by torch::serialize::
+/// OutputArchive, holds only what OutputArchive writes: one attribute-only
+/// class,
+///
+///   class Module(Module):
+///     __parameters__ = ["weight", ]
+///     __buffers__ = []
+///     weight : Tensor
+///     sub : __torch__.___torch_mangle_3.Module
+///     __annotations__["group0.lr"] = float
+///
+/// with names in double quotes or identifiers and types among Tensor, int,
+/// float, bool, str, Optional/List of those, and the archive's own module
+/// classes. LibTorch's TorchScript importer compiles this source before any
+/// value is read, and LibTorch 1.13's crashes on some malformed class bodies
+/// (a class constant where an attribute list was: tests/fuzz/README.md).
+void check_attribute_module_source(const std::string& name, const std::string& source,
+                                   const std::string& what);
 
 }  // namespace detail
 }  // namespace ampx

@@ -183,6 +183,71 @@ TEST_F(TrainCheckpointTest, RoundTripsATorchArchive) {
   EXPECT_TRUE(torch::equal(half_back, half));
 }
 
+// read_payload hands LibTorch only the TorchScript source OutputArchive
+// writes: an archive with every kind of attribute (tensors as parameters and
+// buffers, int, float, str, nested archives, 3000 entries in one list) is
+// read; the same archive with its class source changed is refused before
+// LibTorch compiles it (LibTorch 1.13 crashes on some such sources:
+// tests/fuzz/regressions/checkpoint_crc/).
+TEST_F(TrainCheckpointTest, ReadPayloadRefusesTorchScriptSourceOutputArchiveNeverWrites) {
+  std::ostringstream buffer;
+  {
+    torch::serialize::OutputArchive out, nested;
+    out.write("weight", torch::ones({2}));
+    out.write("mask", torch::zeros({2}), /*is_buffer=*/true);
+    out.write("step", c10::IValue(int64_t{7}));
+    out.write("lr", c10::IValue(0.5));
+    out.write("name", c10::IValue(std::string("adamw")));
+    for (int i = 0; i < 3000; ++i) {
+      nested.write("group0.param" + std::to_string(i) + ".exp_avg", torch::zeros({1}), true);
+    }
+    out.write("optimizer", nested);
+    out.save_to(buffer);
+  }
+  const std::string payload = buffer.str();
+  auto read_back = [&](const std::string& bytes) {
+    write_checkpoint(path_, sample_meta(), bytes);
+    const Checkpoint c = read_checkpoint(path_);
+    torch::serialize::InputArchive archive;
+    ampx::train::read_payload(path_, c, archive);
+    return archive;
+  };
+  auto archive = read_back(payload);
+  c10::IValue step;
+  archive.read("step", step);
+  EXPECT_EQ(step.toInt(), 7);
+
+  // A small archive, whose class source LibTorch stores as is (larger ones
+  // are deflated): its source changed in place, the same length, with the
+  // checkpoint's CRC made to fit as a hostile file would.
+  std::ostringstream small;
+  {
+    torch::serialize::OutputArchive out;
+    out.write("weight", torch::ones({2}));
+    out.write("step", c10::IValue(int64_t{7}));
+    out.save_to(small);
+  }
+  read_back(small.str());
+  const auto mutated = [&](const std::string& from, const std::string& to) {
+    EXPECT_EQ(from.size(), to.size());
+    std::string bytes = small.str();
+    const size_t at = bytes.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    if (at != std::string::npos) bytes.replace(at, from.size(), to);
+    return error_text([&] { read_back(bytes); });
+  };
+  EXPECT_EQ(mutated("__parameters__ = [", "__parameteri__ = ["),
+            where() +
+                ": TorchScript source 'archive/code/__torch__.py' line 2 is not an "
+                "attribute declaration that torch::serialize::OutputArchive writes: "
+                "'  __parameteri__ = [\"weight\", ]'");
+  EXPECT_NE(mutated("step : int", "step : Any").find("line 5 is not an attribute declaration"),
+            std::string::npos);
+  EXPECT_NE(mutated("class Module(Module):", "class Module(Object):")
+                .find("line 1 is not the class header"),
+            std::string::npos);
+}
+
 TEST_F(TrainCheckpointTest, WritesTheDocumentedLayout) {
   const json meta = sample_meta();
   const std::string payload = all_byte_values();
