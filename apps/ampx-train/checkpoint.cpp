@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <sstream>
 
 namespace ampx::train {
@@ -74,14 +75,25 @@ std::string inflate_record(const char* data, const ampx::detail::ArchiveRecord& 
 // their debug pickles (LibTorch 1.13's importer crashes on some malformed
 // class bodies; tests/fuzz/README.md).
 void check_archive_code(const std::string& payload, const std::string& where) {
-  for (const auto& r : ampx::detail::torch_archive_records(payload.data(), payload.size(), where)) {
-    const size_t code = r.name.find("/code/");
-    if (code == std::string::npos) continue;
-    const auto ends_with = [&](const char* tail) {
-      const size_t n = std::strlen(tail);
-      return r.name.size() >= n && r.name.compare(r.name.size() - n, n, tail) == 0;
-    };
-    if (ends_with(".debug_pkl")) {
+  const auto records = ampx::detail::torch_archive_records(payload.data(), payload.size(), where);
+  const auto ends_with = [](const std::string& name, const char* tail) {
+    const size_t n = std::strlen(tail);
+    return name.size() >= n && name.compare(name.size() - n, n, tail) == 0;
+  };
+  std::map<std::string, uint64_t> storages;  // data/<key> -> bytes
+  const ampx::detail::ArchiveRecord* data_pkl = nullptr;
+  for (const auto& r : records) {
+    const size_t data = r.name.find("/data/");
+    if (data != std::string::npos && !r.deflated) storages[r.name.substr(data + 6)] = r.size;
+    if (ends_with(r.name, "/data.pkl")) data_pkl = &r;
+    if (ends_with(r.name, "/constants.pkl")) {
+      // OutputArchive's modules have no constants: an empty tuple.
+      TORCH_CHECK(payload.compare(r.offset, r.size, std::string("\x80\x02).", 4)) == 0, where,
+                  ": zip record '", r.name, "' is not the empty constants table ",
+                  "torch::serialize::OutputArchive writes");
+    }
+    if (r.name.find("/code/") == std::string::npos) continue;
+    if (ends_with(r.name, ".debug_pkl")) {
       TORCH_CHECK(!r.deflated, where, ": zip record '", r.name, "' is deflated; LibTorch stores ",
                   "debug pickles as they are");
       ampx::detail::check_pickle(payload.data() + r.offset, r.size, where + " (" + r.name + ")");
@@ -90,6 +102,10 @@ void check_archive_code(const std::string& payload, const std::string& where) {
           r.deflated ? inflate_record(payload.data(), r, where) : payload.substr(r.offset, r.size);
       ampx::detail::check_attribute_module_source(r.name, source, where);
     }
+  }
+  if (data_pkl != nullptr) {
+    ampx::detail::check_output_archive_pickle(payload.data() + data_pkl->offset, data_pkl->size,
+                                              storages, where);
   }
 }
 

@@ -188,7 +188,8 @@ TEST_F(TrainCheckpointTest, RoundTripsATorchArchive) {
 // buffers, int, float, str, nested archives, 3000 entries in one list) is
 // read; the same archive with its class source changed is refused before
 // LibTorch compiles it (LibTorch 1.13 crashes on some such sources:
-// tests/fuzz/regressions/checkpoint_crc/).
+// tests/fuzz/regressions/checkpoint_crc/), and so is one whose data.pkl means
+// something OutputArchive never writes.
 TEST_F(TrainCheckpointTest, ReadPayloadRefusesTorchScriptSourceOutputArchiveNeverWrites) {
   std::ostringstream buffer;
   {
@@ -245,6 +246,17 @@ TEST_F(TrainCheckpointTest, ReadPayloadRefusesTorchScriptSourceOutputArchiveNeve
             std::string::npos);
   EXPECT_NE(mutated("class Module(Module):", "class Module(Object):")
                 .find("line 1 is not the class header"),
+            std::string::npos);
+  // data.pkl: the storage's persistent id built as a dict instead of a tuple
+  // (crashed LibTorch 1.13's unpickler), and a tensor of 3 elements over a
+  // storage of 2 (a view past its storage).
+  const std::string not_archive = "the archive's data.pkl is not what torch::serialize::";
+  const std::string dict_id = mutated(std::string("K\x02tQ", 4), std::string("K\x02"
+                                                                             "dQ",
+                                                                             4));
+  EXPECT_NE(dict_id.find(not_archive), std::string::npos) << dict_id;
+  EXPECT_NE(mutated(std::string("(K\x02t(K\x01t", 8), std::string("(K\x03t(K\x01t", 8))
+                .find("a view that reaches past its storage"),
             std::string::npos);
 }
 
