@@ -32,9 +32,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -81,18 +83,29 @@ int run_child(int argc, char** argv, const std::vector<std::string>& extra) {
   return wait_child(child);
 }
 
+/// The environment variable that hands --nproc's ranks their store file.
+constexpr const char* kStoreFileEnv = "AMPX_TRAIN_STORE_FILE";
+
 /// --nproc N: N copies of this run as ranks 0..N-1 (torchrun's variables on
-/// loopback); the first to fail stops the others. A preemption signal goes
-/// to every rank; they stop after the same step (kExitPreempted).
+/// loopback); they meet in a FileStore in a fresh folder of their own, so
+/// that no rendezvous port listens (Gloo listens on 127.0.0.1). The first
+/// to fail stops the others. A preemption signal goes to every rank; they
+/// stop after the same step (kExitPreempted).
 int run_ranks(int argc, char** argv, int nproc) {
   const std::string port = std::to_string(ampx::dist::free_loopback_port());
+  std::string folder = (fs::temp_directory_path() / "ampx-train-ranks-XXXXXX").string();
+  TORCH_CHECK(::mkdtemp(folder.data()) != nullptr,
+              "ampx-train: cannot make a folder for the ranks' rendezvous file in ",
+              fs::temp_directory_path().string(), ": ", std::strerror(errno));
+  const std::string store_file = (fs::path(folder) / "store").string();
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
-    pids.push_back(spawn_self(
-        argc, argv, {},
-        {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
-         "WORLD_SIZE=" + std::to_string(nproc), "LOCAL_WORLD_SIZE=" + std::to_string(nproc),
-         "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}));
+    pids.push_back(
+        spawn_self(argc, argv, {},
+                   {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+                    "WORLD_SIZE=" + std::to_string(nproc),
+                    "LOCAL_WORLD_SIZE=" + std::to_string(nproc), "MASTER_ADDR=127.0.0.1",
+                    "MASTER_PORT=" + port, std::string(kStoreFileEnv) + "=" + store_file}));
     forward_preemption_to(pids.back());
   }
   int result = 0;
@@ -108,12 +121,18 @@ int run_ranks(int argc, char** argv, int nproc) {
     if (code == kExitPreempted && result == 0) result = code;  // the others stop too
     if (code != 0 && code != kExitPreempted && (result == 0 || result == kExitPreempted)) {
       result = code;
+      const auto rank = std::find(pids.begin(), pids.end(), pid) - pids.begin();
+      std::cout << std::flush;
+      std::fprintf(stderr, "ampx-train: rank %lld ended with status %d; stopping the others\n",
+                   static_cast<long long>(rank), code);
       // SIGTERM would ask them to finish their step, which waits for this rank.
       for (const pid_t other : pids) {
         if (other != pid) ::kill(other, SIGKILL);
       }
     }
   }
+  std::error_code ignored;
+  fs::remove_all(folder, ignored);
   return result;
 }
 
@@ -220,9 +239,11 @@ int run(int argc, char** argv) {
   std::optional<ampx::dist::ProcessGroup> group;
   if (rank_role && modes.size() == 1) {
     const auto env = ampx::dist::launch_env_from_environment();
-    group.emplace(ampx::dist::init_process_group(
-        env, ampx::dist::InitOptions().timeout(
-                 std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)))));
+    auto options = ampx::dist::InitOptions().timeout(
+        std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)));
+    const char* store_file = std::getenv(kStoreFileEnv);
+    if (role == Role::kRank && store_file != nullptr) options.store_file(store_file);
+    group.emplace(ampx::dist::init_process_group(env, options));
     print_placement(env, *group, config.threads);
   }
   const bool rank0 = !group || group->rank() == 0;

@@ -7,6 +7,7 @@
 #include "preemption.h"
 #include "profile.h"
 #include "progress.h"
+#include "rank_agreement.h"
 #include "report.h"
 
 #include <ampx/ampx.h>
@@ -511,6 +512,9 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
   auto& model = *setup.model;
   auto& optimizer = *setup.optimizer;
   auto& amp = *setup.amp;
+  // Before DDP's broadcast of the parameters: a rank started with another
+  // model shape or precision fails here, on every rank, naming the difference.
+  if (group) check_ranks_agree(*group, run_fingerprint(identity, model, total_steps));
   // After the cast: the broadcast and the buckets see the training dtypes.
   std::optional<ampx::dist::DistributedDataParallel> ddp;
   if (group) ddp.emplace(setup.model, *group);

@@ -95,6 +95,12 @@ struct InitOptions {
   /// Each rank uses the CUDA device of the tensors it passes: set it from
   /// LaunchEnv::local_rank. False: Gloo for all tensors.
   TORCH_ARG(bool, nccl) = true;
+  /// Rendezvous through a c10d FileStore at this path instead of a TCPStore
+  /// at MASTER_ADDR:MASTER_PORT (PyTorch's init_method="file://..."): ranks
+  /// on one machine then listen on no store port at all (Gloo still uses
+  /// TCP on the address chosen as above). The file must not exist before
+  /// the run; the last rank to end removes it. Empty: the TCPStore.
+  TORCH_ARG(std::string, store_file) = "";
 };
 
 /// A c10d process group: Gloo, plus NCCL for CUDA tensors where there is
@@ -146,14 +152,19 @@ class ProcessGroup {
 void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
 
 /// Rendezvous through c10d's TCPStore at env.master_addr:master_port (rank 0
-/// serves it on every interface, or torchrun's agent) and a Gloo process
+/// serves it, or torchrun's agent: on that address alone when it is a
+/// numeric loopback address and LibTorch allows it (2.3+), else on every
+/// interface; a port in use is an error naming it), or through
+/// InitOptions::store_file, and a Gloo process
 /// group over it (and an NCCL one, see InitOptions::nccl). Errors name what
-/// is missing and, on timeout, the ranks that did not arrive. Before Gloo
+/// is missing and, on timeout, the ranks that did not arrive; ranks started
+/// with different world sizes fail at once, naming theirs. Before Gloo
 /// connects, the ranks exchange their Gloo addresses: a rank bound to
 /// loopback that ranks on other hosts would have to reach is an error
 /// naming GLOO_SOCKET_IFNAME. A collective that fails (a rank died, a host
-/// fell off the network) fails within the timeout, naming the ranks that
-/// no longer answer and their addresses.
+/// fell off the network, a rank was stopped) fails within the timeout,
+/// naming the ranks that no longer answer, that are stopped, or that have
+/// not reached the collective, and their addresses.
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options = {});
 /// The same, from launch_env_from_environment().
 ProcessGroup init_process_group(const InitOptions& options = {});

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -166,52 +167,130 @@ std::string host_name() {
   return name;
 }
 
-LivenessListener::LivenessListener(const std::string& address) {
+std::string port_in_use_message(const std::string& address, int port) {
+  const std::string p = std::to_string(port);
+  return "ampx::dist: rank 0 cannot serve the rendezvous store on port " + p + " of " + address +
+         " (MASTER_PORT=" + p +
+         "): another process listens on that port (Address already in use). Give every rank "
+         "another MASTER_PORT, or end that process (`ss -ltnp 'sport = :" +
+         p + "'` names it)";
+}
+
+int listen_on(const std::string& address, int port) {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  TORCH_CHECK(to_sockaddr(address, port, addr, len), "ampx::dist: '", address,
+              "' is not a numeric address");
+  const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TORCH_CHECK(fd >= 0, "ampx::dist: socket() failed: ", std::strerror(errno));
+  const int on = 1;  // as c10d's own listener: a port in TIME_WAIT is free
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    const int error = errno;
+    ::close(fd);
+    TORCH_CHECK(error != EADDRINUSE, port_in_use_message(address, port));
+    TORCH_CHECK(false, "ampx::dist: rank 0 cannot serve the rendezvous store on ", address, ":",
+                port, " (MASTER_ADDR, MASTER_PORT): ", std::strerror(error));
+  }
+  return fd;
+}
+
+bool port_in_use(int port) {
+  for (const char* any : {"0.0.0.0", "::"}) {
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+    if (!to_sockaddr(any, port, addr, len)) continue;
+    FdCloser s{::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    if (s.fd < 0) continue;
+    const int on = 1;
+    ::setsockopt(s.fd, SOL_SOCKET, SO_REUSEADDR, &on, sizeof(on));
+    if (::bind(s.fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 && errno == EADDRINUSE) {
+      return true;
+    }
+  }
+  return false;
+}
+
+LivenessListener::LivenessListener(const std::string& address,
+                                   std::shared_ptr<const std::atomic<int64_t>> collectives)
+    : collectives_(std::move(collectives)) {
   sockaddr_storage addr{};
   socklen_t len = 0;
   TORCH_CHECK(to_sockaddr(address, 0, addr, len), "ampx::dist: '", address,
               "' is not a numeric address");
-  fd_ = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  fd_ = ::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   TORCH_CHECK(fd_ >= 0, "ampx::dist: socket() failed: ", std::strerror(errno));
   if (::bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(fd_, SOMAXCONN) != 0 ||
-      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) != 0 ||
+      ::pipe2(wake_, O_CLOEXEC) != 0) {
     const int error = errno;
     ::close(fd_);
     TORCH_CHECK(false, "ampx::dist: cannot listen on ", address, ": ", std::strerror(error));
   }
   port_ = ntohs(addr.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&addr)->sin_port
                                           : reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
+  thread_ = std::thread([this] { serve(); });
 }
 
 LivenessListener::~LivenessListener() {
-  if (fd_ >= 0) ::close(fd_);
+  if (thread_.joinable()) {
+    const char byte = 0;
+    (void)!::write(wake_[1], &byte, 1);
+    thread_.join();
+  }
+  for (const int fd : {fd_, wake_[0], wake_[1]}) {
+    if (fd >= 0) ::close(fd);
+  }
 }
 
-std::vector<PeerState> probe(const std::vector<std::pair<std::string, int>>& peers,
-                             std::chrono::milliseconds budget) {
-  std::vector<PeerState> state(peers.size(), PeerState::kNoAnswer);
+void LivenessListener::serve() {
+  pollfd fds[2] = {{fd_, POLLIN, 0}, {wake_[0], POLLIN, 0}};
+  while (true) {
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    const int c = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c < 0) continue;  // the peer gave up in between
+    const std::string line = "ampx-alive " + std::to_string(collectives_->load()) + "\n";
+    (void)!::send(c, line.data(), line.size(), MSG_NOSIGNAL);  // a few bytes: never blocks
+    ::close(c);
+  }
+}
+
+std::vector<ProbeResult> probe(const std::vector<std::pair<std::string, int>>& peers,
+                               std::chrono::milliseconds budget) {
+  std::vector<ProbeResult> result(peers.size());
+  struct Pending {
+    size_t peer;
+    bool connected;
+    std::string reply;
+  };
   std::vector<pollfd> fds;
-  std::vector<size_t> which;
+  std::vector<Pending> pending;
   for (size_t i = 0; i < peers.size(); ++i) {
     sockaddr_storage addr{};
     socklen_t len = 0;
     if (!to_sockaddr(peers[i].first, peers[i].second, addr, len)) continue;
     const int fd = ::socket(addr.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0) continue;
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0) {
-      state[i] = PeerState::kAnswers;
+    const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0;
+    if (!connected && errno != EINPROGRESS) {
+      result[i].state = errno == ECONNREFUSED ? PeerState::kRefused : PeerState::kNoAnswer;
       ::close(fd);
       continue;
     }
-    if (errno != EINPROGRESS) {
-      state[i] = errno == ECONNREFUSED ? PeerState::kRefused : PeerState::kNoAnswer;
-      ::close(fd);
-      continue;
-    }
-    fds.push_back({fd, POLLOUT, 0});
-    which.push_back(i);
+    fds.push_back({fd, static_cast<short>(connected ? POLLIN : POLLOUT), 0});
+    pending.push_back({i, connected, ""});
   }
   const auto deadline = std::chrono::steady_clock::now() + budget;
+  auto finish = [&](size_t k, PeerState state) {
+    result[pending[k].peer].state = state;
+    ::close(fds[k].fd);
+    fds[k].fd = -1;  // poll() skips negative descriptors
+  };
   size_t open = fds.size();
   while (open > 0) {
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -222,21 +301,42 @@ std::vector<PeerState> probe(const std::vector<std::pair<std::string, int>>& pee
     if (n <= 0) break;
     for (size_t k = 0; k < fds.size(); ++k) {
       if (fds[k].fd < 0 || fds[k].revents == 0) continue;
-      int error = 0;
-      socklen_t len = sizeof(error);
-      ::getsockopt(fds[k].fd, SOL_SOCKET, SO_ERROR, &error, &len);
-      state[which[k]] = error == 0              ? PeerState::kAnswers
-                        : error == ECONNREFUSED ? PeerState::kRefused
-                                                : PeerState::kNoAnswer;
-      ::close(fds[k].fd);
-      fds[k].fd = -1;  // poll() skips negative descriptors
+      auto& p = pending[k];
+      if (!p.connected) {
+        int error = 0;
+        socklen_t len = sizeof(error);
+        ::getsockopt(fds[k].fd, SOL_SOCKET, SO_ERROR, &error, &len);
+        if (error != 0) {
+          finish(k, error == ECONNREFUSED ? PeerState::kRefused : PeerState::kNoAnswer);
+          --open;
+          continue;
+        }
+        p.connected = true;  // the kernel answered; now the process must
+        fds[k].events = POLLIN;
+        fds[k].revents = 0;
+        continue;
+      }
+      char buf[64];
+      const ssize_t got = ::recv(fds[k].fd, buf, sizeof(buf), 0);
+      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      if (got > 0) p.reply.append(buf, static_cast<size_t>(got));
+      const bool line = p.reply.find('\n') != std::string::npos;
+      if (!line && got > 0 && p.reply.size() < 256) continue;
+      // A whole line, or the peer closed (an ending process's listener).
+      if (p.reply.rfind("ampx-alive ", 0) == 0) {
+        result[p.peer].collectives = std::atoll(p.reply.c_str() + 11);
+        finish(k, PeerState::kAnswers);
+      } else {
+        finish(k, PeerState::kRefused);
+      }
       --open;
     }
   }
-  for (auto& p : fds) {
-    if (p.fd >= 0) ::close(p.fd);
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].fd < 0) continue;
+    finish(k, pending[k].connected ? PeerState::kNoReply : PeerState::kNoAnswer);
   }
-  return state;
+  return result;
 }
 
 }  // namespace net

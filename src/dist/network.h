@@ -5,8 +5,13 @@
 // of the route to MASTER_ADDR), whether two ranks share a network stack
 // (loopback reaches only those that do), and whether a peer still answers.
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace ampx {
@@ -58,28 +63,60 @@ std::string interface_summary();
 /// This host's name (gethostname), for messages.
 std::string host_name();
 
-/// A TCP socket listening on `address`, port chosen by the kernel, for as
-/// long as it lives: peers probe it to tell a lost rank (no answer, or
-/// refused once its process is gone) from a slow one. The kernel answers
-/// connections without the process doing anything.
+/// A TCP socket listening on numeric `address`:`port`, for a TCPStore
+/// server to take over (LibTorch 2.3+'s TCPStoreOptions::masterListenFd).
+/// Throws naming the port and MASTER_PORT when the port is in use.
+int listen_on(const std::string& address, int port);
+
+/// Whether another socket of this host holds TCP `port` (a bind to the
+/// wildcard address fails with EADDRINUSE).
+bool port_in_use(int port);
+
+/// The message for a rendezvous port another process holds.
+std::string port_in_use_message(const std::string& address, int port);
+
+/// A TCP socket listening on `address`, port chosen by the kernel, served by
+/// a thread of this process for as long as it lives: to each connection it
+/// replies "ampx-alive <n>\n", n the collectives this rank has started
+/// (`collectives`), and closes it. Peers probe it to tell a lost rank (no
+/// answer, or refused once its process is gone), a stopped one (the kernel
+/// accepts the connection, but no thread of a SIGSTOPped process replies)
+/// and one that answers but has not reached the collective the others wait
+/// in.
 class LivenessListener {
  public:
-  explicit LivenessListener(const std::string& address);
+  LivenessListener(const std::string& address,
+                   std::shared_ptr<const std::atomic<int64_t>> collectives);
   ~LivenessListener();
   LivenessListener(const LivenessListener&) = delete;
   LivenessListener& operator=(const LivenessListener&) = delete;
   int port() const { return port_; }
 
  private:
+  void serve();
   int fd_ = -1;
   int port_ = 0;
+  int wake_[2] = {-1, -1};  // a pipe: a byte (or its closing) ends serve()
+  std::shared_ptr<const std::atomic<int64_t>> collectives_;
+  std::thread thread_;
 };
 
-enum class PeerState { kAnswers, kRefused, kNoAnswer };
+enum class PeerState {
+  kAnswers,   // replied: the process runs
+  kRefused,   // connection refused (or closed unanswered): its process is gone
+  kNoAnswer,  // no TCP answer: its host is down or the network to it is cut
+  kNoReply,   // the kernel accepted, no thread replied: the process is stopped
+};
 
-/// Connects to every (address, port) at once and waits at most `budget`.
-std::vector<PeerState> probe(const std::vector<std::pair<std::string, int>>& peers,
-                             std::chrono::milliseconds budget);
+struct ProbeResult {
+  PeerState state = PeerState::kNoAnswer;
+  int64_t collectives = -1;  // what a kAnswers peer said it has started
+};
+
+/// Connects to every (address, port) at once, reads each reply, and waits
+/// at most `budget` in all.
+std::vector<ProbeResult> probe(const std::vector<std::pair<std::string, int>>& peers,
+                               std::chrono::milliseconds budget);
 
 }  // namespace net
 }  // namespace dist

@@ -9,6 +9,11 @@
 #include <torch/torch.h>
 
 #if defined(AMPX_WITH_DIST)
+#if __has_include(<torch/csrc/distributed/c10d/FileStore.hpp>)
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#else  // newer PyTorch names them .h
+#include <torch/csrc/distributed/c10d/FileStore.h>
+#endif
 #if __has_include(<torch/csrc/distributed/c10d/PrefixStore.hpp>)
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #else  // newer PyTorch names them .h
@@ -116,6 +121,7 @@ std::string ProcessGroup::gloo_endpoint() const {
 }
 
 void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) const {
+  const int64_t mine = collectives->load();
   std::ostringstream out;
   out << "ampx::dist: " << what << " failed on rank " << rank << " of " << world_size;
   if (rank < static_cast<int64_t>(peers.size())) out << " (" << peers[rank].address << ")";
@@ -132,25 +138,51 @@ void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) 
   // moment's settling finds the whole of it gone.
   const auto settle = std::min(std::chrono::milliseconds(200), probe_budget / 2);
   std::this_thread::sleep_for(settle);
-  const auto states = net::probe(targets, probe_budget - settle);
-  std::string lost, answering;
+  const auto wait = probe_budget - settle;
+  const auto states = net::probe(targets, wait);
+  std::string lost, stopped, behind, answering;
+  auto add = [](std::string& list, const std::string& item, const char* sep) {
+    list += (list.empty() ? "" : sep) + item;
+  };
   for (size_t k = 0; k < states.size(); ++k) {
     const auto& p = peers[ranks[k]];
-    const std::string who = "rank " + std::to_string(ranks[k]) + " at " + p.address;
-    if (states[k] == net::PeerState::kAnswers) {
-      answering += (answering.empty() ? "" : ", ") + std::to_string(ranks[k]);
-    } else {
-      lost += (lost.empty() ? "" : "; ") + who + " (host '" + p.host + "'): " +
-              (states[k] == net::PeerState::kRefused
-                   ? "connection refused, its process is gone"
-                   : "no answer within " + std::to_string((probe_budget - settle).count()) +
-                         " ms, its host is down or the network to it is cut");
+    const std::string who =
+        "rank " + std::to_string(ranks[k]) + " at " + p.address + " (host '" + p.host + "')";
+    switch (states[k].state) {
+      case net::PeerState::kAnswers:
+        if (states[k].collectives < mine) {
+          add(behind,
+              who + " answers but has not reached this rank's collective #" + std::to_string(mine) +
+                  " (it started " + std::to_string(states[k].collectives) +
+                  "): it is still computing, or stuck outside the collectives",
+              "; ");
+        } else {
+          add(answering, std::to_string(ranks[k]), ", ");
+        }
+        break;
+      case net::PeerState::kNoReply:
+        add(stopped,
+            who + ": its host accepts the connection but the process did not reply within " +
+                std::to_string(wait.count()) +
+                " ms: it is stopped (SIGSTOP, Ctrl-Z, a debugger) or frozen",
+            "; ");
+        break;
+      case net::PeerState::kRefused:
+        add(lost, who + ": connection refused, its process is gone", "; ");
+        break;
+      case net::PeerState::kNoAnswer:
+        add(lost,
+            who + ": no answer within " + std::to_string(wait.count()) +
+                " ms, its host is down or the network to it is cut",
+            "; ");
+        break;
     }
   }
-  if (!lost.empty()) {
-    out << "; unreachable peer(s): " << lost;
-  } else if (!targets.empty()) {
-    out << "; every peer still answers (a rank may be stuck, or out of step)";
+  if (!stopped.empty()) out << "; not responding: " << stopped;
+  if (!lost.empty()) out << "; unreachable peer(s): " << lost;
+  if (!behind.empty()) out << "; behind: " << behind;
+  if (stopped.empty() && lost.empty() && behind.empty() && !targets.empty()) {
+    out << "; every peer still answers and has reached this collective (out of step?)";
   }
   if (!answering.empty()) out << "; answering: rank(s) " << answering;
   out << ". Gloo: " << message_of(e);
@@ -178,6 +210,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& 
   c10d::AllreduceOptions o;
   o.reduceOp = op;
   o.timeout = collective_timeout;
+  ++*collectives;
   return backend_for(t).allreduce(tensors, o);
 }
 
@@ -207,6 +240,7 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) con
     c10::intrusive_ptr<c10d::Work> work;
     try {
       work = impl_->backend_for(input).reduce_scatter(outputs, inputs, o);
+      ++*impl_->collectives;
     } catch (const std::exception&) {
       // Gloo's refusal comes before any communication, on every rank alike
       // ("does not support reduce_scatter"): fall back to an all-reduce from
@@ -236,6 +270,7 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
   std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
   c10d::AllgatherOptions o;
   o.timeout = impl_->collective_timeout;
+  ++*impl_->collectives;
   wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
 }
 
@@ -244,6 +279,7 @@ void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   c10d::BroadcastOptions o;
   o.rootRank = root;
   o.timeout = impl_->collective_timeout;
+  ++*impl_->collectives;
   wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast", *this);
 }
 
@@ -256,31 +292,48 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
               "ampx::dist::init_process_group: rank ", env.rank, " of world size ", env.world_size,
               " is not a position in the group");
-  TORCH_CHECK(!env.master_addr.empty() && env.master_port > 0 && env.master_port <= 65535,
+  TORCH_CHECK(!env.master_addr.empty() && ((env.master_port > 0 && env.master_port <= 65535) ||
+                                           !options.store_file().empty()),
               "ampx::dist::init_process_group: master address '", env.master_addr, "' port ",
               env.master_port, " is not a rendezvous point");
   auto impl = std::make_shared<detail::ProcessGroupAccess::Impl>();
   impl->rank = env.rank;
   impl->world_size = env.world_size;
   impl->timeout = options.timeout();
-  c10d::TCPStoreOptions so;
-  so.port = static_cast<uint16_t>(env.master_port);
-  so.isServer = env.rank == 0 && !env.agent_store;
-  so.numWorkers = static_cast<size_t>(env.world_size);
-  so.waitWorkers = false;
-  so.timeout = options.timeout();
-#if AMPX_TORCH_AT_LEAST(2, 3)
-  // 2.3 added a libuv server and 2.4 made it the default, which Debian's
-  // build lacks; the classic server is the one every build has.
-  so.useLibUV = false;
-#endif
   c10::intrusive_ptr<c10d::Store> store;
-  try {
-    store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " could not reach the rendezvous at ",
-                env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
-                " ms: ", message_of(e));
+  const bool serves_store = env.rank == 0 && !env.agent_store && options.store_file().empty();
+  if (!options.store_file().empty()) {
+    // No socket: the ranks of one machine meet in a file.
+    store = c10::make_intrusive<c10d::FileStore>(options.store_file(),
+                                                 static_cast<int>(env.world_size));
+    store->setTimeout(options.timeout());
+  } else {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<uint16_t>(env.master_port);
+    so.isServer = serves_store;
+    so.numWorkers = static_cast<size_t>(env.world_size);
+    so.waitWorkers = false;
+    so.timeout = options.timeout();
+#if AMPX_TORCH_AT_LEAST(2, 3)
+    // 2.3 added a libuv server and 2.4 made it the default, which Debian's
+    // build lacks; the classic server is the one every build has.
+    so.useLibUV = false;
+    // Where every rank meets on loopback, the store listens there alone:
+    // nobody else in. (1.13's TCPStore always listens on every interface.)
+    if (serves_store && net::is_loopback(env.master_addr)) {
+      so.masterListenFd = net::listen_on(env.master_addr, static_cast<int>(env.master_port));
+    }
+#endif
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(!serves_store || !net::port_in_use(static_cast<int>(env.master_port)),
+                  net::port_in_use_message(env.master_addr, static_cast<int>(env.master_port)),
+                  ": ", message_of(e));
+      TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " could not reach the rendezvous at ",
+                  env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
+                  " ms: ", message_of(e));
+    }
   }
   if (env.agent_store) {
     store = c10::make_intrusive<c10d::PrefixStore>(
@@ -294,12 +347,13 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
   const net::GlooEndpoint endpoint = choose_gloo_endpoint(env, options);
   impl->endpoint = endpoint.address + " (" + endpoint.chosen_by + ")";
   try {
-    impl->listener = std::make_unique<net::LivenessListener>(endpoint.address);
+    impl->listener = std::make_unique<net::LivenessListener>(endpoint.address, impl->collectives);
   } catch (const std::exception&) {
     // Only the names of lost peers depend on it: their probe then finds none.
   }
-  impl->peers = exchange_endpoints(store, env, endpoint,
-                                   impl->listener ? impl->listener->port() : 0, options.timeout());
+  impl->peers =
+      exchange_endpoints(store, env, endpoint, impl->listener ? impl->listener->port() : 0,
+                         options.timeout(), serves_store);
   check_loopback_reachable(impl->peers, env.rank);
 
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->collective_timeout);

@@ -8,6 +8,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -62,10 +63,15 @@ struct ProcessGroup::Impl {
   std::chrono::milliseconds probe_budget{0};
   std::string endpoint;          // gloo_endpoint()
   std::vector<net::Peer> peers;  // by rank, this one's included
+  /// Collectives this rank has started, in the order every rank starts
+  /// them: its listener tells probing peers, and a peer that counts fewer
+  /// has not reached the collective the others wait in.
+  std::shared_ptr<std::atomic<int64_t>> collectives = std::make_shared<std::atomic<int64_t>>(0);
   std::unique_ptr<net::LivenessListener> listener;
   /// Throws the failure of collective `what`: `e`'s message, after a probe
-  /// of every peer, naming those that do not answer (host down, link cut)
-  /// or refuse (process gone).
+  /// of every peer, naming those that do not answer (host down, link cut),
+  /// refuse (process gone), accept but do not reply (process stopped) or
+  /// reply but have not started as many collectives as this rank.
   [[noreturn]] void fail(const std::string& what, const std::exception& e) const;
 #if defined(AMPX_WITH_DIST)
   c10::intrusive_ptr<C10dBackend> gloo;

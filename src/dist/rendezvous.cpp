@@ -12,9 +12,12 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.h>
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "process_group_impl.h"  // message_of
@@ -59,45 +62,129 @@ net::GlooEndpoint choose_gloo_endpoint(const LaunchEnv& env, const InitOptions& 
   return out;
 }
 
+namespace {
+
+std::vector<uint8_t> bytes_of(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+std::string text_of(const std::vector<uint8_t>& b) {
+  return std::string(b.begin(), b.end());
+}
+
+/// The variable that gave this launcher's world size.
+std::string world_size_variable(const LaunchEnv& env) {
+  if (env.launcher == "Slurm") return "SLURM_NTASKS";
+  if (env.launcher == "Open MPI") return "OMPI_COMM_WORLD_SIZE";
+  return "WORLD_SIZE";
+}
+
+/// A rendezvous that fails: `message` goes to the store ("error"), where
+/// every waiting rank finds it and fails with it at once rather than at the
+/// timeout. The store's server (rank 0) stays until every rank (as many as
+/// it counts, or more that arrived) has failed too, at most 10 s, so that
+/// they read the message rather than lose the store.
+[[noreturn]] void fail_rendezvous(c10d::Store& store, bool serves_store, int64_t world_size,
+                                  std::chrono::milliseconds timeout, const std::string& message) {
+  try {
+    store.compareSet("error", {}, bytes_of(message));
+    const int64_t failed = store.add("failed", 1);
+    if (serves_store) {
+      const auto deadline =
+          std::chrono::steady_clock::now() + std::min(timeout, std::chrono::milliseconds(10000));
+      int64_t gone = failed;
+      while (gone < std::max(world_size, store.add("arrived", 0)) &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        gone = store.add("failed", 0);
+      }
+    }
+  } catch (const std::exception&) {
+    // the store went away: each rank fails on its own then
+  }
+  TORCH_CHECK(false, message);
+}
+
+}  // namespace
+
 /// Every rank's Gloo address, liveness port and host, through the store;
-/// fails naming the ranks that did not arrive within `timeout`.
+/// fails naming the ranks that did not arrive within `timeout`, and at once
+/// when ranks were started with different world sizes.
 std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& root,
                                           const LaunchEnv& env, const net::GlooEndpoint& endpoint,
-                                          int port, std::chrono::milliseconds timeout) {
+                                          int port, std::chrono::milliseconds timeout,
+                                          bool serves_store) {
   auto store = c10::make_intrusive<c10d::PrefixStore>("ampx-net", root);
+  const std::string me = "rank " + std::to_string(env.rank) + " (host '" + net::host_name() + "')";
+  const std::string where =
+      "the rendezvous at MASTER_ADDR " + env.master_addr + ":" + std::to_string(env.master_port);
+  // The first rank to arrive sets the world size; a rank started with
+  // another fails every rank at once (otherwise those of the smaller world
+  // go on to Gloo and the others wait for ranks that never come).
+  const std::string mine_ws = std::to_string(env.world_size) + "\n" + me;
+  std::string first_ws;
+  try {
+    first_ws = text_of(store->compareSet("world-size", {}, bytes_of(mine_ws)));
+    store->add("arrived", 1);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size, " cannot use ", where,
+                " (if rank 0 could not serve it, its message says why; another program "
+                "listening on MASTER_PORT looks like this too): ",
+                message_of(e));
+  }
+  if (first_ws != mine_ws) {
+    const auto newline = first_ws.find('\n');
+    const std::string theirs = first_ws.substr(0, newline);
+    const std::string who = newline == std::string::npos ? "?" : first_ws.substr(newline + 1);
+    if (theirs != std::to_string(env.world_size)) {
+      fail_rendezvous(*store, serves_store, env.world_size, timeout,
+                      "ampx::dist: ranks were started with different world sizes: " + me +
+                          " with " + world_size_variable(env) + "=" +
+                          std::to_string(env.world_size) + ", " + who + " with " +
+                          world_size_variable(env) + "=" + theirs +
+                          ". Start every rank of a run with the same world size");
+    }
+  }
   const std::string mine = endpoint.address + "\n" + std::to_string(port) + "\n" +
                            net::network_stack_id() + "\n" + net::host_name() + "\n" +
                            endpoint.chosen_by + "\n" + net::interface_summary();
-  store->set(std::to_string(env.rank), std::vector<uint8_t>(mine.begin(), mine.end()));
   std::vector<std::string> keys;
   for (int64_t r = 0; r < env.world_size; ++r) keys.push_back(std::to_string(r));
+  // Waits in short polls: an error another rank posts ends the wait at once.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string why;  // another rank's failure
   try {
-    store->wait(keys, timeout);
-  } catch (const std::exception& e) {
-    std::string missing;
-    try {
-      for (const auto& k : keys) {
-        if (!store->check({k})) missing += (missing.empty() ? "" : ", ") + k;
+    store->set(std::to_string(env.rank), bytes_of(mine));
+    while (!store->check(keys)) {
+      if (store->check({"error"})) {
+        why = text_of(store->get("error"));
+        break;
       }
-    } catch (const std::exception&) {
-      TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
-                  " lost the rendezvous store at MASTER_ADDR ", env.master_addr, ":",
-                  env.master_port,
-                  " (its server, rank 0 or the launcher's agent, ended: see its "
-                  "message): ",
-                  message_of(e));
+      if (std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    TORCH_CHECK(
-        false, "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
-        missing.empty() ? std::string("?") : missing,
-        " did not reach the rendezvous at MASTER_ADDR ", env.master_addr, ":", env.master_port,
-        " within ", timeout.count(),
-        " ms (did every rank start, and does every host reach that address?): ", message_of(e));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
+                " lost the rendezvous store at MASTER_ADDR ", env.master_addr, ":", env.master_port,
+                " (its server, rank 0 or the launcher's agent, ended: see its "
+                "message): ",
+                message_of(e));
   }
+  if (!why.empty()) {
+    fail_rendezvous(*store, serves_store, env.world_size, timeout,
+                    "ampx::dist: rank " + std::to_string(env.rank) + " of " +
+                        std::to_string(env.world_size) + ": the rendezvous failed: " + why);
+  }
+  std::string missing;
+  for (const auto& k : keys) {
+    if (!store->check({k})) missing += (missing.empty() ? "" : ", ") + k;
+  }
+  TORCH_CHECK(missing.empty(), "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
+              missing, " did not reach ", where, " within ", timeout.count(),
+              " ms (did every rank start, and does every host reach that address?)");
   std::vector<net::Peer> peers;
   for (const auto& k : keys) {
-    const auto bytes = store->get(k);
-    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    std::istringstream in(text_of(store->get(k)));
     net::Peer p;
     std::string port_text;
     std::getline(in, p.address);
@@ -113,7 +200,7 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
   // until every rank has the table: a rank that fails on what it says must
   // not take the store away from the others' reading of it.
   if (store->add("read", 1) == env.world_size) store->set("all-read", std::vector<uint8_t>{1});
-  if (env.rank == 0) {
+  if (serves_store) {
     try {
       store->wait({"all-read"}, timeout);
     } catch (const std::exception&) {

@@ -26,12 +26,14 @@ namespace dist {
 net::GlooEndpoint choose_gloo_endpoint(const LaunchEnv& env, const InitOptions& options);
 
 /// Every rank's Gloo address, liveness port and host, through `store`;
-/// fails naming the ranks that did not arrive within `timeout`. Rank 0
-/// returns only when every rank has read the table (or the timeout passed):
-/// it may serve the store.
+/// fails naming the ranks that did not arrive within `timeout`, and at once,
+/// on every rank that arrived, when ranks were started with different
+/// world sizes. The rank that `serves_store` returns only when every rank
+/// has read the table (or the timeout passed).
 std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& store,
                                           const LaunchEnv& env, const net::GlooEndpoint& endpoint,
-                                          int port, std::chrono::milliseconds timeout);
+                                          int port, std::chrono::milliseconds timeout,
+                                          bool serves_store);
 
 /// Fails, on every rank alike, when a rank would serve Gloo on loopback
 /// while ranks of other network stacks (hosts) must connect to it; the

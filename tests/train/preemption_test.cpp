@@ -36,7 +36,9 @@ using ampx::train::read_checkpoint;
 using ampx::train::test::Exit;
 using ampx::train::test::lines_in;
 using ampx::train::test::losses_in_metrics;
+using ampx::train::test::ranks_of;
 using ampx::train::test::TempDir;
+using ampx::train::test::wait_for_lines;
 
 /// Every step's loss, the scaler's state and every parameter, bit for bit.
 void expect_same_run(const fs::path& a_path, const fs::path& b_path) {
@@ -64,19 +66,6 @@ std::vector<std::string> strays_next_to(const fs::path& checkpoint) {
     if (e.path() != checkpoint) out.push_back(e.path().filename().string());
   }
   return out;
-}
-
-/// Waits until `metrics` has `lines` lines or `pid` ended; false if it ended.
-bool wait_for_lines(pid_t pid, const fs::path& metrics, int64_t lines) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (lines_in(metrics) < lines && std::chrono::steady_clock::now() < deadline) {
-    siginfo_t info{};
-    if (::waitid(P_PID, pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != 0) {
-      return false;  // it ended (reaped later by wait_train)
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
-  return true;
 }
 
 class PreemptionTest : public ::testing::Test {
@@ -178,37 +167,6 @@ TEST_P(PreemptionModeTest, TenSignalsAtRandomStepsEachCheckpointAndResumeBitwise
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PreemptionModeTest, ::testing::Values("fp32", "O1", "O2", "O3"));
-
-/// The pids of ampx-train's ranks under `parent` (RANK= in their environment), by rank.
-std::vector<pid_t> ranks_of(pid_t parent, int nproc) {
-  std::vector<pid_t> pids(nproc, 0);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  while (std::count(pids.begin(), pids.end(), 0) > 0 &&
-         std::chrono::steady_clock::now() < deadline) {
-    for (const auto& e : fs::directory_iterator("/proc")) {
-      const std::string name = e.path().filename().string();
-      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-      std::ifstream stat(e.path() / "stat");
-      std::string line;
-      std::getline(stat, line);
-      // pid (comm) state ppid ...
-      const auto close = line.rfind(')');
-      if (close == std::string::npos) continue;
-      std::istringstream rest(line.substr(close + 2));
-      std::string state;
-      pid_t ppid = 0;
-      rest >> state >> ppid;
-      if (ppid != parent) continue;
-      const std::string env =
-          std::string(1, '\0') + ampx::train::test::read_bytes(e.path() / "environ");
-      const auto at = env.find(std::string("\0RANK=", 6));
-      if (at == std::string::npos) continue;
-      const int rank = std::stoi(env.substr(at + 6));
-      if (rank >= 0 && rank < nproc) pids[rank] = std::stoi(name);
-    }
-  }
-  return pids;
-}
 
 /// The step each rank said it stopped after ("[O2] rank 1: SIGTERM: stopped after step 7").
 std::vector<int64_t> stop_steps(const std::string& output, int nproc) {

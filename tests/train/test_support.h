@@ -172,6 +172,68 @@ inline Exit run_train(const std::vector<std::string>& args, const fs::path& log)
   return wait_train(spawn_train(args, log), log);
 }
 
+/// SIGKILLs (and continues) spawn_train's process group when it goes out of
+/// scope, whatever a failed assertion skipped: no rank outlives its test.
+class KillGroupGuard {
+ public:
+  explicit KillGroupGuard(pid_t pid) : pid_(pid) {}
+  ~KillGroupGuard() {
+    ::kill(-pid_, SIGKILL);
+    ::kill(-pid_, SIGCONT);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);  // at once: killed, or reaped already
+  }
+  KillGroupGuard(const KillGroupGuard&) = delete;
+  KillGroupGuard& operator=(const KillGroupGuard&) = delete;
+
+ private:
+  pid_t pid_;
+};
+
+/// Waits until `metrics` has `lines` lines or `pid` ended; false if it ended.
+inline bool wait_for_lines(pid_t pid, const fs::path& metrics, int64_t lines) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (lines_in(metrics) < lines && std::chrono::steady_clock::now() < deadline) {
+    siginfo_t info{};
+    if (::waitid(P_PID, pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != 0) {
+      return false;  // it ended (reaped later by wait_train)
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+/// The pids of ampx-train's ranks under `parent` (RANK= in their environment), by rank.
+inline std::vector<pid_t> ranks_of(pid_t parent, int nproc) {
+  std::vector<pid_t> pids(nproc, 0);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::count(pids.begin(), pids.end(), 0) > 0 &&
+         std::chrono::steady_clock::now() < deadline) {
+    for (const auto& e : fs::directory_iterator("/proc")) {
+      const std::string name = e.path().filename().string();
+      if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+      std::ifstream stat(e.path() / "stat");
+      std::string line;
+      std::getline(stat, line);
+      // pid (comm) state ppid ...
+      const auto close = line.rfind(')');
+      if (close == std::string::npos) continue;
+      std::istringstream rest(line.substr(close + 2));
+      std::string state;
+      pid_t ppid = 0;
+      rest >> state >> ppid;
+      if (ppid != parent) continue;
+      const std::string env =
+          std::string(1, '\0') + ampx::train::test::read_bytes(e.path() / "environ");
+      const auto at = env.find(std::string("\0RANK=", 6));
+      if (at == std::string::npos) continue;
+      const int rank = std::stoi(env.substr(at + 6));
+      if (rank >= 0 && rank < nproc) pids[rank] = std::stoi(name);
+    }
+  }
+  return pids;
+}
+
 #endif  // AMPX_TRAIN_BINARY
 
 /// <data_dir>/moby-dick/data.txt: `size` characters drawn from `alphabet`

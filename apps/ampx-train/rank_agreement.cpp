@@ -1,0 +1,87 @@
+#include "rank_agreement.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+
+namespace ampx::train {
+
+nlohmann::json run_fingerprint(const nlohmann::json& identity, const torch::nn::Module& model,
+                               int64_t steps) {
+  nlohmann::json out = identity;
+  out["steps"] = steps;
+  int64_t values = 0;
+  std::map<std::string, int64_t> dtypes;  // "BFloat16" -> tensors
+  const auto parameters = model.parameters();
+  for (const auto& p : parameters) {
+    values += p.numel();
+    ++dtypes[c10::toString(p.scalar_type())];
+  }
+  std::string kinds;
+  for (const auto& [dtype, n] : dtypes) {
+    kinds += (kinds.empty() ? "" : ", ") + std::to_string(n) + " " + dtype;
+  }
+  out["parameters"] = std::to_string(parameters.size()) + " tensors of " + std::to_string(values) +
+                      " values (" + kinds + ")";
+  return out;
+}
+
+std::string disagreement(const std::vector<nlohmann::json>& by_rank) {
+  std::set<std::string> keys;
+  for (const auto& f : by_rank) {
+    for (auto it = f.begin(); it != f.end(); ++it) keys.insert(it.key());
+  }
+  std::string out;
+  for (const auto& key : keys) {
+    // value -> ranks, in the order of first appearance
+    std::vector<std::pair<std::string, std::string>> seen;
+    for (size_t r = 0; r < by_rank.size(); ++r) {
+      const auto it = by_rank[r].find(key);
+      const std::string value = it == by_rank[r].end() ? "(none)"
+                                : it->is_string()      ? it->get<std::string>()
+                                                       : it->dump();
+      auto at = std::find_if(seen.begin(), seen.end(), [&](auto& s) { return s.first == value; });
+      if (at == seen.end()) {
+        seen.emplace_back(value, std::to_string(r));
+      } else {
+        at->second += ", " + std::to_string(r);
+      }
+    }
+    if (seen.size() < 2) continue;
+    out += (out.empty() ? "" : "; ") + key + ": ";
+    for (size_t k = 0; k < seen.size(); ++k) {
+      out += (k == 0 ? "" : " vs ") + seen[k].first + " on rank(s) " + seen[k].second;
+    }
+  }
+  return out;
+}
+
+void check_ranks_agree(const ampx::dist::ProcessGroup& group, const nlohmann::json& fingerprint) {
+  const std::string mine = fingerprint.dump();
+  const int64_t world = group.world_size();
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  auto lengths = torch::empty({world}, torch::kLong);
+  group.all_gather(lengths, length);
+  const int64_t longest = lengths.max().item<int64_t>();
+  auto bytes = torch::zeros({longest}, torch::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  auto all = torch::empty({longest * world}, torch::kByte);
+  group.all_gather(all, bytes);
+  std::vector<nlohmann::json> by_rank;
+  for (int64_t r = 0; r < world; ++r) {
+    const auto* at = static_cast<const char*>(all.data_ptr()) + r * longest;
+    by_rank.push_back(
+        nlohmann::json::parse(std::string(at, static_cast<size_t>(lengths[r].item<int64_t>()))));
+  }
+  const std::string differs = disagreement(by_rank);
+  TORCH_CHECK(differs.empty(),
+              "ampx-train: the ranks of this run were started with different settings (every "
+              "rank must get the same command line and data): ",
+              differs, " (this is rank ", group.rank(), " of ", world, ")");
+}
+
+}  // namespace ampx::train

@@ -1,0 +1,38 @@
+#pragma once
+
+// The ranks of a run must train the same thing: a rank started with another
+// model shape, precision or batch fails at start-up, on every rank alike,
+// naming what differs, instead of hanging or failing in a collective whose
+// tensors do not match.
+//
+//   check_ranks_agree(group, run_fingerprint(identity, model, steps));
+//   // ampx-train: the ranks of this run were started with different settings
+//   // (...): precision: O2 on rank(s) 0, 2 vs O1 on rank(s) 1; ...
+
+#include <ampx/dist.h>
+
+#include <torch/nn/module.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ampx::train {
+
+/// What must be equal on every rank: `identity` (workload, model shape,
+/// precision, dtype, batch, seed, device), the steps, and the model's
+/// parameters (count, values, dtypes) as built and cast.
+nlohmann::json run_fingerprint(const nlohmann::json& identity, const torch::nn::Module& model,
+                               int64_t steps);
+
+/// Each differing field of `by_rank` (rank r's fingerprint at r) with the
+/// ranks holding each value: "precision: O2 on rank(s) 0, 2 vs O1 on rank(s) 1".
+/// Empty when every rank agrees.
+std::string disagreement(const std::vector<nlohmann::json>& by_rank);
+
+/// Sends `fingerprint` to every rank of `group` (two all-gathers) and throws,
+/// on every rank alike, when any rank's differs.
+void check_ranks_agree(const ampx::dist::ProcessGroup& group, const nlohmann::json& fingerprint);
+
+}  // namespace ampx::train
