@@ -8,6 +8,9 @@
 #   make test       build and run every test on both LibTorch legs
 #   make test-host  LibTorch 1.13 (Debian 12, this machine) only
 #   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
+#   make sanitize   the whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer
+#                   (host leg; build/asan); make sanitize-2x: the same on the 2.6 leg
+#   make tsan       the GradScaler and data-parallel tests under ThreadSanitizer (host leg)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
@@ -20,7 +23,7 @@ HOST_BUILD := build/host
 TRIXIE_BUILD := build/trixie
 CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps data build run test test-host test-2x fuzz bench clean
+.PHONY: all deps data build run test test-host test-2x sanitize sanitize-2x tsan fuzz bench clean
 
 all: build
 
@@ -62,6 +65,29 @@ test-2x: deps
 	@scripts/check-skips.py tests/skips/trixie-2.6.txt $(TRIXIE_BUILD)/ctest-junit.xml
 
 test: test-host test-2x
+
+# Sanitizers (scripts/sanitize.sh; docs/reliability.md, "Sanitizers"): ampx's
+# code instrumented, LibTorch not. A run fails on a failing test, on a
+# sanitizer report from any process of it (children included), and, as the
+# legs of `make test` do, on skips other than the leg's list plus
+# tests/skips/sanitizers.txt. Too long for `make test`.
+SAN_ENV = CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CTEST_PARALLEL_LEVEL=$(JOBS)
+ASAN_BUILD := build/asan
+TRIXIE_ASAN_BUILD := build/trixie-asan
+TSAN_BUILD := build/tsan
+sanitize: deps
+	@echo "== ampx tests under ASan + UBSan, LibTorch 1.13 (Debian 12 host) =="
+	$(SAN_ENV) scripts/sanitize.sh asan $(ASAN_BUILD)
+	@scripts/check-skips.py tests/skips/host-1.13.txt tests/skips/sanitizers.txt $(ASAN_BUILD)/ctest-junit.xml
+
+sanitize-2x: deps
+	@echo "== ampx tests under ASan + UBSan, LibTorch 2.6 (Debian 13 chroot) =="
+	$(SAN_ENV) scripts/trixie.sh scripts/sanitize.sh asan $(TRIXIE_ASAN_BUILD)
+	@scripts/check-skips.py tests/skips/trixie-2.6.txt tests/skips/sanitizers.txt $(TRIXIE_ASAN_BUILD)/ctest-junit.xml
+
+tsan: deps
+	@echo "== GradScaler and data-parallel tests under TSan, LibTorch 1.13 (Debian 12 host) =="
+	$(SAN_ENV) scripts/sanitize.sh tsan $(TSAN_BUILD)
 
 # A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
 # FUZZ_SECONDS each; the checkpoint_crc target mutates the checkpoint seeds.

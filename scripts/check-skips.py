@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fails a test run whose skipped tests differ from the leg's expected list.
 
-  check-skips.py EXPECTED_LIST CTEST_JUNIT_XML
+  check-skips.py EXPECTED_LIST [EXPECTED_LIST...] CTEST_JUNIT_XML
 
 A feature probe that breaks (fp16 CPU autocast, ATen's CPU unscale kernel,
 the trainer binary...) turns its tests into skips, and a run that only counts
@@ -10,7 +10,8 @@ exact list of tests that may skip on it (tests/skips/<leg>.txt, one ctest name
 per line, `#` comments giving the reason); this script compares the list with
 the skips ctest recorded (`ctest --output-junit FILE`) and exits 1 on any
 difference in either direction: a test skipped that is not listed, or a
-listed test that ran (the list is stale: remove the line).
+listed test that ran (the list is stale: remove the line). Several lists are
+joined: the sanitizer runs add tests/skips/sanitizers.txt to their leg's.
 """
 import sys
 import xml.etree.ElementTree as ET
@@ -41,25 +42,26 @@ def recorded(path):
 
 
 def main(argv):
-    if len(argv) != 3:
+    if len(argv) < 3:
         sys.exit(__doc__)
-    expected = expected_skips(argv[1])
-    ran, skipped = recorded(argv[2])
+    lists, junit = argv[1:-1], argv[-1]
+    expected = set().union(*(expected_skips(path) for path in lists))
+    ran, skipped = recorded(junit)
     if not ran:
-        sys.exit("check-skips: %s lists no test at all" % argv[2])
+        sys.exit("check-skips: %s lists no test at all" % junit)
     unexpected = sorted(skipped - expected)
     stale = sorted(expected - skipped)
     for name in unexpected:
         print("check-skips: %s skipped, but it is not expected to skip on this leg (%s)"
-              % (name, argv[1]))
+              % (name, ", ".join(lists)))
     for name in stale:
         state = "ran" if name in ran else "does not exist"
         print("check-skips: %s is listed as skipping in %s but %s: remove it from the list"
-              % (name, argv[1], state))
+              % (name, ", ".join(lists), state))
     if unexpected or stale:
         return 1
     print("check-skips: %d tests, %d skipped, exactly those expected on this leg (%s)"
-          % (len(ran), len(skipped), argv[1]))
+          % (len(ran), len(skipped), ", ".join(lists)))
     return 0
 
 

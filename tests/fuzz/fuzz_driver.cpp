@@ -44,6 +44,16 @@ namespace {
 constexpr unsigned kSecondsPerInput = 20;         // a hang past this is a finding
 constexpr rlim_t kMemoryLimit = rlim_t{6} << 30;  // address space: LibTorch reserves a lot
 
+// AddressSanitizer's and ThreadSanitizer's shadow memory alone reserves
+// terabytes of address space, so there the cap is on each allocation instead:
+// under ASan (make sanitize) one past kMemoryLimit throws std::bad_alloc, a
+// finding as it is past the address-space cap (ASAN_OPTIONS can override).
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kCapAddressSpace = false;
+#else
+constexpr bool kCapAddressSpace = true;
+#endif
+
 // The input under test, for the signal handlers.
 const uint8_t* current_data = nullptr;
 size_t current_size = 0;
@@ -77,8 +87,10 @@ void install(const std::string& target) {
   std::snprintf(finding_path, sizeof(finding_path), "fuzz-finding-%s-%d.bin", target.c_str(),
                 static_cast<int>(::getpid()));
   for (const int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGALRM}) ::signal(s, on_fatal);
-  const rlimit limit{kMemoryLimit, kMemoryLimit};
-  ::setrlimit(RLIMIT_AS, &limit);
+  if (kCapAddressSpace) {
+    const rlimit limit{kMemoryLimit, kMemoryLimit};
+    ::setrlimit(RLIMIT_AS, &limit);
+  }
 }
 
 /// Runs one input; false (after saving it) when it is a finding that did
@@ -225,6 +237,14 @@ int usage() {
 }
 
 }  // namespace
+
+#if defined(__SANITIZE_ADDRESS__)
+// Read by AddressSanitizer at start, before ASAN_OPTIONS: kMemoryLimit per allocation.
+static_assert(kMemoryLimit == rlim_t{6144} << 20, "max_allocation_size_mb below is kMemoryLimit");
+extern "C" const char* __asan_default_options() {
+  return "max_allocation_size_mb=6144:allocator_may_return_null=1";
+}
+#endif
 
 int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "seeds") {  // how the corpora were made
