@@ -281,21 +281,15 @@ void check_pickle(const char* data, size_t size, const std::string& what) {
   TORCH_CHECK(false, what, ": damaged pickle: no STOP opcode before the end (", size, " bytes)");
 }
 
-void check_torch_archive(const char* data, size_t size, const std::string& what) {
+std::vector<ArchiveRecord> check_torch_archive(const char* data, size_t size,
+                                               const std::string& what) {
+  std::vector<ArchiveRecord> out;
   if (size < 4 || le(reinterpret_cast<const unsigned char*>(data), 4) != 0x04034b50) {
     check_pickle(data, size, what);
-    return;
+    return out;
   }
-  for (const Record& r : zip_records(data, size, what)) {
-    if (r.pickle) check_pickle(data + r.offset, r.size, what + " (" + r.name + ")");
-  }
-}
-
-std::vector<ArchiveRecord> torch_archive_records(const char* data, size_t size,
-                                                 const std::string& what) {
-  std::vector<ArchiveRecord> out;
-  if (size < 4 || le(reinterpret_cast<const unsigned char*>(data), 4) != 0x04034b50) return out;
   for (Record& r : zip_records(data, size, what)) {
+    if (r.pickle) check_pickle(data + r.offset, r.size, what + " (" + r.name + ")");
     out.push_back({std::move(r.name), r.offset, r.size, r.stored_size, r.deflated});
   }
   return out;

@@ -19,14 +19,6 @@
 namespace ampx {
 namespace detail {
 
-/// Throws c10::Error starting with `what` unless every zip record (stored,
-/// within the file) and every pickle in it (the whole input when it is not
-/// a zip) has length fields and memo indices bounded by the bytes there are.
-void check_torch_archive(const char* data, size_t size, const std::string& what);
-
-/// The same for one pickle stream.
-void check_pickle(const char* data, size_t size, const std::string& what);
-
 /// One record of a LibTorch zip archive, as check_torch_archive found it: its
 /// data is [offset, offset + size) of the archive, within it.
 struct ArchiveRecord {
@@ -36,10 +28,15 @@ struct ArchiveRecord {
   bool deflated = false;
 };
 
-/// The records of a zip archive, bounds-checked as check_torch_archive does;
-/// empty when the input is not a zip archive.
-std::vector<ArchiveRecord> torch_archive_records(const char* data, size_t size,
-                                                 const std::string& what);
+/// Throws c10::Error starting with `what` unless every zip record (stored,
+/// within the file) and every pickle in it (the whole input when it is not
+/// a zip) has length fields and memo indices bounded by the bytes there are.
+/// Returns the zip's records so checked (none for a bare pickle).
+std::vector<ArchiveRecord> check_torch_archive(const char* data, size_t size,
+                                               const std::string& what);
+
+/// The same for one pickle stream.
+void check_pickle(const char* data, size_t size, const std::string& what);
 
 /// Throws c10::Error starting with `what` unless `source`, the TorchScript
 /// source record `name` of an archive written by torch::serialize::

@@ -74,8 +74,9 @@ std::string inflate_record(const char* data, const ampx::detail::ArchiveRecord& 
 // the attribute-only classes torch::serialize::OutputArchive writes, and
 // their debug pickles (LibTorch 1.13's importer crashes on some malformed
 // class bodies; tests/fuzz/README.md).
-void check_archive_code(const std::string& payload, const std::string& where) {
-  const auto records = ampx::detail::torch_archive_records(payload.data(), payload.size(), where);
+void check_archive_code(const std::string& payload,
+                        const std::vector<ampx::detail::ArchiveRecord>& records,
+                        const std::string& where) {
   const auto ends_with = [](const std::string& name, const char* tail) {
     const size_t n = std::strlen(tail);
     return name.size() >= n && name.compare(name.size() - n, n, tail) == 0;
@@ -179,8 +180,9 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
 void read_payload(const std::filesystem::path& path, const Checkpoint& c,
                   torch::serialize::InputArchive& archive) {
   const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
-  ampx::detail::check_torch_archive(c.payload.data(), c.payload.size(), where);
-  check_archive_code(c.payload, where);
+  check_archive_code(c.payload,
+                     ampx::detail::check_torch_archive(c.payload.data(), c.payload.size(), where),
+                     where);
   std::istringstream payload(c.payload);
   try {
     archive.load_from(payload);

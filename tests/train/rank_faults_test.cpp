@@ -31,8 +31,6 @@
 #include <tuple>
 #include <vector>
 
-extern char** environ;
-
 namespace fs = std::filesystem;
 using ampx::train::test::contains;
 
@@ -69,25 +67,7 @@ struct RankProcess {
 
 pid_t spawn_rank(const std::vector<std::string>& args, const std::vector<std::string>& env,
                  const fs::path& log) {
-  std::vector<std::string> strings{AMPX_TRAIN_BINARY};
-  strings.insert(strings.end(), args.begin(), args.end());
-  std::vector<char*> argv, envp;
-  for (auto& s : strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  std::vector<std::string> environment = env;
-  for (char** e = environ; *e != nullptr; ++e) environment.emplace_back(*e);
-  for (auto& e : environment) envp.push_back(e.data());  // the first of a name wins
-  envp.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ::dup2(fd, 1);
-    ::dup2(fd, 2);
-    ::execve(AMPX_TRAIN_BINARY, argv.data(), envp.data());
-    ::_exit(127);
-  }
-  return pid;
+  return ampx::train::test::spawn_train(args, log, env);
 }
 
 /// Waits for every rank until `limit` after `start`; kills what still runs.

@@ -130,18 +130,27 @@ struct Exit {
 };
 
 /// Starts ampx-train with `args` in a process group of its own (its ranks
-/// too), stdout and stderr to `log`; returns its pid.
-inline pid_t spawn_train(const std::vector<std::string>& args, const fs::path& log) {
+/// too), stdout and stderr to `log`; returns its pid. `env` ("NAME=value")
+/// goes in front of the inherited environment (the first of a name wins).
+inline pid_t spawn_train(const std::vector<std::string>& args, const fs::path& log,
+                         const std::vector<std::string>& env = {}) {
+  // argv and envp are built before fork: the child only execs.
+  std::vector<std::string> strings{AMPX_TRAIN_BINARY};
+  strings.insert(strings.end(), args.begin(), args.end());
+  std::vector<char*> argv, envp;
+  for (auto& s : strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> environment = env;
+  for (char** e = environ; *e != nullptr; ++e) environment.emplace_back(*e);
+  for (auto& e : environment) envp.push_back(e.data());
+  envp.push_back(nullptr);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::setpgid(0, 0);
     const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(fd, 1);
     ::dup2(fd, 2);
-    std::vector<char*> argv{const_cast<char*>(AMPX_TRAIN_BINARY)};
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    ::execv(AMPX_TRAIN_BINARY, argv.data());
+    ::execve(AMPX_TRAIN_BINARY, argv.data(), envp.data());
     ::_exit(127);
   }
   return pid;
