@@ -22,6 +22,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -225,6 +226,43 @@ TEST_P(DistWorldTest, NoSyncAccumulationEqualsOneFullStep) {
   const auto rank0 = params(workers[0].out);
   for (int r = 1; r < world; ++r) EXPECT_EQ(params(workers[r].out), rank0);
   EXPECT_LT(max_abs_diff(rank0, single_process_reference()), 1e-5f);
+}
+
+TEST_P(DistWorldTest, RanksGivenDifferentModelsAllFailAtConstructionNamingTheDifference) {
+  const int world = GetParam();
+  const std::string others = world == 2 ? "0" : "0, 1", last = std::to_string(world - 1);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"mismatch-shape", "parameter '4.weight' is Float [4, 16] on cpu on rank(s) " + others +
+                             " but Float [5, 16] on cpu on rank(s) " + last +
+                             "; parameter '4.bias' is Float [4] on cpu on rank(s) " + others +
+                             " but Float [5] on cpu on rank(s) " + last + " (this is rank "},
+      {"mismatch-count", "parameter '5.weight' is absent on rank(s) " + others +
+                             " but Float [4, 4] on cpu on rank(s) " + last},
+      {"mismatch-dtype", "parameter '0.weight' is Float [32, 8] on cpu on rank(s) " + others +
+                             " but BFloat16 [32, 8] on cpu on rank(s) " + last},
+      {"mismatch-options", "option bucket_cap_bytes is 512 on rank(s) " + others +
+                               " but 1024 on rank(s) " + last + " (this is rank "},
+  };
+  for (const auto& [scenario, expected] : cases) {
+    const auto start = std::chrono::steady_clock::now();
+    auto workers = run(scenario, world, std::chrono::seconds(90));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    for (int r = 0; r < world; ++r) {
+      const auto& w = workers[r];
+      EXPECT_EQ(w.status, 1) << scenario << ", rank " << r << ":\n" << w.output;
+      EXPECT_THAT(w.output,
+                  HasSubstr("DistributedDataParallel: the ranks were given different models or "
+                            "options"))
+          << scenario << ", rank " << r;
+      EXPECT_THAT(w.output, HasSubstr(expected)) << scenario << ", rank " << r;
+      EXPECT_THAT(w.output, HasSubstr("(this is rank " + std::to_string(r) + " of " +
+                                      std::to_string(world) + ")"))
+          << scenario;
+    }
+    // At construction, not after a collective's timeout (60 s).
+    EXPECT_LT(seconds, 30.0) << scenario;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(World, DistWorldTest, ::testing::Values(2, 3));

@@ -7,6 +7,10 @@
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
 //              unused-order | grads-fp32 | grads-fp16 | grads-bf16
 //              fp8 | fp8-local
+//              mismatch-shape | mismatch-count | mismatch-dtype | mismatch-options
+//              (the last rank wraps another model, or the same with other
+//              options: every rank must fail at DistributedDataParallel's
+//              construction)
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
@@ -400,6 +404,16 @@ int run(std::string scenario, const std::string& out) {
     options.communication_dtype(v1 ? torch::kHalf : torch::kBFloat16);
   }
   if (scenario == "bf16-probe") options.communication_dtype(torch::kBFloat16);
+  if (rank == world - 1) {
+    if (scenario == "mismatch-shape") {  // 5 outputs instead of 4
+      model = torch::nn::Sequential(torch::nn::Linear(8, 32), torch::nn::Tanh(),
+                                    torch::nn::Linear(32, 16), torch::nn::Tanh(),
+                                    torch::nn::Linear(16, 5));
+    }
+    if (scenario == "mismatch-count") model->push_back(torch::nn::Linear(4, 4));
+    if (scenario == "mismatch-dtype") model->to(torch::kBFloat16);  // O2 on one rank only
+    if (scenario == "mismatch-options") options.bucket_cap_bytes(1024);
+  }
   ampx::dist::DistributedDataParallel ddp(model.ptr(), pg, options);
   ampx::debug::name_modules(*model);
   torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.1));

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -189,6 +190,80 @@ void read_payload(const std::filesystem::path& path, const Checkpoint& c,
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, where, " holds no readable LibTorch archive: ", e.what_without_backtrace());
   }
+}
+
+CheckpointProgress read_progress(const std::filesystem::path& path, const Checkpoint& c) {
+  const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
+  const auto field = [&](const char* key) -> const nlohmann::json& {
+    const auto it = c.meta.find(key);
+    TORCH_CHECK(it != c.meta.end(), where, " has no '", key, "' in its description");
+    return *it;
+  };
+  const auto count = [&](const char* key) {
+    const auto& j = field(key);
+    TORCH_CHECK(j.is_number_integer() && j.get<int64_t>() >= 0, where, " has ", key, "=", j.dump(),
+                "; expected an integer >= 0");
+    return j.get<int64_t>();
+  };
+  CheckpointProgress out;
+  out.step = count("step");
+  out.skipped = count("skipped");
+  TORCH_CHECK(out.skipped <= out.step, where, " has skipped=", out.skipped, " steps of its ",
+              out.step);
+  const auto& losses = field("losses");
+  TORCH_CHECK(losses.is_array() && losses.size() == static_cast<size_t>(out.step), where, " has ",
+              losses.is_array() ? std::to_string(losses.size()) + " losses" : losses.type_name(),
+              " for its ", out.step, " steps; expected one loss per step");
+  for (const auto& l : losses) {
+    // JSON has no NaN or infinity: nlohmann writes them as null.
+    TORCH_CHECK(l.is_number() || l.is_null(), where, " has a loss of ", l.dump(),
+                "; expected a number");
+    out.losses.push_back(l.is_null() ? std::numeric_limits<double>::quiet_NaN() : l.get<double>());
+  }
+  const auto& amp = field("amp");
+  TORCH_CHECK(amp.is_object(), where, " has amp=", amp.type_name(),
+              "; expected the loss scalers' states as an object");
+  for (const auto& [name, state] : amp.items()) {
+    TORCH_CHECK(state.is_object(), where, " has a loss scaler '", name, "' of type ",
+                state.type_name(), "; expected an object");
+    ampx::StateDict dict;
+    for (const auto& [key, value] : state.items()) {
+      if (value.is_number_integer()) {
+        dict[key] = value.get<int64_t>();
+      } else if (value.is_number()) {
+        dict[key] = value.get<double>();
+      } else if (value.is_boolean()) {
+        dict[key] = value.get<bool>();
+      } else if (value.is_null()) {
+        dict[key] = c10::IValue();
+      } else {
+        TORCH_CHECK(value.is_string(), where, " has loss scaler '", name, "' state '", key,
+                    "' = ", value.dump(), "; expected a number, boolean, string or null");
+        dict[key] = value.get<std::string>();
+      }
+    }
+    out.scalers[name] = std::move(dict);
+  }
+  return out;
+}
+
+nlohmann::json state_dict_to_json(const ampx::StateDict& dict) {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [key, value] : dict) {
+    if (value.isDouble()) {
+      out[key] = value.toDouble();
+    } else if (value.isInt()) {
+      out[key] = value.toInt();
+    } else if (value.isBool()) {
+      out[key] = value.toBool();
+    } else if (value.isNone()) {
+      out[key] = nullptr;
+    } else {
+      TORCH_CHECK(value.isString(), "ampx-train: scaler state '", key, "' has an unexpected type");
+      out[key] = value.toStringRef();
+    }
+  }
+  return out;
 }
 
 void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,

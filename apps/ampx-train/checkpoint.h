@@ -12,11 +12,16 @@
 //   "AMPXCKPT" | u32 version | u64 meta bytes | u64 payload bytes |
 //   u32 CRC-32 (zlib) of meta + payload | meta (JSON text) | payload
 
+#include <ampx/state_dict.h>
+
 #include <torch/serialize/input-archive.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
+#include <vector>
 
 namespace ampx::train {
 
@@ -45,6 +50,22 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
 /// `path`.
 void read_payload(const std::filesystem::path& path, const Checkpoint& c,
                   torch::serialize::InputArchive& archive);
+
+/// Where a run stood when a checkpoint was written, from its meta.
+struct CheckpointProgress {
+  int64_t step = 0;                                // the next step to run
+  int64_t skipped = 0;                             // steps the loss scaler skipped so far
+  std::vector<double> losses;                      // one per step run (NaN where JSON has null)
+  std::map<std::string, ampx::StateDict> scalers;  // ampx::AmpSession::state_dict()
+};
+
+/// The meta's step, skipped, losses and loss-scaler states, each checked
+/// (types, step >= 0, 0 <= skipped <= step, one loss per step; each scaler
+/// state a JSON object of numbers, booleans, strings and nulls): errors name
+/// `path` and the field. GradScaler::load_state_dict checks the values.
+CheckpointProgress read_progress(const std::filesystem::path& path, const Checkpoint& c);
+/// A StateDict of plain values as JSON (the inverse of read_progress's scalers).
+nlohmann::json state_dict_to_json(const ampx::StateDict& dict);
 
 /// Errors unless every key of `expected` has the same value in `saved` (the
 /// `run` object of a checkpoint's meta); the message names the key and both

@@ -4,7 +4,6 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <set>
 
@@ -61,27 +60,15 @@ std::string disagreement(const std::vector<nlohmann::json>& by_rank) {
 }
 
 void check_ranks_agree(const ampx::dist::ProcessGroup& group, const nlohmann::json& fingerprint) {
-  const std::string mine = fingerprint.dump();
-  const int64_t world = group.world_size();
-  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
-  auto lengths = torch::empty({world}, torch::kLong);
-  group.all_gather(lengths, length);
-  const int64_t longest = lengths.max().item<int64_t>();
-  auto bytes = torch::zeros({longest}, torch::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  auto all = torch::empty({longest * world}, torch::kByte);
-  group.all_gather(all, bytes);
   std::vector<nlohmann::json> by_rank;
-  for (int64_t r = 0; r < world; ++r) {
-    const auto* at = static_cast<const char*>(all.data_ptr()) + r * longest;
-    by_rank.push_back(
-        nlohmann::json::parse(std::string(at, static_cast<size_t>(lengths[r].item<int64_t>()))));
+  for (const auto& text : group.all_gather_bytes(fingerprint.dump())) {
+    by_rank.push_back(nlohmann::json::parse(text));
   }
   const std::string differs = disagreement(by_rank);
   TORCH_CHECK(differs.empty(),
               "ampx-train: the ranks of this run were started with different settings (every "
               "rank must get the same command line and data): ",
-              differs, " (this is rank ", group.rank(), " of ", world, ")");
+              differs, " (this is rank ", group.rank(), " of ", group.world_size(), ")");
 }
 
 }  // namespace ampx::train

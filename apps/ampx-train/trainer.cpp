@@ -37,43 +37,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-nlohmann::json to_json(const ampx::StateDict& dict) {
-  nlohmann::json out = nlohmann::json::object();
-  for (const auto& [key, value] : dict) {
-    if (value.isDouble()) {
-      out[key] = value.toDouble();
-    } else if (value.isInt()) {
-      out[key] = value.toInt();
-    } else if (value.isBool()) {
-      out[key] = value.toBool();
-    } else if (value.isNone()) {
-      out[key] = nullptr;
-    } else {
-      TORCH_CHECK(value.isString(), "ampx-train: scaler state '", key, "' has an unexpected type");
-      out[key] = value.toStringRef();
-    }
-  }
-  return out;
-}
-
-ampx::StateDict state_dict_from_json(const nlohmann::json& j) {
-  ampx::StateDict out;
-  for (const auto& [key, value] : j.items()) {
-    if (value.is_number_float()) {
-      out[key] = value.get<double>();
-    } else if (value.is_number_integer()) {
-      out[key] = value.get<int64_t>();
-    } else if (value.is_boolean()) {
-      out[key] = value.get<bool>();
-    } else if (value.is_null()) {
-      out[key] = c10::IValue();
-    } else {
-      out[key] = value.get<std::string>();
-    }
-  }
-  return out;
-}
-
 /// The state a run needs beyond its parameters, for checkpoints.
 struct LoopState {
   int64_t next_step = 0;
@@ -97,7 +60,7 @@ void save(const std::string& path, const nlohmann::json& identity, const Workloa
   std::ostringstream payload;
   archive.save_to(payload);
   nlohmann::json amp_state = nlohmann::json::object();
-  for (const auto& [name, dict] : amp.state_dict()) amp_state[name] = to_json(dict);
+  for (const auto& [name, dict] : amp.state_dict()) amp_state[name] = state_dict_to_json(dict);
   const int64_t spe = workload.steps_per_epoch();
   const nlohmann::json meta = {
       {"format", "ampx-train checkpoint"},
@@ -118,6 +81,7 @@ void load(const std::string& path, const Checkpoint& c, const nlohmann::json& id
           torch::nn::Module& model, torch::optim::Optimizer& opt, ampx::AmpSession& amp,
           LoopState& state) {
   check_compatible(path, c.meta.at("run"), identity);
+  auto progress = read_progress(path, c);  // checked before anything is restored
   torch::serialize::InputArchive archive, model_archive, opt_archive;
   read_payload(path, c, archive);
   try {
@@ -135,14 +99,10 @@ void load(const std::string& path, const Checkpoint& c, const nlohmann::json& id
                 "' passed its checks but its content does not fit this model: ",
                 e.what_without_backtrace());
   }
-  std::map<std::string, ampx::StateDict> amp_state;
-  for (const auto& [name, dict] : c.meta.at("amp").items()) {
-    amp_state[name] = state_dict_from_json(dict);
-  }
-  amp.load_state_dict(amp_state);
-  state.next_step = c.meta.at("step").get<int64_t>();
-  state.skipped = c.meta.at("skipped").get<int64_t>();
-  state.losses = c.meta.at("losses").get<std::vector<double>>();
+  amp.load_state_dict(progress.scalers);
+  state.next_step = progress.step;
+  state.skipped = progress.skipped;
+  state.losses = std::move(progress.losses);
 }
 
 std::string read_file_bytes(const std::string& path) {

@@ -129,6 +129,10 @@ class ProcessGroup {
   /// Concatenates every rank's `input` (1-D, n) into `output` (1-D,
   /// world_size * n) in rank order, and waits. bfloat16 travels bitwise.
   void all_gather(at::Tensor& output, const at::Tensor& input) const;
+  /// Every rank's `bytes`, in rank order (PyTorch's all_gather_object, for
+  /// a string): two all-gathers, of the lengths and of the bytes padded to
+  /// the longest. On rank 1 of 2: all_gather_bytes("b");  // {"a", "b"}
+  std::vector<std::string> all_gather_bytes(const std::string& bytes) const;
   /// Copies rank `root`'s `tensor` into every rank's, in place, and waits.
   void broadcast(at::Tensor& tensor, int64_t root = 0) const;
   /// Returns when every rank has called it.
@@ -200,6 +204,9 @@ struct DistributedDataParallelOptions {
 
 /// PyTorch's DistributedDataParallel for a torch::nn::Module: the module is
 /// used as is (call its forward), this object owns the gradient hooks.
+/// Construction is collective: the ranks first compare their parameters and
+/// buffers (names, dtypes, shapes) and options, and every rank throws,
+/// naming what differs on which ranks, when one was given another model.
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,

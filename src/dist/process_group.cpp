@@ -274,6 +274,24 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
   wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
 }
 
+std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes) const {
+  const int64_t world = world_size();
+  auto length = torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kLong);
+  auto lengths = torch::empty({world}, torch::kLong);
+  all_gather(lengths, length);
+  const int64_t longest = lengths.max().item<int64_t>();
+  auto mine = torch::zeros({longest}, torch::kByte);
+  std::copy(bytes.begin(), bytes.end(), static_cast<char*>(mine.data_ptr()));
+  auto all = torch::empty({longest * world}, torch::kByte);
+  all_gather(all, mine);
+  std::vector<std::string> out;
+  const auto* data = static_cast<const char*>(all.data_ptr());
+  for (int64_t r = 0; r < world; ++r) {
+    out.emplace_back(data + r * longest, static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
+}
+
 void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   std::vector<at::Tensor> tensors{t};
   c10d::BroadcastOptions o;
@@ -422,6 +440,9 @@ void ProcessGroup::reduce_scatter_sum(at::Tensor&, at::Tensor&) const {
   unavailable();
 }
 void ProcessGroup::all_gather(at::Tensor&, const at::Tensor&) const {
+  unavailable();
+}
+std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string&) const {
   unavailable();
 }
 void ProcessGroup::broadcast(at::Tensor&, int64_t) const {

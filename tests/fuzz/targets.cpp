@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <sstream>
 
 namespace ampx::fuzz {
@@ -39,6 +40,19 @@ void check_scale(const ampx::GradScaler& scaler) {
   }
 }
 
+/// `data` as a checkpoint whose header's CRC-32 fits its (mutated) content,
+/// as a hostile file would have it.
+std::vector<uint8_t> with_valid_crc(const uint8_t* data, size_t size) {
+  constexpr size_t kHeader = 32, kCrcAt = 28;
+  std::vector<uint8_t> bytes(data, data + size);
+  if (size >= kHeader) {
+    const uint32_t crc = static_cast<uint32_t>(
+        ::crc32(::crc32(0L, Z_NULL, 0), bytes.data() + kHeader, static_cast<uInt>(size - kHeader)));
+    for (size_t i = 0; i < 4; ++i) bytes[kCrcAt + i] = static_cast<uint8_t>(crc >> (8 * i));
+  }
+  return bytes;
+}
+
 // ampx-train's checkpoint reader; a checkpoint it accepts then goes through
 // LibTorch's archive reader as the trainer's resume does.
 void checkpoint(const uint8_t* data, size_t size) {
@@ -49,17 +63,33 @@ void checkpoint(const uint8_t* data, size_t size) {
   ampx::train::read_payload(path, c, archive);
 }
 
-// The same reader on files whose CRC-32 fits their (mutated) content, as a
-// hostile file would: the lengths, the JSON and the archive get fuzzed too.
+// The same reader on files given a valid CRC-32: the lengths, the JSON and
+// the archive get fuzzed too.
 void checkpoint_crc(const uint8_t* data, size_t size) {
-  constexpr size_t kHeader = 32, kCrcAt = 28;
-  std::vector<uint8_t> bytes(data, data + size);
-  if (size >= kHeader) {
-    const uint32_t crc = static_cast<uint32_t>(
-        ::crc32(::crc32(0L, Z_NULL, 0), bytes.data() + kHeader, static_cast<uInt>(size - kHeader)));
-    for (size_t i = 0; i < 4; ++i) bytes[kCrcAt + i] = static_cast<uint8_t>(crc >> (8 * i));
-  }
+  const auto bytes = with_valid_crc(data, size);
   checkpoint(bytes.data(), bytes.size());
+}
+
+// What a resume takes from a checkpoint's JSON description (the CRC-32
+// recomputed as in checkpoint_crc): step, skipped steps, losses, and the
+// loss scalers' states, each loaded into a GradScaler whose scale must then
+// be usable.
+void checkpoint_state(const uint8_t* data, size_t size) {
+  const auto bytes = with_valid_crc(data, size);
+  const std::string path = scratch_file("state.ampx");
+  write_file(path, bytes.data(), bytes.size());
+  const auto progress = ampx::train::read_progress(path, ampx::train::read_checkpoint(path));
+  if (!(progress.step >= 0 && progress.skipped >= 0 && progress.skipped <= progress.step &&
+        progress.losses.size() == static_cast<size_t>(progress.step))) {
+    std::fprintf(stderr, "fuzz: a checkpoint's progress was accepted as step %lld, skipped %lld\n",
+                 static_cast<long long>(progress.step), static_cast<long long>(progress.skipped));
+    std::abort();
+  }
+  for (const auto& [name, dict] : progress.scalers) {
+    ampx::GradScaler scaler;
+    scaler.load_state_dict(dict);
+    check_scale(scaler);
+  }
 }
 
 // ampx::load_state_dict (files from Python's torch.save), then a
@@ -132,6 +162,8 @@ const std::vector<NamedTarget>& targets() {
   static const std::vector<NamedTarget> all = {
       {"checkpoint", checkpoint, "ampx-train's checkpoint reader (read_checkpoint + archive)"},
       {"checkpoint_crc", checkpoint_crc, "the checkpoint reader on inputs given a valid CRC-32"},
+      {"checkpoint_state", checkpoint_state,
+       "a checkpoint's progress and loss-scaler JSON (read_progress), into GradScalers"},
       {"state_dict", state_dict, "ampx::load_state_dict of torch.save files, into a GradScaler"},
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
@@ -171,6 +203,18 @@ void write_seeds(const std::string& dir) {
     const std::string path = scratch_file("seed.ampx");
     ampx::train::write_checkpoint(path, meta, payload.str());
     out("checkpoint", "seed-1.ampx", read_whole(path));
+  }
+  {  // a description as a resume reads it: two steps, one skipped (its loss NaN), a scaler
+    ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(100));
+    const nlohmann::json meta = {
+        {"run", {{"workload", "gpt"}}},
+        {"step", 2},
+        {"skipped", 1},
+        {"losses", {2.5, std::numeric_limits<double>::quiet_NaN()}},
+        {"amp", {{"scaler0", ampx::train::state_dict_to_json(scaler.state_dict())}}}};
+    const std::string path = scratch_file("seed-state.ampx");
+    ampx::train::write_checkpoint(path, meta, "");
+    out("checkpoint_state", "seed-1.ampx", read_whole(path));
   }
   {  // a GradScaler state as torch.save writes it
     const std::string path = scratch_file("seed.pt");

@@ -5,6 +5,7 @@
 
 #include "checkpoint.h"
 
+#include <ampx/grad_scaler.h>
 #include <c10/util/Exception.h>
 #include "test_support.h"
 
@@ -12,6 +13,7 @@
 #include <torch/torch.h>
 #include <zlib.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -19,6 +21,7 @@
 #include <functional>
 #include <initializer_list>
 #include <iterator>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -30,6 +33,7 @@ using ampx::train::check_compatible;
 using ampx::train::Checkpoint;
 using ampx::train::kCheckpointVersion;
 using ampx::train::read_checkpoint;
+using ampx::train::read_progress;
 using ampx::train::write_checkpoint;
 using nlohmann::json;
 using namespace ampx::train::test;
@@ -445,6 +449,68 @@ TEST_F(TrainCheckpointTest, NamesAKeyMissingFromTheSavedRun) {
             where() +
                 " was written by a run with block_size=(none), this run has block_size=8; "
                 "resume it with the same settings, or pass another --checkpoint-dir");
+}
+
+// What a resume takes from the description: a round trip through the file,
+// including the NaN loss of a step that overflowed (JSON writes it as null).
+TEST_F(TrainCheckpointTest, ProgressRoundTripsWithANanLoss) {
+  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(512.0).growth_interval(7));
+  const json meta = {{"run", json::object()},
+                     {"step", 3},
+                     {"skipped", 1},
+                     {"losses", {2.5, std::numeric_limits<double>::quiet_NaN(), 2.25}},
+                     {"amp", {{"scaler0", ampx::train::state_dict_to_json(scaler.state_dict())}}}};
+  write_checkpoint(path_, meta, "payload");
+  const auto p = read_progress(path_, read_checkpoint(path_));
+  EXPECT_EQ(p.step, 3);
+  EXPECT_EQ(p.skipped, 1);
+  ASSERT_EQ(p.losses.size(), 3u);
+  EXPECT_EQ(p.losses[0], 2.5);
+  EXPECT_TRUE(std::isnan(p.losses[1]));
+  EXPECT_EQ(p.losses[2], 2.25);
+  ASSERT_EQ(p.scalers.count("scaler0"), 1u);
+  ampx::GradScaler loaded;
+  loaded.load_state_dict(p.scalers.at("scaler0"));
+  EXPECT_EQ(loaded.get_scale(), 512.0);
+  EXPECT_EQ(loaded.get_growth_interval(), 7);
+}
+
+TEST_F(TrainCheckpointTest, ProgressNamesEachDamagedField) {
+  const json good = {{"run", json::object()},
+                     {"step", 2},
+                     {"skipped", 0},
+                     {"losses", {1.0, 2.0}},
+                     {"amp", {{"scaler0", {{"scale", 8.0}}}}}};
+  const auto error_for = [&](const char* key, const json& value) {
+    json meta = good;
+    if (value.is_discarded()) {
+      meta.erase(key);
+    } else {
+      meta[key] = value;
+    }
+    write_checkpoint(path_, meta, "payload");
+    return error_text([&] { read_progress(path_, read_checkpoint(path_)); });
+  };
+  const json gone = json(json::value_t::discarded);
+  EXPECT_EQ(error_for("skipped", gone), where() + " has no 'skipped' in its description");
+  EXPECT_EQ(error_for("step", -1), where() + " has step=-1; expected an integer >= 0");
+  EXPECT_EQ(error_for("step", "2"), where() + " has step=\"2\"; expected an integer >= 0");
+  EXPECT_EQ(error_for("skipped", 2.5), where() + " has skipped=2.5; expected an integer >= 0");
+  EXPECT_EQ(error_for("skipped", 3), where() + " has skipped=3 steps of its 2");
+  EXPECT_EQ(error_for("losses", {1.0}),
+            where() + " has 1 losses for its 2 steps; expected one loss per step");
+  EXPECT_EQ(error_for("losses", "x"),
+            where() + " has string for its 2 steps; expected one loss per step");
+  EXPECT_EQ(error_for("losses", {1.0, "x"}), where() + " has a loss of \"x\"; expected a number");
+  EXPECT_EQ(error_for("amp", 5),
+            where() + " has amp=number; expected the loss scalers' states as an object");
+  EXPECT_EQ(error_for("amp", {{"scaler0", {1, 2}}}),
+            where() + " has a loss scaler 'scaler0' of type array; expected an object");
+  EXPECT_EQ(error_for("amp", {{"scaler0", {{"scale", {1}}}}}),
+            where() +
+                " has loss scaler 'scaler0' state 'scale' = [1]; expected a number, "
+                "boolean, string or null");
+  EXPECT_EQ(error_for("step", 2), "");  // the good description itself
 }
 
 }  // namespace
