@@ -333,11 +333,18 @@ class SourceLine {
     return at_ - from <= 1024 && eat("\"");
   }
   // Tensor, int, float, bool, str, Optional[...] or List[...] of one of
-  // those, or one of the archive's module classes.
-  bool type() {
+  // those, a Tuple[...] of those (torch::optim::Adam's betas), or one of the
+  // archive's module classes.
+  bool type(bool in_tuple = false) {
     if (eat("__torch__")) {
       if (eat(".___torch_mangle_") && !digits()) return false;
       return eat(".Module");
+    }
+    if (!in_tuple && eat("Tuple[")) {
+      do {
+        if (!type(true)) return false;
+      } while (eat(", "));
+      return eat("]");
     }
     const bool wrapped = eat("Optional[") || eat("List[");
     const bool plain = eat("Tensor") || eat("int") || eat("float") || eat("bool") || eat("str");

@@ -73,5 +73,12 @@ void check_output_archive_pickle(const char* pickle, size_t size,
                                  const std::map<std::string, uint64_t>& storage_bytes,
                                  const std::string& what);
 
+/// The whole check of a file torch::serialize::OutputArchive wrote, before
+/// LibTorch reads it: check_torch_archive, then every TorchScript source
+/// (inflated where deflated) through check_attribute_module_source, every
+/// debug pickle through check_pickle, the constants table empty, and data.pkl
+/// through check_output_archive_pickle. Throws c10::Error starting with `what`.
+void check_output_archive(const std::string& bytes, const std::string& what);
+
 }  // namespace detail
 }  // namespace ampx

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,28 @@ StateDict load_state_dict(const std::string& path) {
     dict.emplace(entry.key().toStringRef(), entry.value());
   }
   return dict;
+}
+
+void save_archive(torch::serialize::OutputArchive& archive, const std::string& path) {
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  const std::string data = bytes.str();
+  detail::write_file_atomically(path, data.data(), data.size(), "save_archive");
+}
+
+void load_archive(torch::serialize::InputArchive& archive, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in.good(), "load_archive: cannot open '", path, "': ", errno_text());
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string where = "load_archive: '" + path + "'";
+  TORCH_CHECK(!bytes.empty(), where, " is empty");
+  detail::check_output_archive(bytes, where);
+  std::istringstream stream(bytes);
+  try {
+    archive.load_from(stream);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, where, " holds no readable LibTorch archive: ", e.what_without_backtrace());
+  }
 }
 
 }  // namespace ampx

@@ -20,6 +20,7 @@
 #include <ampx/ampx.h>
 #include <ampx/debug.h>
 #include <ampx/dist.h>
+#include <ampx/serialize.h>
 #include <ampx/zero.h>
 
 #include <torch/torch.h>
@@ -166,15 +167,16 @@ int run_zero(const std::string& scenario, const std::string& out, ampx::dist::Pr
             << std::endl;
 
   // Stop after 10 steps, save each rank's shard, resume into fresh objects.
+  // Through files, as a user keeps them: ampx::save_archive, ampx::load_archive.
   auto first = make(100 + rank);
-  std::stringstream saved;
+  const std::string shard = out + ".shard";
   {
     ampx::dist::ZeroRedundancyOptimizer opt(first->parameters(), pg, kAdamWFactory);
     auto amp_first = ampx::initialize(first.ptr(), {}, level);
     train_zero(first, amp_first, opt, 0, kSteps / 2);
     torch::serialize::OutputArchive archive;
     opt.save(archive);
-    archive.save_to(saved);
+    ampx::save_archive(archive, shard);
   }
   auto second = make(200 + rank);  // other weights: everything must come from the save
   ampx::dist::ZeroRedundancyOptimizer opt(second->parameters(), pg, kAdamWFactory);
@@ -186,7 +188,7 @@ int run_zero(const std::string& scenario, const std::string& out, ampx::dist::Pr
   }
   auto amp_resumed = ampx::initialize(second.ptr(), {}, level);
   torch::serialize::InputArchive archive;
-  archive.load_from(saved);
+  ampx::load_archive(archive, shard);
   opt.load(archive);
   train_zero(second, amp_resumed, opt, kSteps / 2, kSteps);
   write_params(second, out + ".resumed");

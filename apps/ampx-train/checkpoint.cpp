@@ -52,65 +52,6 @@ uint32_t crc32_of(const std::string& a, const std::string& b) {
   return static_cast<uint32_t>(crc);
 }
 
-// A deflated zip record, inflated: at most `stored` bytes (its size in the
-// central directory, which check_torch_archive bounded).
-std::string inflate_record(const char* data, const ampx::detail::ArchiveRecord& r,
-                           const std::string& where) {
-  std::string out(r.stored_size, '\0');
-  z_stream z{};
-  TORCH_CHECK(inflateInit2(&z, -MAX_WBITS) == Z_OK, where, ": zlib could not start inflating");
-  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(data + r.offset));
-  z.avail_in = static_cast<uInt>(r.size);
-  z.next_out = reinterpret_cast<Bytef*>(out.data());
-  z.avail_out = static_cast<uInt>(out.size());
-  const int status = inflate(&z, Z_FINISH);
-  const uint64_t produced = z.total_out;
-  inflateEnd(&z);
-  TORCH_CHECK(status == Z_STREAM_END && produced == r.stored_size, where, ": zip record '", r.name,
-              "' does not inflate to its ", r.stored_size, " bytes");
-  return out;
-}
-
-// The archive's TorchScript records, before LibTorch compiles them: only
-// the attribute-only classes torch::serialize::OutputArchive writes, and
-// their debug pickles (LibTorch 1.13's importer crashes on some malformed
-// class bodies; tests/fuzz/README.md).
-void check_archive_code(const std::string& payload,
-                        const std::vector<ampx::detail::ArchiveRecord>& records,
-                        const std::string& where) {
-  const auto ends_with = [](const std::string& name, const char* tail) {
-    const size_t n = std::strlen(tail);
-    return name.size() >= n && name.compare(name.size() - n, n, tail) == 0;
-  };
-  std::map<std::string, uint64_t> storages;  // data/<key> -> bytes
-  const ampx::detail::ArchiveRecord* data_pkl = nullptr;
-  for (const auto& r : records) {
-    const size_t data = r.name.find("/data/");
-    if (data != std::string::npos && !r.deflated) storages[r.name.substr(data + 6)] = r.size;
-    if (ends_with(r.name, "/data.pkl")) data_pkl = &r;
-    if (ends_with(r.name, "/constants.pkl")) {
-      // OutputArchive's modules have no constants: an empty tuple.
-      TORCH_CHECK(payload.compare(r.offset, r.size, std::string("\x80\x02).", 4)) == 0, where,
-                  ": zip record '", r.name, "' is not the empty constants table ",
-                  "torch::serialize::OutputArchive writes");
-    }
-    if (r.name.find("/code/") == std::string::npos) continue;
-    if (ends_with(r.name, ".debug_pkl")) {
-      TORCH_CHECK(!r.deflated, where, ": zip record '", r.name, "' is deflated; LibTorch stores ",
-                  "debug pickles as they are");
-      ampx::detail::check_pickle(payload.data() + r.offset, r.size, where + " (" + r.name + ")");
-    } else {
-      const std::string source =
-          r.deflated ? inflate_record(payload.data(), r, where) : payload.substr(r.offset, r.size);
-      ampx::detail::check_attribute_module_source(r.name, source, where);
-    }
-  }
-  if (data_pkl != nullptr) {
-    ampx::detail::check_output_archive_pickle(payload.data() + data_pkl->offset, data_pkl->size,
-                                              storages, where);
-  }
-}
-
 std::string hex32(uint32_t v) {
   std::ostringstream s;
   s << "0x" << std::hex << v;
@@ -181,9 +122,7 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
 void read_payload(const std::filesystem::path& path, const Checkpoint& c,
                   torch::serialize::InputArchive& archive) {
   const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
-  check_archive_code(c.payload,
-                     ampx::detail::check_torch_archive(c.payload.data(), c.payload.size(), where),
-                     where);
+  ampx::detail::check_output_archive(c.payload, where);
   std::istringstream payload(c.payload);
   try {
     archive.load_from(payload);

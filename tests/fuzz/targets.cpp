@@ -6,9 +6,11 @@
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/serialize.h>
+#include <ampx/zero.h>
 
 #include <c10/util/Exception.h>
 #include <torch/serialize.h>
+#include <torch/torch.h>
 
 #include <unistd.h>
 #include <zlib.h>
@@ -103,6 +105,43 @@ void state_dict(const uint8_t* data, size_t size) {
   check_scale(scaler);
 }
 
+/// The ZeroRedundancyOptimizer the zero_shard target loads into: AdamW over
+/// a Linear(4, 3) (one fp32 space of 15 values), on a group of one rank.
+ampx::dist::ZeroRedundancyOptimizer make_zero(ampx::dist::ProcessGroup group,
+                                              std::vector<torch::Tensor> params) {
+  return ampx::dist::ZeroRedundancyOptimizer(
+      std::move(params), std::move(group), [](std::vector<torch::Tensor> shard) {
+        return std::make_unique<torch::optim::AdamW>(shard, torch::optim::AdamWOptions(1e-3));
+      });
+}
+
+ampx::dist::ProcessGroup group_of_one() {
+  ampx::dist::LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  return ampx::dist::init_process_group(
+      env,
+      ampx::dist::InitOptions().store_file(scratch_file(
+          ("store-" + std::to_string(::getpid()) + "-" + std::to_string(std::rand())).c_str())));
+}
+
+// ZeroRedundancyOptimizer's per-rank state as a user reads it back:
+// ampx::load_archive (the file checked before LibTorch reads it), then
+// ZeroRedundancyOptimizer::load, which checks rank, world size and layout.
+void zero_shard(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("zero.pt");
+  write_file(path, data, size);
+  torch::serialize::InputArchive archive;
+  ampx::load_archive(archive, path);
+  // One group and optimizer per process (each fuzzed input runs in a child
+  // of its own; replays share them, and load changes nothing it refuses).
+  static torch::nn::Linear model = [] {
+    torch::manual_seed(0);
+    return torch::nn::Linear(4, 3);
+  }();
+  static auto zero = make_zero(group_of_one(), model->parameters());
+  zero.load(archive);
+}
+
 // IDX image + label files. Input: u16 little-endian length of the images
 // file, the images file, the labels file.
 void idx(const uint8_t* data, size_t size) {
@@ -165,6 +204,8 @@ const std::vector<NamedTarget>& targets() {
       {"checkpoint_state", checkpoint_state,
        "a checkpoint's progress and loss-scaler JSON (read_progress), into GradScalers"},
       {"state_dict", state_dict, "ampx::load_state_dict of torch.save files, into a GradScaler"},
+      {"zero_shard", zero_shard,
+       "ZeroRedundancyOptimizer's per-rank state: ampx::load_archive, then load"},
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
@@ -220,6 +261,18 @@ void write_seeds(const std::string& dir) {
     const std::string path = scratch_file("seed.pt");
     ampx::save_state_dict(ampx::GradScaler().state_dict(), path);
     out("state_dict", "seed-1.pt", read_whole(path));
+  }
+  {  // a ZeroRedundancyOptimizer shard after one AdamW step (the target's model and group)
+    torch::manual_seed(0);
+    torch::nn::Linear model(4, 3);
+    auto zero = make_zero(group_of_one(), model->parameters());
+    model->forward(torch::ones({2, 4})).sum().backward();
+    zero.step();
+    torch::serialize::OutputArchive archive;
+    zero.save(archive);
+    const std::string path = scratch_file("seed-zero.pt");
+    ampx::save_archive(archive, path);
+    out("zero_shard", "seed-1.pt", read_whole(path));
   }
   {  // two 2x3 images and their labels
     const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');

@@ -22,8 +22,8 @@ struct NamedTarget {
   const char* what;  // the reader it drives
 };
 
-/// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict, idx,
-/// text, launch_env.
+/// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
+/// zero_shard, idx, text, launch_env.
 const std::vector<NamedTarget>& targets();
 
 /// Writes a small valid input for each target into <dir>/<target>/seed-*
