@@ -555,6 +555,32 @@ TEST_F(DistTest, Fp8AmaxReductionKeepsScalingStatesBitwiseIdenticalAcrossRanks) 
 
 #endif  // AMPX_DIST_WORKER
 
+// A rank whose rank 0 never comes: the error says that nothing listens on
+// MASTER_PORT (found by connecting once more after the store's timeout).
+TEST(DistRendezvousTest, ARankWithoutRankZeroFailsSayingNothingListensThere) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  ampx::dist::LaunchEnv env;
+  env.rank = 1;
+  env.world_size = 2;
+  env.master_addr = "127.0.0.1";
+  env.master_port = ampx::dist::free_loopback_port();
+  const std::string where = "127.0.0.1:" + std::to_string(env.master_port);
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    ampx::dist::init_process_group(env, ampx::dist::InitOptions().timeout(std::chrono::seconds(2)));
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(error, HasSubstr("ampx::dist: rank 1 could not reach the rendezvous at " + where));
+  EXPECT_THAT(error, HasSubstr("; nothing listens on " + where +
+                               " (connection refused): rank 0 has not started, has failed, or "
+                               "was given another MASTER_ADDR or MASTER_PORT"));
+  EXPECT_LT(seconds, 20.0);
+}
+
 TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   const char* vars[] = {
       "RANK",         "WORLD_SIZE",           "LOCAL_RANK",           "MASTER_ADDR",

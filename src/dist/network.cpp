@@ -176,6 +176,63 @@ std::string port_in_use_message(const std::string& address, int port) {
          p + "'` names it)";
 }
 
+std::string describe_rendezvous_port(const std::string& host, int port,
+                                     std::chrono::milliseconds budget) {
+  const std::string where = host + ":" + std::to_string(port);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 ||
+      found == nullptr) {
+    return "MASTER_ADDR '" + host + "' does not resolve here";
+  }
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> owner(found, ::freeaddrinfo);
+  FdCloser s{::socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)};
+  if (s.fd < 0) return "";
+  const auto deadline = std::chrono::steady_clock::now() + budget;
+  const auto left = [&] {
+    return static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline -
+                                                                 std::chrono::steady_clock::now())
+               .count()));
+  };
+  const std::string nothing = "nothing listens on " + where +
+                              " (connection refused): rank 0 has not started, has failed, or was "
+                              "given another MASTER_ADDR or MASTER_PORT";
+  if (::connect(s.fd, found->ai_addr, found->ai_addrlen) != 0) {
+    if (errno == ECONNREFUSED) return nothing;
+    if (errno != EINPROGRESS) return "";
+    pollfd w{s.fd, POLLOUT, 0};
+    if (::poll(&w, 1, left()) <= 0) {
+      return "nothing answers at " + where + " within " + std::to_string(budget.count()) +
+             " ms (no TCP answer: a host that is down, or a firewall dropping the port)";
+    }
+    int error = 0;
+    socklen_t len = sizeof(error);
+    ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &error, &len);
+    if (error == ECONNREFUSED) return nothing;
+    if (error != 0) return "";
+  }
+  // Connected: a c10d store's server now waits for this client to speak.
+  pollfd r{s.fd, POLLIN, 0};
+  const int ready = ::poll(&r, 1, left());
+  char byte = 0;
+  const ssize_t got = ready > 0 ? ::recv(s.fd, &byte, 1, 0) : -1;
+  const std::string other =
+      ", as no c10d store does: another program holds MASTER_PORT=" + std::to_string(port) +
+      " on that host (`ss -ltnp 'sport = :" + std::to_string(port) +
+      "'` there names it); give every rank another MASTER_PORT";
+  if (ready > 0 && got == 0) {
+    return "something at " + where + " accepts connections and closes them without a word" + other;
+  }
+  if (ready > 0 && got > 0) return "something at " + where + " speaks first" + other;
+  if (ready > 0) return "something at " + where + " accepts connections and resets them" + other;
+  return "something at " + where +
+         " accepts connections and stays silent: rank 0's store, stalled or busy, or another "
+         "program on MASTER_PORT";
+}
+
 int listen_on(const std::string& address, int port) {
   sockaddr_storage addr{};
   socklen_t len = 0;

@@ -75,6 +75,16 @@ bool port_in_use(int port);
 /// The message for a rendezvous port another process holds.
 std::string port_in_use_message(const std::string& address, int port);
 
+/// What listens at MASTER_ADDR:MASTER_PORT, for the message of a rank that
+/// could not join the store there: one connection, at most `budget`.
+/// A c10d store's server accepts and waits for its client to speak, so a
+/// peer that closes at once or speaks first is another program; nothing
+/// listening means rank 0 is not (yet, or any more) serving; a silent one is
+/// a store or another program. E.g. "something there accepts connections and
+/// closes them without a word, as no c10d store does: ...".
+std::string describe_rendezvous_port(const std::string& host, int port,
+                                     std::chrono::milliseconds budget);
+
 /// A TCP socket listening on `address`, port chosen by the kernel, served by
 /// a thread of this process for as long as it lives: to each connection it
 /// replies "ampx-alive <n>\n", n the collectives this rank has started

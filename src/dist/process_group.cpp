@@ -348,9 +348,13 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
       TORCH_CHECK(!serves_store || !net::port_in_use(static_cast<int>(env.master_port)),
                   net::port_in_use_message(env.master_addr, static_cast<int>(env.master_port)),
                   ": ", message_of(e));
+      // What is on that port decides what to do (a busy port, rank 0 gone).
+      const std::string there = net::describe_rendezvous_port(
+          env.master_addr, static_cast<int>(env.master_port),
+          std::min(std::chrono::milliseconds(1000), options.timeout()));
       TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " could not reach the rendezvous at ",
                   env.master_addr, ":", env.master_port, " within ", options.timeout().count(),
-                  " ms: ", message_of(e));
+                  " ms: ", message_of(e), there.empty() ? "" : "; ", there);
     }
   }
   if (env.agent_store) {

@@ -127,10 +127,15 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
     first_ws = text_of(store->compareSet("world-size", {}, bytes_of(mine_ws)));
     store->add("arrived", 1);
   } catch (const std::exception& e) {
+    // What is on that port decides what to do (a busy port, rank 0 gone).
+    const std::string there =
+        serves_store ? std::string()
+                     : net::describe_rendezvous_port(
+                            env.master_addr, static_cast<int>(env.master_port),
+                            std::min(std::chrono::milliseconds(1000), timeout));
     TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size, " cannot use ", where,
-                " (if rank 0 could not serve it, its message says why; another program "
-                "listening on MASTER_PORT looks like this too): ",
-                message_of(e));
+                " (if rank 0 could not serve it, its message says why): ", message_of(e),
+                there.empty() ? "" : "; ", there);
   }
   if (first_ws != mine_ws) {
     const auto newline = first_ws.find('\n');

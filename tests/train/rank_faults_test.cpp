@@ -327,8 +327,14 @@ TEST_P(BusyPortTest, RankZeroNamesThePortAndTheOthersFailWithinTheTimeout) {
                         "(MASTER_PORT=" + p + "): another process listens on that port",
                         "Give every rank another MASTER_PORT", "ss -ltnp 'sport = :" + p + "'"}));
   for (int r = 1; r < nproc; ++r) {
+    // What is on the port, found by connecting to it once more.
     EXPECT_TRUE(contains(ranks[static_cast<size_t>(r)].output,
-                         {"ampx::dist: rank " + std::to_string(r) + " ", "127.0.0.1:" + p}))
+                         {"ampx::dist: rank " + std::to_string(r) + " ",
+                          "something at 127.0.0.1:" + p +
+                              " accepts connections and closes them without a word, as no c10d "
+                              "store does: another program holds MASTER_PORT=" +
+                              p,
+                          "give every rank another MASTER_PORT"}))
         << "rank " << r;
   }
 }
