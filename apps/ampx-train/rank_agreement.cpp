@@ -1,5 +1,7 @@
 #include "rank_agreement.h"
 
+#include "dist/rank_values.h"  // ampx's src/: which ranks hold which value
+
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
@@ -37,19 +39,14 @@ std::string disagreement(const std::vector<nlohmann::json>& by_rank) {
   std::string out;
   for (const auto& key : keys) {
     // value -> ranks, in the order of first appearance
-    std::vector<std::pair<std::string, std::string>> seen;
-    for (size_t r = 0; r < by_rank.size(); ++r) {
-      const auto it = by_rank[r].find(key);
-      const std::string value = it == by_rank[r].end() ? "(none)"
-                                : it->is_string()      ? it->get<std::string>()
-                                                       : it->dump();
-      auto at = std::find_if(seen.begin(), seen.end(), [&](auto& s) { return s.first == value; });
-      if (at == seen.end()) {
-        seen.emplace_back(value, std::to_string(r));
-      } else {
-        at->second += ", " + std::to_string(r);
-      }
+    std::vector<std::string> values;  // rank r's at r
+    for (const auto& fingerprint : by_rank) {
+      const auto it = fingerprint.find(key);
+      values.push_back(it == fingerprint.end() ? "(none)"
+                       : it->is_string()       ? it->get<std::string>()
+                                               : it->dump());
     }
+    const auto seen = ampx::detail::ranks_by_value(values);
     if (seen.size() < 2) continue;
     out += (out.empty() ? "" : "; ") + key + ": ";
     for (size_t k = 0; k < seen.size(); ++k) {

@@ -4,6 +4,7 @@
 #include "ampx/dist.h"
 
 #include "process_group_impl.h"
+#include "rank_values.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -82,18 +83,13 @@ void check_same_model(const torch::nn::Module& module, const ProcessGroup& group
   }
   std::vector<std::string> differences;
   for (const auto& key : keys) {
-    std::vector<std::pair<std::string, std::string>> seen;  // value -> its ranks
-    for (size_t r = 0; r < by_rank.size(); ++r) {
-      const auto it = std::find_if(by_rank[r].begin(), by_rank[r].end(),
+    std::vector<std::string> values;  // rank r's at r
+    for (const auto& entries : by_rank) {
+      const auto it = std::find_if(entries.begin(), entries.end(),
                                    [&](const auto& kv) { return kv.first == key; });
-      const std::string value = it == by_rank[r].end() ? "absent" : it->second;
-      auto at = std::find_if(seen.begin(), seen.end(), [&](auto& s) { return s.first == value; });
-      if (at == seen.end()) {
-        seen.emplace_back(value, std::to_string(r));
-      } else {
-        at->second += ", " + std::to_string(r);
-      }
+      values.push_back(it == entries.end() ? "absent" : it->second);
     }
+    const auto seen = detail::ranks_by_value(values);
     if (seen.size() < 2) continue;
     std::string d = key + " is ";
     for (size_t k = 0; k < seen.size(); ++k) {
