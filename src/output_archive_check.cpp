@@ -6,14 +6,14 @@
 #include "archive_check.h"
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
-#include <caffe2/serialize/istream_adapter.h>
 
 #include <cstring>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace ampx {
@@ -30,30 +30,28 @@ bool ends_with(const std::string& name, const char* tail) {
 void check_output_archive(const std::string& bytes, const std::string& what) {
   const auto records = check_torch_archive(bytes.data(), bytes.size(), what);
   // Deflated records (LibTorch deflates TorchScript code) are read through
-  // LibTorch's own zip reader: check_torch_archive has bounded their sizes
-  // and ratios, so inflating them allocates at most what the file promises.
-  std::istringstream stream(bytes);
+  // LibTorch's own zip reader, over `bytes` in place: check_torch_archive
+  // has bounded their sizes and ratios, so inflating them allocates at most
+  // what the file promises.
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> reader;
   const auto inflated = [&](const ArchiveRecord& r) {
-    if (!reader) {
-      try {
-        reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(&stream);
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, what, ": not a readable zip archive (", e.what_without_backtrace(), ")");
-      }
-    }
-    // The reader names records without the archive's top folder.
-    const auto slash = r.name.find('/');
-    const std::string name = slash == std::string::npos ? r.name : r.name.substr(slash + 1);
+    std::tuple<at::DataPtr, size_t> record;
     try {
-      auto record = reader->getRecord(name);
-      TORCH_CHECK(std::get<1>(record) == r.stored_size, what, ": zip record '", r.name,
-                  "' does not inflate to its ", r.stored_size, " bytes");
-      return std::string(static_cast<const char*>(std::get<0>(record).get()), std::get<1>(record));
+      if (!reader) {
+        reader = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+            std::make_shared<caffe2::serialize::MemoryReadAdapter>(
+                bytes.data(), static_cast<off_t>(bytes.size())));
+      }
+      // The reader names records without the archive's top folder.
+      const auto slash = r.name.find('/');
+      record = reader->getRecord(slash == std::string::npos ? r.name : r.name.substr(slash + 1));
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, what, ": zip record '", r.name, "' does not inflate (",
                   e.what_without_backtrace(), ")");
     }
+    TORCH_CHECK(std::get<1>(record) == r.stored_size, what, ": zip record '", r.name,
+                "' does not inflate to its ", r.stored_size, " bytes");
+    return std::string(static_cast<const char*>(std::get<0>(record).get()), std::get<1>(record));
   };
   std::map<std::string, uint64_t> storages;  // data/<key> -> bytes
   const ArchiveRecord* data_pkl = nullptr;

@@ -6,12 +6,10 @@
 #include <c10/util/Exception.h>
 #include <zlib.h>
 
-#include <array>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <limits>
-#include <map>
 #include <sstream>
 
 namespace ampx::train {
