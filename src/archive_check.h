@@ -10,6 +10,8 @@
 //   ampx::detail::check_torch_archive(bytes.data(), bytes.size(), "load_state_dict: 'x.pt'");
 //   torch::pickle_load(bytes);  // every length now bounded by the file's size
 
+#include <torch/serialize/input-archive.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -79,6 +81,12 @@ void check_output_archive_pickle(const char* pickle, size_t size,
 /// debug pickle through check_pickle, the constants table empty, and data.pkl
 /// through check_output_archive_pickle. Throws c10::Error starting with `what`.
 void check_output_archive(const std::string& bytes, const std::string& what);
+
+/// check_output_archive, then `archive` loaded from `bytes` in place; an
+/// error of LibTorch's reader becomes "<what> holds no readable LibTorch
+/// archive: ...". ampx::load_archive and ampx-train's checkpoints read so.
+void load_output_archive(const std::string& bytes, torch::serialize::InputArchive& archive,
+                         const std::string& what);
 
 }  // namespace detail
 }  // namespace ampx

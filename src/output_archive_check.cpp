@@ -1,7 +1,8 @@
 // check_output_archive: the whole check of a file torch::serialize::
 // OutputArchive wrote (torch::save of a module, an optimizer, a
 // ZeroRedundancyOptimizer shard, ampx-train's checkpoint payload) before
-// LibTorch reads it. archive_check.cpp holds the parts.
+// LibTorch reads it, and load_output_archive, which then reads it.
+// archive_check.cpp holds the parts.
 
 #include "archive_check.h"
 
@@ -78,6 +79,16 @@ void check_output_archive(const std::string& bytes, const std::string& what) {
   TORCH_CHECK(data_pkl != nullptr, what, ": no data.pkl record: not an archive ",
               "torch::serialize::OutputArchive writes");
   check_output_archive_pickle(bytes.data() + data_pkl->offset, data_pkl->size, storages, what);
+}
+
+void load_output_archive(const std::string& bytes, torch::serialize::InputArchive& archive,
+                         const std::string& what) {
+  check_output_archive(bytes, what);
+  try {
+    archive.load_from(bytes.data(), bytes.size());
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, what, " holds no readable LibTorch archive: ", e.what_without_backtrace());
+  }
 }
 
 }  // namespace detail

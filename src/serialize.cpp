@@ -111,13 +111,7 @@ void load_archive(torch::serialize::InputArchive& archive, const std::string& pa
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string where = "load_archive: '" + path + "'";
   TORCH_CHECK(!bytes.empty(), where, " is empty");
-  detail::check_output_archive(bytes, where);
-  std::istringstream stream(bytes);
-  try {
-    archive.load_from(stream);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, where, " holds no readable LibTorch archive: ", e.what_without_backtrace());
-  }
+  detail::load_output_archive(bytes, archive, where);
 }
 
 }  // namespace ampx

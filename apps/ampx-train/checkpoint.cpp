@@ -120,13 +120,7 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
 void read_payload(const std::filesystem::path& path, const Checkpoint& c,
                   torch::serialize::InputArchive& archive) {
   const std::string where = "ampx-train: checkpoint '" + path.string() + "'";
-  ampx::detail::check_output_archive(c.payload, where);
-  std::istringstream payload(c.payload);
-  try {
-    archive.load_from(payload);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, where, " holds no readable LibTorch archive: ", e.what_without_backtrace());
-  }
+  ampx::detail::load_output_archive(c.payload, archive, where);
 }
 
 CheckpointProgress read_progress(const std::filesystem::path& path, const Checkpoint& c) {
