@@ -1,15 +1,22 @@
 # ampx front end. Everything installs what it needs (Debian packages; the
-# LibTorch 2.6 leg also a cached Debian 13 chroot), then builds and runs.
+# chroot legs also a cached Debian chroot each: scripts/chroot.sh), then builds
+# and runs.
 #
-#   make run        build against the host's LibTorch, install the datasets and run
-#                   the main job: ampx-train comparing fp32, O1 and O2 on the gpt
+#   make run        the main job on today's LibTorch (2.14, the forky chroot):
+#                   builds the library and ampx-train only, installs the datasets,
+#                   and runs ampx-train comparing fp32, O1 and O2 on the gpt
 #                   workload (about 5 minutes on 2 cores); RUN_ARGS adds flags
+#   make run-host   the same against the host's LibTorch 1.13
 #   make data       install the datasets only (scripts/install-data.sh)
-#   make test       build and run every test on both LibTorch legs
-#   make test-host  LibTorch 1.13 (Debian 12, this machine) only
-#   make test-2x    LibTorch 2.6 (Debian 13 chroot) only
+#   make test       build and run every test on the three legs below; a warning
+#                   in ampx's code fails the build (AMPX_WARNINGS_AS_ERRORS)
+#   make test-host  LibTorch 1.13 (Debian 12, this machine), GCC 12
+#   make test-forky LibTorch 2.14 (Debian testing chroot), GCC 16
+#   make test-cuda  LibTorch 2.6 built with CUDA (Debian 13 chroot), nvcc 12.4:
+#                   everything compiled and linked against libtorch_cuda, the
+#                   tests run on the CPU, the CUDA ones skip (no GPU)
 #   make sanitize   the whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer
-#                   (host leg; build/asan); make sanitize-2x: the same on the 2.6 leg
+#                   (host leg; build/asan); make sanitize-forky: the same on the 2.14 leg
 #   make tsan       the GradScaler and data-parallel tests under ThreadSanitizer (host leg)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
@@ -20,10 +27,17 @@
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 HOST_BUILD := build/host
-TRIXIE_BUILD := build/trixie
-CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release
+FORKY_BUILD := build/forky
+CUDA_BUILD := build/cuda
+CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DAMPX_WARNINGS_AS_ERRORS=ON -DCMAKE_UNITY_BUILD=ON
+# The CUDA leg: NCCL required (a missing piece fails the configure). nvcc
+# 12.4 takes GCC 13 at most; Debian's nvcc picks g++-13 itself.
+CUDA_CMAKE_FLAGS := -DAMPX_NCCL=ON
+# The datasets, on the host; the chroot legs see them at the same path.
+DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
-.PHONY: all deps data build run test test-host test-2x sanitize sanitize-2x tsan fuzz bench clean
+.PHONY: all deps data build run run-host test test-host test-forky test-cuda \
+	sanitize sanitize-forky tsan fuzz bench clean
 
 all: build
 
@@ -36,7 +50,15 @@ build: deps
 	@cmake --build $(HOST_BUILD) -j$(JOBS)
 
 data: deps
-	@scripts/install-data.sh
+	@AMPX_DATA_DIR=$(DATA_DIR) scripts/install-data.sh
+
+# Configures and builds a chroot leg: $(call leg_build,LEG,BUILD_DIR,CMAKE_FLAGS,TARGET)
+# (TARGET empty: everything). The configure output is kept in BUILD_DIR.configure.log.
+define leg_build
+	@mkdir -p build
+	scripts/chroot.sh $(1) sh -c 'cmake -S /src -B /src/$(2) $(CMAKE_FLAGS) $(3) > /src/$(2).configure.log 2>&1 \
+	  || { cat /src/$(2).configure.log; exit 1; }; cmake --build /src/$(2) -j$(JOBS) $(if $(4),--target $(4))'
+endef
 
 MAIN_JOB := --workload gpt --compare fp32,O1,O2
 # fp32 matrix products go to OpenBLAS. Its pthreads build (Debian's default)
@@ -45,8 +67,15 @@ MAIN_JOB := --workload gpt --compare fp32,O1,O2
 # switches to the OpenMP build at run time when it is installed (its settings
 # table says so; AMPX_TRAIN_BLAS=keep opts out), so the choice cannot go stale
 # between parsing this file and `deps` installing the package.
-run: build data
-	$(HOST_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)
+run: deps data
+	$(call leg_build,forky,$(FORKY_BUILD),,ampx-train)
+	AMPX_DATA_DIR=$(DATA_DIR) scripts/chroot.sh forky $(FORKY_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)
+
+run-host: deps data
+	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
+	  || { cat $(HOST_BUILD).configure.log; exit 1; }
+	@cmake --build $(HOST_BUILD) -j$(JOBS) --target ampx-train
+	AMPX_DATA_DIR=$(DATA_DIR) $(HOST_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)
 
 # Each leg also fails when its skipped tests differ from tests/skips/<leg>.txt:
 # a broken feature probe must not turn tests into silent skips.
@@ -56,15 +85,25 @@ test-host: build
 	cd $(HOST_BUILD) && ctest --output-on-failure -j$(JOBS) --output-junit $(CURDIR)/$(HOST_BUILD)/ctest-junit.xml
 	@scripts/check-skips.py tests/skips/host-1.13.txt $(HOST_BUILD)/ctest-junit.xml
 
-test-2x: deps
-	@echo "== ampx tests, LibTorch 2.6 (Debian 13 chroot) =="
-	scripts/trixie.sh bash -c 'cmake -S /src -B /src/$(TRIXIE_BUILD) $(CMAKE_FLAGS) >/dev/null \
-	  && cmake --build /src/$(TRIXIE_BUILD) -j$(JOBS) \
-	  && rm -f /src/$(TRIXIE_BUILD)/ctest-junit.xml \
-	  && cd /src/$(TRIXIE_BUILD) && ctest --output-on-failure -j$(JOBS) --output-junit /src/$(TRIXIE_BUILD)/ctest-junit.xml'
-	@scripts/check-skips.py tests/skips/trixie-2.6.txt $(TRIXIE_BUILD)/ctest-junit.xml
+# $(call leg_test,LEG,BUILD_DIR)
+define leg_test
+	@rm -f $(2)/ctest-junit.xml
+	scripts/chroot.sh $(1) sh -c 'cd /src/$(2) && ctest --output-on-failure -j$(JOBS) --output-junit /src/$(2)/ctest-junit.xml'
+endef
 
-test: test-host test-2x
+test-forky: deps
+	@echo "== ampx tests, LibTorch 2.14 (Debian testing chroot) =="
+	$(call leg_build,forky,$(FORKY_BUILD))
+	$(call leg_test,forky,$(FORKY_BUILD))
+	@scripts/check-skips.py tests/skips/forky-2.14.txt $(FORKY_BUILD)/ctest-junit.xml
+
+test-cuda: deps
+	@echo "== ampx tests, LibTorch 2.6 with CUDA (Debian 13 chroot, no GPU) =="
+	$(call leg_build,cuda,$(CUDA_BUILD),$(CUDA_CMAKE_FLAGS))
+	$(call leg_test,cuda,$(CUDA_BUILD))
+	@scripts/check-skips.py tests/skips/cuda-2.6.txt $(CUDA_BUILD)/ctest-junit.xml
+
+test: test-host test-forky test-cuda
 
 # Sanitizers (scripts/sanitize.sh; docs/reliability.md, "Sanitizers"): ampx's
 # code instrumented, LibTorch not. A run fails on a failing test, on a
@@ -73,17 +112,17 @@ test: test-host test-2x
 # tests/skips/sanitizers.txt. Too long for `make test`.
 SAN_ENV = CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) CTEST_PARALLEL_LEVEL=$(JOBS)
 ASAN_BUILD := build/asan
-TRIXIE_ASAN_BUILD := build/trixie-asan
+FORKY_ASAN_BUILD := build/forky-asan
 TSAN_BUILD := build/tsan
 sanitize: deps
 	@echo "== ampx tests under ASan + UBSan, LibTorch 1.13 (Debian 12 host) =="
 	$(SAN_ENV) scripts/sanitize.sh asan $(ASAN_BUILD)
 	@scripts/check-skips.py tests/skips/host-1.13.txt tests/skips/sanitizers.txt $(ASAN_BUILD)/ctest-junit.xml
 
-sanitize-2x: deps
-	@echo "== ampx tests under ASan + UBSan, LibTorch 2.6 (Debian 13 chroot) =="
-	$(SAN_ENV) scripts/trixie.sh scripts/sanitize.sh asan $(TRIXIE_ASAN_BUILD)
-	@scripts/check-skips.py tests/skips/trixie-2.6.txt tests/skips/sanitizers.txt $(TRIXIE_ASAN_BUILD)/ctest-junit.xml
+sanitize-forky: deps
+	@echo "== ampx tests under ASan + UBSan, LibTorch 2.14 (Debian testing chroot) =="
+	$(SAN_ENV) scripts/chroot.sh forky scripts/sanitize.sh asan $(FORKY_ASAN_BUILD)
+	@scripts/check-skips.py tests/skips/forky-2.14.txt tests/skips/sanitizers.txt $(FORKY_ASAN_BUILD)/ctest-junit.xml
 
 tsan: deps
 	@echo "== GradScaler and data-parallel tests under TSan, LibTorch 1.13 (Debian 12 host) =="

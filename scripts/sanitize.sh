@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds ampx's tests with sanitizers and runs them: `make sanitize` (host,
-# LibTorch 1.13), `make sanitize-2x` (in the Debian 13 chroot, LibTorch 2.6),
+# LibTorch 1.13), `make sanitize-forky` (in the Debian testing chroot, LibTorch 2.14),
 # `make tsan` (host). See README (tests) and docs/reliability.md (Sanitizers).
 #
 #   scripts/sanitize.sh asan BUILD_DIR [CTEST_ARGS...]   AddressSanitizer + UndefinedBehaviorSanitizer:

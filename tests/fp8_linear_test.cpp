@@ -307,9 +307,13 @@ TEST(Fp8ConvertTest, O2KeepsFp32MastersAndFloat32StatesAndTrains) {
       loss = torch::mse_loss(net->forward(amp.cast_input(x)), target);
     }
     amp.scaler().scale(loss).backward();
-    if (step == 0) EXPECT_EQ(net->fc1->weight.grad().scalar_type(), torch::kBFloat16);
+    if (step == 0) {
+      EXPECT_EQ(net->fc1->weight.grad().scalar_type(), torch::kBFloat16);
+    }
     amp.scaler().step(opt);
-    if (step == 0) EXPECT_EQ(opt.master(net->fc1->weight).scalar_type(), torch::kFloat);
+    if (step == 0) {
+      EXPECT_EQ(opt.master(net->fc1->weight).scalar_type(), torch::kFloat);
+    }
     amp.scaler().update();
     losses.push_back(loss.item<float>());
   }

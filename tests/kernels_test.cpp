@@ -31,10 +31,6 @@ torch::Tensor expected_unscaled(const torch::Tensor& g, float inv) {
   return (g.to(torch::kFloat) * inv).to(g.scalar_type());
 }
 
-bool has_non_finite(const torch::Tensor& g) {
-  return !torch::isfinite(g).all().item<bool>();
-}
-
 void expect_same(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
   ASSERT_EQ(got.scalar_type(), want.scalar_type()) << what;
   // equal() treats NaN != NaN: compare NaN masks, then the rest bitwise.
@@ -303,7 +299,9 @@ TEST(KernelsTest, CudaUpdateAgreesWithCpuKernelOnRandomSequences) {
       ampx::update_scale_(b.scale, b.growth, b.hyst, torch::full({}, f, torch::kCUDA), rule);
       ASSERT_EQ(a.scale.item<float>(), b.scale.item<float>()) << "step " << i;
       ASSERT_EQ(a.growth.item<int>(), b.growth.item<int>()) << "step " << i;
-      if (hysteresis > 1) ASSERT_EQ(a.hyst.item<int>(), b.hyst.item<int>()) << "step " << i;
+      if (hysteresis > 1) {
+        ASSERT_EQ(a.hyst.item<int>(), b.hyst.item<int>()) << "step " << i;
+      }
     }
   }
 }
@@ -510,7 +508,9 @@ TEST(MixedBatchNormTest, MatchesFloat64AndUpdatesRunningStatisticsAsAtenDoes) {
                               training, 0.1, 1e-5, false);
       EXPECT_TRUE(torch::allclose(rm, rm32, 1e-5, 1e-6)) << rm << rm32;
       EXPECT_TRUE(torch::allclose(rv, rv32, 1e-5, 1e-6)) << rv << rv32;
-      if (!training) EXPECT_TRUE(torch::equal(rm, rm0));
+      if (!training) {
+        EXPECT_TRUE(torch::equal(rm, rm0));
+      }
     }
   }
 }

@@ -284,7 +284,9 @@ TEST(NonFiniteGuardTest, ObservedO2TrainingHasTheSameBitsAndFindsAnO2Overflow) {
       amp.scaler().update();
       out.push_back(loss.detach().clone());
     }
-    if (observed) EXPECT_GT(collector->stats().records.size(), 4u);
+    if (observed) {
+      EXPECT_GT(collector->stats().records.size(), 4u);
+    }
     for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
     clear_module_names();
     return out;

@@ -244,10 +244,17 @@ TEST_F(PolicyTest, NameCoversFunctionalOverloads) {
     EXPECT_NE(name, "aten::mm.out");
   }
   EXPECT_EQ(ampx::cast_policy_overloads("aten::mm.out"), std::vector<std::string>{"aten::mm.out"});
-  // Set per overload, read per name: the shared policy or nothing.
-  CastPolicyGuard policy(torch::kCPU, {{"aten::softmax.int", CastPolicy::kFp32}});
-  EXPECT_EQ(ampx::get_cast_policy(torch::kCPU, "aten::softmax.int"), CastPolicy::kFp32);
-  EXPECT_FALSE(ampx::get_cast_policy(torch::kCPU, "aten::softmax").has_value());
+  // Set per overload, read per name: the shared policy or nothing. (aten::sum
+  // has two functional overloads on every LibTorch, sum and sum.dim_IntList;
+  // softmax's second, softmax.Dimname, is gone since 2.13 with named tensors.)
+  const auto sum = ampx::cast_policy_overloads("aten::sum");
+  ASSERT_NE(std::find(sum.begin(), sum.end(), "aten::sum.dim_IntList"), sum.end());
+  ASSERT_NE(std::find(sum.begin(), sum.end(), "aten::sum"), sum.end());
+  CastPolicyGuard policy(torch::kCPU, {{"aten::sum.dim_IntList", CastPolicy::kFp32}});
+  EXPECT_EQ(ampx::get_cast_policy(torch::kCPU, "aten::sum.dim_IntList"), CastPolicy::kFp32);
+  EXPECT_FALSE(ampx::get_cast_policy(torch::kCPU, "aten::sum").has_value());
+  CastPolicyGuard both(torch::kCPU, {{"aten::sum", CastPolicy::kFp32}});
+  EXPECT_EQ(ampx::get_cast_policy(torch::kCPU, "aten::sum"), CastPolicy::kFp32);
 }
 
 TEST_F(PolicyTest, ErrorsNameTheProblem) {

@@ -39,8 +39,17 @@ TEST(FormatsTest, LimitsAndRoundingBoundariesMatchTorch) {
     EXPECT_EQ(lim.min_subnormal, t.at("min_subnormal").get<double>());
     // torch's casts: the first float32 that overflows, the last that rounds
     // to zero, the first that rounds to a normal.
-    EXPECT_EQ(to_bits(lim.overflow_from) + (lim.overflow_inclusive ? 0 : 1),
-              t.at("overflow_from_bits").get<uint32_t>());
+    const auto torch_overflow = t.at("overflow_from_bits").get<uint32_t>();
+    if (torch_overflow == to_bits(std::numeric_limits<float>::infinity()) &&
+        std::string(lim.name) == "float8_e4m3fn") {
+      // Debian's torch 2.14 saturates float32 -> float8_e4m3fn (1e30 and inf
+      // become 448), so no float32 overflows there; ampx's limit is the
+      // non-saturating conversion (OCP's other mode), which the other legs'
+      // torch implement. ampx's own FP8 casts clamp first either way.
+      EXPECT_GT(to_bits(lim.overflow_from), to_bits(static_cast<float>(lim.max)));
+    } else {
+      EXPECT_EQ(to_bits(lim.overflow_from) + (lim.overflow_inclusive ? 0 : 1), torch_overflow);
+    }
     EXPECT_EQ(to_bits(lim.zero_up_to), t.at("zero_up_to_bits").get<uint32_t>());
     EXPECT_EQ(to_bits(lim.normal_from), t.at("normal_from_bits").get<uint32_t>());
   }

@@ -50,7 +50,7 @@ uint32_t crc32_of(const std::string& a, const std::string& b) {
   return static_cast<uint32_t>(crc);
 }
 
-std::string hex32(uint32_t v) {
+std::string hex_crc(uint32_t v) {
   std::ostringstream s;
   s << "0x" << std::hex << v;
   return s.str();
@@ -105,8 +105,8 @@ Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::pat
   const std::string meta_text = bytes.substr(kHeaderBytes, meta_bytes);
   c.payload = bytes.substr(kHeaderBytes + meta_bytes);
   const uint32_t crc = crc32_of(meta_text, c.payload);
-  TORCH_CHECK(crc == stored_crc, where, " is corrupted: CRC-32 of its content is ", hex32(crc),
-              ", the header says ", hex32(stored_crc));
+  TORCH_CHECK(crc == stored_crc, where, " is corrupted: CRC-32 of its content is ", hex_crc(crc),
+              ", the header says ", hex_crc(stored_crc));
   try {
     c.meta = nlohmann::json::parse(meta_text);
   } catch (const nlohmann::json::exception& e) {

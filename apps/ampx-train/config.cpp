@@ -2,6 +2,7 @@
 
 #include "data.h"
 #include "machine.h"
+#include "models.h"
 
 #include <ampx/dist.h>
 #include <ampx/version.h>
@@ -331,6 +332,7 @@ std::string settings_table(const TrainConfig& c) {
     shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
           << c.block_size;
     add("model", shape.str());
+    add("attention", kGptAttention);
   }
   add("data", c.data_dir);
   add("output", c.out_dir);

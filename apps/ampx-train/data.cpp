@@ -88,6 +88,11 @@ class GzFile {
     while (total < n) {
       const auto chunk = static_cast<unsigned>(std::min<int64_t>(n - total, int64_t{1} << 30));
       const int got = gzread(file_, out + total, chunk);
+      // zlib 1.3.2 clears "unexpected end of file" at the next read (1.2.13
+      // keeps it): remember it for check_stream.
+      int err = Z_OK;
+      const char* msg = gzerror(file_, &err);
+      if (err == Z_BUF_ERROR && cut_off_.empty()) cut_off_ = msg;
       if (got <= 0) {
         check_stream(/*end_is_error=*/false);
         break;
@@ -102,6 +107,10 @@ class GzFile {
   void check_stream(bool end_is_error) {
     int err = Z_OK;
     const char* msg = gzerror(file_, &err);
+    if (end_is_error && err == Z_OK && !cut_off_.empty()) {
+      err = Z_BUF_ERROR;
+      msg = cut_off_.c_str();
+    }
     if (err == Z_OK || (err == Z_BUF_ERROR && !end_is_error)) return;
     TORCH_CHECK(false, "ampx-train: '", path_.string(), "' is not a valid gzip file: ", msg);
   }
@@ -116,6 +125,7 @@ class GzFile {
   fs::path path_;
   int64_t size_ = 0;
   gzFile file_ = nullptr;
+  std::string cut_off_;  // zlib's "unexpected end of file", once seen
 };
 
 /// An open IDX file whose header has been read; the payload comes next.

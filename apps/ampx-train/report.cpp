@@ -3,6 +3,7 @@
 #include "output_file.h"
 
 #include "machine.h"
+#include "models.h"
 
 #include <ampx/version.h>
 
@@ -103,7 +104,9 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"threads", c.threads},
         {"malloc", c.malloc},
         {"device", c.device},
-        {"dtype", c.dtype}}},
+        {"dtype", c.dtype},
+        {"attention",
+         workload.name() == "gpt" ? nlohmann::json(kGptAttention) : nlohmann::json()}}},
       {"machine",
        {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},
       {"modes", modes},

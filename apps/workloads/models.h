@@ -43,6 +43,14 @@ struct GPTConfig {
   int64_t d = 256;
 };
 
+/// The attention path gpt's forward runs, named in ampx-train's settings and
+/// report beside the Python comparison's own (bench/python/ampx_models.py
+/// runs the same ops): LibTorch's fused scaled_dot_product_attention picks
+/// kernels by version and dtype (Debian's 2.14 runs bf16 on this CPU through
+/// a flash kernel several times slower than these matrix products).
+inline constexpr const char* kGptAttention =
+    "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)";
+
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads), d(c.d) {
     TORCH_CHECK(c.heads > 0 && c.d % c.heads == 0, "GPT: d (", c.d,

@@ -46,6 +46,12 @@ class LibTorchLinear(nn.Linear):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+# The attention path CausalSelfAttention runs: the same ops, named the same
+# way, as ampx-train's gpt (models.h's kGptAttention); not PyTorch's fused
+# scaled_dot_product_attention, whose CPU kernels differ by version and dtype.
+ATTENTION = "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)"
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, block, heads, d, linear=nn.Linear):
         super().__init__()

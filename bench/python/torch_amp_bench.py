@@ -51,7 +51,7 @@ import time
 import torch
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-from ampx_models import GPT_DEFAULTS, LINEARS, WORKLOADS, build_model, cross_entropy
+from ampx_models import ATTENTION, GPT_DEFAULTS, LINEARS, WORKLOADS, build_model, cross_entropy
 
 PRECISIONS = ("fp32", "autocast-bf16")
 
@@ -298,6 +298,7 @@ def train(args):
     if args.workload == "gpt":
         result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
                            "heads": args.heads, "d_model": args.d_model}
+        result["attention"] = ATTENTION
     return result
 
 
@@ -357,6 +358,7 @@ def main(argv=None):
     if args.workload == "gpt":
         settings.insert(5, ("model", f"{args.layers} layers, d {args.d_model}, {args.heads} heads, "
                                      f"block {args.block_size}"))
+        settings.insert(6, ("attention", ATTENTION))
     width = max(len(k) for k, _ in settings)
     print("torch_amp_bench\n" + "".join(f"  {k:<{width}}  {v}\n" for k, v in settings), flush=True)
     r = train(args)

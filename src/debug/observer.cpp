@@ -149,7 +149,8 @@ std::vector<OutputTensor> fresh_floating_outputs(const c10::OperatorHandle& op,
     if (v.isTensor()) {
       add(v.toTensor());
     } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList()) add(t);
+      const c10::List<at::Tensor> list = v.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) add(list.get(j));
     }
   }
   return out;
@@ -289,9 +290,9 @@ std::vector<TensorSummary> summarize_inputs(const OpEvent& event) {
     if (v.isTensor()) {
       add(v.toTensor(), args[i].name());
     } else if (v.isTensorList()) {
-      size_t k = 0;
-      for (const at::Tensor& t : v.toTensorList()) {
-        add(t, args[i].name() + "[" + std::to_string(k++) + "]");
+      const c10::List<at::Tensor> list = v.toTensorList();
+      for (size_t k = 0; k < list.size(); ++k) {
+        add(list.get(k), args[i].name() + "[" + std::to_string(k) + "]");
       }
     }
   }

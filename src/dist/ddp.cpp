@@ -315,17 +315,26 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   if (cdt && *cdt != at::kFloat) {
     // Gloo builds differ in the types they can sum (LibTorch 1.13's has no
-    // bfloat16): find out now, on every rank, rather than mid-backward.
-    auto probe = torch::ones({1}, torch::TensorOptions().dtype(*cdt).device(device));
-    try {
-      impl->group.all_reduce_sum(probe);
-    } catch (const c10::Error& e) {
-      TORCH_CHECK(false, "DistributedDataParallel: this LibTorch's ",
-                  device.is_cuda() && impl->group.has_nccl() ? "NCCL" : "Gloo",
-                  " cannot all-reduce ", *cdt,
-                  " gradients (communication_dtype); use ",
-                  *cdt == at::kBFloat16 ? "torch::kHalf" : "torch::kBFloat16",
-                  " or float32: ", e.what_without_backtrace());
+    // bfloat16, Debian's 2.14 neither bfloat16 nor float16): find out now,
+    // on every rank, rather than mid-backward, and name what does work.
+    const auto sums = [&](at::ScalarType type) {
+      auto probe = torch::ones({1}, torch::TensorOptions().dtype(type).device(device));
+      try {
+        impl->group.all_reduce_sum(probe);
+        return std::string();
+      } catch (const c10::Error& e) {
+        return std::string(e.what_without_backtrace());
+      }
+    };
+    if (const auto error = sums(*cdt); !error.empty()) {
+      const auto other = *cdt == at::kBFloat16 ? at::kHalf : at::kBFloat16;
+      const bool other_works = sums(other).empty();  // every rank probes both alike
+      TORCH_CHECK(
+          false, "DistributedDataParallel: this LibTorch's ",
+          device.is_cuda() && impl->group.has_nccl() ? "NCCL" : "Gloo", " cannot all-reduce ", *cdt,
+          " gradients (communication_dtype); use ",
+          other_works ? (other == at::kHalf ? "torch::kHalf or " : "torch::kBFloat16 or ") : "",
+          "float32", other_works ? "" : " (it cannot sum Half or BFloat16)", ": ", error);
     }
   }
   // bfloat16 gradients (O2/O3 models) travel as they are where Gloo can sum

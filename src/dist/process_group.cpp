@@ -264,10 +264,12 @@ void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const
               "ampx::dist::all_gather: output must be 1-D, contiguous, world_size (", world_size(),
               ") x input's ", n, " elements and of input's dtype; got ", output.numel(), " ",
               output.scalar_type(), " for ", input.scalar_type());
-  auto wire_out = as_wire(output);
+  // (n elements each, as many wire elements: bytes for 16-bit types)
+  auto wire_in = as_wire(input.contiguous()), wire_out = as_wire(output);
+  const int64_t wn = wire_in.numel();
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * n, n));
-  std::vector<at::Tensor> inputs{as_wire(input.contiguous())};
+  for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * wn, wn));
+  std::vector<at::Tensor> inputs{wire_in};
   c10d::AllgatherOptions o;
   o.timeout = impl_->collective_timeout;
   ++*impl_->collectives;

@@ -109,17 +109,16 @@ struct ProcessGroupAccess {
 namespace dist {
 
 /// How a tensor travels when Gloo only copies its bytes (broadcast, all-
-/// gather): bfloat16 as float16 (every Gloo build has it; 1.13's has no
-/// bfloat16 or int16), bool as uint8.
+/// gather): 16-bit floats and bool as their bytes (uint8, a view of the same
+/// storage, flattened). Gloo builds differ in the 16-bit types they accept at
+/// all: 1.13's has float16 only, Debian's 2.14 neither float16 nor bfloat16
+/// ("Gloo: Invalid scalar type"); every build moves uint8. A non-contiguous
+/// tensor, which has no flat byte view, goes as float16 (bfloat16) or uint8.
 inline at::Tensor as_wire(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16:
-      return t.view(at::kHalf);
-    case at::kBool:
-      return t.view(at::kByte);
-    default:
-      return t;
-  }
+  const auto type = t.scalar_type();
+  if (type != at::kBFloat16 && type != at::kHalf && type != at::kBool) return t;
+  if (t.is_contiguous()) return t.reshape({-1}).view(at::kByte);
+  return type == at::kBool ? t.view(at::kByte) : t.view(at::kHalf);
 }
 
 }  // namespace dist

@@ -40,12 +40,21 @@ constexpr c10::DispatchKey kKey = c10::DispatchKey::TESTING_ONLY_GenericWrapper;
 
 using Pending = std::vector<std::pair<std::shared_ptr<TensorScaling>, at::Tensor>>;
 
-// The innermost region on this thread.
+}  // namespace
+
+namespace detail {
+// The innermost region on this thread. (Outside the anonymous namespace:
+// Fp8AutocastGuard::Region, declared in the public header, holds one.)
 struct RegionState {
   bool enabled = false;
   const dist::ProcessGroup* group = nullptr;
-  Pending* pending = nullptr;  // forward amaxes awaiting the group's reduction
+  std::vector<std::pair<std::shared_ptr<TensorScaling>, at::Tensor>>* pending =
+      nullptr;  // forward amaxes awaiting the group's reduction
 };
+}  // namespace detail
+
+namespace {
+using detail::RegionState;
 thread_local RegionState t_region;
 
 // Max-reduces the amaxes of `pending` over `group` in one all-reduce and

@@ -38,7 +38,10 @@ void for_each_tensor(const c10::IValue& v, F&& f) {
   if (v.isTensor()) {
     f(v.toTensor());
   } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList()) f(t);
+    // (by index: GCC 14+ take a reference to the list's element proxy for
+    // a dangling one)
+    const c10::List<at::Tensor> list = v.toTensorList();
+    for (size_t j = 0; j < list.size(); ++j) f(list.get(j));
   } else if (v.isList()) {  // Tensor?[] (index, index_put)
     for (const c10::IValue& e : v.toListRef()) {
       if (e.isTensor()) f(e.toTensor());
@@ -152,16 +155,21 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
 
   // Input dtypes: the first floating one (kFp32OutputsAsInput) and the
   // widest (kPromote).
-  c10::optional<at::ScalarType> first, widest;
+  // (Undefined: none yet. Not c10::optional: GCC 12 reports its storage as
+  // maybe uninitialized here.)
+  at::ScalarType first = at::ScalarType::Undefined, widest = at::ScalarType::Undefined;
   for (size_t i = 0; i < args.size(); ++i) {
     if (!castable(args[i])) continue;
     for_each_tensor((*stack)[first_arg + i], [&](const at::Tensor& t) {
       if (!eligible(t, device_type)) return;
-      if (!first) first = t.scalar_type();
-      widest = widest ? at::promote_types(*widest, t.scalar_type()) : t.scalar_type();
+      if (first == at::ScalarType::Undefined) {
+        first = widest = t.scalar_type();
+      } else {
+        widest = at::promote_types(widest, t.scalar_type());
+      }
     });
   }
-  if (!first) {  // nothing to cast
+  if (first == at::ScalarType::Undefined) {  // nothing to cast
     op.callBoxed(stack);
     return;
   }
@@ -171,7 +179,7 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
       to = at::autocast::get_lower_precision_fp_from_device_type(device_type);
       break;
     case CastPolicy::kPromote:
-      to = *widest;
+      to = widest;
       break;
     default:
       break;
@@ -186,13 +194,13 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
   }
   op.callBoxed(stack);
 
-  if (policy == CastPolicy::kFp32OutputsAsInput && *first != at::kFloat) {
+  if (policy == CastPolicy::kFp32OutputsAsInput && first != at::kFloat) {
     const size_t returns = schema.returns().size();
     for (size_t i = stack->size() - returns; i < stack->size(); ++i) {
       auto& v = (*stack)[i];
       if (!has_tensor(v)) continue;
       v = map_tensors(
-          v, [&](const at::Tensor& t) { return eligible(t, device_type) ? t.to(*first) : t; });
+          v, [&](const at::Tensor& t) { return eligible(t, device_type) ? t.to(first) : t; });
     }
   }
 }

@@ -20,6 +20,7 @@ Files written:
                          boundaries, found by casting float32 values with torch
 """
 import json
+import math
 import os
 import random
 import struct
@@ -30,8 +31,15 @@ import torch.nn.functional as F
 
 
 def f32(x):
-    """Round a Python float (double) to float32, as ATen stores the scale."""
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """Round a Python float (double) to float32, as ATen stores the scale:
+    to nearest even, inf where that rounds past the largest float32. Python
+    3.12+ raise OverflowError for the latter instead of returning inf."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 # ---------------------------------------------------------------- autocast

@@ -77,7 +77,7 @@ void write_text(const fs::path& path, const std::string& text) {
   write_plain(path, Bytes(text.begin(), text.end()));
 }
 
-Bytes read_bytes(const fs::path& path) {
+Bytes read_file_bytes(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   return Bytes(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
@@ -151,7 +151,7 @@ TEST_F(TrainDataTest, ReadsPlainIdx) {
 TEST_F(TrainDataTest, ReadsGzippedIdx) {
   const auto images = write("img.gz", idx_images(3, 3, 2, pixels()), /*gz=*/true);
   const auto labels = write("lbl.gz", idx_labels(kLabels), /*gz=*/true);
-  ASSERT_NE(read_bytes(images), idx_images(3, 3, 2, pixels()));  // really compressed
+  ASSERT_NE(read_file_bytes(images), idx_images(3, 3, 2, pixels()));  // really compressed
   expect_split(ampx::train::read_idx(images, labels), pixels(), kLabels, 3);
 }
 
@@ -290,7 +290,7 @@ TEST_F(TrainDataTest, RejectsHeaderAnnouncingMoreThanAGzipCanHold) {
 
 TEST_F(TrainDataTest, RejectsCutOffGzipStream) {
   const auto full = write("full.gz", idx_images(3, 3, 2, pixels()), /*gz=*/true);
-  Bytes cut = read_bytes(full);
+  Bytes cut = read_file_bytes(full);
   cut.resize(cut.size() - 8);  // drop the CRC-32 and size trailer
   const auto images = write("img.gz", cut);
   const auto labels = write("lbl", idx_labels(kLabels));
@@ -300,7 +300,7 @@ TEST_F(TrainDataTest, RejectsCutOffGzipStream) {
 
 TEST_F(TrainDataTest, RejectsCorruptGzipStream) {
   const auto full = write("full.gz", idx_images(3, 3, 2, pixels()), /*gz=*/true);
-  Bytes bad = read_bytes(full);
+  Bytes bad = read_file_bytes(full);
   bad[bad.size() - 6] ^= 0xff;  // inside the CRC-32: the data no longer matches
   const auto images = write("img.gz", bad);
   const auto labels = write("lbl", idx_labels(kLabels));

@@ -248,8 +248,9 @@ class UnchangedNumbersTest : public DiagnosticsTest,
     };
     const auto expected = with("plain", {});
     ASSERT_EQ(expected.size(), 6u);
-    if (guard)
+    if (guard) {
       EXPECT_EQ(with("guarded", {"--detect-nonfinite"}), expected);  // JSON doubles round-trip
+    }
     EXPECT_EQ(with("watched", {"--range-stats"}), expected);
     const auto stats = nlohmann::json::parse(
         read_bytes(dir_.path() / (out + "-watched") / ("range-stats-" + mode + ".json")));

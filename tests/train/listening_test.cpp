@@ -134,7 +134,9 @@ TEST_P(ListeningTest, NprocRunListensOnLoopbackOnly) {
                 addresses.empty() ? "nothing" : addresses.c_str());
     // Each rank: its liveness listener at least (Gloo's listening socket
     // may be closed once its connections are made).
-    if (p != pid) EXPECT_GE(count, 1) << who << " listens on nothing";
+    if (p != pid) {
+      EXPECT_GE(count, 1) << who << " listens on nothing";
+    }
   }
 }
 

@@ -127,10 +127,14 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
     EXPECT_EQ(p.value().scalar_type(), low_weights ? low : torch::kFloat) << mode << " " << p.key();
     const auto master = setup.optimizer->master(p.value());
     EXPECT_EQ(master.defined(), masters) << mode << " " << p.key();
-    if (master.defined()) EXPECT_EQ(master.scalar_type(), torch::kFloat) << p.key();
+    if (master.defined()) {
+      EXPECT_EQ(master.scalar_type(), torch::kFloat) << p.key();
+    }
   }
   EXPECT_GT(matrices, 0);
-  if (scaled) EXPECT_GT(setup.amp->scaler().get_scale(), 1.0) << mode;
+  if (scaled) {
+    EXPECT_GT(setup.amp->scaler().get_scale(), 1.0) << mode;
+  }
   EXPECT_EQ(setup.fp8, mode == "fp8");
   if (mode == "fp8") {
     // d 32: the four Linears of every block; the vocabulary head (Moby

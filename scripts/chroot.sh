@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# Runs a command inside a Debian 13 "trixie" chroot that has LibTorch 2.6
-# (Debian's libtorch-dev), so ampx can be built and tested against LibTorch 2.6
-# from a Debian 12 host (whose own libtorch-dev is 1.13).
+# Runs a command inside a Debian chroot that holds another LibTorch than the
+# Debian 12 host's 1.13, so that ampx is built and tested against it: one
+# chroot per leg, made once and reused.
 #
-#   scripts/trixie.sh <command...>   run <command> in the chroot, cwd /src
-#   scripts/trixie.sh --ensure       only create / update the chroot
+#   scripts/chroot.sh LEG <command...>   run <command> in the leg's chroot, cwd /src
+#   scripts/chroot.sh LEG --ensure       only create / update the chroot
+#   scripts/chroot.sh LEG --print-mirror print the mirrors and proxy it would use
 #
-# The chroot lives outside the repository, in
-#   ${AMPX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ampx}/trixie-root
+# The legs:
+#   forky  Debian testing ("forky"): LibTorch 2.14 (libtorch-dev) and its
+#          python3-torch, GCC 16, C++20. Debian 12's debootstrap has no forky
+#          script (sid's makes it), and forky's Release file on the mirror may
+#          be past its Valid-Until date (apt is told not to check it).
+#   cuda   Debian 13 ("trixie") with contrib and non-free: the CUDA build of
+#          LibTorch 2.6 (libtorch-cuda-dev, python3-torch-cuda) and nvcc 12.4
+#          (nvidia-cuda-toolkit) with g++-13 as its host compiler. Programs
+#          link against libtorch_cuda and run on the CPU (no GPU here). Its
+#          packages depend on nvidia-cudnn, an installer that downloads cuDNN
+#          from the internet; they are unpacked (dpkg -x) instead of installed,
+#          their dependencies from Debian installed by apt, and cuDNN's loader
+#          library (libcudnn.so.9, which needs nothing but the C library) is
+#          copied from the host's CUDA toolkit ($CUDA_HOME, /usr/local/cuda).
+#
+# A chroot lives outside the repository, in
+#   ${AMPX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ampx}/<leg>-root
 # and is reused. It is built in a temporary directory next to that path and
 # renamed into place only once fully provisioned; a stamp file inside it
-# (/.ampx-packages) lists the installed packages, and packages added to
-# PACKAGES below are installed on the next use.
+# (/.ampx-packages) lists the installed packages, and packages added to a
+# leg's lists below are installed on the next use.
 #
 # The repository root is bind-mounted at /src; /proc, /sys and /dev are
-# bind-mounted too. All mounts are made in a private mount namespace, into
+# bind-mounted too, and the host's AMPX_DATA_DIR (the datasets of
+# scripts/install-data.sh), when set, at the same path. All mounts are made in a private mount namespace, into
 # which the script re-executes itself and which the command finally replaces
 # (exec): the kernel drops the mounts when the command ends, however it ends,
 # and they are never visible on the host. Without namespace support the
@@ -25,25 +42,96 @@
 #
 # Needs root (debootstrap, mount, chroot), plus debootstrap, unshare and flock
 # on the host. Environment:
-#   AMPX_CACHE_DIR               where the chroot lives (above)
-#   AMPX_TRIXIE_MIRROR           Debian mirror; default: the one the host's own
+#   AMPX_CACHE_DIR               where the chroots live (above)
+#   AMPX_CHROOT_MIRROR           Debian mirror; default: the one the host's own
 #                                apt uses (/etc/apt/sources.list, sources.list.d/
 #                                *.list and deb822 *.sources), so that a local
 #                                mirror or caching proxy serves the chroot too;
 #                                else http://deb.debian.org/debian
-#   AMPX_TRIXIE_SECURITY_MIRROR  default: the host's security mirror when the
+#   AMPX_CHROOT_SECURITY_MIRROR  default: the host's security mirror when the
 #                                host's mirror is used, else <mirror minus
 #                                /debian>/debian-security
-#   AMPX_TRIXIE_NO_NS=1          mount in the current namespace instead of a
+#   AMPX_CHROOT_NO_NS=1          mount in the current namespace instead of a
 #                                private one (debugging)
 #   AMPX_APT_ETC                 read apt sources from here, not /etc/apt (tests)
 # The host's apt proxy (Acquire::http::Proxy), if any, is used by debootstrap
-# and by apt in the chroot. `scripts/trixie.sh --print-mirror` prints the
+# and by apt in the chroot. `scripts/chroot.sh LEG --print-mirror` prints the
 # mirrors and proxy it would use.
 set -euo pipefail
 
-SUITE=trixie
 readonly FALLBACK_MIRROR=http://deb.debian.org/debian
+
+log() { printf 'ampx: %s\n' "$*" >&2; }
+die() { printf 'ampx: error: %s\n' "$*" >&2; exit 1; }
+
+usage() {
+  cat >&2 <<'EOF'
+usage: scripts/chroot.sh LEG <command> [args...]  run a command in the leg's chroot (cwd /src)
+       scripts/chroot.sh LEG --ensure             create or update the chroot only
+       scripts/chroot.sh LEG --print-mirror       print the mirrors and proxy it would use
+LEG: forky (LibTorch 2.14, Debian testing) or cuda (LibTorch 2.6 with CUDA, Debian 13)
+EOF
+}
+
+# ---------------------------------------------------------------- the legs
+ORIG_ARGS=("$@")
+LEG=${1:-}
+case "$LEG" in
+  -h|--help) usage; exit 0 ;;
+  forky|cuda) shift ;;
+  "") usage; exit 2 ;;
+  *) usage; die "unknown leg '$LEG' (forky or cuda)" ;;
+esac
+# Per leg: the Debian suite and the debootstrap script that makes it, the
+# archive components, whether the suite has -updates and -security archives,
+# apt settings, the packages apt installs (PACKAGES) and those unpacked
+# without their dependencies (UNPACK: dpkg -x, see the cuda leg above).
+APT_CONF=""
+UNPACK=()
+case "$LEG" in
+  forky)
+    SUITE=forky; DEBOOTSTRAP_SCRIPT=sid; COMPONENTS=main; POINT_RELEASES=0
+    TITLE="Debian testing (forky), LibTorch 2.14"
+    # Testing's Release file is re-signed weekly; the mirror's copy may have
+    # passed its Valid-Until date.
+    APT_CONF='Acquire::Check-Valid-Until "false";'
+    PACKAGES=(
+      build-essential cmake make
+      libtorch-dev python3-torch python3-numpy
+      libopenblas0-pthread libopenblas0-openmp libsleef-dev
+      libgtest-dev libgmock-dev googletest libbenchmark-dev
+      libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
+      gnuplot-nox ca-certificates iproute2
+    )
+    ;;
+  cuda)
+    SUITE=trixie; DEBOOTSTRAP_SCRIPT=trixie; COMPONENTS="main contrib non-free"; POINT_RELEASES=1
+    TITLE="Debian 13 (trixie), LibTorch 2.6 with CUDA 12.4"
+    PACKAGES=(
+      build-essential g++-13 cmake make
+      python3 python3-dev python3-numpy python3-filelock python3-fsspec python3-jinja2
+      python3-networkx python3-packaging python3-psutil python3-sympy
+      python3-typing-extensions python3-yaml python3-requests
+      libopenblas0-pthread libsleef-dev libprotobuf-dev
+      libgtest-dev libgmock-dev googletest libbenchmark-dev
+      libcli11-dev nlohmann-json3-dev zlib1g-dev
+      # LibTorch 2.6's CPU dependencies (those of libtorch-cuda-2.6 in main)
+      libcpp-httplib0.18 libcpuinfo0 libdnnl3.6 libfmt10 libnuma1 libonnx1t64
+      libprotobuf32t64 libpthreadpool0 libsleef3 libvulkan1 libxnnpack0.20241108
+      libz3-4 libzstd1
+      # its CUDA ones (non-free, contrib): runtime libraries, NCCL, Gloo and
+      # TensorPipe built with CUDA, CUDA's C++ template libraries
+      libcudart12 libcublas12 libcublaslt12 libcufft11 libcurand10 libcusolver11
+      libcusparse12 libnvrtc12 libnvtoolsext1 libnvjitlink12 libnccl2 libnccl-dev
+      libgloo-cuda-dev libtensorpipe-cuda-0 libthrust-dev libcub-dev libcu++-dev
+      ca-certificates iproute2
+    )
+    # These depend on nvidia-cudnn (the LibTorch packages) or on NVIDIA's
+    # driver (nvidia-cuda-dev): unpacked.
+    UNPACK=(libtorch-cuda-2.6 libtorch-cuda-dev python3-torch-cuda
+            nvidia-cuda-toolkit nvidia-cuda-dev libnvvm4 libnvrtc-builtins12.4)
+    ;;
+esac
 
 # The host's apt sources as "URI SUITE COMPONENTS..." lines, one per suite of
 # each enabled `deb` entry: one-line sources.list / *.list entries (options in
@@ -109,46 +197,26 @@ host_apt_proxy() {
 }
 
 HOST_MIRROR=$(host_debian_mirror)
-MIRROR=${AMPX_TRIXIE_MIRROR:-${HOST_MIRROR:-$FALLBACK_MIRROR}}
+MIRROR=${AMPX_CHROOT_MIRROR:-${HOST_MIRROR:-$FALLBACK_MIRROR}}
 MIRROR=${MIRROR%/}
 # The host's security mirror goes with the host's mirror only.
 HOST_SECURITY_MIRROR=""
 if [ "$MIRROR" = "$HOST_MIRROR" ]; then HOST_SECURITY_MIRROR=$(host_debian_mirror security); fi
-SECURITY_MIRROR=${AMPX_TRIXIE_SECURITY_MIRROR:-${HOST_SECURITY_MIRROR:-${MIRROR%/debian}/debian-security}}
+SECURITY_MIRROR=${AMPX_CHROOT_SECURITY_MIRROR:-${HOST_SECURITY_MIRROR:-${MIRROR%/debian}/debian-security}}
 APT_PROXY=$(host_apt_proxy)
-PACKAGES=(
-  build-essential cmake make
-  libtorch-dev python3-torch python3-numpy
-  libopenblas0-pthread libsleef-dev
-  libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
-  ca-certificates iproute2
-)
 # Host variables passed into the chroot (besides AMPX_*).
 KEEP_VARS=(CI TERM CMAKE_BUILD_PARALLEL_LEVEL CTEST_PARALLEL_LEVEL
            CTEST_OUTPUT_ON_FAILURE MAKEFLAGS OMP_NUM_THREADS)
 STAMP_NAME=.ampx-packages
 
-log() { printf 'ampx: %s\n' "$*" >&2; }
-die() { printf 'ampx: error: %s\n' "$*" >&2; exit 1; }
-
-usage() {
-  cat >&2 <<'EOF'
-usage: scripts/trixie.sh <command> [args...]   run a command in the Debian 13 chroot (cwd /src)
-       scripts/trixie.sh --ensure              create or update the chroot only
-       scripts/trixie.sh --print-mirror        print the mirrors and proxy it would use
-EOF
-}
-
 # ---------------------------------------------------------------- arguments
-ORIG_ARGS=("$@")
 ENSURE_ONLY=0
 case "${1:-}" in
   "") usage; exit 2 ;;
   -h|--help) usage; exit 0 ;;
   --ensure) [ $# -eq 1 ] || { usage; exit 2; }; ENSURE_ONLY=1 ;;
   --print-mirror)
-    echo "mirror:   $MIRROR${AMPX_TRIXIE_MIRROR:+ (AMPX_TRIXIE_MIRROR)}"
+    echo "mirror:   $MIRROR${AMPX_CHROOT_MIRROR:+ (AMPX_CHROOT_MIRROR)}"
     echo "security: $SECURITY_MIRROR"
     echo "proxy:    ${APT_PROXY:-none}"
     exit 0 ;;
@@ -157,7 +225,7 @@ esac
 
 # ---------------------------------------------------------------- host checks
 if [ "$(id -u)" -ne 0 ]; then
-  die "scripts/trixie.sh needs root (debootstrap, mount --bind and chroot); run it as root, e.g. 'sudo scripts/trixie.sh ...'"
+  die "scripts/chroot.sh needs root (debootstrap, mount --bind and chroot); run it as root, e.g. 'sudo scripts/chroot.sh $LEG ...'"
 fi
 for tool in unshare flock chroot mount umount; do
   command -v "$tool" >/dev/null 2>&1 || die "'$tool' not found on the host (Debian package util-linux / coreutils / mount)"
@@ -168,20 +236,20 @@ REPO=$(git -C "$SCRIPT_DIR" rev-parse --show-toplevel 2>/dev/null || true)
 [ -n "$REPO" ] || REPO=$(cd "$SCRIPT_DIR/.." && pwd -P)
 
 CACHE_DIR=${AMPX_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/root}/.cache}/ampx}
-ROOT=$CACHE_DIR/trixie-root
+ROOT=$CACHE_DIR/$LEG-root
 
 # Re-execute in a private mount namespace: every mount made below is then
 # invisible to the host and disappears with this process, whatever happens to
-# it. If namespaces are unavailable (or AMPX_TRIXIE_NO_NS=1) we stay in the
+# it. If namespaces are unavailable (or AMPX_CHROOT_NO_NS=1) we stay in the
 # current namespace and rely on the cleanup trap (mounts are made rslave so
-# unmounting never propagates back). AMPX_TRIXIE_IN_NS carries the outer
+# unmounting never propagates back). AMPX_CHROOT_IN_NS carries the outer
 # namespace's id: we are in our own namespace only if ours differs from it and
 # from our parent's (where readable; unshare execs without forking). A valid
 # marker never leads to another unshare, so we re-execute at most once.
 MY_NS=$(readlink /proc/self/ns/mnt 2>/dev/null || true)
 PARENT_NS=$(readlink "/proc/$PPID/ns/mnt" 2>/dev/null || true)
-OUTER_NS=${AMPX_TRIXIE_IN_NS:-}
-unset AMPX_TRIXIE_IN_NS
+OUTER_NS=${AMPX_CHROOT_IN_NS:-}
+unset AMPX_CHROOT_IN_NS
 IN_NS=0
 if [[ $OUTER_NS =~ ^mnt:\[[0-9]+\]$ && $MY_NS =~ ^mnt:\[[0-9]+\]$ ]]; then
   if [ "$OUTER_NS" != "$MY_NS" ] && [ "$PARENT_NS" != "$MY_NS" ]; then
@@ -189,9 +257,9 @@ if [[ $OUTER_NS =~ ^mnt:\[[0-9]+\]$ && $MY_NS =~ ^mnt:\[[0-9]+\]$ ]]; then
   else
     log "note: not in a private mount namespace; mounts are removed on exit"
   fi
-elif [ "${AMPX_TRIXIE_NO_NS:-0}" != 1 ] && [ -n "$MY_NS" ] &&
+elif [ "${AMPX_CHROOT_NO_NS:-0}" != 1 ] && [ -n "$MY_NS" ] &&
      unshare --mount --propagation private true 2>/dev/null; then
-  export AMPX_TRIXIE_IN_NS=$MY_NS
+  export AMPX_CHROOT_IN_NS=$MY_NS
   exec unshare --mount --propagation private -- \
       "$BASH" "${BASH_SOURCE[0]}" "${ORIG_ARGS[@]}"
 else
@@ -214,6 +282,13 @@ mount_chroot_fs() {   # $1 = chroot dir; mounts /proc /sys /dev (+ /src if $2)
     mkdir -p "$r/src"
     mount --bind "$REPO" "$r/src"
     MOUNTED+=("$r/src")
+    # The datasets (make run): at the same path, so AMPX_DATA_DIR holds inside.
+    if [ -n "${AMPX_DATA_DIR:-}" ] && [ -d "$AMPX_DATA_DIR" ]; then
+      case "$AMPX_DATA_DIR" in /*) ;; *) die "AMPX_DATA_DIR must be an absolute path, got '$AMPX_DATA_DIR'" ;; esac
+      mkdir -p "$r$AMPX_DATA_DIR"
+      mount --bind "$AMPX_DATA_DIR" "$r$AMPX_DATA_DIR"
+      MOUNTED+=("$r$AMPX_DATA_DIR")
+    fi
   fi
 }
 
@@ -284,10 +359,41 @@ apt_install() {
   fi
 }
 
+# Unpacks packages $2... into chroot $1 without installing them (dpkg -x:
+# no maintainer scripts, no dependencies, unknown to dpkg; see the cuda leg),
+# then copies in cuDNN's loader library from the host's CUDA toolkit. The
+# .debs are downloaded into the chroot's /var/cache/ampx-debs and removed.
+unpack_packages() {
+  local r=$1 log=$1/var/log/ampx-unpack.log; shift
+  local cuda=${CUDA_HOME:-/usr/local/cuda} cudnn
+  cudnn=$(ls "$cuda"/lib64/libcudnn.so.9* "$cuda"/lib/libcudnn.so.9* 2>/dev/null | head -n 1 || true)
+  [ -n "$cudnn" ] ||
+    die "the $LEG leg needs cuDNN 9's libcudnn.so.9 from a CUDA toolkit on the host ($cuda/lib64; set CUDA_HOME)"
+  log "unpacking $*"
+  # shellcheck disable=SC2016  # expanded in the chroot's shell
+  if ! in_chroot "$r" /bin/sh -c '
+      set -e
+      mkdir -p /var/cache/ampx-debs && cd /var/cache/ampx-debs
+      apt-get download -o Dpkg::Use-Pty=0 "$@" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true
+      for p in "$@"; do
+        deb=$(ls "${p}"_*.deb)
+        dpkg-deb --fsys-tarfile "$deb" | tar -x -C / --keep-directory-symlink
+      done
+      cd / && rm -rf /var/cache/ampx-debs' sh "$@" </dev/null >"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    die "unpacking failed inside the chroot (full log: $log)"
+  fi
+  cp -L "$cudnn" "$r/usr/lib/x86_64-linux-gnu/libcudnn.so.9"
+  in_chroot "$r" ldconfig
+}
+
+# The stamp's names of unpacked packages (unpack:NAME).
+unpack_stamp_names() { local p; for p in "$@"; do echo "unpack:$p"; done; }
+
 write_stamp() {   # $1 = chroot dir, $2... = packages
   local r=$1; shift
   {
-    echo "# ampx Debian $SUITE chroot, made by scripts/trixie.sh; installed packages:"
+    echo "# ampx $TITLE chroot, made by scripts/chroot.sh $LEG; installed packages:"
     printf '%s\n' "$@" | sort -u
   } >"$r/$STAMP_NAME.new"
   mv -f "$r/$STAMP_NAME.new" "$r/$STAMP_NAME"
@@ -298,9 +404,9 @@ read_stamp() { grep -v '^#' "$1/$STAMP_NAME" 2>/dev/null || true; }
 create_chroot() {
   command -v debootstrap >/dev/null 2>&1 ||
     die "debootstrap not found on the host; install it with 'apt-get install debootstrap'"
-  [ -e /usr/share/debootstrap/scripts/$SUITE ] ||
-    die "this debootstrap does not know '$SUITE'; upgrade debootstrap"
-  log "creating Debian 13 chroot in $ROOT (one-time, a few minutes)"
+  [ -e /usr/share/debootstrap/scripts/$DEBOOTSTRAP_SCRIPT ] ||
+    die "this debootstrap does not know '$DEBOOTSTRAP_SCRIPT'; upgrade debootstrap"
+  log "creating the $TITLE chroot in $ROOT (one-time, a few minutes)"
   local start=$SECONDS
   TMP_ROOT=$(mktemp -d "$ROOT.tmp.XXXXXX")
   chmod 755 "$TMP_ROOT"
@@ -308,6 +414,7 @@ create_chroot() {
   local dblog=$TMP_ROOT.debootstrap.log
   if ! env ${APT_PROXY:+http_proxy="$APT_PROXY"} \
       debootstrap --variant=minbase "$SUITE" "$TMP_ROOT" "$MIRROR" \
+        "/usr/share/debootstrap/scripts/$DEBOOTSTRAP_SCRIPT" \
       </dev/null >"$dblog" 2>&1; then
     tail -n 30 "$dblog" >&2 || true
     [ -f "$TMP_ROOT/debootstrap/debootstrap.log" ] &&
@@ -319,30 +426,37 @@ create_chroot() {
   # No services may start inside the chroot.
   printf '#!/bin/sh\nexit 101\n' >"$TMP_ROOT/usr/sbin/policy-rc.d"
   chmod 755 "$TMP_ROOT/usr/sbin/policy-rc.d"
-  cat >"$TMP_ROOT/etc/apt/sources.list" <<EOF
-deb $MIRROR $SUITE main
-deb $MIRROR $SUITE-updates main
-deb $SECURITY_MIRROR $SUITE-security main
-EOF
+  {
+    echo "deb $MIRROR $SUITE $COMPONENTS"
+    if [ "$POINT_RELEASES" = 1 ]; then
+      echo "deb $MIRROR $SUITE-updates $COMPONENTS"
+      echo "deb $SECURITY_MIRROR $SUITE-security $COMPONENTS"
+    fi
+  } >"$TMP_ROOT/etc/apt/sources.list"
+  if [ -n "$APT_CONF" ]; then
+    printf '%s\n' "$APT_CONF" >"$TMP_ROOT/etc/apt/apt.conf.d/01ampx-leg"
+  fi
   if [ -n "$APT_PROXY" ]; then
     printf 'Acquire::http::Proxy "%s";\n' "$APT_PROXY" >"$TMP_ROOT/etc/apt/apt.conf.d/01ampx-proxy"
   fi
   mount_chroot_fs "$TMP_ROOT"
   log "installing ${PACKAGES[*]}"
   apt_install "$TMP_ROOT" "${PACKAGES[@]}"
+  if [ ${#UNPACK[@]} -gt 0 ]; then unpack_packages "$TMP_ROOT" "${UNPACK[@]}"; fi
   unmount_all
-  write_stamp "$TMP_ROOT" "${PACKAGES[@]}"
+  write_stamp "$TMP_ROOT" "${PACKAGES[@]}" $(unpack_stamp_names "${UNPACK[@]}")
   sync -f "$TMP_ROOT" 2>/dev/null || true
   mv -T "$TMP_ROOT" "$ROOT"
   TMP_ROOT=""
   log "chroot ready ($(du -sh --one-file-system "$ROOT" | cut -f1), $((SECONDS - start)) s)"
 }
 
-# Prints the packages of PACKAGES not listed in the chroot's stamp.
+# Prints the packages of PACKAGES and UNPACK (as unpack:NAME) not listed in
+# the chroot's stamp.
 missing_packages() {
   local have p
   have=$(read_stamp "$ROOT")
-  for p in "${PACKAGES[@]}"; do
+  for p in "${PACKAGES[@]}" $(unpack_stamp_names "${UNPACK[@]}"); do
     if ! grep -qxF -- "$p" <<<"$have"; then echo "$p"; fi
   done
 }
@@ -361,12 +475,17 @@ update_chroot() {
   mapfile -t missing < <(missing_packages)
   if [ ${#missing[@]} -eq 0 ]; then return 0; fi
   have=$(read_stamp "$ROOT")
-  log "installing new packages into the chroot: ${missing[*]}"
+  local install=() unpack=() p
+  for p in "${missing[@]}"; do
+    case "$p" in unpack:*) unpack+=("${p#unpack:}") ;; *) install+=("$p") ;; esac
+  done
+  log "adding to the chroot: ${missing[*]}"
   mount_chroot_fs "$ROOT"
-  apt_install "$ROOT" "${missing[@]}"
+  if [ ${#install[@]} -gt 0 ]; then apt_install "$ROOT" "${install[@]}"; fi
+  if [ ${#unpack[@]} -gt 0 ]; then unpack_packages "$ROOT" "${unpack[@]}"; fi
   unmount_all
   # shellcheck disable=SC2086
-  write_stamp "$ROOT" $have "${PACKAGES[@]}"
+  write_stamp "$ROOT" $have "${missing[@]}"
 }
 
 # Creates or updates the chroot. Called with the lock held exclusively.
@@ -394,14 +513,14 @@ ensure_chroot() {
 # lock exclusively (flock drops the shared lock before waiting, so two
 # upgrading runs cannot deadlock).
 mkdir -p "$CACHE_DIR"
-exec 9>"$CACHE_DIR/trixie-root.lock"
+exec 9>"$CACHE_DIR/$LEG-root.lock"
 if ! flock -s -n 9; then
-  log "waiting for another scripts/trixie.sh run to finish creating/updating the chroot"
+  log "waiting for another scripts/chroot.sh run to finish creating/updating the chroot"
   flock -s 9
 fi
 if needs_work; then
   if ! flock -x -n 9; then
-    log "waiting for other scripts/trixie.sh runs to release the chroot"
+    log "waiting for other scripts/chroot.sh runs to release the chroot"
     flock -x 9
   fi
   ensure_chroot
@@ -413,7 +532,7 @@ if [ "$ENSURE_ONLY" -eq 1 ]; then exit 0; fi
 ENV=(HOME=/root LANG=C.UTF-8
      PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin)
 for v in "${KEEP_VARS[@]}" $(compgen -e | grep '^AMPX_' || true); do
-  case "$v" in AMPX_CACHE_DIR|AMPX_TRIXIE_*) continue ;; esac
+  case "$v" in AMPX_CACHE_DIR|AMPX_CHROOT_*) continue ;; esac
   if [ -n "${!v+x}" ]; then ENV+=("$v=${!v}"); fi
 done
 
