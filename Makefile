@@ -103,7 +103,15 @@ test-cuda: deps
 	$(call leg_test,cuda,$(CUDA_BUILD))
 	@scripts/check-skips.py tests/skips/cuda-2.6.txt $(CUDA_BUILD)/ctest-junit.xml
 
-test: test-host test-forky test-cuda
+# The chroots are made (first run) or checked in the background while the
+# host leg builds and runs: downloading and unpacking overlap compiling. The
+# chroot legs wait for them (scripts/chroot.sh's lock) and, should the
+# background run have failed, make them again, saying why.
+test: deps
+	@mkdir -p build
+	@echo "ampx: making or checking the forky and cuda chroots in the background (build/chroots.log)"
+	@(scripts/chroot.sh forky --ensure && scripts/chroot.sh cuda --ensure) > build/chroots.log 2>&1 &
+	@$(MAKE) --no-print-directory test-host test-forky test-cuda
 
 # Sanitizers (scripts/sanitize.sh; docs/reliability.md, "Sanitizers"): ampx's
 # code instrumented, LibTorch not. A run fails on a failing test, on a

@@ -374,6 +374,7 @@ unpack_packages() {
   if ! in_chroot "$r" /bin/sh -c '
       set -e
       mkdir -p /var/cache/ampx-debs && cd /var/cache/ampx-debs
+      apt-get update
       apt-get download -o Dpkg::Use-Pty=0 "$@" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true
       for p in "$@"; do
         deb=$(ls "${p}"_*.deb)

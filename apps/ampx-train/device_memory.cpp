@@ -12,11 +12,17 @@ namespace ampx::train {
 namespace {
 
 #if defined(AMPX_TRAIN_WITH_CUDA)
-const c10::cuda::CUDACachingAllocator::Stat& cuda_allocated(const c10::Device& device) {
-  static thread_local c10::cuda::CUDACachingAllocator::DeviceStats stats;
+// The statistics' types moved from c10::cuda::CUDACachingAllocator to
+// c10::CachingDeviceAllocator in 2.6 (DeviceStats stays visible in both):
+// named through getDeviceStats' result. StatType::AGGREGATE is index 0 in
+// every version.
+using DeviceStats = decltype(c10::cuda::CUDACachingAllocator::getDeviceStats(0));
+constexpr size_t kAggregate = 0;
+
+const auto& cuda_allocated(const c10::Device& device) {
+  static thread_local DeviceStats stats;
   stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index() < 0 ? 0 : device.index());
-  return stats
-      .allocated_bytes[static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE)];
+  return stats.allocated_bytes[kAggregate];
 }
 #endif
 

@@ -32,6 +32,15 @@
 #include <optional>
 #include <sstream>
 
+// GCC 14 reports the destructor of summarize_timing's std::vector<double>,
+// inlined into train_mode, as freeing a non-heap pointer: a false positive
+// inside libstdc++ (GCC 12 and 16 do not report it).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 14
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wfree-nonheap-object"
+#define AMPX_TRAINER_GCC14_PUSHED
+#endif
+
 namespace ampx::train {
 namespace {
 
@@ -624,3 +633,8 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
 }
 
 }  // namespace ampx::train
+
+#ifdef AMPX_TRAINER_GCC14_PUSHED
+#pragma GCC diagnostic pop
+#undef AMPX_TRAINER_GCC14_PUSHED
+#endif
