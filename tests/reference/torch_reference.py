@@ -20,26 +20,16 @@ Files written:
                          boundaries, found by casting float32 values with torch
 """
 import json
-import math
 import os
 import random
-import struct
 import sys
 
 import torch
 import torch.nn.functional as F
 
-
-def f32(x):
-    """Round a Python float (double) to float32, as ATen stores the scale:
-    to nearest even, inf where that rounds past the largest float32. Python
-    3.12+ raise OverflowError for the latter instead of returning inf."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+# Rounding a Python float to float32 (nearest even, inf beyond), shared.
+from fp8_reference import f32  # noqa: E402
 
 
 # ---------------------------------------------------------------- autocast
