@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fails a test run whose skipped tests differ from the leg's expected list.
 
-  check-skips.py EXPECTED_LIST [EXPECTED_LIST...] CTEST_JUNIT_XML
+  check-skips.py EXPECTED_LIST [EXPECTED_LIST...] CTEST_JUNIT_XML [--gtest-xml DIR]
 
 A feature probe that breaks (fp16 CPU autocast, ATen's CPU unscale kernel,
 the trainer binary...) turns its tests into skips, and a run that only counts
@@ -12,7 +12,16 @@ the skips ctest recorded (`ctest --output-junit FILE`) and exits 1 on any
 difference in either direction: a test skipped that is not listed, or a
 listed test that ran (the list is stale: remove the line). Several lists are
 joined: the sanitizer runs add tests/skips/sanitizers.txt to their leg's.
+
+With --gtest-xml DIR (a build with AMPX_TEST_SHARDS, whose GoogleTest
+binaries run as a few ctest shards: cmake/AmpxGTest.cmake), the GoogleTest
+tests are read from the XML reports the shards wrote to DIR, under the
+names ctest would give them one by one (Suite.Test, Prefix/Suite.Test/param);
+the shards' own ctest entries are not tests.
 """
+import glob
+import os
+import re
 import sys
 import xml.etree.ElementTree as ET
 
@@ -41,12 +50,45 @@ def recorded(path):
     return ran, skipped
 
 
+SHARD = re.compile(r"\.shard\d+of\d+$")
+
+
+def recorded_gtest(directory):
+    """(all test names, skipped test names) from GoogleTest's XML reports."""
+    ran, skipped = set(), set()
+    files = sorted(glob.glob(os.path.join(directory, "*.xml")))
+    if not files:
+        sys.exit("check-skips: no GoogleTest XML report in %s" % directory)
+    for path in files:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            name = "%s.%s" % (case.get("classname"), case.get("name"))
+            ran.add(name)
+            if (case.get("result") == "skipped" or case.find("skipped") is not None
+                    or case.get("status") == "notrun"):
+                skipped.add(name)
+    return ran, skipped
+
+
 def main(argv):
-    if len(argv) < 3:
+    args = argv[1:]
+    gtest_dir = None
+    if "--gtest-xml" in args:
+        i = args.index("--gtest-xml")
+        if i + 1 >= len(args):
+            sys.exit(__doc__)
+        gtest_dir = args[i + 1]
+        del args[i:i + 2]
+    if len(args) < 2:
         sys.exit(__doc__)
-    lists, junit = argv[1:-1], argv[-1]
+    lists, junit = args[:-1], args[-1]
     expected = set().union(*(expected_skips(path) for path in lists))
     ran, skipped = recorded(junit)
+    if gtest_dir is not None:
+        ran = {name for name in ran if not SHARD.search(name)}
+        skipped = {name for name in skipped if not SHARD.search(name)}
+        gtest_ran, gtest_skipped = recorded_gtest(gtest_dir)
+        ran |= gtest_ran
+        skipped |= gtest_skipped
     if not ran:
         sys.exit("check-skips: %s lists no test at all" % junit)
     unexpected = sorted(skipped - expected)

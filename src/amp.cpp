@@ -4,6 +4,7 @@
 
 #include "ampx/autocast.h"
 #include "ampx/fp8/linear.h"
+#include "ampx/kernels.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
 
@@ -228,6 +229,7 @@ void capture_master_weights(const AmpProperties& props,
 struct ForwardGuard::Impl {
   std::unique_ptr<AutocastGuard> autocast;
   std::unique_ptr<KeepNormsFp32Guard> norms;
+  std::unique_ptr<WideProductsGuard> wide;  // made last, dropped first
 };
 
 ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl>()) {
@@ -238,6 +240,11 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
     // LibTorch modules have no forward hooks: norm layers get their
     // low-precision inputs in fp32 through the dispatcher (ampx/policy.h).
     impl_->norms = std::make_unique<KeepNormsFp32Guard>(p.device.type());
+  }
+  // A cast model's 16-bit products on a CPU without 16-bit matrix kernels
+  // (O1's AutocastGuard makes its own).
+  if (p.cast_model_type && p.device.is_cpu() && cpu_products_are_wide(p.dtype)) {
+    impl_->wide = std::make_unique<WideProductsGuard>();
   }
 }
 

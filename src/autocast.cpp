@@ -1,7 +1,10 @@
 #include "ampx/autocast.h"
 
+#include "ampx/policy.h"
+
 #include "ampx/detail/compat.h"
 #include "device_check.h"
+#include "policy/registry.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/Context.h>
@@ -57,9 +60,22 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<c10::Sca
   detail::compat::set_autocast_dtype(device_type_, dtype_);
   at::autocast::increment_nesting();
   at::autocast::set_autocast_cache_enabled(cache_enabled);
+  if (enabled_ && detail::autocast_guard_wants_wide_products(device_type_, dtype_)) {
+    try {
+      wide_ = std::make_unique<WideProductsGuard>();
+    } catch (...) {
+      restore();
+      throw;
+    }
+  }
 }
 
 AutocastGuard::~AutocastGuard() {
+  wide_.reset();
+  restore();
+}
+
+void AutocastGuard::restore() noexcept {
   // torch.autocast.__exit__: the outermost region drops the weight-cast cache.
   if (at::autocast::decrement_nesting() == 0) {
     at::autocast::clear_cache();

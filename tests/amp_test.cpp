@@ -1,6 +1,7 @@
 // initialize() and the opt levels: Apex's table, overrides, casting, misuse.
 
 #include "ampx/amp.h"
+#include "ampx/kernels.h"
 
 #include "ampx/autocast.h"
 #include "ampx/optim.h"
@@ -147,12 +148,24 @@ TEST(AmpTest, O2ForwardGuardRoutesNormsOnlyWhenTheModelHasThem) {
       torch::nn::Sequential(torch::nn::Linear(8, 4), torch::nn::ReLU(), torch::nn::Linear(4, 2));
   auto plain = ampx::initialize(mlp.ptr(), {}, AmpOptions(OptLevel::O2));
   EXPECT_FALSE(plain.properties().has_fp32_norm_layers);
+  const auto products = ampx::get_cpu_products();
+  ampx::set_cpu_products(ampx::CpuProducts::kNative);
   {
     auto forward = plain.forward_guard();  // nothing to route: no registrations, no autocast
     EXPECT_FALSE(ampx::is_autocast_enabled(torch::kCPU));
     auto y = mlp->forward(plain.cast_input(torch::ones({3, 8})));
     EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
   }
+  // Products through the float32 BLAS (a CPU without AVX-512): the linears
+  // are routed, so autocast is on for them.
+  ampx::set_cpu_products(ampx::CpuProducts::kWide);
+  {
+    auto forward = plain.forward_guard();
+    EXPECT_TRUE(ampx::is_autocast_enabled(torch::kCPU));
+    auto y = mlp->forward(plain.cast_input(torch::ones({3, 8})));
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  }
+  ampx::set_cpu_products(products);
 }
 
 TEST(AmpTest, MisuseIsAClearError) {

@@ -2,6 +2,7 @@
 // guards, presets, Fp32RegionGuard and KeepNormsFp32Guard. Expectations are
 // what each LibTorch version does, checked on real ops.
 
+#include "ampx/kernels.h"
 #include "ampx/policy.h"
 
 #include "ampx/autocast.h"
@@ -96,6 +97,24 @@ TEST_F(PolicyTest, GuardOverridesMmAndSoftmaxAndRestores) {
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
   EXPECT_EQ(torch::softmax(a, 1).scalar_type(), torch::kFloat);
   EXPECT_FALSE(ampx::get_cast_policy(torch::kCPU, "aten::mm").has_value());
+}
+
+// Each replacement drops the kernel it replaces: after a reset, PyTorch's
+// own kernel acts again, not a policy set (and replaced) before.
+TEST_F(PolicyTest, ReplacingAPolicyLeavesNoKernelBehind) {
+  const auto a = rnd({4, 4});
+  ampx::set_cast_policy(torch::kCPU, "aten::mm", CastPolicy::kFp32);
+  ampx::set_cast_policy(torch::kCPU, "aten::mm", CastPolicy::kPassthrough);
+  {
+    CastPolicyGuard nested(torch::kCPU, {{"aten::mm", CastPolicy::kPromote}});
+  }
+  ampx::reset_cast_policy(torch::kCPU, "aten::mm");
+  ampx::set_cpu_products(ampx::CpuProducts::kNative);  // no routing of products
+  {
+    AutocastGuard autocast(torch::kCPU);
+    EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
+  }
+  ampx::set_cpu_products(ampx::CpuProducts::kAuto);
 }
 
 TEST_F(PolicyTest, PoliciesActOnlyInsideAutocast) {

@@ -360,6 +360,11 @@ std::string settings_table(const TrainConfig& c) {
   if (c.resume) add("resume", "yes");
   add("LibTorch", ampx::torch_version());
   add("BLAS (fp32)", blas_setting());
+  if (c.device == "cpu") {
+    const auto dtype = c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
+    // (at most 12 characters: the table's width, which tests read)
+    add(std::string(c.dtype == "fp16" ? "fp16" : "bf16") + " matmuls", cpu_products_setting(dtype));
+  }
   add("CPU", cpu_model());
   size_t width = 0;
   for (const auto& r : rows) width = std::max(width, r.first.size());

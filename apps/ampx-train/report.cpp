@@ -5,6 +5,7 @@
 #include "machine.h"
 #include "models.h"
 
+#include <ampx/kernels.h>
 #include <ampx/version.h>
 
 #include <c10/util/Exception.h>
@@ -106,7 +107,14 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"device", c.device},
         {"dtype", c.dtype},
         {"attention",
-         workload.name() == "gpt" ? nlohmann::json(kGptAttention) : nlohmann::json()}}},
+         workload.name() == "gpt" ? nlohmann::json(kGptAttention) : nlohmann::json()},
+        {"cpu_products",
+         c.device == "cpu"
+             ? nlohmann::json(ampx::cpu_products_are_wide(c.dtype == "fp16" ? c10::kHalf
+                                                                           : c10::kBFloat16)
+                                  ? "wide"
+                                  : "native")
+             : nlohmann::json()}}},
       {"machine",
        {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},
       {"modes", modes},

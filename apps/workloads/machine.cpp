@@ -1,5 +1,7 @@
 #include "machine.h"
 
+#include "ampx/kernels.h"
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -67,6 +69,21 @@ std::string blas_setting() {
   }
   if (env_is(kBlasChoiceEnv, "keep")) return lib + " (" + kBlasChoiceEnv + "=keep)";
   return lib;
+}
+
+std::string cpu_products_setting(c10::ScalarType dtype) {
+  const std::string name = dtype == c10::kHalf ? "fp16" : "bf16";
+  const bool native_here = ampx::cpu_has_native_products(dtype);
+  const std::string mode = ampx::to_string(ampx::get_cpu_products());
+  if (ampx::cpu_products_are_wide(dtype)) {
+    return "float32 BLAS, rounded once to " + name +
+           (native_here ? " (AMPX_CPU_PRODUCTS=" + mode + ")"
+                        : " (this CPU has no AVX-512, where LibTorch multiplies " + name +
+                              " in a scalar loop; AMPX_CPU_PRODUCTS=native to use it)");
+  }
+  if (native_here) return "LibTorch's (oneDNN, AVX-512)";
+  return "LibTorch's: a scalar loop on this CPU (no AVX-512), about 30x slower than fp32 "
+         "(AMPX_CPU_PRODUCTS=" + mode + "; auto routes them through the float32 BLAS)";
 }
 
 std::string blas_warning(int threads) {

@@ -5,6 +5,8 @@
 // that build (OpenBLAS's OpenMP build over its pthreads build when both are
 // installed; see blas_dir_to_switch_to()).
 
+#include <c10/core/ScalarType.h>
+
 #include <string>
 
 namespace ampx::train {
@@ -39,6 +41,11 @@ std::string blas_dir_to_switch_to();
 
 /// The settings table's BLAS line: the build, and why it is the one.
 std::string blas_setting();
+
+/// The settings table's line on how `dtype` (bf16, fp16) matrix products
+/// run in ampx's regions on this CPU: LibTorch's kernels, or the float32 BLAS
+/// (ampx::cpu_products_are_wide), and why.
+std::string cpu_products_setting(c10::ScalarType dtype);
 
 /// A warning when the BLAS build is known to slow fp32 down here (empty
 /// otherwise): OpenBLAS's pthreads build with more than one thread competes

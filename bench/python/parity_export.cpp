@@ -177,6 +177,10 @@ int main(int argc, char** argv) {
     const int threads = argc == 4 ? std::atoi(argv[3]) : 1;
     TORCH_CHECK(threads > 0, "ampx_parity_export: --threads must be > 0, got ", argv[3]);
     at::set_num_threads(threads);
+    // The check is that the Python models are the C++ ones, bit for bit on
+    // the same LibTorch: both multiply bf16 with LibTorch's kernels, also on
+    // a CPU where ampx's regions would use the float32 BLAS instead.
+    ampx::set_cpu_products(ampx::CpuProducts::kNative);
     const std::filesystem::path dir = argv[1];
     std::filesystem::create_directories(dir);
     for (const char* workload : {"gpt", "mnist-cnn", "fashion-mlp"}) {

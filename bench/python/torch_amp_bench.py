@@ -299,7 +299,27 @@ def train(args):
         result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
                            "heads": args.heads, "d_model": args.d_model}
         result["attention"] = ATTENTION
+    if args.precision == "autocast-bf16":
+        result["matmuls"] = bf16_matmuls()
     return result
+
+
+def bf16_matmuls():
+    """Which kernels torch.autocast's bf16 matrix products run here: LibTorch
+    calls oneDNN for them only on CPUs with AVX-512 (F, BW, VL, DQ), and runs
+    a scalar loop elsewhere (ampx-train's settings name its own path)."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        return "unknown (no /proc/cpuinfo)"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "LibTorch's (oneDNN, AVX-512)"
+    return "LibTorch's scalar loop (no AVX-512)"
 
 
 def parse_args(argv=None):
@@ -359,6 +379,8 @@ def main(argv=None):
         settings.insert(5, ("model", f"{args.layers} layers, d {args.d_model}, {args.heads} heads, "
                                      f"block {args.block_size}"))
         settings.insert(6, ("attention", ATTENTION))
+    if args.precision == "autocast-bf16":
+        settings.append(("bf16 matmuls", bf16_matmuls()))
     width = max(len(k) for k, _ in settings)
     print("torch_amp_bench\n" + "".join(f"  {k:<{width}}  {v}\n" for k, v in settings), flush=True)
     r = train(args)

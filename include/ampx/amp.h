@@ -111,7 +111,10 @@ struct AmpProperties {
 };
 
 /// The forward-pass region of an opt level: autocast (O1), norm layers fed in
-/// fp32 (O2), nothing (O0, O3). Returned by AmpSession::forward_guard(); RAII.
+/// fp32 (O2), nothing (O0, O3); with a cast model (O2, O3) on a CPU whose
+/// 16-bit products LibTorch runs in a scalar loop, also a WideProductsGuard
+/// (ampx/policy.h; O1's AutocastGuard makes its own). Returned by
+/// AmpSession::forward_guard(); RAII.
 class ForwardGuard {
  public:
   ~ForwardGuard();

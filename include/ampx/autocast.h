@@ -20,11 +20,14 @@
 #include <c10/util/Optional.h>
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace ampx {
+
+class WideProductsGuard;
 
 /// Whether autocast is enabled for `device_type` (kCPU or kCUDA) in this thread.
 bool is_autocast_enabled(c10::DeviceType device_type);
@@ -51,6 +54,14 @@ void clear_autocast_cache();
 /// Errors: a dtype other than float16/bfloat16, and float16 on the CPU with
 /// LibTorch 1.13 (which cannot run it). Asking for CUDA where CUDA is not
 /// available warns and disables the region, as Python does.
+///
+/// One difference from Python, on CPUs whose 16-bit matrix products LibTorch
+/// runs in a scalar loop (no AVX-512: cpu_products_are_wide in
+/// ampx/kernels.h): an enabled CPU region also makes a WideProductsGuard, so
+/// linear, matmul, mm, bmm and addmm multiply their 16-bit operands in the
+/// float32 BLAS and round once to 16 bits (the dtypes and the float32
+/// accumulation of Python's region, in another summation order, about 30x
+/// faster there). AMPX_CPU_PRODUCTS=native, or set_cpu_products, turns it off.
 class AutocastGuard {
  public:
   explicit AutocastGuard(c10::DeviceType device_type,
@@ -75,6 +86,8 @@ class AutocastGuard {
   bool prev_enabled_;
   c10::ScalarType prev_dtype_;
   bool prev_cache_enabled_;
+  void restore() noexcept;
+  std::unique_ptr<WideProductsGuard> wide_;  // CPU products through the fp32 BLAS
 };
 
 namespace detail {

@@ -195,6 +195,39 @@ class KeepNormsFp32Guard {
   std::unique_ptr<AutocastGuard> autocast_;
 };
 
+/// 16-bit matrix products on the CPU through the float32 BLAS while it lives
+/// (ampx::wide_linear, wide_bmm, wide_matmul; CpuProducts in ampx/kernels.h):
+/// linear, matmul, mm, bmm and addmm (1-D bias) whose operands are CPU
+/// tensors of a 16-bit dtype for which cpu_products_are_wide() holds are
+/// computed in float32 and rounded once to that dtype, forward and backward.
+/// Where no 16-bit dtype is wide (a CPU with AVX-512, or
+/// set_cpu_products(CpuProducts::kNative)) the guard does nothing.
+///
+/// Inside an autocast region (AutocastGuard, KeepNormsFp32Guard) each of
+/// these ops keeps its casts (PyTorch's lower-precision cast, or ampx's
+/// policy for it) and then multiplies wide; AutocastGuard makes one itself on
+/// such CPUs, so O1 needs nothing more. Outside one (O2's model without norm
+/// layers, O3) the guard turns autocast on for this thread with every other op
+/// passing through untouched, as KeepNormsFp32Guard does; AmpSession's
+/// forward_guard() makes it for O2 and O3. Other shapes (1-D operands,
+/// broadcast batch sizes, addmm with a 2-D input or beta/alpha other than 1)
+/// run LibTorch's own kernel. Registrations are process-wide and restored on
+/// exit, also by exception, with the caveats of KeepNormsFp32Guard.
+class WideProductsGuard {
+ public:
+  WideProductsGuard();
+  ~WideProductsGuard();
+
+  WideProductsGuard(const WideProductsGuard&) = delete;
+  WideProductsGuard& operator=(const WideProductsGuard&) = delete;
+  WideProductsGuard(WideProductsGuard&&) = delete;
+  WideProductsGuard& operator=(WideProductsGuard&&) = delete;
+
+ private:
+  std::unique_ptr<detail::PolicySnapshot> saved_;
+  std::unique_ptr<AutocastGuard> autocast_;
+};
+
 /// A region that must compute in float32 inside (or outside) an autocast
 /// region: while it lives, on `device_type`, autocast casts to float32 where it
 /// would have cast at all. Precisely: every op that has a kernel on the

@@ -21,7 +21,7 @@ namespace debug {
 namespace detail {
 namespace {
 
-constexpr c10::DispatchKey kKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+constexpr c10::DispatchKey kKey = kObserverKey;
 
 // Factories whose outputs are uninitialised memory: never inspected.
 const std::unordered_set<std::string>& uninitialised_ops() {

@@ -23,6 +23,12 @@ namespace ampx {
 namespace debug {
 namespace detail {
 
+/// The key of the observers' fallback. A kernel that computes an op out of
+/// other ops (ampx's wide products: float32 copies, a float32 product, a
+/// rounding) excludes it around them, so that observers see the op the
+/// program called, with its dtype, rather than its parts.
+constexpr c10::DispatchKey kObserverKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
 /// A floating output tensor to inspect, with the index of the output it
 /// came from and whether the op wrote it into an input.
 struct OutputTensor {

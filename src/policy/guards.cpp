@@ -4,6 +4,7 @@
 #include "ampx/policy.h"
 
 #include "ampx/autocast.h"
+#include "ampx/kernels.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>
@@ -153,6 +154,74 @@ KeepNormsFp32Guard::KeepNormsFp32Guard(c10::DeviceType device_type) {
 KeepNormsFp32Guard::~KeepNormsFp32Guard() {
   autocast_.reset();
   detail::restore_policies(*saved_);
+}
+
+namespace {
+
+// The products a WideProductsGuard routes (see wide_product in kernel.cpp).
+const char* const kProductOps[] = {"aten::linear", "aten::matmul", "aten::mm", "aten::bmm",
+                                   "aten::addmm"};
+
+// Set while a WideProductsGuard makes its own AutocastGuard, which must not
+// make another WideProductsGuard.
+thread_local bool t_making_wide_guard = false;
+
+}  // namespace
+
+namespace detail {
+bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype) {
+  return device_type == c10::DeviceType::CPU && !t_making_wide_guard &&
+         cpu_products_are_wide(dtype);
+}
+}  // namespace detail
+
+WideProductsGuard::WideProductsGuard() {
+  constexpr auto cpu = c10::DeviceType::CPU;
+  if (!cpu_products_are_wide(c10::kBFloat16) && !cpu_products_are_wide(c10::kHalf)) return;
+  const auto key = detail::autocast_key(cpu, "WideProductsGuard");
+  const bool autocast_on = is_autocast_enabled(cpu);
+  Changes changes;
+  if (!autocast_on) {
+    // Outside autocast (O2, O3): every other op runs as with autocast off.
+    const detail::PolicyEntry off{CastPolicy::kPassthrough, /*fallthrough=*/true};
+    changes = whole_set(cpu, "WideProductsGuard", off, off);
+  }
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const char* op : kProductOps) {
+    for (auto& name : detail::resolve_op(op, "WideProductsGuard")) {
+      // Inside autocast: the op keeps the casts it has now (ampx's policy,
+      // else PyTorch's lower-precision cast where PyTorch has a kernel).
+      detail::PolicyEntry entry{CastPolicy::kPassthrough, false, /*wide=*/true};
+      if (autocast_on) {
+        if (auto current = detail::get_policy(cpu, name)) {
+          if (!current->fallthrough) entry.policy = current->policy;
+          entry.inherited = current->inherited;
+        } else {
+          if (dispatcher.findOp(name)->hasKernelForDispatchKey(key)) {
+            entry.policy = CastPolicy::kLowerPrecision;
+          }
+          entry.inherited = true;
+        }
+      }
+      changes.emplace_back(std::move(name), entry);
+    }
+  }
+  saved_ = detail::set_policies(cpu, changes);
+  if (autocast_on) return;
+  t_making_wide_guard = true;
+  try {
+    autocast_ = std::make_unique<AutocastGuard>(cpu);
+  } catch (...) {
+    t_making_wide_guard = false;
+    detail::restore_policies(*saved_);
+    throw;
+  }
+  t_making_wide_guard = false;
+}
+
+WideProductsGuard::~WideProductsGuard() {
+  autocast_.reset();
+  if (saved_) detail::restore_policies(*saved_);
 }
 
 Fp32RegionGuard::Fp32RegionGuard(c10::DeviceType device_type) {

@@ -135,14 +135,89 @@ bool fused_gelu(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   return true;
 }
 
-void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::OperatorHandle& op,
-                torch::jit::Stack* stack) {
+// Whether every defined tensor in `ts` is a CPU tensor of one 16-bit dtype
+// whose products ampx runs wide now (ampx::cpu_products_are_wide).
+bool wide_operands(std::initializer_list<at::Tensor> ts) {
+  const at::Tensor& first = *ts.begin();
+  if (!first.defined() || !first.device().is_cpu() ||
+      !cpu_products_are_wide(first.scalar_type())) {
+    return false;
+  }
+  for (const at::Tensor& t : ts) {
+    if (t.defined() && (!t.device().is_cpu() || t.scalar_type() != first.scalar_type())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A product entry with wide products (PolicyEntry::wide) on the CPU: the
+// default overloads of linear, matmul, mm, bmm and addmm (1-D bias, beta and
+// alpha 1) whose operands pass wide_operands and whose sizes agree run
+// ampx::wide_linear / wide_bmm / wide_matmul. Anything else (other shapes,
+// whose errors then come from ATen) returns false and runs as before.
+bool wide_product(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  if (!schema.overload_name().empty()) return false;
+  const std::string& name = schema.name();
+  const size_t n = stack->size();
+  auto tensor = [&](size_t from_end) {
+    const c10::IValue& v = (*stack)[n - from_end];
+    return v.isTensor() ? v.toTensor() : at::Tensor();
+  };
+  auto is_one = [&](size_t from_end) {
+    const c10::IValue& v = (*stack)[n - from_end];
+    return v.isScalar() && v.toScalar().equal(1);
+  };
+  at::Tensor out;
+  size_t args = 0;
+  if (name == "aten::linear") {  // (input, weight, bias?)
+    const at::Tensor x = tensor(3), w = tensor(2), b = tensor(1);
+    if (!wide_operands({x, w, b}) || !w.defined() || w.dim() != 2 || x.dim() < 1 ||
+        x.size(-1) != w.size(1) || (b.defined() && (b.dim() != 1 || b.size(0) != w.size(0)))) {
+      return false;
+    }
+    out = wide_linear(x, w, b);
+    args = 3;
+  } else if (name == "aten::matmul") {  // (self, other)
+    const at::Tensor a = tensor(2), b = tensor(1);
+    if (!wide_operands({a, b}) || !b.defined() || !wide_matmul_supports(a, b)) return false;
+    out = wide_matmul(a, b);
+    args = 2;
+  } else if (name == "aten::mm" || name == "aten::bmm") {  // (self, mat2)
+    const at::Tensor a = tensor(2), b = tensor(1);
+    const int64_t dim = name == "aten::mm" ? 2 : 3;
+    if (!wide_operands({a, b}) || !b.defined() || a.dim() != dim || b.dim() != dim ||
+        !wide_matmul_supports(a, b)) {
+      return false;
+    }
+    out = dim == 2 ? wide_linear(a, b.t()) : wide_bmm(a, b);
+    args = 2;
+  } else if (name == "aten::addmm") {  // (self, mat1, mat2, *, beta, alpha)
+    const at::Tensor bias = tensor(5), a = tensor(4), b = tensor(3);
+    if (!wide_operands({a, b, bias}) || !b.defined() || !bias.defined() || a.dim() != 2 ||
+        b.dim() != 2 || a.size(1) != b.size(0) || bias.dim() != 1 || bias.size(0) != b.size(1) ||
+        !is_one(2) || !is_one(1)) {
+      return false;
+    }
+    out = wide_linear(a, b.t(), bias);
+    args = 5;
+  } else {
+    return false;
+  }
+  torch::jit::drop(*stack, args);
+  stack->emplace_back(std::move(out));
+  return true;
+}
+
+void run_policy(CastPolicy policy, c10::DeviceType device_type, bool wide,
+                const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // PyTorch's autocast kernels exclude the key for the op and everything it
   // calls; so do we (casts included: a cast must not meet our own kernel).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device_type));
   if (policy == CastPolicy::kPassthrough) {
-    op.callBoxed(stack);
+    if (!(wide && wide_product(op, stack))) op.callBoxed(stack);
     return;
   }
   if (policy == CastPolicy::kFp32OutputsAsInput &&
@@ -192,6 +267,7 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
     v = map_tensors(
         v, [&](const at::Tensor& t) { return at::autocast::cached_cast(to, t, device_type); });
   }
+  if (wide && wide_product(op, stack)) return;
   op.callBoxed(stack);
 
   if (policy == CastPolicy::kFp32OutputsAsInput && first != at::kFloat) {
@@ -205,27 +281,27 @@ void run_policy(CastPolicy policy, c10::DeviceType device_type, const c10::Opera
   }
 }
 
-template <CastPolicy P, c10::DeviceType D>
+template <CastPolicy P, c10::DeviceType D, bool W>
 void policy_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
-  run_policy(P, D, op, stack);
+  run_policy(P, D, W, op, stack);
 }
 
-template <c10::DeviceType D>
+template <c10::DeviceType D, bool W>
 c10::KernelFunction kernel_for(CastPolicy policy) {
   switch (policy) {
     case CastPolicy::kLowerPrecision:
       return c10::KernelFunction::makeFromBoxedFunction<
-          &policy_kernel<CastPolicy::kLowerPrecision, D>>();
+          &policy_kernel<CastPolicy::kLowerPrecision, D, W>>();
     case CastPolicy::kFp32:
-      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kFp32, D>>();
+      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kFp32, D, W>>();
     case CastPolicy::kPromote:
-      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kPromote, D>>();
+      return c10::KernelFunction::makeFromBoxedFunction<&policy_kernel<CastPolicy::kPromote, D, W>>();
     case CastPolicy::kPassthrough:
       return c10::KernelFunction::makeFromBoxedFunction<
-          &policy_kernel<CastPolicy::kPassthrough, D>>();
+          &policy_kernel<CastPolicy::kPassthrough, D, W>>();
     case CastPolicy::kFp32OutputsAsInput:
       return c10::KernelFunction::makeFromBoxedFunction<
-          &policy_kernel<CastPolicy::kFp32OutputsAsInput, D>>();
+          &policy_kernel<CastPolicy::kFp32OutputsAsInput, D, W>>();
   }
   TORCH_CHECK(false, "ampx: unknown CastPolicy ", static_cast<int>(policy));
 }
@@ -236,8 +312,11 @@ c10::KernelFunction make_policy_kernel(PolicyEntry entry, c10::DeviceType device
   if (entry.fallthrough) return c10::KernelFunction::makeFallthrough();
   // Stateless kernels, one per (policy, device): nothing to keep alive while
   // another thread drops the registration.
-  return device_type == c10::DeviceType::CUDA ? kernel_for<c10::DeviceType::CUDA>(entry.policy)
-                                              : kernel_for<c10::DeviceType::CPU>(entry.policy);
+  if (device_type == c10::DeviceType::CUDA) {
+    return kernel_for<c10::DeviceType::CUDA, false>(entry.policy);
+  }
+  return entry.wide ? kernel_for<c10::DeviceType::CPU, true>(entry.policy)
+                    : kernel_for<c10::DeviceType::CPU, false>(entry.policy);
 }
 
 }  // namespace detail

@@ -57,9 +57,14 @@ void apply_locked(Registry& r, c10::DeviceType device_type, const c10::OperatorN
       op, autocast_key(device_type, "set_cast_policy"), make_policy_kernel(*entry, device_type),
       c10::nullopt, nullptr,
       std::string("ampx cast policy ") +
-          (entry->fallthrough ? "fallthrough" : to_string(entry->policy)));
+          (entry->fallthrough ? "fallthrough" : to_string(entry->policy)) +
+          (entry->wide ? " with wide products" : ""));
   if (it != r.registrations.end()) {
     it->second.entry = *entry;
+    // Moving into a handle does not run the old one's deregistration: take
+    // it out first, so that it is dropped here (else the old kernel stays in
+    // the dispatcher and comes back when the new one is dropped).
+    c10::RegistrationHandleRAII old = std::move(it->second.handle);
     it->second.handle = std::move(handle);
   } else {
     r.registrations.emplace(key, Registration{*entry, std::move(handle)});
@@ -226,6 +231,8 @@ void reset_all_cast_policies(c10::DeviceType device_type) {
   detail::autocast_key(device_type, "reset_all_cast_policies");
   std::vector<std::pair<c10::OperatorName, c10::optional<detail::PolicyEntry>>> changes;
   for (auto& name : detail::ops_with_policy(device_type)) {
+    const auto entry = detail::get_policy(device_type, name);
+    if (entry && entry->inherited) continue;  // a WideProductsGuard's route, no policy
     changes.emplace_back(std::move(name), c10::nullopt);
   }
   detail::set_policies(device_type, changes);
@@ -238,7 +245,7 @@ c10::optional<CastPolicy> get_cast_policy(c10::DeviceType device_type, const std
   for (const auto& name : detail::resolve_op(op, "get_cast_policy")) {
     auto entry = detail::get_policy(device_type, name);
     c10::optional<CastPolicy> p;
-    if (entry) p = entry->fallthrough ? CastPolicy::kPassthrough : entry->policy;
+    if (entry && !entry->inherited) p = entry->fallthrough ? CastPolicy::kPassthrough : entry->policy;
     if (first) {
       common = p;
       first = false;
@@ -254,7 +261,7 @@ std::vector<std::pair<std::string, CastPolicy>> get_all_cast_policies(c10::Devic
   std::vector<std::pair<std::string, CastPolicy>> out;
   for (const auto& name : detail::ops_with_policy(device_type)) {
     auto entry = detail::get_policy(device_type, name);
-    if (entry) {
+    if (entry && !entry->inherited) {
       out.emplace_back(detail::op_string(name),
                        entry->fallthrough ? CastPolicy::kPassthrough : entry->policy);
     }

@@ -8,6 +8,7 @@
 #include <ATen/core/function_schema.h>
 #include <ATen/core/operator_name.h>
 #include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
 #include <c10/core/DispatchKey.h>
 #include <c10/util/Optional.h>
 
@@ -25,8 +26,17 @@ namespace detail {
 struct PolicyEntry {
   CastPolicy policy = CastPolicy::kPassthrough;
   bool fallthrough = false;
+  /// CPU products (WideProductsGuard): after the policy's casts, a product
+  /// of 16-bit operands runs ampx::wide_linear / wide_matmul when
+  /// cpu_products_are_wide says so.
+  bool wide = false;
+  /// A WideProductsGuard's entry for an op ampx had no policy for: `policy`
+  /// is PyTorch's own, so the public getters and reset_all_cast_policies
+  /// treat the op as having no ampx policy.
+  bool inherited = false;
   bool operator==(const PolicyEntry& o) const {
-    return policy == o.policy && fallthrough == o.fallthrough;
+    return policy == o.policy && fallthrough == o.fallthrough && wide == o.wide &&
+           inherited == o.inherited;
   }
 };
 
@@ -74,6 +84,10 @@ class KernelFunction;
 }
 namespace ampx {
 namespace detail {
+/// Whether an enabled AutocastGuard on `device_type` with `dtype` makes a
+/// WideProductsGuard (the CPU, products wide for dtype, and not the guard a
+/// WideProductsGuard makes itself).
+bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype);
 /// The Autocast-key kernel that applies `entry` on `device_type` (kernel.cpp).
 c10::KernelFunction make_policy_kernel(PolicyEntry entry, c10::DeviceType device_type);
 }  // namespace detail

@@ -1,0 +1,259 @@
+// 16-bit matrix products through the float32 BLAS (ampx::wide_linear,
+// ampx::wide_bmm, ampx::wide_matmul) and the choice of when ampx's regions
+// use them (ampx::cpu_products_are_wide). On a CPU without AVX-512, LibTorch
+// has no vectorized bfloat16 or float16 matrix product: oneDNN's bf16
+// kernels need AVX-512 (or AMX), and ATen's fallback is a scalar loop
+// (about 5 GFLOP/s on 2 Zen 3 cores against 150 for float32 through
+// OpenBLAS: a bf16 training step 30x slower than the float32 one).
+//
+// A product of 16-bit matrices with float32 accumulation, rounded once to
+// 16 bits, is what every bf16/fp16 GEMM computes; the float32 BLAS computes
+// the same from the widened inputs (every 16-bit value is a float32 value),
+// in another summation order. Backward is done the same way, saving the
+// 16-bit inputs (not float32 copies), so activation memory stays that of
+// the 16-bit path.
+
+#include "ampx/kernels.h"
+
+#include "../debug/observer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+namespace ampx {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool is_16bit(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// The float32 products below must not meet autocast (a caller's region, or
+// the autograd engine running backward inside one).
+struct NoAutocast {
+  c10::impl::ExcludeDispatchKeyGuard cpu{c10::DispatchKey::AutocastCPU};
+};
+
+// Forward, ampx's op observers (NonFiniteGuard, range statistics) see the
+// op the program called (aten::linear, aten::matmul, ...: its 16-bit
+// output, its module scope), not the float32 parts it is computed from.
+// Backward they see the parts, under the node of the forward op's scope: an
+// overflow there is reported on the float32 product, or on the rounding to
+// float16 past 65504.
+struct HiddenFromObservers {
+  c10::impl::ExcludeDispatchKeyGuard observers{debug::detail::kObserverKey};
+};
+
+at::Tensor widen(const at::Tensor& t) { return t.to(at::kFloat); }
+
+// y[..., N] = x[..., K] w[N, K]^T (+ b[N]), one rounding to x's dtype; and
+// its gradients (db when b is defined). Shared by the two Functions below:
+// LibTorch 1.13's custom Functions take no undefined tensor argument.
+at::Tensor linear_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                          const at::Tensor& b) {
+  NoAutocast no_autocast;
+  HiddenFromObservers hidden;
+  const int64_t k = x.size(-1), n = w.size(0);
+  const at::Tensor x2 = widen(x.reshape({-1, k}));
+  const at::Tensor wt = widen(w).t();
+  const at::Tensor y2 = b.defined() ? at::addmm(widen(b), x2, wt) : at::mm(x2, wt);
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  ctx->save_for_backward({x, w});
+  return y2.to(x.scalar_type()).view(sizes);
+}
+
+variable_list linear_backward(AutogradContext* ctx, const at::Tensor& grad,
+                              c10::optional<c10::ScalarType> bias_dtype) {
+  NoAutocast no_autocast;
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor &x = saved[0], &w = saved[1];
+  const int64_t k = x.size(-1), n = w.size(0);
+  const at::Tensor g2 = widen(grad.reshape({-1, n}));
+  variable_list out(bias_dtype ? 3 : 2);
+  if (ctx->needs_input_grad(0)) {
+    out[0] = at::mm(g2, widen(w)).to(x.scalar_type()).view(x.sizes());
+  }
+  if (ctx->needs_input_grad(1)) {
+    out[1] = at::mm(g2.t(), widen(x.reshape({-1, k}))).to(w.scalar_type());
+  }
+  if (bias_dtype && ctx->needs_input_grad(2)) out[2] = g2.sum(0).to(*bias_dtype);
+  return out;
+}
+
+struct WideLinearFunction : public torch::autograd::Function<WideLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& b) {
+    ctx->saved_data["bias_dtype"] = static_cast<int64_t>(b.scalar_type());
+    return linear_forward(ctx, x, w, b);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return linear_backward(
+        ctx, grads[0], static_cast<c10::ScalarType>(ctx->saved_data["bias_dtype"].toInt()));
+  }
+};
+
+struct WideLinearNoBiasFunction : public torch::autograd::Function<WideLinearNoBiasFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    return linear_forward(ctx, x, w, at::Tensor());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return linear_backward(ctx, grads[0], c10::nullopt);
+  }
+};
+
+at::Tensor apply_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
+  return b.defined() ? WideLinearFunction::apply(x, w, b) : WideLinearNoBiasFunction::apply(x, w);
+}
+
+// y[B, M, N] = a[B, M, K] b[B, K, N], one rounding to a's dtype.
+struct WideBmmFunction : public torch::autograd::Function<WideBmmFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+    NoAutocast no_autocast;
+    HiddenFromObservers hidden;
+    ctx->save_for_backward({a, b});
+    return at::bmm(widen(a), widen(b)).to(a.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    NoAutocast no_autocast;
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &a = saved[0], &b = saved[1];
+    const at::Tensor g = widen(grads[0]);
+    at::Tensor da, db;
+    if (ctx->needs_input_grad(0)) {
+      da = at::bmm(g, widen(b).transpose(1, 2)).to(a.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) {
+      db = at::bmm(widen(a).transpose(1, 2), g).to(b.scalar_type());
+    }
+    return {da, db};
+  }
+};
+
+void check_operands(const char* who, std::initializer_list<const at::Tensor*> operands) {
+  const at::Tensor& first = **operands.begin();
+  for (const at::Tensor* t : operands) {
+    if (!t->defined()) continue;
+    TORCH_CHECK_VALUE(t->device().is_cpu() && is_16bit(t->scalar_type()), who,
+                      ": operands must be bfloat16 or float16 CPU tensors, got ",
+                      t->scalar_type(), " on ", t->device());
+    TORCH_CHECK_VALUE(t->scalar_type() == first.scalar_type(), who,
+                      ": operands must share one dtype, got ", first.scalar_type(), " and ",
+                      t->scalar_type());
+  }
+}
+
+// AMPX_CPU_PRODUCTS, read once; set_cpu_products replaces it.
+CpuProducts mode_from_environment() {
+  const char* env = std::getenv("AMPX_CPU_PRODUCTS");
+  if (env == nullptr || *env == '\0') return CpuProducts::kAuto;
+  const std::string value = env;
+  if (value == "native") return CpuProducts::kNative;
+  if (value == "wide") return CpuProducts::kWide;
+  TORCH_CHECK_VALUE(value == "auto", "AMPX_CPU_PRODUCTS must be auto, native or wide, got \"",
+                    value, "\"");
+  return CpuProducts::kAuto;
+}
+
+std::atomic<int>& mode_storage() {
+  static std::atomic<int> mode{static_cast<int>(mode_from_environment())};
+  return mode;
+}
+
+}  // namespace
+
+const char* to_string(CpuProducts mode) {
+  switch (mode) {
+    case CpuProducts::kAuto: return "auto";
+    case CpuProducts::kNative: return "native";
+    case CpuProducts::kWide: return "wide";
+  }
+  return "?";
+}
+
+void set_cpu_products(CpuProducts mode) { mode_storage().store(static_cast<int>(mode)); }
+
+CpuProducts get_cpu_products() { return static_cast<CpuProducts>(mode_storage().load()); }
+
+bool cpu_has_native_products(c10::ScalarType dtype) {
+  if (!is_16bit(dtype)) return true;
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  // oneDNN's bf16 and fp16 matrix kernels, which LibTorch calls for 16-bit
+  // products, need AVX-512 (F, BW, VL, DQ: LibTorch's own test before it
+  // calls them); for fp16 also AVX512-FP16, without which LibTorch 2.x
+  // multiplies fp16 in a loop (and 1.13 not at all).
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  static const bool avx512_fp16 = avx512 && __builtin_cpu_supports("avx512fp16");
+#else
+  static const bool avx512_fp16 = false;
+#endif
+  return dtype == at::kBFloat16 ? avx512 : avx512_fp16;
+#else
+  // Other architectures: LibTorch's own kernels (Arm's have bf16 paths).
+  return true;
+#endif
+}
+
+bool cpu_products_are_wide(c10::ScalarType dtype) {
+  if (!is_16bit(dtype)) return false;
+  switch (get_cpu_products()) {
+    case CpuProducts::kNative: return false;
+    case CpuProducts::kWide: return true;
+    case CpuProducts::kAuto: break;
+  }
+  return !cpu_has_native_products(dtype);
+}
+
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  check_operands("ampx::wide_linear", {&x, &weight, &bias});
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
+                    "ampx::wide_linear: x [..., in] and weight [out, in] must agree, got x ",
+                    x.sizes(), " and weight ", weight.sizes());
+  TORCH_CHECK_VALUE(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
+                    "ampx::wide_linear: bias must be [out] = [", weight.size(0), "], got ",
+                    bias.sizes());
+  return apply_linear(x, weight, bias);
+}
+
+at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b) {
+  check_operands("ampx::wide_bmm", {&a, &b});
+  TORCH_CHECK_VALUE(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) &&
+                        a.size(2) == b.size(1),
+                    "ampx::wide_bmm: a [B, M, K] and b [B, K, N] must agree, got ", a.sizes(),
+                    " and ", b.sizes());
+  return WideBmmFunction::apply(a, b);
+}
+
+bool wide_matmul_supports(const at::Tensor& a, const at::Tensor& b) {
+  if (a.dim() < 2 || b.dim() < 2 || a.size(-1) != b.size(-2)) return false;
+  if (b.dim() == 2) return true;
+  return a.dim() == b.dim() && a.sizes().slice(0, a.dim() - 2) == b.sizes().slice(0, b.dim() - 2);
+}
+
+at::Tensor wide_matmul(const at::Tensor& a, const at::Tensor& b) {
+  check_operands("ampx::wide_matmul", {&a, &b});
+  TORCH_CHECK_VALUE(wide_matmul_supports(a, b),
+                    "ampx::wide_matmul: needs a [..., M, K] with b [K, N] or b [..., K, N] of the "
+                    "same batch sizes, got ",
+                    a.sizes(), " and ", b.sizes());
+  if (b.dim() == 2) return apply_linear(a, b.t(), at::Tensor());
+  const int64_t m = a.size(-2), k = a.size(-1), n = b.size(-1);
+  auto sizes = a.sizes().vec();
+  sizes.back() = n;
+  // reshape: a view when the batch dimensions allow it (a transposed key in
+  // attention does), a 16-bit copy otherwise.
+  return WideBmmFunction::apply(a.reshape({-1, m, k}), b.reshape({-1, k, n})).view(sizes);
+}
+
+}  // namespace ampx
