@@ -225,13 +225,24 @@ std::unique_ptr<aopt::MixedPrecisionOptimizer> make_opt(Algo algo, std::vector<t
 // 30 fp32 ulps of the weight (one per step: 30 * 2^-23 * |w|, plus 1e-6 for
 // the rounding of momenta and updates where |w| is near 0) of the double
 // trajectory; the param is always the master rounded to nearest even.
-void check_against_reference(Algo algo, torch::ScalarType dtype) {
+// strided: every param is a stride-2 view (a non-contiguous leaf), which
+// takes the per-tensor path of ATen ops (update_generic) instead of the fused
+// CPU kernels; the same reference and the same checks hold for it.
+void check_against_reference(Algo algo, torch::ScalarType dtype, bool strided = false) {
   const std::vector<int64_t> sizes = {70001, 37};
   std::vector<torch::Tensor> params;
   std::vector<Reference> refs;
   for (size_t i = 0; i < sizes.size(); ++i) {
     auto g = at::detail::createCPUGenerator(7 + i);
-    params.push_back(at::randn({sizes[i]}, g).to(dtype).requires_grad_());
+    const auto values = at::randn({sizes[i]}, g).to(dtype);
+    if (strided) {
+      auto view = at::zeros({2 * sizes[i]}, values.options()).slice(0, 0, 2 * sizes[i], 2);
+      view.copy_(values);
+      ASSERT_FALSE(view.is_contiguous());
+      params.push_back(view.requires_grad_());
+    } else {
+      params.push_back(values.requires_grad_());
+    }
     refs.push_back(Reference{algo});
     refs.back().w = params.back().detach().to(torch::kDouble);
     if (algo == Algo::kLamb) refs.back().eps = 1e-6;
@@ -257,22 +268,26 @@ void check_against_reference(Algo algo, torch::ScalarType dtype) {
 }
 
 class MastersFollowDoubleReference
-    : public testing::TestWithParam<std::tuple<Algo, torch::ScalarType>> {};
+    : public testing::TestWithParam<std::tuple<Algo, torch::ScalarType, bool>> {};
 
+// The 16-bit param must equal its master rounded after every step, on the
+// fused path and on the per-tensor one (strided params).
 TEST_P(MastersFollowDoubleReference, OnBf16AndFp16Params) {
-  check_against_reference(std::get<0>(GetParam()), std::get<1>(GetParam()));
+  check_against_reference(std::get<0>(GetParam()), std::get<1>(GetParam()),
+                          std::get<2>(GetParam()));
 }
 
 INSTANTIATE_TEST_SUITE_P(
     OptimTest, MastersFollowDoubleReference,
     testing::Combine(testing::Values(Algo::kAdamW, Algo::kSGD, Algo::kLamb),
-                     testing::Values(torch::kBFloat16, torch::kHalf)),
-    [](const testing::TestParamInfo<std::tuple<Algo, torch::ScalarType>>& info) {
+                     testing::Values(torch::kBFloat16, torch::kHalf), testing::Bool()),
+    [](const testing::TestParamInfo<std::tuple<Algo, torch::ScalarType, bool>>& info) {
       const Algo algo = std::get<0>(info.param);
       return std::string(algo == Algo::kAdamW ? "AdamW"
                          : algo == Algo::kSGD ? "SGD"
                                               : "LAMB") +
-             (std::get<1>(info.param) == torch::kHalf ? "Fp16" : "Bf16");
+             (std::get<1>(info.param) == torch::kHalf ? "Fp16" : "Bf16") +
+             (std::get<2>(info.param) ? "Strided" : "");
     });
 
 TEST(OptimTest, LAMBFollowsDoubleReferenceOnFp32) {
