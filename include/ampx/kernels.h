@@ -134,6 +134,10 @@ bool cpu_products_are_wide(c10::ScalarType dtype);
 /// tensor of the shared dtype, or the sizes that do not agree.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& bias = at::Tensor());
+/// Whether the sizes fit wide_linear (x [..., in], weight [out, in], bias
+/// [out] or undefined); dtypes are not looked at.
+bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight,
+                          const at::Tensor& bias = at::Tensor());
 
 /// `at::bmm(a, b)` the same way (a [B, M, K], b [B, K, N]).
 at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b);

@@ -215,6 +215,11 @@ bool cpu_products_are_wide(c10::ScalarType dtype) {
   return !cpu_has_native_products(dtype);
 }
 
+bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1) &&
+         (!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)));
+}
+
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   check_operands("ampx::wide_linear", {&x, &weight, &bias});
   TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),

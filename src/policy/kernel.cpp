@@ -173,10 +173,7 @@ bool wide_product(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   size_t args = 0;
   if (name == "aten::linear") {  // (input, weight, bias?)
     const at::Tensor x = tensor(3), w = tensor(2), b = tensor(1);
-    if (!wide_operands({x, w, b}) || !w.defined() || w.dim() != 2 || x.dim() < 1 ||
-        x.size(-1) != w.size(1) || (b.defined() && (b.dim() != 1 || b.size(0) != w.size(0)))) {
-      return false;
-    }
+    if (!wide_operands({x, w, b}) || !w.defined() || !wide_linear_supports(x, w, b)) return false;
     out = wide_linear(x, w, b);
     args = 3;
   } else if (name == "aten::matmul") {  // (self, other)
@@ -196,8 +193,7 @@ bool wide_product(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   } else if (name == "aten::addmm") {  // (self, mat1, mat2, *, beta, alpha)
     const at::Tensor bias = tensor(5), a = tensor(4), b = tensor(3);
     if (!wide_operands({a, b, bias}) || !b.defined() || !bias.defined() || a.dim() != 2 ||
-        b.dim() != 2 || a.size(1) != b.size(0) || bias.dim() != 1 || bias.size(0) != b.size(1) ||
-        !is_one(2) || !is_one(1)) {
+        b.dim() != 2 || !wide_linear_supports(a, b.t(), bias) || !is_one(2) || !is_one(1)) {
       return false;
     }
     out = wide_linear(a, b.t(), bias);
