@@ -20,6 +20,8 @@
 #   make sanitize   the whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer
 #                   (host leg; build/asan); make sanitize-forky: the same on the 2.14 leg
 #   make tsan       the GradScaler and data-parallel tests under ThreadSanitizer (host leg)
+#   make soak       the preemption test with 100 signals per mode instead of
+#                   make test's 4 (host leg; about 15 minutes)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
@@ -50,7 +52,7 @@ CUDA_CMAKE_FLAGS := -DAMPX_NCCL=ON -DAMPX_BUILD_TRAIN_TESTS=OFF
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
 .PHONY: all deps data build run run-host test test-host test-forky test-cuda \
-	sanitize sanitize-forky tsan fuzz bench clean
+	sanitize sanitize-forky tsan soak fuzz bench clean
 
 all: build
 
@@ -148,6 +150,13 @@ sanitize-forky: deps
 tsan: deps
 	@echo "== GradScaler and data-parallel tests under TSan, LibTorch 1.13 (Debian 12 host) =="
 	$(SAN_ENV) scripts/sanitize.sh tsan $(TSAN_BUILD)
+
+# ampx-train stopped by SIGTERM/SIGUSR1 at random steps, resumed each time,
+# in every mode: the same run bit for bit (tests/train/preemption_test.cpp).
+SOAK_SIGNALS ?= 100
+soak: build
+	AMPX_PREEMPTION_SIGNALS=$(SOAK_SIGNALS) $(HOST_BUILD)/tests/train/ampx_train_tests \
+	  --gtest_filter='Modes/PreemptionModeTest.*'
 
 # A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
 # FUZZ_SECONDS each; the checkpoint_crc target mutates the checkpoint seeds.

@@ -8,6 +8,7 @@
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
 
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <torch/nn.h>
 #include <torch/optim/optimizer.h>
@@ -56,6 +57,9 @@ std::string AmpProperties::to_string() const {
                                                : std::to_string(loss_scale->value()));
   row("cast_model_outputs", cast_model_outputs ? c10::toString(*cast_model_outputs) : "none");
   row("num_losses", std::to_string(num_losses));
+  if (device.is_cuda()) {
+    row("allow_tf32", "matmul " + yes(tf32_matmul) + ", conv " + yes(tf32_conv));
+  }
   return out.str();
 }
 
@@ -312,6 +316,13 @@ AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
   if (props.patch_torch_functions && device.is_cpu() && props.dtype == c10::kHalf) {
     AutocastGuard probe(c10::kCPU, c10::kHalf);  // 1.13: a clear error, here and now
   }
+
+  if (options.allow_tf32()) {
+    at::globalContext().setAllowTF32CuBLAS(*options.allow_tf32());
+    at::globalContext().setAllowTF32CuDNN(*options.allow_tf32());
+  }
+  props.tf32_matmul = at::globalContext().allowTF32CuBLAS();
+  props.tf32_conv = at::globalContext().allowTF32CuDNN();
 
   mark_initialized(model);
   capture_master_weights(props, optimizers);

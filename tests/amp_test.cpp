@@ -7,6 +7,7 @@
 #include "ampx/optim.h"
 #include "test_util.h"
 
+#include <ATen/Context.h>
 #include <torch/torch.h>
 
 #include <limits>
@@ -93,6 +94,29 @@ TEST(AmpTest, Bf16TurnsLossScalingOffUnlessForced) {
       ampx::initialize(b.ptr(), {}, AmpOptions(OptLevel::O1).loss_scale(LossScale::dynamic()));
   EXPECT_TRUE(amp_b.scaler().is_enabled());
   EXPECT_EQ(amp_b.scaler().get_max_scale().value(), 16777216.0);
+}
+
+TEST(AmpTest, AllowTf32SetsLibTorchsSwitchesAndUnsetLeavesThem) {
+  auto& ctx = at::globalContext();
+  const bool matmul = ctx.allowTF32CuBLAS(), conv = ctx.allowTF32CuDNN();
+  for (bool on : {true, false}) {
+    Net net;
+    auto amp = ampx::initialize(net.ptr(), {}, AmpOptions(OptLevel::O1).allow_tf32(on));
+    EXPECT_EQ(ctx.allowTF32CuBLAS(), on);
+    EXPECT_EQ(ctx.allowTF32CuDNN(), on);
+    EXPECT_EQ(amp.properties().tf32_matmul, on);
+    EXPECT_EQ(amp.properties().tf32_conv, on);
+  }
+  ctx.setAllowTF32CuBLAS(true);
+  ctx.setAllowTF32CuDNN(false);
+  Net net;
+  auto amp = ampx::initialize(net.ptr(), {}, AmpOptions(OptLevel::O1));
+  EXPECT_TRUE(ctx.allowTF32CuBLAS());
+  EXPECT_FALSE(ctx.allowTF32CuDNN());
+  EXPECT_TRUE(amp.properties().tf32_matmul);
+  EXPECT_FALSE(amp.properties().tf32_conv);
+  ctx.setAllowTF32CuBLAS(matmul);
+  ctx.setAllowTF32CuDNN(conv);
 }
 
 TEST(AmpTest, O2CastsEverythingButNormLayers) {

@@ -114,6 +114,9 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->check(CLI::IsMember({"bf16", "fp16"}))
       ->default_str("auto");
   app.add_option("--device", c.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_flag("--tf32", c.tf32,
+               "--device cuda: TF32 tensor-core math for fp32 matrix products and convolutions "
+               "(Ampere and later), in every mode; off: LibTorch's defaults (products in fp32)");
   app.add_option("--nproc", c.nproc,
                  "data-parallel processes on this machine (Gloo); --batch-size is the global "
                  "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
@@ -152,14 +155,22 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--weight-decay", c.weight_decay, "AdamW decoupled weight decay")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", c.seed, "seed of the weights, the data order and stochastic rounding");
-  app.add_option("--block-size", c.block_size, "gpt: context length in characters")
-      ->check(CLI::Range(int64_t{2}, int64_t{4096}));
-  app.add_option("--layers", c.layers, "gpt: transformer blocks")
-      ->check(CLI::Range(int64_t{1}, int64_t{64}));
-  app.add_option("--d-model", c.d_model, "gpt: width")
-      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
-  app.add_option("--heads", c.heads, "gpt: attention heads (must divide --d-model)")
-      ->check(kPositive);
+  auto* block = app.add_option("--block-size", c.block_size, "gpt: context length in characters")
+                    ->check(CLI::Range(int64_t{2}, int64_t{4096}));
+  auto* layers = app.add_option("--layers", c.layers, "gpt: transformer blocks")
+                     ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  auto* width = app.add_option("--d-model", c.d_model, "gpt: width")
+                    ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  auto* heads = app.add_option("--heads", c.heads, "gpt: attention heads (must divide --d-model)")
+                    ->check(kPositive);
+  app.add_option("--gpt-shape", c.gpt_shape,
+                 "gpt: a named shape instead of the four above: gpt2-small (12 layers, d 768, "
+                 "12 heads, context 1024: GPT-2 small's, for GPUs)")
+      ->check(CLI::IsMember({"gpt2-small"}))
+      ->excludes(block)
+      ->excludes(layers)
+      ->excludes(width)
+      ->excludes(heads);
   app.add_option("--data-dir", c.data_dir,
                  "datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]; "
                  "filled by scripts/install-data.sh");
@@ -247,11 +258,20 @@ void resolve_defaults(TrainConfig& c) {
   if (c.out_dir.empty()) c.out_dir = "runs/" + c.workload;
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = c.out_dir + "/checkpoints";
   c.data_dir = resolve_data_dir(c.data_dir).string();
+  if (c.gpt_shape == "gpt2-small") {
+    c.layers = 12;
+    c.d_model = 768;
+    c.heads = 12;
+    c.block_size = 1024;
+  }
   TORCH_CHECK(c.workload != "gpt" || c.d_model % c.heads == 0, "ampx-train: --d-model ", c.d_model,
               " is not a multiple of --heads ", c.heads);
   TORCH_CHECK(c.device != "cuda" || torch::cuda::is_available(),
               "ampx-train: --device cuda, but this LibTorch (", ampx::torch_version(),
               ") sees no CUDA device");
+  TORCH_CHECK(!c.tf32 || c.device == "cuda",
+              "ampx-train: --tf32 is for --device cuda (TF32 is a tensor-core format of NVIDIA "
+              "GPUs); on the CPU fp32 products stay fp32");
   const auto modes = modes_of(c);
   const bool mixed = std::any_of(modes.begin(), modes.end(), [](auto& m) { return m != "fp32"; });
   const bool torch_1x = ampx::torch_version()[0] == '1' && ampx::torch_version()[1] == '.';
@@ -314,6 +334,9 @@ std::string settings_table(const TrainConfig& c) {
     add("dtype", c.dtype);
   }
   add("device", c.device);
+  if (c.device == "cuda") {
+    add("tf32", c.tf32 ? "on (fp32 products and convolutions)" : "LibTorch's default");
+  }
   if (c.nproc > 1) add("processes", c.nproc);
   add("threads", c.threads);
   add("malloc", c.malloc == "keep" ? "keeps freed memory (mmap threshold 32 MiB, trim 1 GiB)"
@@ -332,7 +355,7 @@ std::string settings_table(const TrainConfig& c) {
     shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
           << c.block_size;
     add("model", shape.str());
-    add("attention", kGptAttention);
+    add("attention", gpt_attention(torch::Device(c.device)));
   }
   add("data", c.data_dir);
   add("output", c.out_dir);

@@ -38,11 +38,13 @@ struct TrainConfig {
   double lr = 0;              // AdamW learning rate
   double weight_decay = 0.01;
   uint64_t seed = 1337;
+  bool tf32 = false;  // --tf32: TF32 fp32 products and convolutions (CUDA)
   // gpt model shape
   int64_t block_size = 128;
   int64_t layers = 4;
   int64_t d_model = 256;
   int64_t heads = 4;
+  std::string gpt_shape;  // --gpt-shape gpt2-small: GPT-2 small's shape (12 x 768, 12 heads, 1024)
   // files
   std::string data_dir;        // --data-dir, $AMPX_DATA_DIR, ~/.cache/ampx/data
   std::string out_dir;         // metrics, tables, plot; default runs/<workload>

@@ -105,16 +105,17 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"threads", c.threads},
         {"malloc", c.malloc},
         {"device", c.device},
+        {"tf32", c.tf32},
         {"dtype", c.dtype},
-        {"attention",
-         workload.name() == "gpt" ? nlohmann::json(kGptAttention) : nlohmann::json()},
-        {"cpu_products",
-         c.device == "cpu"
-             ? nlohmann::json(ampx::cpu_products_are_wide(c.dtype == "fp16" ? c10::kHalf
-                                                                           : c10::kBFloat16)
-                                  ? "wide"
-                                  : "native")
-             : nlohmann::json()}}},
+        {"attention", workload.name() == "gpt"
+                          ? nlohmann::json(gpt_attention(torch::Device(c.device)))
+                          : nlohmann::json()},
+        {"cpu_products", c.device == "cpu"
+                             ? nlohmann::json(ampx::cpu_products_are_wide(
+                                                  c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16)
+                                                  ? "wide"
+                                                  : "native")
+                             : nlohmann::json()}}},
       {"machine",
        {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},
       {"modes", modes},

@@ -225,13 +225,13 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   if (mode.level == ampx::OptLevel::O3) {
     // Pure low precision: no masters; bf16 keeps small updates alive by
     // rounding stochastically (fp16 has the mantissa to do without).
-    options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16 &&
-                                                      device.is_cpu());
+    options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16);
     options.seed(config.seed);
   }
   setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.model->parameters(), options);
   ampx::AmpOptions amp_options(mode.level);
   if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
+  if (config.tf32) amp_options.allow_tf32(true);
   setup.amp = std::make_unique<ampx::AmpSession>(
       ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
   // Every submodule by its path, for the numerics diagnostics: ops that take

@@ -64,9 +64,13 @@ class GptWorkload final : public Workload {
     // B windows of T + 1 characters at random offsets of the training split.
     auto gen = generator_for(seed_, /*stream=*/0, static_cast<uint64_t>(step));
     const int64_t T = cfg_.block;
+    // The offsets come from the CPU generator (the same windows on every
+    // device); the text is on the device, so only they cross to it.
     auto starts = torch::randint(data_.train.numel() - T - 1, {batch_, 1}, gen, torch::kLong);
-    auto windows = data_.train.index({starts + torch::arange(T + 1)});  // [B, T + 1]
-    return {windows.slice(1, 0, T).to(device), windows.slice(1, 1).to(device)};
+    const auto& text = train_on(device);
+    auto windows =
+        text.index({starts.to(device) + torch::arange(T + 1, text.options())});  // [B, T + 1]
+    return {windows.slice(1, 0, T), windows.slice(1, 1)};
   }
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
     return cross_entropy(output, target);
@@ -94,9 +98,19 @@ class GptWorkload final : public Workload {
   }
 
  private:
+  /// The training text on `device` (copied there once).
+  const torch::Tensor& train_on(const torch::Device& device) {
+    if (device.is_cpu()) return data_.train;
+    if (!train_device_.defined() || train_device_.device() != device) {
+      train_device_ = data_.train.to(device);
+    }
+    return train_device_;
+  }
+
   uint64_t seed_;
   int64_t batch_, eval_batches_;
   TextData data_;
+  torch::Tensor train_device_;  // data_.train on the training device (not the CPU)
   GPTConfig cfg_;
   GPT model_{nullptr};
 };

@@ -17,6 +17,7 @@
 #include <ampx/debug/scope.h>
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <cstdint>
@@ -43,13 +44,30 @@ struct GPTConfig {
   int64_t d = 256;
 };
 
-/// The attention path gpt's forward runs, named in ampx-train's settings and
-/// report beside the Python comparison's own (bench/python/ampx_models.py
-/// runs the same ops): LibTorch's fused scaled_dot_product_attention picks
-/// kernels by version and dtype (Debian's 2.14 runs bf16 on this CPU through
-/// a flash kernel several times slower than these matrix products).
+/// The attention path gpt's forward runs on the CPU, named in ampx-train's
+/// settings and report beside the Python comparison's own
+/// (bench/python/ampx_models.py runs the same ops): LibTorch's fused
+/// scaled_dot_product_attention picks kernels by version and dtype (Debian's
+/// 2.14 runs bf16 on this CPU through a flash kernel several times slower
+/// than these matrix products).
 inline constexpr const char* kGptAttention =
     "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)";
+
+/// On CUDA with LibTorch 2.x, gpt's attention is LibTorch's fused causal
+/// scaled_dot_product_attention (flash or memory-efficient kernels: the
+/// T x T scores are never stored), as a Python user's would be.
+#if TORCH_VERSION_MAJOR >= 2
+#define AMPX_GPT_CUDA_SDPA 1
+#else
+#define AMPX_GPT_CUDA_SDPA 0
+#endif
+inline constexpr const char* kGptCudaAttention =
+    "scaled_dot_product_attention, causal (LibTorch's fused kernels)";
+
+/// The attention path gpt runs on `device`.
+inline const char* gpt_attention(const torch::Device& device) {
+  return device.is_cuda() && AMPX_GPT_CUDA_SDPA ? kGptCudaAttention : kGptAttention;
+}
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads), d(c.d) {
@@ -69,6 +87,12 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     // would each zero-fill and copy a whole [3, B, H, T, hd] gradient.
     const auto qkv_parts = parts.unbind(0);
     const auto &q = qkv_parts[0], &k = qkv_parts[1], &v = qkv_parts[2];
+#if AMPX_GPT_CUDA_SDPA
+    if (x.is_cuda()) {
+      const auto y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+      return linear_2d(proj, y.transpose(1, 2).reshape({B, T, d}));
+    }
+#endif
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     att = att.masked_fill(mask.slice(0, 0, T).slice(1, 0, T), -INFINITY);
     att = torch::softmax(att, -1);

@@ -50,6 +50,14 @@ class LibTorchLinear(nn.Linear):
 # way, as ampx-train's gpt (models.h's kGptAttention); not PyTorch's fused
 # scaled_dot_product_attention, whose CPU kernels differ by version and dtype.
 ATTENTION = "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)"
+# On CUDA both sides run PyTorch's fused causal kernel (models.h's
+# kGptCudaAttention), as a Python user's GPT would.
+CUDA_ATTENTION = "scaled_dot_product_attention, causal (LibTorch's fused kernels)"
+
+
+def attention_on(device):
+    """The attention path the GPT runs on `device` ("cpu" or "cuda")."""
+    return CUDA_ATTENTION if device == "cuda" else ATTENTION
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,6 +76,9 @@ class CausalSelfAttention(nn.Module):
         hd = self.d // self.heads
         parts = self.qkv(x).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)  # [3, B, H, T, hd]
         q, k, v = parts.unbind(0)  # one backward (a stack), as models.h
+        if x.is_cuda:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.transpose(1, 2).reshape(B, T, self.d))
         att = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # [B, H, T, T]
         att = att.masked_fill(self.mask[:T, :T], float("-inf"))
         att = torch.softmax(att, -1)

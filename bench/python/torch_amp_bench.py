@@ -9,9 +9,16 @@ optimizer is torch.optim.AdamW with ampx-train's hyper-parameters (betas
 0.9/0.999, eps 1e-8, --weight-decay 0.01, one group, no clipping).
 
   --precision fp32           plain fp32 training (ampx-train --precision fp32)
-  --precision autocast-bf16  torch.autocast("cpu", dtype=torch.bfloat16) around
+  --precision autocast-bf16  torch.autocast(device, dtype=torch.bfloat16) around
                              forward + loss, backward outside, fp32 params, no
                              GradScaler (bf16 has fp32's range) (ampx-train O1)
+  --precision autocast-fp16  the same in float16 with torch.amp.GradScaler
+                             (--device cuda; ampx-train O1 --dtype fp16)
+
+--device cuda runs on the GPU (the GPT's attention: PyTorch's fused causal
+scaled_dot_product_attention, as ampx-train's on CUDA; --tf32 allows TF32 in
+fp32 products and convolutions; --adamw-impl fused is Python's
+AdamW(fused=True)); peak_bytes is torch.cuda.max_memory_allocated().
 
 Each step is timed as trainer.cpp times ampx-train's: batch fetch, zero_grad,
 forward, loss, backward, optimizer step and loss.item(). median_step_ms and
@@ -51,9 +58,9 @@ import time
 import torch
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-from ampx_models import ATTENTION, GPT_DEFAULTS, LINEARS, WORKLOADS, build_model, cross_entropy
+from ampx_models import GPT_DEFAULTS, LINEARS, WORKLOADS, attention_on, build_model, cross_entropy
 
-PRECISIONS = ("fp32", "autocast-bf16")
+PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16")
 
 # apps/ampx-train/config.cpp defaults_of(): batch size and lr per workload.
 DEFAULT_BATCH = {"gpt": 32, "mnist-cnn": 128, "fashion-mlp": 256}
@@ -187,12 +194,16 @@ def make_batches(args):
 
 
 # ------------------------------------------------------------------ training (trainer.cpp)
-def forward_loss(model, inputs, target, precision):
+AUTOCAST_DTYPES = {"autocast-bf16": torch.bfloat16, "autocast-fp16": torch.float16}
+
+
+def forward_loss(model, inputs, target, precision, device="cpu"):
     """One forward pass and its loss as the precision runs them: under
-    torch.autocast("cpu", bfloat16) for autocast-bf16 (output cast to fp32, as
-    ampx-train's cast_model_outputs(kFloat) does), plainly for fp32.
+    torch.autocast(device, bfloat16 / float16) for autocast-* (output cast to
+    fp32, as ampx-train's cast_model_outputs(kFloat) does), plainly for fp32.
     Returns (loss, output), both fp32."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"):
+    dtype = AUTOCAST_DTYPES.get(precision, torch.bfloat16)
+    with torch.autocast(device, dtype=dtype, enabled=precision in AUTOCAST_DTYPES):
         output = model(inputs).float()
         return cross_entropy(output, target), output
 
@@ -237,24 +248,46 @@ def default_warmup(steps):
     return min(10, max(1, steps // 10))
 
 
+def make_grad_scaler(precision, device):
+    """torch.amp.GradScaler for fp16 (torch 2.3+; torch.cuda.amp's before), None otherwise."""
+    if precision != "autocast-fp16":
+        return None
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler(device)
+    return torch.cuda.amp.GradScaler()
+
+
 def train(args):
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
     batches, vocab = make_batches(args)
     torch.manual_seed(args.seed)  # as trainer.cpp before Workload::build
     model = build_model(args.workload, vocab=vocab or 0, block_size=args.block_size,
                         layers=args.layers, heads=args.heads, d_model=args.d_model, linear=args.linear)
-    model.train()
+    model.to(device).train()
     opt, impl = make_optimizer(model, args.lr, args.weight_decay, args.adamw_impl)
+    scaler = make_grad_scaler(args.precision, args.device)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
 
     losses, step_ms = [], []
     run_start = time.perf_counter()
     for step in range(args.steps):
         t0 = time.perf_counter()
         inputs, target = batches(step)
+        inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
         opt.zero_grad()
-        loss, _ = forward_loss(model, inputs, target, args.precision)
-        loss.backward()
-        opt.step()
+        loss, _ = forward_loss(model, inputs, target, args.precision, args.device)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         loss_value = loss.item()
         step_ms.append((time.perf_counter() - t0) * 1000.0)
         losses.append(loss_value)
@@ -270,7 +303,12 @@ def train(args):
         "tool": "bench/python/torch_amp_bench.py",
         "workload": args.workload,
         "precision": args.precision,
-        "dtype": "bf16" if args.precision == "autocast-bf16" else "fp32",
+        "dtype": {"autocast-bf16": "bf16", "autocast-fp16": "fp16"}.get(args.precision, "fp32"),
+        "device": args.device,
+        "tf32": bool(args.tf32 and args.device == "cuda"),
+        "grad_scaler": scaler is not None,
+        "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "threads": torch.get_num_threads(),
@@ -298,8 +336,8 @@ def train(args):
     if args.workload == "gpt":
         result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
                            "heads": args.heads, "d_model": args.d_model}
-        result["attention"] = ATTENTION
-    if args.precision == "autocast-bf16":
+        result["attention"] = attention_on(args.device)
+    if args.precision == "autocast-bf16" and args.device == "cpu":
         result["matmuls"] = bf16_matmuls()
     return result
 
@@ -328,6 +366,8 @@ def parse_args(argv=None):
                     "and report ampx-train's timing numbers as JSON.")
     p.add_argument("--workload", choices=WORKLOADS, default="gpt")
     p.add_argument("--precision", choices=PRECISIONS, default="autocast-bf16")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--tf32", action="store_true", help="cuda: TF32 in fp32 products and convolutions")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="intra-op threads (torch.set_num_threads) [default: all cores]")
     p.add_argument("--batch-size", type=int, default=None,
@@ -367,6 +407,12 @@ def parse_args(argv=None):
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
     if args.workload == "gpt" and args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device")
+    if args.tf32 and args.device != "cuda":
+        p.error("--tf32 is for --device cuda")
+    if args.precision == "autocast-fp16" and args.device != "cuda" and not torch.__version__.startswith("2."):
+        p.error(f"--precision autocast-fp16 on the CPU needs torch 2.x; this is {torch.__version__}")
     return args
 
 
@@ -378,8 +424,9 @@ def main(argv=None):
     if args.workload == "gpt":
         settings.insert(5, ("model", f"{args.layers} layers, d {args.d_model}, {args.heads} heads, "
                                      f"block {args.block_size}"))
-        settings.insert(6, ("attention", ATTENTION))
-    if args.precision == "autocast-bf16":
+        settings.insert(6, ("attention", attention_on(args.device)))
+    settings.insert(2, ("device", args.device))
+    if args.precision == "autocast-bf16" and args.device == "cpu":
         settings.append(("bf16 matmuls", bf16_matmuls()))
     width = max(len(k) for k, _ in settings)
     print("torch_amp_bench\n" + "".join(f"  {k:<{width}}  {v}\n" for k, v in settings), flush=True)

@@ -88,6 +88,13 @@ struct AmpOptions {
   TORCH_ARG(double, max_loss_scale) = 16777216.0;
   /// One loss scaler per loss (Apex's num_losses / loss_id).
   TORCH_ARG(int64_t, num_losses) = 1;
+  /// TF32 tensor-core math for fp32 matrix products (cuBLAS) and
+  /// convolutions (cuDNN) on Ampere and later GPUs: a 10-bit mantissa in the
+  /// products, fp32 accumulation. Set, it sets both LibTorch switches
+  /// (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32);
+  /// unset, LibTorch's own defaults stay (as PyTorch's: products off,
+  /// convolutions on). No effect on the CPU.
+  TORCH_ARG(c10::optional<bool>, allow_tf32) = c10::nullopt;
 };
 
 /// What a level plus overrides resolved to.
@@ -102,6 +109,9 @@ struct AmpProperties {
   c10::optional<LossScale> loss_scale;  // nullopt: no scaling (scale 1)
   c10::optional<c10::ScalarType> cast_model_outputs;
   int64_t num_losses;
+  /// TF32 in effect after initialize(): fp32 products (cuBLAS), convolutions (cuDNN).
+  bool tf32_matmul = false;
+  bool tf32_conv = false;
   /// Whether the model has norm layers that keep_batchnorm_fp32 left in fp32:
   /// only then does the O2 forward guard route them (a model without norm
   /// layers skips the guard's dispatcher registrations).

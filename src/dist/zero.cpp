@@ -20,8 +20,13 @@ namespace ampx {
 namespace dist {
 
 namespace {
-
 constexpr int64_t kVersion = 1;
+}  // namespace
+
+// (A named namespace: Impl holds Spaces, and a type of an anonymous namespace
+// in a member of a class with linkage is an error when unity builds merge
+// this file into another.)
+namespace zero_detail {
 
 // The parameters of one param group and dtype, end to end, padded to
 // world * shard.
@@ -45,7 +50,10 @@ std::string describe(const std::vector<Space>& spaces) {
   return s.str();
 }
 
-}  // namespace
+}  // namespace zero_detail
+
+using zero_detail::describe;
+using zero_detail::Space;
 
 struct ZeroRedundancyOptimizer::Impl {
   std::vector<at::Tensor> params;  // all groups', in order

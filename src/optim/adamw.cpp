@@ -30,17 +30,23 @@ void AdamW::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const auto step = static_cast<double>(w.state->step);
     auto p = detail::fused_operands(w, config(), grad_mul);
-    // Scalars as LibTorch computes them (double), each rounded to float once.
     detail::set_adam_moments(p, b1, b2, o.eps());
-    p.decay_factor = static_cast<float>(1 - o.lr() * o.weight_decay());
-    p.step_size = static_cast<float>(o.lr() / (1 - std::pow(b1, step)));
-    p.bias_correction2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(b2, step)));
+    const auto s = ampx::detail::math::adamw_scalars(o.lr(), b1, b2, o.weight_decay(), step);
+    p.decay_factor = s.decay;
+    p.step_size = s.step_size;
+    p.bias_correction2_sqrt = s.bc2_sqrt;
     fused.push_back(p);
     numels.push_back(w.param.numel());
   }
   const auto span = detail::optim_kernels().adamw;
   detail::for_each_chunk(numels, detail::kChunkElems,
                          [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
+}
+
+detail::FusedOptions AdamW::fused_options(size_t group) const {
+  return detail::adam_family_fused_options(
+      static_cast<const AdamWOptions&>(param_groups_[group].options()),
+      detail::FusedUpdate::kAdamW);
 }
 
 void AdamW::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {

@@ -32,8 +32,9 @@ void LAMB::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
     auto p = detail::fused_operands(w, config(), grad_mul);
     detail::set_adam_moments(p, b1, b2, o.eps());
     p.weight_decay = static_cast<float>(o.weight_decay());
-    p.bias_correction1 = static_cast<float>(1 - std::pow(b1, step));
-    p.bias_correction2 = static_cast<float>(1 - std::pow(b2, step));
+    const auto s = ampx::detail::math::lamb_scalars(b1, b2, step);
+    p.bias_correction1 = s.bc1;
+    p.bias_correction2 = s.bc2;
     fused.push_back(p);
     numels.push_back(w.param.numel());
   }
@@ -53,14 +54,18 @@ void LAMB::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
   }
   for (size_t i = 0; i < fused.size(); ++i) {
     const auto& o = static_cast<const LAMBOptions&>(param_groups_[work[i].group].options());
-    const double w_norm = std::sqrt(w_sq[i]), u_norm = std::sqrt(u_sq[i]);
-    const double ratio = (w_norm > 0 && u_norm > 0) ? w_norm / u_norm : 1.0;
-    fused[i].step_size = static_cast<float>(o.lr() * ratio);
+    fused[i].step_size =
+        static_cast<float>(o.lr() * ampx::detail::math::lamb_trust_ratio(w_sq[i], u_sq[i]));
   }
   // Pass 2: w -= lr * ratio * u, u recomputed from the new moments.
   detail::for_each_chunk(
       numels, detail::kChunkElems,
       [&](int64_t, int64_t i, int64_t b, int64_t e) { k.lamb_apply(fused[i], b, e); });
+}
+
+detail::FusedOptions LAMB::fused_options(size_t group) const {
+  return detail::adam_family_fused_options(
+      static_cast<const LAMBOptions&>(param_groups_[group].options()), detail::FusedUpdate::kLamb);
 }
 
 void LAMB::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {

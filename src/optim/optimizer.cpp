@@ -1,14 +1,19 @@
 // MixedPrecisionOptimizer's step driver: gathers params with grads, decides
 // skip / unscale / clip once per step, sets up masters and states, then hands
-// dense CPU params to the fused kernels and everything else to ATen ops.
+// dense CPU params to the fused CPU kernels, dense CUDA params to the fused
+// CUDA kernels (cuda_step.h, where built with CUDA) and everything else to
+// ATen ops.
 
 #include "ampx/optim/optimizer.h"
 
 #include "../scale_math.h"
+#include "cuda_step.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <c10/util/Exception.h>
+
+#include <algorithm>
 
 namespace ampx {
 namespace optim {
@@ -153,7 +158,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   }
   const float grad_mul_host = (any_cpu && grad_mul.defined()) ? grad_mul.item<float>() : 1.f;
 
-  std::vector<ParamWork> fused;
+  std::vector<ParamWork> fused, fused_cuda;
   for (auto& w : work) {
     prepare(w);
     if (w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous()) {
@@ -163,6 +168,14 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
       continue;
     }
     auto& st = *w.state;
+    if (cuda_fusable(w)) {
+      if (!st.step_t.defined()) {
+        st.step_t =
+            at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
+      }
+      fused_cuda.push_back(w);  // the kernels count the step (unless skipped)
+      continue;
+    }
     if (!st.step_t.defined()) {
       st.step_t = at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
     }
@@ -186,6 +199,73 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   }
   if (!fused.empty()) {
     update_cpu(fused, grad_mul_host);
+  }
+  if (!fused_cuda.empty()) {
+    update_cuda(fused_cuda, grad_mul, found_inf);
+  }
+}
+
+bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {
+  if (!detail::cuda::built() || !w.param.is_cuda() || w.param.is_sparse() ||
+      w.grad.device() != w.param.device() || !w.param.is_contiguous() || !w.grad.is_contiguous()) {
+    return false;
+  }
+  const auto& st = *w.state;
+  for (const auto* t : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+    if (t->defined() && (t->device() != w.param.device() || !t->is_contiguous())) return false;
+  }
+  return !st.step_t.defined() || st.step_t.device() == w.param.device();
+}
+
+void MixedPrecisionOptimizer::update_cuda(std::vector<ParamWork>& work, const at::Tensor& grad_mul,
+                                          const at::Tensor& found_inf) {
+  if (!cuda_cache_) cuda_cache_ = std::make_shared<detail::cuda::MetaCache>();
+  // One fused step per device, over that device's params.
+  std::vector<c10::Device> devices;
+  for (const auto& w : work) {
+    if (std::find(devices.begin(), devices.end(), w.param.device()) == devices.end()) {
+      devices.push_back(w.param.device());
+    }
+  }
+  for (const auto& device : devices) {
+    std::vector<detail::cuda::TensorArgs> args;
+    std::vector<c10::ScalarType> dtypes;
+    detail::cuda::Update update = detail::cuda::Update::kAdamW;
+    for (const auto& w : work) {
+      if (w.param.device() != device) continue;
+      const auto o = fused_options(w.group);
+      update = static_cast<detail::cuda::Update>(o.update);
+      auto& st = *w.state;
+      detail::cuda::TensorArgs a;
+      a.param = w.param.data_ptr();
+      a.grad = w.grad.data_ptr();
+      a.master = st.master.defined() ? st.master.data_ptr<float>() : nullptr;
+      a.exp_avg = st.exp_avg.defined() && (o.update != detail::FusedUpdate::kSgd || o.momentum != 0)
+                      ? st.exp_avg.data_ptr<float>()
+                      : nullptr;
+      a.exp_avg_sq = st.exp_avg_sq.defined() ? st.exp_avg_sq.data_ptr<float>() : nullptr;
+      a.step = st.step_t.data_ptr<double>();
+      a.numel = w.param.numel();
+      a.position = w.position;
+      a.lr = o.lr;
+      a.beta1 = o.beta1;
+      a.beta2 = o.beta2;
+      a.eps = o.eps;
+      a.weight_decay = o.weight_decay;
+      a.momentum = o.momentum;
+      a.dampening = o.dampening;
+      a.nesterov = o.nesterov ? 1 : 0;
+      a.stochastic_rounding =
+          config_.stochastic_rounding && w.param.scalar_type() == at::kBFloat16 && !a.master;
+      args.push_back(a);
+      dtypes.push_back(w.param.scalar_type());
+    }
+    const auto gm =
+        grad_mul.defined() ? grad_mul.to(device, at::kFloat, /*non_blocking=*/true) : at::Tensor();
+    const auto fi = found_inf.defined() ? found_inf.to(device, at::kFloat, /*non_blocking=*/true)
+                                        : at::Tensor();
+    detail::cuda::fused_step(update, args, dtypes, device, gm.defined() ? gm.contiguous() : gm,
+                             fi.defined() ? fi.contiguous() : fi, config_.seed, *cuda_cache_);
   }
 }
 

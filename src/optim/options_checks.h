@@ -1,7 +1,8 @@
 #pragma once
 
-// What the optimizers' constructors share: the mixed-precision switches every
-// options struct carries, and the checks of Adam-family hyper-parameters.
+// What the optimizers share: the mixed-precision switches every options
+// struct carries, Adam-family options for the fused CUDA step, and the checks
+// of Adam-family hyper-parameters.
 
 #include "ampx/optim/optimizer.h"
 
@@ -16,6 +17,19 @@ namespace detail {
 template <class Options>
 MixedPrecisionConfig config_of(const Options& o) {
   return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+}
+
+/// AdamW's and LAMB's options as the fused CUDA step reads them.
+template <class Options>
+FusedOptions adam_family_fused_options(const Options& o, FusedUpdate update) {
+  FusedOptions f;
+  f.update = update;
+  f.lr = o.lr();
+  f.beta1 = std::get<0>(o.betas());
+  f.beta2 = std::get<1>(o.betas());
+  f.eps = o.eps();
+  f.weight_decay = o.weight_decay();
+  return f;
 }
 
 /// lr, eps, betas and weight_decay of AdamW and LAMB; `who` names the optimizer.

@@ -60,6 +60,18 @@ void SGD::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
                          [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
 }
 
+detail::FusedOptions SGD::fused_options(size_t group) const {
+  const auto& o = static_cast<const SGDOptions&>(param_groups_[group].options());
+  detail::FusedOptions f;
+  f.update = detail::FusedUpdate::kSgd;
+  f.lr = o.lr();
+  f.weight_decay = o.weight_decay();
+  f.momentum = o.momentum();
+  f.dampening = o.dampening();
+  f.nesterov = o.nesterov();
+  return f;
+}
+
 void SGD::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at::Tensor& skip) {
   const auto& o = static_cast<const SGDOptions&>(param_groups_[w.group].options());
   auto& st = *w.state;

@@ -214,6 +214,10 @@ TEST_F(TrainCliTest, RejectsBadFlagsWithUsageErrors) {
        {"--precision", " excludes ", "--compare"}},
       {{"--compare", "fp32,O9"}, CLI::ExitCodes::ValidationError, {"--compare: O9 not in"}},
       {{"--bogus"}, CLI::ExitCodes::ExtrasError, {"not expected: --bogus"}},
+      {{"--gpt-shape", "gpt3"}, CLI::ExitCodes::ValidationError, {"--gpt-shape: gpt3 not in"}},
+      {{"--gpt-shape", "gpt2-small", "--layers", "2"},
+       CLI::ExitCodes::ExcludesError,
+       {"--gpt-shape", " excludes ", "--layers"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(join(c.args));
@@ -223,6 +227,17 @@ TEST_F(TrainCliTest, RejectsBadFlagsWithUsageErrors) {
     EXPECT_EQ(*p.code, static_cast<int>(c.code));
     for (const auto& part : c.message) EXPECT_TRUE(contains(p.err, {part}));
   }
+}
+
+TEST_F(TrainCliTest, Gpt2SmallShapeIsGpt2Smalls) {
+  EnvGuard data("AMPX_DATA_DIR", dir_.c_str());
+  Parsed p = parse({"--gpt-shape", "gpt2-small"});
+  ASSERT_FALSE(p.code.has_value()) << p.err;
+  resolve_defaults(p.config);
+  EXPECT_EQ(p.config.layers, 12);
+  EXPECT_EQ(p.config.d_model, 768);
+  EXPECT_EQ(p.config.heads, 12);
+  EXPECT_EQ(p.config.block_size, 1024);
 }
 
 TEST_F(TrainCliTest, RejectsHeadsThatDoNotDivideTheWidth) {
@@ -248,6 +263,16 @@ TEST_F(TrainCliTest, RejectsCudaWithoutADevice) {
   EXPECT_EQ(error_text([&] { resolve_defaults(p.config); }),
             std::string("ampx-train: --device cuda, but this LibTorch (") + ampx::torch_version() +
                 ") sees no CUDA device");
+}
+
+TEST_F(TrainCliTest, RejectsTf32OnTheCpu) {
+  EnvGuard data("AMPX_DATA_DIR", dir_.c_str());
+  Parsed p = parse({"--tf32"});
+  ASSERT_FALSE(p.code.has_value()) << p.err;
+  EXPECT_TRUE(p.config.tf32);
+  EXPECT_EQ(error_text([&] { resolve_defaults(p.config); }),
+            "ampx-train: --tf32 is for --device cuda (TF32 is a tensor-core format of NVIDIA "
+            "GPUs); on the CPU fp32 products stay fp32");
 }
 
 TEST_F(TrainCliTest, RejectsFp16OnCpuWithLibTorch1) {

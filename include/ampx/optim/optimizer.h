@@ -30,6 +30,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,20 @@ struct ParamState {
   int64_t step = 0;       // steps taken (host count; authoritative for CPU params)
   at::Tensor step_t;      // float64 [] on the device (non-CPU params: no host sync)
 };
+
+/// Which update, and one param group's options, as the fused CUDA step
+/// (built where LibTorch has CUDA) reads them.
+enum class FusedUpdate { kAdamW, kSgd, kLamb };
+struct FusedOptions {
+  FusedUpdate update = FusedUpdate::kAdamW;
+  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
+  double momentum = 0, dampening = 0;
+  bool nesterov = false;
+};
+
+namespace cuda {
+struct MetaCache;
+}  // namespace cuda
 
 /// One parameter that has a gradient in this step.
 struct ParamWork {
@@ -126,6 +141,9 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   virtual void update_generic(detail::ParamWork& work, const at::Tensor& grad,
                               const at::Tensor& skip) = 0;
 
+  /// The options of param group `group` for the fused CUDA step.
+  virtual detail::FusedOptions fused_options(size_t group) const = 0;
+
   /// dst := skip ? dst : value (dst's dtype).
   static void commit(at::Tensor& dst, const at::Tensor& value, const at::Tensor& skip);
   /// Writes the new fp32 weight to the master (if any) and the param.
@@ -138,10 +156,15 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void run_step(const at::Tensor& grad_scale, const at::Tensor& found_inf);
   void sync_state_shape();
   void prepare(detail::ParamWork& work) const;
+  /// Dense CUDA params (and grads) that the fused CUDA step takes.
+  static bool cuda_fusable(const detail::ParamWork& work);
+  void update_cuda(std::vector<detail::ParamWork>& work, const at::Tensor& grad_mul,
+                   const at::Tensor& found_inf);
   const detail::ParamState* find_state(const at::Tensor& param) const;
 
   MixedPrecisionConfig config_;
   std::vector<std::vector<detail::ParamState>> states_;  // [group][index]
+  std::shared_ptr<detail::cuda::MetaCache> cuda_cache_;  // the fused CUDA step's operands
 };
 
 /// The model's params, in group order (low-precision under O2): the tensors

@@ -11,6 +11,8 @@
 
 #include "ampx/detail/cpu_isa.h"
 
+#include "../optim_math.h"
+
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
@@ -80,27 +82,9 @@ inline OptimKernels optim_kernels_for(Isa isa) {
   }
 }
 
-/// Stochastic rounding's random bits: a counter-based hash (splitmix64's
-/// finalizer) of a per-(seed, step, param) key and the element index, so a
-/// rounding depends only on where and when it happens, never on threads or
-/// chunking, and a resumed run draws the same bits.
-inline uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-inline uint64_t sr_key(uint64_t seed, int64_t step, int64_t param_index) {
-  return mix64(mix64(seed ^ 0x5851f42d4c957f2dULL) +
-               static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ULL +
-               mix64(static_cast<uint64_t>(param_index) + 0x2545f4914f6cdd1dULL));
-}
-
-/// 16 random bits for element `index` under `key`.
-inline uint32_t sr_bits(uint64_t key, int64_t index) {
-  return static_cast<uint32_t>(mix64(key + static_cast<uint64_t>(index) * 0x9e3779b97f4a7c15ULL) >>
-                               48);
-}
+/// Stochastic rounding's random bits (kernels/optim_math.h, shared with CUDA).
+using math::sr_bits;
+using math::sr_key;
 
 }  // namespace cpu
 }  // namespace detail

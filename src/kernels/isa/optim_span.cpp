@@ -31,23 +31,12 @@ using at::vec::Vectorized;
 using FVec = Vectorized<float>;
 using BVec = Vectorized<c10::BFloat16>;
 
-inline FVec vsqrt(const FVec& x) {
-  return x.sqrt();
-}
-inline float vsqrt(float x) {
-  return std::sqrt(x);
-}
+using math::vsqrt;
 
-// Unbiased rounding to bf16: adding 16 random bits below the kept 16 carries
-// into the kept part with probability (dropped bits) / 2^16.
+// Unbiased rounding to bf16 (kernels/optim_math.h).
 inline c10::BFloat16 round_stochastic(float x, uint64_t key, int64_t index) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7f800000u) == 0x7f800000u) {
-    return c10::BFloat16(x);  // inf / NaN stay what they are
-  }
-  bits += sr_bits(key, index);
-  return c10::BFloat16(static_cast<uint16_t>(bits >> 16), c10::BFloat16::from_bits());
+  return c10::BFloat16(math::bf16_bits_stochastic(x, sr_bits(key, index), c10::BFloat16(x).x),
+                       c10::BFloat16::from_bits());
 }
 
 template <class T>
@@ -59,25 +48,17 @@ inline c10::BFloat16 narrow<c10::BFloat16>(float w, const FusedParam& p, int64_t
   return p.stochastic_rounding ? round_stochastic(w, p.rng_key, i) : c10::BFloat16(w);
 }
 
-// Op: kGrad / kM / kV say what it reads, kWriteW / kWriteState what it writes;
-// operator()(V& w, V g, V& m, V& v) for V = FVec and V = float.
+template <class T>
+struct Narrow {
+  const FusedParam& p;
+  T operator()(float w, int64_t i) const { return narrow<T>(w, p, i); }
+};
+
+// One element (the vector loops' tails; fp16 throughout): the shared
+// update_element (kernels/optim_math.h), as the CUDA kernels run it.
 template <class T, class Op>
 inline void scalar_element(const FusedParam& p, int64_t i, Op& op) {
-  T* param = static_cast<T*>(p.param);
-  float g = 0.f;
-  if (Op::kGrad) g = static_cast<float>(static_cast<const T*>(p.grad)[i]) * p.grad_mul;
-  float w = p.master ? p.master[i] : static_cast<float>(param[i]);
-  float m = Op::kM ? p.exp_avg[i] : 0.f;
-  float v = Op::kV ? p.exp_avg_sq[i] : 0.f;
-  op(w, g, m, v);
-  if (Op::kWriteState) {
-    if (Op::kM) p.exp_avg[i] = m;
-    if (Op::kV) p.exp_avg_sq[i] = v;
-  }
-  if (Op::kWriteW) {
-    if (p.master) p.master[i] = w;
-    param[i] = narrow<T>(w, p, i);
-  }
+  math::update_element<T>(p, i, p.grad_mul, op, Narrow<T>{p});
 }
 
 template <class Op>
@@ -177,50 +158,11 @@ void run(const FusedParam& p, int64_t begin, int64_t end, Op& op) {
   }
 }
 
-// torch::optim::AdamW, same float expressions in the same order:
-//   w *= 1 - lr*wd; m = m*b1 + g*(1-b1); v = v*b2 + (1-b2)*g*g;
-//   w += (-lr/bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
-struct AdamWOp {
-  static constexpr bool kGrad = true, kM = true, kV = true, kWriteW = true, kWriteState = true;
-  float decay, b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step;
-  template <class V>
-  void operator()(V& w, V g, V& m, V& v) const {
-    w = w * V(decay);
-    m = m * V(b1) + g * V(omb1);
-    v = v * V(b2) + V(omb2) * g * g;
-    const V denom = vsqrt(v) / V(bc2_sqrt) + V(eps);
-    w = w + V(neg_step) * m / denom;
-  }
-};
-
-// torch::optim::SGD: d = g + wd*w; buf = first ? d : buf*mom + (1-damp)*d;
-// d = nesterov ? d + mom*buf : buf; w += (-lr) * d.
-template <bool kMomentum>
-struct SgdOp {
-  static constexpr bool kGrad = true, kM = kMomentum, kV = false, kWriteW = true,
-                        kWriteState = kMomentum;
-  float wd, mom, omdamp, neg_lr;
-  bool nesterov, first;
-  template <class V>
-  void operator()(V& w, V g, V& m, V& v) const {
-    V d = g;
-    if (wd != 0.f) d = d + w * V(wd);
-    if (kMomentum) {
-      m = first ? d : m * V(mom) + d * V(omdamp);
-      d = nesterov ? d + m * V(mom) : m;
-    }
-    w = w + d * V(neg_lr);
-  }
-};
-
-// LAMB's update direction from the new moments.
-struct LambDir {
-  float bc1, bc2, eps, wd;
-  template <class V>
-  V operator()(const V& w, const V& m, const V& v) const {
-    return (m / V(bc1)) / (vsqrt(v / V(bc2)) + V(eps)) + V(wd) * w;
-  }
-};
+// The updates themselves (kernels/optim_math.h, shared with CUDA).
+using math::AdamWOp;
+using math::LambApplyOp;
+using math::LambDir;
+using math::SgdOp;
 
 struct LambMomentsOp {
   static constexpr bool kGrad = true, kM = true, kV = true, kWriteW = false, kWriteState = true;
@@ -238,19 +180,8 @@ struct LambMomentsOp {
   }
   template <class V>
   void operator()(V& w, V g, V& m, V& v) {
-    m = m * V(b1) + g * V(omb1);
-    v = v * V(b2) + V(omb2) * g * g;
+    math::lamb_moments(g, m, v, b1, omb1, b2, omb2);
     accumulate(w, dir(w, m, v));
-  }
-};
-
-struct LambApplyOp {
-  static constexpr bool kGrad = false, kM = true, kV = true, kWriteW = true, kWriteState = false;
-  LambDir dir;
-  float neg_step;
-  template <class V>
-  void operator()(V& w, V g, V& m, V& v) const {
-    w = w + V(neg_step) * dir(w, m, v);
   }
 };
 

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The GPU proof of ampx in one command, for the lent GPU machine (PyTorch from
+# pip with CUDA, nvcc, no Debian packages, no network):
+#
+#   scripts/device-run.sh OUT [--part all|build|test|bench] [--build DIR] [--quick]
+#                             [--rounds N] [--steps N]
+#
+#   build  cmake against the machine's PyTorch (torch.utils.cmake_prefix_path),
+#          tests and the JSON benchmarks on, NCCL required (AMPX_NCCL=OFF in the
+#          environment to go without); sources of GoogleTest, nlohmann/json and
+#          CLI11 from .device/ (scripts/device-test.sh says how to fill it)
+#   test   every test, the CUDA ones included: OUT/tests.log, OUT/ctest-junit.xml
+#   bench  interleaved in rounds: ampx_gpu_bench (matrix-product peaks; ampx's
+#          fused AdamW against PyTorch's _fused_adamw_ plus the bf16 copy and
+#          against a copy), ampx_fp8_bench, then per round and mode ampx-train
+#          and the same model in Python (torch.autocast + GradScaler +
+#          AdamW(fused=True)): GPT-2 small's shape on Moby Dick
+#   then   scripts/device_report.py: OUT/summary.md (a section for
+#          docs/PERFORMANCE.md) and OUT/summary.json, naming what was skipped
+#
+# Each part fits a device call of under 9 minutes on 16 cores (build+test in
+# one, bench in the other). --build DIR uses an existing build as it is (no
+# configure). Without a CUDA device (the rehearsal on the CPU, which `make
+# test` runs with --quick) the same steps run: the GPU parts report
+# themselves skipped, ampx-train and Python train a small gpt on the CPU.
+# The datasets: $AMPX_DATA_DIR, else .device/data, else ~/.cache/ampx/data
+# (the gpt workload needs moby-dick/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+usage() {
+  sed -n '4,6p' "$0" >&2
+  exit 2
+}
+[ $# -ge 1 ] || usage
+out=$1
+shift
+part=all build="" quick=0 rounds="" steps=""
+while [ $# -gt 0 ]; do
+  case $1 in
+    --part) part=$2; shift 2 ;;
+    --build) build=$2; shift 2 ;;
+    --quick) quick=1; shift ;;
+    --rounds) rounds=$2; shift 2 ;;
+    --steps) steps=$2; shift 2 ;;
+    *) usage ;;
+  esac
+done
+case $part in all|build|test|bench) ;; *) usage ;; esac
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+: > "$out/device-run.log"
+log() { echo "device-run: $*" | tee -a "$out/device-run.log"; }
+
+PY=${PYTHON:-python3}
+if [ -z "$build" ]; then
+  build=build/device
+  if [ "$part" = all ] || [ "$part" = build ]; then
+    prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+    log "configure against $("$PY" -c 'import torch; print(torch.__version__)') ($prefix)"
+    cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+      -DAMPX_PYTHON="$(command -v "$PY")" -DAMPX_BUILD_BENCHMARKS=ON -DCMAKE_UNITY_BUILD=ON \
+      -DAMPX_NCCL="${AMPX_NCCL:-ON}" \
+      -DAMPX_GTEST_SOURCE_DIR="$root/.device/googletest" \
+      -DAMPX_JSON_INCLUDE_DIR="$root/.device/nlohmann_include" \
+      -DAMPX_CLI11_INCLUDE_DIR="$root/.device/cli11_include" > "$out/configure.log" 2>&1 \
+      || { cat "$out/configure.log"; exit 1; }
+    start=$(date +%s)
+    cmake --build "$build" -j"$(nproc)" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+    log "built in $(($(date +%s) - start)) s"
+  fi
+fi
+build=$(cd "$build" && pwd)
+# The Python the build's tests use (the device machine's; Debian's in the rehearsal).
+PY=$(sed -n 's/^AMPX_PYTHON:[A-Z]*=//p' "$build/CMakeCache.txt" | head -n 1)
+PY=${PY:-python3}
+
+if [ "$part" = all ] || [ "$part" = test ]; then
+  start=$(date +%s)
+  status=0
+  (cd "$build" && ctest --output-on-failure -j"$(nproc)" --output-junit "$out/ctest-junit.xml") \
+    > "$out/tests.log" 2>&1 || status=$?
+  log "tests: exit $status in $(($(date +%s) - start)) s ($(grep -E 'tests passed|tests failed' "$out/tests.log" | tail -n 1))"
+fi
+
+if [ "$part" = all ] || [ "$part" = bench ]; then
+  data=${AMPX_DATA_DIR:-}
+  [ -n "$data" ] || { [ -d .device/data ] && data=$root/.device/data; } || true
+  [ -n "$data" ] || data=${XDG_CACHE_HOME:-$HOME/.cache}/ampx/data
+  cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+  mkdir -p "$out/train"
+  if [ "$quick" = 1 ]; then
+    rounds=${rounds:-1} steps=${steps:-4}
+  else
+    rounds=${rounds:-2} steps=${steps:-60}
+  fi
+  if [ "$cuda" = 1 ]; then
+    device=cuda shape=(--gpt-shape gpt2-small) pyshape=(--block-size 1024 --layers 12 --d-model 768 --heads 12)
+    modes="fp32 O1 O2" pyprecisions="fp32 autocast-fp16 autocast-bf16" dtype=fp16
+  else
+    device=cpu shape=(--layers 1 --d-model 32 --heads 2 --block-size 16) pyshape=(--layers 1 --d-model 32 --heads 2 --block-size 16)
+    modes="fp32 O1" pyprecisions="fp32 autocast-bf16" dtype=bf16
+  fi
+  batch=(--batch-size "${BATCH:-$([ "$cuda" = 1 ] && echo 16 || echo 4)}")
+
+  run_json() {  # name command...: stdout to OUT/name.log; a failure is recorded, not fatal
+    local name=$1
+    shift
+    if "$@" > "$out/$name.log" 2>&1; then
+      log "$name: ok"
+    else
+      log "$name: FAILED (exit $?), see $name.log"
+    fi
+  }
+  run_json gpu-bench "$build/bench/ampx_gpu_bench" --out "$out/gpu-bench.json" --iters "$([ "$quick" = 1 ] && echo 3 || echo 20)"
+  if [ -x "$build/bench/ampx_fp8_bench" ]; then
+    run_json fp8-bench sh -c "'$build/bench/ampx_fp8_bench' --iters $([ "$quick" = 1 ] && echo 2 || echo 20) > '$out/fp8-bench.json'"
+  fi
+  for r in $(seq 1 "$rounds"); do
+    for m in $modes; do
+      run_json "train/ampx-$m-r$r" "$build/apps/ampx-train/ampx-train" --workload gpt --precision "$m" \
+        --dtype "$dtype" --device "$device" "${shape[@]}" "${batch[@]}" --steps "$steps" \
+        --data-dir "$data" --out-dir "$out/train/ampx-$m-r$r" --progress none
+    done
+    for p in $pyprecisions; do
+      run_json "train/python-$p-r$r" "$PY" bench/python/torch_amp_bench.py --workload gpt \
+        --precision "$p" --device "$device" "${pyshape[@]}" "${batch[@]}" --steps "$steps" \
+        --data-dir "$data" --json "$out/train/python-$p-r$r.json" \
+        $([ "$device" = cuda ] && echo --adamw-impl fused)
+    done
+  done
+fi
+
+"$PY" scripts/device_report.py "$out" > "$out/summary.md"
+log "summary: $out/summary.md"
+# The exit status says whether everything that ran passed (the summary is
+# written either way).
+if grep -q "FAILED" "$out/device-run.log" || grep -qE "tests: exit [1-9]" "$out/device-run.log"; then
+  exit 1
+fi

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Summarises a scripts/device-run.sh output folder as markdown (stdout) and
+OUT/summary.json: the tests' result, GPU matrix-product peaks, ampx's fused
+AdamW against PyTorch's, FP8 against bf16, and ampx-train's modes against
+the same model in Python (torch.autocast), with MFU against the measured bf16
+peak. Says what did not run and why. Standard library only (torch, when it
+imports, only names the GPU and the CUDA version).
+
+  scripts/device_report.py OUT > OUT/summary.md
+"""
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import xml.etree.ElementTree as ET
+
+# ampx-train mode -> the Python precision it is compared with (same dtype).
+PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16"}
+CPU_PAIRS = {"fp32": "fp32", "O1": "autocast-bf16", "O2": "autocast-bf16", "O3": "autocast-bf16"}
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def tests_summary(out, skipped):
+    path = os.path.join(out, "ctest-junit.xml")
+    if not os.path.exists(path):
+        skipped.append("tests: not run in this call (no ctest-junit.xml)")
+        return None
+    root = ET.parse(path).getroot()
+    cases = list(root.iter("testcase"))
+    failed = [c.get("name") for c in cases if c.find("failure") is not None]
+    skips = [c.get("name") for c in cases
+             if c.get("status") == "notrun" or c.find("skipped") is not None]
+    return {"tests": len(cases), "failed": failed, "skipped": skips}
+
+
+def gpt_flops_per_token(model, params):
+    """6 N for the weights' products (forward + backward) plus attention's
+    12 L T d (scores and weighted sum, forward + backward)."""
+    if not model or not params:
+        return None
+    return 6.0 * params + 12.0 * model["layers"] * model["block_size"] * model["d_model"]
+
+
+def median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def training(out, skipped):
+    ampx, python = {}, {}
+    for path in sorted(glob.glob(os.path.join(out, "train", "ampx-*-r*", "compare.json"))):
+        run = os.path.basename(os.path.dirname(path))
+        mode = re.match(r"ampx-(.+)-r\d+$", run).group(1)
+        data = load(path)
+        if not data or not data.get("modes"):
+            skipped.append(f"{run}: no result")
+            continue
+        m = data["modes"][0]
+        ampx.setdefault(mode, []).append({
+            "step_ms": m.get("median_step_ms"),
+            "items_per_s": m.get("tokens_per_s") or m.get("samples_per_s") or m.get("items_per_s"),
+            "peak_bytes": m.get("peak_allocated_bytes"), "train_loss": m.get("train_loss"),
+            "device": data.get("settings", {}).get("device")})
+    model, params = None, None
+    for path in sorted(glob.glob(os.path.join(out, "train", "python-*-r*.json"))):
+        name = re.match(r"python-(.+)-r\d+\.json$", os.path.basename(path)).group(1)
+        data = load(path)
+        if not data:
+            skipped.append(f"{os.path.basename(path)}: no result")
+            continue
+        model, params = data.get("model"), data.get("parameters")
+        python.setdefault(name, []).append({
+            "step_ms": data.get("median_step_ms"), "items_per_s": data.get("items_per_s"),
+            "peak_bytes": data.get("peak_bytes"), "train_loss": data.get("train_loss"),
+            "device": data.get("device"), "gpu": data.get("gpu"),
+            "optimizer": data.get("optimizer", {}).get("impl")})
+    for log in sorted(glob.glob(os.path.join(out, "train", "*.log"))):
+        name = os.path.basename(log)[:-4]
+        if not (os.path.exists(os.path.join(out, "train", name, "compare.json"))
+                or os.path.exists(os.path.join(out, "train", name + ".json"))):
+            with open(log, errors="replace") as f:
+                tail = f.read().strip().splitlines()[-1:] or ["(empty log)"]
+            skipped.append(f"{name}: failed: {tail[0][:200]}")
+
+    def agg(runs):
+        return {k: median([r[k] for r in runs]) for k in ("step_ms", "items_per_s", "peak_bytes",
+                                                          "train_loss")}
+    return ({k: agg(v) for k, v in ampx.items()}, {k: agg(v) for k, v in python.items()},
+            model, params, python)
+
+
+def fmt(x, spec=".1f", none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    skipped = []
+    summary = {"out": out}
+    gpu, cuda_version, torch_version = None, None, None
+    try:
+        import torch
+        torch_version = torch.__version__
+        cuda_version = torch.version.cuda
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name()
+    except Exception as e:  # noqa: BLE001 - the report must come out regardless
+        skipped.append(f"torch did not import here ({e}): GPU and CUDA version unnamed")
+    commit = os.popen("git -c safe.directory='*' -C " + os.path.dirname(os.path.abspath(__file__))
+                      + " rev-parse --short HEAD 2>/dev/null").read().strip() or "unknown"
+    summary.update({"gpu": gpu, "cuda": cuda_version, "torch": torch_version, "commit": commit})
+    w = print
+    w(f"## On a GPU: {gpu or 'no GPU (CPU rehearsal)'}\n")
+    w(f"PyTorch {torch_version}, CUDA {cuda_version}, ampx {commit}; `scripts/device-run.sh`.\n")
+
+    tests = tests_summary(out, skipped)
+    summary["tests"] = tests
+    if tests:
+        w(f"### Tests\n\n{tests['tests']} tests, {len(tests['failed'])} failed, "
+          f"{len(tests['skipped'])} skipped.\n")
+        for name in tests["failed"]:
+            w(f"- failed: `{name}`")
+        if tests["failed"]:
+            w("")
+
+    bench = load(os.path.join(out, "gpu-bench.json"))
+    bf16_peak = None
+    if not bench:
+        skipped.append("ampx_gpu_bench: no output")
+    elif "skipped" in bench:
+        skipped.append(f"ampx_gpu_bench: skipped ({bench['skipped']})")
+    else:
+        summary["gpu_bench"] = bench
+        w("### Matrix-product peaks (square, median of the timed calls)\n")
+        w("| kind | n | TFLOP/s |\n| --- | ---: | ---: |")
+        for p in bench["peaks"]:
+            w(f"| {p['kind']} | {p['n']} | {p['tflops']:.1f} |")
+        bf16_peak = max(p["tflops"] for p in bench["peaks"] if p["kind"] == "bf16")
+        o = bench["optimizer"]
+        w(f"\n### AdamW step, GPT-2 small's {o['tensors']} tensors ({o['elements'] / 1e6:.1f}M "
+          "elements)\n")
+        w("| step | ms | bytes/element | GB/s |\n| --- | ---: | ---: | ---: |")
+        for key, label in (("ampx", "ampx fused (bf16 params, fp32 masters + moments)"),
+                           ("torch_fused_adamw_plus_copy", "torch `_fused_adamw_` on fp32 + bf16 copy"),
+                           ("copy", "device copy of the same bytes")):
+            r = o.get(key, {})
+            if "ms" in r:
+                w(f"| {label} | {r['ms']:.3f} | {r['bytes_per_element']} | {r['gb_per_s']:.0f} |")
+            else:
+                skipped.append(f"optimizer {key}: {r.get('skipped', 'not run')}")
+        if "ampx_speedup_vs_torch" in o:
+            w(f"\nampx / torch: {o['ampx_speedup_vs_torch']:.2f}x; ampx at "
+              f"{100 * o['ampx_fraction_of_copy_bandwidth']:.0f}% of copy bandwidth.")
+        w("")
+
+    fp8 = load(os.path.join(out, "fp8-bench.json"))
+    if fp8 and fp8.get("device") == "cuda":
+        summary["fp8"] = fp8
+        w(f"### FP8 Linear against bf16 ({fp8['tokens']} tokens, GPT-2 small shapes)\n")
+        w("| layer | bf16 ms | fp8 ms | speedup |\n| --- | ---: | ---: | ---: |")
+        for s in fp8["shapes"]:
+            w(f"| {s['name']} | {s['bf16_ms']:.3f} | {s['fp8_ms']:.3f} | {s['speedup']:.2f}x |")
+        w(f"\nblock: {fp8['block_speedup']:.2f}x ({fp8['scaled_mm_calls']} `_scaled_mm` calls)\n")
+    elif fp8:
+        skipped.append("FP8 on tensor cores: no CUDA device (the CPU emulation ran)")
+    else:
+        skipped.append("ampx_fp8_bench: no output")
+
+    ampx, python, model, params, _ = training(out, skipped)
+    if ampx or python:
+        device = "cuda" if gpu else "cpu"
+        pairs = PAIRS if device == "cuda" else CPU_PAIRS
+        flops = gpt_flops_per_token(model, params)
+        shape = (f"{model['layers']} layers, d {model['d_model']}, {model['heads']} heads, "
+                 f"context {model['block_size']}" if model else "gpt")
+        w(f"### ampx-train against torch.autocast ({shape}; medians over rounds)\n")
+        w("| run | step ms | tokens/s | MFU | peak MiB | train loss | vs Python |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        rows = {}
+        for name, r in sorted(python.items()):
+            rows[f"python {name}"] = r
+        for name, r in sorted(ampx.items()):
+            rows[f"ampx {name}"] = r
+        for label, r in rows.items():
+            mfu = (r["items_per_s"] * flops / (bf16_peak * 1e12)
+                   if flops and bf16_peak and r["items_per_s"] else None)
+            vs = ""
+            if label.startswith("ampx "):
+                twin = python.get(pairs.get(label[5:], ""))
+                if twin and twin["step_ms"] and r["step_ms"]:
+                    vs = f"{twin['step_ms'] / r['step_ms']:.2f}x ({pairs[label[5:]]})"
+            peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
+            w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} | "
+              f"{fmt(100 * mfu if mfu else None, '.0f')}{'%' if mfu else ''} | {fmt(peak)} | "
+              f"{fmt(r['train_loss'], '.4f')} | {vs} |")
+        summary["training"] = {"ampx": ampx, "python": python, "flops_per_token": flops}
+        w("")
+    else:
+        skipped.append("training comparison: no run")
+
+    summary["skipped"] = skipped
+    if skipped:
+        w("### Not run, or failed\n")
+        for s in skipped:
+            w(f"- {s}")
+        w("")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
