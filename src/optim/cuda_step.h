@@ -42,6 +42,11 @@ struct TensorArgs {
   int32_t stochastic_rounding = 0;  // bf16 params without master only
   int32_t pad = 0;
 };
+// No padding bytes: a step compares its operands with the last step's byte
+// for byte (MetaCache), so every byte must be a member's.
+static_assert(sizeof(TensorArgs) == 5 * sizeof(void*) + sizeof(double*) + 4 * sizeof(int64_t) +
+                                        7 * sizeof(double) + 4 * sizeof(int32_t),
+              "TensorArgs must have no padding");
 
 /// What an optimizer keeps between steps, per CUDA device: the operands as
 /// last uploaded. A step whose operands are those of the last one (the same
