@@ -201,11 +201,14 @@ AMPX_HD uint32_t float_bits(float x) {
 
 /// The bf16 bits of x rounded stochastically: adding 16 random bits below
 /// the kept 16 carries into the kept part with probability (dropped bits) /
-/// 2^16, so the rounding is unbiased. inf and NaN keep their nearest-even
-/// rounding (`nearest`).
-AMPX_HD uint16_t bf16_bits_stochastic(float x, uint32_t random16, uint16_t nearest) {
+/// 2^16, so the rounding is unbiased. inf stays inf (its low bits are zero);
+/// NaN becomes 0x7fc0, as c10::BFloat16's nearest-even rounding makes it on
+/// the CPU.
+AMPX_HD uint16_t bf16_bits_stochastic(float x, uint32_t random16) {
   uint32_t bits = float_bits(x);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return nearest;
+  if ((bits & 0x7f800000u) == 0x7f800000u) {
+    return (bits & 0x007fffffu) ? uint16_t{0x7fc0} : static_cast<uint16_t>(bits >> 16);
+  }
   bits += random16;
   return static_cast<uint16_t>(bits >> 16);
 }

@@ -37,15 +37,13 @@ struct TensorArgs {
   int64_t chunks = 0;       // filled by fused_step
   double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
   double momentum = 0, dampening = 0;
-  int32_t dtype = 0;  // 0 float, 1 bfloat16, 2 half (filled by fused_step)
   int32_t nesterov = 0;
   int32_t stochastic_rounding = 0;  // bf16 params without master only
-  int32_t pad = 0;
 };
 // No padding bytes: a step compares its operands with the last step's byte
 // for byte (MetaCache), so every byte must be a member's.
 static_assert(sizeof(TensorArgs) == 5 * sizeof(void*) + sizeof(double*) + 4 * sizeof(int64_t) +
-                                        7 * sizeof(double) + 4 * sizeof(int32_t),
+                                        7 * sizeof(double) + 2 * sizeof(int32_t),
               "TensorArgs must have no padding");
 
 /// What an optimizer keeps between steps, per CUDA device: the operands as

@@ -126,15 +126,12 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   // tensor unless CPU params need the answer on the host.
   bool any_cpu = false;
   for (const auto& w : work) any_cpu |= w.param.is_cpu();
+  // (The ATen path's skip mask, made when a param first takes that path:
+  // the fused CUDA step reads found_inf itself.)
   at::Tensor skip;
-  if (found_inf.defined()) {
-    if (found_inf.is_cpu() || any_cpu) {
-      if (found_inf.item<float>() != 0.f) {
-        return;
-      }
-    } else {
-      skip = found_inf.ne(0);
-    }
+  const bool device_skip = found_inf.defined() && !found_inf.is_cpu() && !any_cpu;
+  if (found_inf.defined() && !device_skip && found_inf.item<float>() != 0.f) {
+    return;
   }
 
   // Gradient multiplier: 1/scale (rounded as GradScaler rounds it) times
@@ -179,6 +176,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
     if (!st.step_t.defined()) {
       st.step_t = at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
     }
+    if (device_skip && !skip.defined()) skip = found_inf.ne(0);
     const auto dev_skip = skip.defined() ? skip.to(w.param.device(), true) : skip;
     if (dev_skip.defined()) {
       st.step_t.add_(dev_skip.logical_not().to(at::kDouble));
@@ -234,6 +232,13 @@ void MixedPrecisionOptimizer::update_cuda(std::vector<ParamWork>& work, const at
     for (const auto& w : work) {
       if (w.param.device() != device) continue;
       const auto o = fused_options(w.group);
+      static_assert(static_cast<int>(detail::FusedUpdate::kAdamW) ==
+                            static_cast<int>(detail::cuda::Update::kAdamW) &&
+                        static_cast<int>(detail::FusedUpdate::kSgd) ==
+                            static_cast<int>(detail::cuda::Update::kSgd) &&
+                        static_cast<int>(detail::FusedUpdate::kLamb) ==
+                            static_cast<int>(detail::cuda::Update::kLamb),
+                    "the public and the kernel's update enums name the same updates");
       update = static_cast<detail::cuda::Update>(o.update);
       auto& st = *w.state;
       detail::cuda::TensorArgs a;

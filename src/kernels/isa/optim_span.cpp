@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <tuple>
 
 namespace ampx {
@@ -35,7 +34,7 @@ using math::vsqrt;
 
 // Unbiased rounding to bf16 (kernels/optim_math.h).
 inline c10::BFloat16 round_stochastic(float x, uint64_t key, int64_t index) {
-  return c10::BFloat16(math::bf16_bits_stochastic(x, sr_bits(key, index), c10::BFloat16(x).x),
+  return c10::BFloat16(math::bf16_bits_stochastic(x, sr_bits(key, index)),
                        c10::BFloat16::from_bits());
 }
 

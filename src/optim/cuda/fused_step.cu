@@ -68,9 +68,8 @@ __device__ __forceinline__ T narrow(float w, const TensorArgs&, uint64_t, int64_
 template <>
 __device__ __forceinline__ c10::BFloat16 narrow<c10::BFloat16>(float w, const TensorArgs& a,
                                                                uint64_t key, int64_t i) {
-  const c10::BFloat16 nearest(w);
-  if (!a.stochastic_rounding) return nearest;
-  return c10::BFloat16(math::bf16_bits_stochastic(w, math::sr_bits(key, i), nearest.x),
+  if (!a.stochastic_rounding) return c10::BFloat16(w);
+  return c10::BFloat16(math::bf16_bits_stochastic(w, math::sr_bits(key, i)),
                        c10::BFloat16::from_bits());
 }
 
@@ -302,7 +301,6 @@ void fused_step(Update update, const std::vector<TensorArgs>& args,
     for (size_t i = 0; i < args.size(); ++i) {
       if (dtype_code(dtypes[i]) != code) continue;
       TensorArgs a = args[i];
-      a.dtype = code;
       a.first_chunk = static_cast<int64_t>(chunks.size());
       a.chunks = (a.numel + kChunk - 1) / kChunk;
       const auto index = static_cast<int64_t>(sorted.size());
