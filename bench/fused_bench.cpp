@@ -15,6 +15,10 @@
 //   BM_Gelu_aten_bf16       torch::gelu on bf16, forward + backward
 //   BM_Gelu_copy            five bf16 copies of the GELU's size: the bytes its
 //                           forward (x, y) and backward (x, dy, dx) move
+//   BM_Attention_{bf16,fp32}_{ampx,explicit,sdpa}
+//                           causal self-attention on the main job's shapes
+//                           (see BM_Attention), ampx's fused kernel against
+//                           gpt's explicit ops and LibTorch 2.1+'s SDPA
 // Each iteration runs forward and backward through autograd, as training
 // does. The closing table gives each family's times against ampx's.
 
@@ -23,10 +27,12 @@
 #include "ampx/detail/compat.h"
 #include "ampx/kernels.h"
 #include "ampx/memory.h"
+#include "ampx/policy.h"
 
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -98,10 +104,51 @@ void BM_Gelu(benchmark::State& state, Gelu which) {
   ampx::bench::set_traffic(state, n * 2 * 5, n, at::get_num_threads());
 }
 
+enum class Attention { kAmpx, kExplicit, kSdpa };
+
+// Causal self-attention as gpt's forward makes it: q, k, v views of one
+// [B, T, 3, H, E] projection (B 32, T 128, H 4, E 64: the main job's), the
+// heads merged after; forward and backward to the projection's gradient.
+//   ampx:     ampx::scaled_dot_product_attention
+//   explicit: matmul, scale, masked_fill, softmax, matmul (gpt's ops before
+//             ampx's kernel; products wide where O2 makes them so)
+//   sdpa:     at::scaled_dot_product_attention (LibTorch 2.1+)
+void BM_Attention(benchmark::State& state, Attention which, torch::ScalarType dtype) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  torch::manual_seed(0);
+  const int64_t B = 32, T = 128, H = 4, E = 64;
+  const auto qkv = torch::randn({B, T, 3, H, E}).to(dtype).requires_grad_(true);
+  const auto dy = torch::randn({B, T, H * E}).to(dtype);
+  const auto hidden = torch::ones({T, T}, torch::kBool).triu(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(E));
+  ampx::WideProductsGuard wide;
+  for (auto _ : state) {
+    const auto parts = qkv.permute({2, 0, 3, 1, 4}).unbind(0);
+    const auto &q = parts[0], &k = parts[1], &v = parts[2];
+    torch::Tensor y;
+    if (which == Attention::kAmpx) {
+      y = ampx::scaled_dot_product_attention(q, k, v, /*is_causal=*/true);
+    } else if (which == Attention::kExplicit) {
+      auto att = torch::matmul(q, k.transpose(-2, -1)) * scale;
+      att = torch::softmax(att.masked_fill(hidden, -INFINITY), -1);
+      y = torch::matmul(att, v);
+    } else {
+#if AMPX_TORCH_AT_LEAST(2, 1)
+      y = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+#endif
+    }
+    y.transpose(1, 2).reshape({B, T, H * E}).backward(dy);
+    clear_grads({qkv});
+  }
+  // Bytes: q, k, v and y forward; q, k, v, y, dy and the three gradients back.
+  ampx::bench::set_traffic(state, B * T * H * E * 2 * 12, B * H * T * T, at::get_num_threads());
+}
+
 void print_ratios(const ampx::bench::Table& table) {
   std::printf("%-8s %-24s %10s %10s\n", "threads", "benchmark", "ms", "vs first");
   for (const auto& entry : table) {
-    for (const char* family : {"BM_LayerNorm", "BM_BatchNorm", "BM_Gelu"}) {
+    for (const char* family :
+         {"BM_LayerNorm", "BM_BatchNorm", "BM_Gelu", "BM_Attention_bf16", "BM_Attention_fp32"}) {
       const std::string first = std::string(family) + "_ampx";
       const auto* base = ampx::bench::find(entry.second, first);
       for (const auto& row : entry.second) {
@@ -131,6 +178,18 @@ int main(int argc, char** argv) {
   timed(benchmark::RegisterBenchmark("BM_Gelu_ampx", BM_Gelu, Gelu::kAmpx));
   timed(benchmark::RegisterBenchmark("BM_Gelu_aten_bf16", BM_Gelu, Gelu::kAten));
   timed(benchmark::RegisterBenchmark("BM_Gelu_copy", BM_Gelu, Gelu::kCopy));
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat}) {
+    const std::string family =
+        std::string("BM_Attention_") + (dtype == torch::kFloat ? "fp32" : "bf16");
+    timed(benchmark::RegisterBenchmark((family + "_ampx").c_str(), BM_Attention, Attention::kAmpx,
+                                       dtype));
+    timed(benchmark::RegisterBenchmark((family + "_explicit").c_str(), BM_Attention,
+                                       Attention::kExplicit, dtype));
+#if AMPX_TORCH_AT_LEAST(2, 1)
+    timed(benchmark::RegisterBenchmark((family + "_sdpa").c_str(), BM_Attention, Attention::kSdpa,
+                                       dtype));
+#endif
+  }
   benchmark::AddCustomContext("libtorch", ampx::detail::compat::torch_version());
   ampx::bench::print_header(flags, "LibTorch %s, %lld bf16 activations per norm tensor\n",
                             ampx::detail::compat::torch_version(),

@@ -24,7 +24,7 @@ using ampx::test::error_text;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
+using ampx::test::kInf;
 const double kScale2p127 = std::ldexp(1.0, 127);  // 1.70141e+38: x4 overflows float32
 
 /// Collects the TORCH_WARN messages of its scope (this thread).

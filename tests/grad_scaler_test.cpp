@@ -26,7 +26,7 @@ using ampx::test::same_bits;
 using ampx::test::snapshot;
 using ampx::test::training_state;
 
-constexpr float kInf = std::numeric_limits<float>::infinity();
+using ampx::test::kInf;
 
 using Net = ampx::test::Mlp;
 

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -22,6 +23,8 @@
 
 namespace ampx {
 namespace test {
+
+inline constexpr float kInf = std::numeric_limits<float>::infinity();
 
 /// Whether this LibTorch has float16 CPU autocast (2.x does, 1.13 not).
 inline bool cpu_fp16_autocast() {

@@ -171,6 +171,11 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->excludes(layers)
       ->excludes(width)
       ->excludes(heads);
+  app.add_option("--attention", c.attention,
+                 "gpt on the CPU: fused (ampx::scaled_dot_product_attention, one kernel each "
+                 "way) or explicit (matmul, masked_fill, softmax, matmul: the ops of the Python "
+                 "comparison's model)")
+      ->check(CLI::IsMember({"fused", "explicit"}));
   app.add_option("--data-dir", c.data_dir,
                  "datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]; "
                  "filled by scripts/install-data.sh");
@@ -355,7 +360,7 @@ std::string settings_table(const TrainConfig& c) {
     shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
           << c.block_size;
     add("model", shape.str());
-    add("attention", gpt_attention(torch::Device(c.device)));
+    add("attention", gpt_attention(torch::Device(c.device), gpt_attention_named(c.attention)));
   }
   add("data", c.data_dir);
   add("output", c.out_dir);

@@ -45,6 +45,7 @@ struct TrainConfig {
   int64_t d_model = 256;
   int64_t heads = 4;
   std::string gpt_shape;  // --gpt-shape gpt2-small: GPT-2 small's shape (12 x 768, 12 heads, 1024)
+  std::string attention = "fused";  // --attention fused|explicit (gpt, CPU)
   // files
   std::string data_dir;        // --data-dir, $AMPX_DATA_DIR, ~/.cache/ampx/data
   std::string out_dir;         // metrics, tables, plot; default runs/<workload>

@@ -108,7 +108,8 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"tf32", c.tf32},
         {"dtype", c.dtype},
         {"attention", workload.name() == "gpt"
-                          ? nlohmann::json(gpt_attention(torch::Device(c.device)))
+                          ? nlohmann::json(gpt_attention(torch::Device(c.device),
+                                                         gpt_attention_named(c.attention)))
                           : nlohmann::json()},
         {"cpu_products", c.device == "cpu"
                              ? nlohmann::json(ampx::cpu_products_are_wide(

@@ -15,12 +15,14 @@
 // "blocks.2.attn", ... A scope only names: the numbers are the same.
 
 #include <ampx/debug/scope.h>
+#include <ampx/kernels.h>
 
 #include <torch/torch.h>
 #include <torch/version.h>
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 namespace ampx::train {
 
@@ -35,6 +37,23 @@ inline torch::Tensor linear_2d(torch::nn::Linear& linear, const torch::Tensor& x
   return y.view(sizes);
 }
 
+/// How gpt's attention runs on the CPU.
+enum class GptAttention {
+  /// ampx::scaled_dot_product_attention: one fused kernel each way, float32
+  /// math, no T x T tensor (the default).
+  kFused,
+  /// The explicit ops a Python 1.13 user writes (and bench/python's model
+  /// runs): matmul, masked_fill, softmax, matmul.
+  kExplicit,
+};
+
+/// "fused" or "explicit" (ampx-train's --attention).
+inline GptAttention gpt_attention_named(const std::string& name) {
+  TORCH_CHECK(name == "fused" || name == "explicit",
+              "gpt attention must be \"fused\" or \"explicit\", got \"", name, "\"");
+  return name == "fused" ? GptAttention::kFused : GptAttention::kExplicit;
+}
+
 /// A character-level GPT: pre-norm transformer blocks, causal self-attention.
 struct GPTConfig {
   int64_t vocab = 96;
@@ -42,14 +61,16 @@ struct GPTConfig {
   int64_t layers = 4;
   int64_t heads = 4;
   int64_t d = 256;
+  GptAttention attention = GptAttention::kFused;
 };
 
-/// The attention path gpt's forward runs on the CPU, named in ampx-train's
-/// settings and report beside the Python comparison's own
-/// (bench/python/ampx_models.py runs the same ops): LibTorch's fused
-/// scaled_dot_product_attention picks kernels by version and dtype (Debian's
-/// 2.14 runs bf16 on this CPU through a flash kernel several times slower
-/// than these matrix products).
+/// The attention paths gpt's forward can run, named in ampx-train's settings
+/// and report beside the Python comparison's own (bench/python/ampx_models.py
+/// runs the explicit ops): LibTorch's fused scaled_dot_product_attention
+/// picks kernels by version and dtype (Debian's 2.14 runs bf16 on this CPU
+/// through a flash kernel several times slower than these matrix products).
+inline constexpr const char* kGptFusedAttention =
+    "ampx::scaled_dot_product_attention, causal (fused CPU kernel, float32 math)";
 inline constexpr const char* kGptAttention =
     "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)";
 
@@ -65,12 +86,15 @@ inline constexpr const char* kGptCudaAttention =
     "scaled_dot_product_attention, causal (LibTorch's fused kernels)";
 
 /// The attention path gpt runs on `device`.
-inline const char* gpt_attention(const torch::Device& device) {
-  return device.is_cuda() && AMPX_GPT_CUDA_SDPA ? kGptCudaAttention : kGptAttention;
+inline const char* gpt_attention(const torch::Device& device,
+                                 GptAttention attention = GptAttention::kFused) {
+  if (device.is_cuda()) return AMPX_GPT_CUDA_SDPA ? kGptCudaAttention : kGptAttention;
+  return attention == GptAttention::kFused ? kGptFusedAttention : kGptAttention;
 }
 
 struct CausalSelfAttentionImpl : torch::nn::Module {
-  explicit CausalSelfAttentionImpl(const GPTConfig& c) : heads(c.heads), d(c.d) {
+  explicit CausalSelfAttentionImpl(const GPTConfig& c)
+      : heads(c.heads), d(c.d), fused(c.attention == GptAttention::kFused) {
     TORCH_CHECK(c.heads > 0 && c.d % c.heads == 0, "GPT: d (", c.d,
                 ") must be a multiple of heads (", c.heads, ")");
     qkv = register_module("qkv", torch::nn::Linear(c.d, 3 * c.d));
@@ -93,6 +117,10 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
       return linear_2d(proj, y.transpose(1, 2).reshape({B, T, d}));
     }
 #endif
+    if (fused && x.device().is_cpu()) {  // y: [B, H, T, hd] over [B, T, H, hd] memory
+      const auto y = ampx::scaled_dot_product_attention(q, k, v, /*is_causal=*/true);
+      return linear_2d(proj, y.transpose(1, 2).reshape({B, T, d}));
+    }
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hd)));
     att = att.masked_fill(mask.slice(0, 0, T).slice(1, 0, T), -INFINITY);
     att = torch::softmax(att, -1);
@@ -100,6 +128,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
     return linear_2d(proj, y);
   }
   int64_t heads, d;
+  bool fused;
   torch::nn::Linear qkv{nullptr}, proj{nullptr};
   torch::Tensor mask;
 };

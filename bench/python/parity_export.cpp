@@ -109,6 +109,8 @@ void export_workload(const std::string& workload, const std::filesystem::path& o
   auto gen = at::detail::createCPUGenerator(kSeed + 1);
   GPTConfig gpt;  // ampx-train's default shape; Moby Dick's vocabulary size
   gpt.vocab = 85;
+  // The ops the Python model runs (its attention is explicit on the CPU).
+  gpt.attention = ampx::train::GptAttention::kExplicit;
   c10::Dict<std::string, torch::Tensor> dict;
   torch::Tensor input, target;
   int64_t batch = 0;

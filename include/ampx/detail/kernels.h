@@ -30,6 +30,11 @@ void update_scale_(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hy
 /// ampx::mixed_gelu's fused kernel with a chosen instruction set, forward and
 /// backward (x: a non-empty bfloat16 or float16 CPU tensor).
 at::Tensor mixed_gelu(const at::Tensor& x, Isa isa);
+/// ampx::scaled_dot_product_attention's fused kernel with a chosen
+/// instruction set, forward and backward (see scaled_dot_product_attention_is_fused).
+at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key,
+                                        const at::Tensor& value, bool is_causal,
+                                        std::optional<double> scale, Isa isa);
 }  // namespace cpu
 
 /// Device-generic versions built from ATen ops (no host sync): the CUDA path

@@ -1,0 +1,201 @@
+// ampx::scaled_dot_product_attention (ampx/kernels.h): the fused CPU kernel
+// against a float64 reference on every instruction-set build, its bits on 1
+// and 2 threads, strided inputs, the composite elsewhere, and its errors.
+
+#include "ampx/detail/kernels.h"
+#include "ampx/kernels.h"
+#include "test_util.h"
+
+#include <ATen/Parallel.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+using ampx::test::error_text;
+using ::testing::HasSubstr;
+
+// One ulp of `dtype` at |v| (float32: 2^-23 relative).
+torch::Tensor ulp_of(const torch::Tensor& v, torch::ScalarType dtype) {
+  const int mantissa = dtype == torch::kBFloat16 ? 7 : dtype == torch::kHalf ? 10 : 23;
+  const double min_exp = dtype == torch::kHalf ? -14 : -126;
+  auto e = torch::floor(torch::log2(v.abs().clamp_min(1e-30))).clamp_min(min_exp);
+  return torch::pow(2.0, e - mantissa);
+}
+
+struct Reference {
+  torch::Tensor y, dq, dk, dv;
+};
+
+// softmax(q k^T * scale, mask) v and its gradients for dy, in float64 from
+// the inputs' exact values.
+Reference reference(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                    bool causal, double scale, const torch::Tensor& dy) {
+  auto qd = q.detach().to(torch::kDouble).requires_grad_(true);
+  auto kd = k.detach().to(torch::kDouble).requires_grad_(true);
+  auto vd = v.detach().to(torch::kDouble).requires_grad_(true);
+  auto s = torch::matmul(qd, kd.transpose(-2, -1)) * scale;
+  if (causal) {
+    const auto hidden = torch::ones({q.size(-2), k.size(-2)}, torch::kBool).triu(1);
+    s = s.masked_fill(hidden, -INFINITY);
+  }
+  auto y = torch::matmul(torch::softmax(s, -1), vd);
+  y.backward(dy.to(torch::kDouble));
+  return {y.detach(), qd.grad(), kd.grad(), vd.grad()};
+}
+
+// Whether every element of `got` is within one ulp of `dtype` of `want`,
+// plus float32's rounding of sums that cancel: 2^-20 of the largest |want|.
+::testing::AssertionResult within_one_ulp(const char* what, const torch::Tensor& got,
+                                          const torch::Tensor& want, torch::ScalarType dtype) {
+  const auto err = (got.to(torch::kDouble) - want).abs();
+  const auto bound = ulp_of(want, dtype) + std::ldexp(want.abs().max().item<double>(), -20);
+  const auto ratio = (err / bound).max().item<double>();
+  if (ratio <= 1.0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << what << " off by up to " << ratio << " of the bound";
+}
+
+struct Case {
+  std::vector<int64_t> lead;
+  int64_t t, s, e, ev;
+  bool causal;
+};
+
+const std::vector<Case> kCases = {
+    {{2, 3}, 70, 70, 40, 40, true},  // partial blocks, a width of no whole vector pair
+    {{2, 3}, 70, 70, 40, 40, false},  {{3}, 45, 77, 16, 24, false},  // L != S, Ev != E, 3-D
+    {{3}, 77, 45, 16, 24, true},       // more queries than keys: late rows see every key
+    {{1, 2}, 1, 1, 8, 8, true},        // one query, one key
+    {{2, 2}, 128, 128, 64, 64, true},  // gpt's head shape
+};
+
+torch::Tensor randn(const std::vector<int64_t>& lead, int64_t rows, int64_t width, double sd) {
+  auto sizes = lead;
+  sizes.push_back(rows);
+  sizes.push_back(width);
+  return torch::randn(sizes) * sd;
+}
+
+}  // namespace
+
+// Every instruction-set build, float32, bfloat16 and float16, every case:
+// the output and the three gradients within one ulp of float64's (scores
+// with a spread of 2.5, so some rows' softmax is sharp).
+TEST(AttentionTest, EveryIsaMatchesFloat64WithinOneUlpForwardAndBackward) {
+  for (const auto isa : ampx::detail::cpu::supported_isas()) {
+    for (const auto dtype : {torch::kBFloat16, torch::kHalf, torch::kFloat}) {
+      for (size_t n = 0; n < kCases.size(); ++n) {
+        const Case& c = kCases[n];
+        SCOPED_TRACE(ampx::detail::cpu::isa_name(isa) + " " + c10::toString(dtype) + " case " +
+                     std::to_string(n));
+        torch::manual_seed(static_cast<uint64_t>(40 + n));
+        const double sd = std::sqrt(2.5);
+        auto q = randn(c.lead, c.t, c.e, sd).to(dtype).requires_grad_(true);
+        auto k = randn(c.lead, c.s, c.e, 1.0).to(dtype).requires_grad_(true);
+        auto v = randn(c.lead, c.s, c.ev, 1.0).to(dtype).requires_grad_(true);
+        const auto dy = randn(c.lead, c.t, c.ev, 1.0).to(dtype);
+        const double scale = 1.0 / std::sqrt(static_cast<double>(c.e));
+        auto y = ampx::detail::cpu::scaled_dot_product_attention(q, k, v, c.causal, {}, isa);
+        ASSERT_EQ(y.scalar_type(), dtype);
+        ASSERT_EQ(y.sizes(), dy.sizes());
+        y.backward(dy);
+        const auto ref = reference(q, k, v, c.causal, scale, dy);
+        EXPECT_TRUE(within_one_ulp("y", y.detach(), ref.y, dtype));
+        EXPECT_TRUE(within_one_ulp("dq", q.grad(), ref.dq, dtype));
+        EXPECT_TRUE(within_one_ulp("dk", k.grad(), ref.dk, dtype));
+        EXPECT_TRUE(within_one_ulp("dv", v.grad(), ref.dv, dtype));
+      }
+    }
+  }
+}
+
+// A given scale replaces 1/sqrt(E); the public function picks the best build.
+TEST(AttentionTest, TakesAScale) {
+  torch::manual_seed(50);
+  auto q = torch::randn({2, 33, 16}).to(torch::kBFloat16).requires_grad_(true);
+  auto k = torch::randn({2, 33, 16}).to(torch::kBFloat16).requires_grad_(true);
+  auto v = torch::randn({2, 33, 16}).to(torch::kBFloat16).requires_grad_(true);
+  const auto dy = torch::randn({2, 33, 16}).to(torch::kBFloat16);
+  auto y = ampx::scaled_dot_product_attention(q, k, v, /*is_causal=*/true, 0.7);
+  y.backward(dy);
+  const auto ref = reference(q, k, v, true, 0.7, dy);
+  EXPECT_TRUE(within_one_ulp("y", y.detach(), ref.y, torch::kBFloat16));
+  EXPECT_TRUE(within_one_ulp("dq", q.grad(), ref.dq, torch::kBFloat16));
+}
+
+// Heads split across 1 or 2 threads: the same bits forward and backward.
+TEST(AttentionTest, SameBitsOnOneAndTwoThreads) {
+  const int threads = at::get_num_threads();
+  torch::manual_seed(51);
+  const auto q0 = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
+  const auto k0 = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
+  const auto v0 = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
+  const auto dy = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
+  std::vector<torch::Tensor> runs[2];
+  for (int n : {1, 2}) {
+    at::set_num_threads(n);
+    auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+         v = v0.clone().requires_grad_(true);
+    auto y = ampx::scaled_dot_product_attention(q, k, v, true);
+    y.backward(dy);
+    runs[n - 1] = {y.detach(), q.grad(), k.grad(), v.grad()};
+  }
+  at::set_num_threads(threads);
+  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << i;
+}
+
+// q, k, v as a model makes them (views of one [B, T, 3, H, E] projection, so
+// rows are 3 H E apart): the same bits as contiguous copies, and an output
+// whose heads merge without a copy.
+TEST(AttentionTest, StridedInputsGiveTheBitsOfContiguousOnesAndHeadsMergeWithoutACopy) {
+  torch::manual_seed(52);
+  const int64_t B = 2, T = 40, H = 3, E = 16;
+  const auto qkv = torch::randn({B, T, 3, H, E}).to(torch::kBFloat16);
+  const auto parts = qkv.permute({2, 0, 3, 1, 4}).unbind(0);  // 3 x [B, H, T, E]
+  ASSERT_FALSE(parts[0].is_contiguous());
+  const auto y = ampx::scaled_dot_product_attention(parts[0], parts[1], parts[2], true);
+  const auto y_copy = ampx::scaled_dot_product_attention(
+      parts[0].contiguous(), parts[1].contiguous(), parts[2].contiguous(), true);
+  EXPECT_TRUE(torch::equal(y, y_copy));
+  EXPECT_TRUE(y.transpose(1, 2).is_contiguous());
+}
+
+// Other dtypes run the composite: float64 matches the reference closely.
+TEST(AttentionTest, Float64RunsTheComposite) {
+  torch::manual_seed(53);
+  auto q = torch::randn({2, 20, 8}, torch::kDouble).requires_grad_(true);
+  auto k = torch::randn({2, 20, 8}, torch::kDouble).requires_grad_(true);
+  auto v = torch::randn({2, 20, 8}, torch::kDouble).requires_grad_(true);
+  EXPECT_FALSE(ampx::scaled_dot_product_attention_is_fused(q, k, v));
+  auto y = ampx::scaled_dot_product_attention(q, k, v, true);
+  const auto dy = torch::randn({2, 20, 8}, torch::kDouble);
+  y.backward(dy);
+  const auto ref = reference(q, k, v, true, 1.0 / std::sqrt(8.0), dy);
+  EXPECT_TRUE(torch::allclose(y, ref.y, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(q.grad(), ref.dq, 1e-12, 1e-12));
+}
+
+TEST(AttentionTest, ErrorsNameTheArgument) {
+  const auto q = torch::randn({2, 5, 8});
+  EXPECT_THAT(error_text([&] { ampx::scaled_dot_product_attention(q, q.to(torch::kBFloat16), q); }),
+              HasSubstr("one dtype; got query Float, key BFloat16"));
+  EXPECT_THAT(error_text([&] {
+                ampx::scaled_dot_product_attention(q, torch::randn({2, 5, 4}), q);
+              }),
+              HasSubstr("key's last size (4) must equal query's (8)"));
+  EXPECT_THAT(error_text([&] {
+                ampx::scaled_dot_product_attention(q, q, torch::randn({2, 6, 8}));
+              }),
+              HasSubstr("value's length (6"));
+  EXPECT_THAT(error_text([&] {
+                ampx::scaled_dot_product_attention(q, torch::randn({3, 5, 8}), q);
+              }),
+              HasSubstr("same leading (batch, head) sizes"));
+  EXPECT_THAT(error_text([&] { ampx::scaled_dot_product_attention(torch::randn({8}), q, q); }),
+              HasSubstr("at least 2"));
+}
