@@ -36,8 +36,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_PYTHON = "/usr/bin/python3"  # Debian's python3-torch
 MODES = ["fp32", "O1", "O2", "O3"]
-WORKLOADS = ["gpt", "mnist-cnn", "fashion-mlp"]
-UNITS = {"gpt": "tokens/s", "mnist-cnn": "images/s", "fashion-mlp": "images/s"}
+# gpt-nn: the GPT built from torch.nn's stock modules (nn.MultiheadAttention,
+# nn.GELU, nn.Sequential) on both sides, the comparison's second model.
+WORKLOADS = ["gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"]
+GPT_WORKLOADS = ("gpt", "gpt-nn")
+UNITS = {"gpt": "tokens/s", "gpt-nn": "tokens/s", "mnist-cnn": "images/s",
+         "fashion-mlp": "images/s"}
 # (name in the results, program, its flags): the optimizer benchmark is one
 # program run once per optimizer, under the names its runs had when they were
 # separate programs (ampx_optim_bench was AdamW's).
@@ -128,7 +132,7 @@ def mlp_flops_per_step(batch):
     return 3 * 2 * (784 * 512 + 512 * 256 + 256 * 10) * batch
 
 
-FLOPS = {"gpt": gpt_flops_per_step, "mnist-cnn": cnn_flops_per_step,
+FLOPS = {"gpt": gpt_flops_per_step, "gpt-nn": gpt_flops_per_step, "mnist-cnn": cnn_flops_per_step,
          "fashion-mlp": mlp_flops_per_step}
 
 
@@ -167,13 +171,13 @@ def micro(args, out):
 def ampx_train(args, out, workload, rnd=0):
     d = os.path.join(out, "e2e", workload if rnd == 0 else f"{workload}-r{rnd}")
     shutil.rmtree(d, ignore_errors=True)
-    steps = args.gpt_steps if workload == "gpt" else args.image_steps
+    steps = args.gpt_steps if workload in GPT_WORKLOADS else args.image_steps
     cmd = [os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload", workload,
            "--compare", ",".join(MODES), "--steps", str(steps), "--threads", str(args.threads),
            "--out-dir", d, "--progress", "none"]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
-    if workload == "gpt":
+    if workload in GPT_WORKLOADS:
         cmd += ["--eval-batches", "4"]
     run(cmd)
     with open(os.path.join(d, "compare.json")) as f:
@@ -184,7 +188,7 @@ def python_amp(args, out, workload, precision, rnd=0):
     path = os.path.join(out, "python", f"{workload}-{precision}" + (f"-r{rnd}" if rnd else "")
                         + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    steps = args.gpt_steps if workload == "gpt" else args.image_steps
+    steps = args.gpt_steps if workload in GPT_WORKLOADS else args.image_steps
     cmd = [TORCH_PYTHON, os.path.join(ROOT, "bench", "python", "torch_amp_bench.py"),
            "--workload", workload, "--precision", precision, "--threads", str(args.threads),
            "--steps", str(steps), "--json", path]
@@ -372,7 +376,7 @@ def build_report(args, data):
         unit = UNITS[workload]
         flops = FLOPS[workload](c["settings"]["batch_size"])
         # per step: tokens for gpt (block 128), images otherwise
-        items = c["settings"]["batch_size"] * (128 if workload == "gpt" else 1)
+        items = c["settings"]["batch_size"] * (128 if workload in GPT_WORKLOADS else 1)
         w(f"## {workload}")
         w("")
         s = c["settings"]
@@ -480,12 +484,15 @@ def targets(data):
     py_step = lambda w, p: data["python"].get(w, {}).get(p, {}).get("median_step_ms")
     # Same model, same data, same LibTorch: ampx-train against bench/python (issue 16).
     for w in WORKLOADS:
-        for mode, prec, what in (("fp32", "fp32", "fp32 vs Python fp32"),
-                                 ("O1", "autocast-bf16", "O1 vs Python torch.autocast bf16")):
+        # fp32 on the GPTs: 1.1x (the same BLAS on both sides; issue 29).
+        want_fp32 = 1.1 if w in GPT_WORKLOADS else 1.0
+        for mode, prec, what, want in (
+                ("fp32", "fp32", "fp32 vs Python fp32", want_fp32),
+                ("O1", "autocast-bf16", "O1 vs Python torch.autocast bf16", 1.0)):
             mine, theirs = step(w, mode), py_step(w, prec)
             if mine is not None or theirs is not None:
-                add(f"{w}, ampx {what} (step time)", ">= 1.0x",
-                    theirs / mine if mine and theirs else None, 1.0)
+                add(f"{w}, ampx {what} (step time)", f">= {want:g}x",
+                    theirs / mine if mine and theirs else None, want)
     if "gpt" in e2e:
         f32 = step("gpt", "fp32")
         best = min(step("gpt", "O1"), step("gpt", "O2"))
@@ -502,10 +509,16 @@ def targets(data):
             pyb / best_mixed if pyb else None, 1.3, note=attention)
         flops = gpt_flops_per_step(e2e["gpt"]["settings"]["batch_size"])
         mfu = flops / (best_mixed / 1e3) / (peaks["bf16"] * 1e9) if peaks["bf16"] else None
-        add("gpt MFU against the measured bf16 GEMM peak", ">= 75%", mfu, 0.75, unit="%")
+        add("gpt MFU against the measured bf16 GEMM peak", ">= 70%", mfu, 0.70, unit="%")
         peak = {x["mode"]: x["peak_allocated_bytes"] for x in e2e["gpt"]["modes"]}
         add("gpt O2 peak memory vs fp32", "<= 0.55x", peak["O2"] / peak["fp32"], 0.55,
             higher_is_better=False)
+    if "gpt-nn" in e2e:
+        best_mixed = min(step("gpt-nn", m) for m in MODES if m != "fp32")
+        pyb = py_step("gpt-nn", "autocast-bf16")
+        add("gpt-nn (torch.nn's modules), ampx best mixed mode vs Python torch.autocast bf16",
+            ">= 1.3x", pyb / best_mixed if pyb else None, 1.3,
+            note=f"attention: {e2e['gpt-nn']['settings'].get('attention')} on both sides")
     if "mnist-cnn" in e2e:
         add("mnist-cnn, O2 vs O1 step time", ">= 1.0x",
             step("mnist-cnn", "O1") / step("mnist-cnn", "O2"), 1.0)

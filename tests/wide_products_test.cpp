@@ -229,6 +229,31 @@ TEST(WideProductsRoutingTest, AutocastMultipliesWideWhenOnAndNativelyWhenOff) {
   EXPECT_EQ(ampx::get_all_cast_policies(torch::kCPU), policies_before);
 }
 
+// LibTorch's C++ Linear on a 3-D input multiplies (matmul, routed wide) and
+// then adds the bias in place: the wide product's result must allow that
+// (a view made inside a custom Function would not) and train.
+TEST(WideProductsRoutingTest, CppLinearOnThreeDimensionsAddsItsBiasInPlaceAndTrains) {
+  ProductsMode mode(CpuProducts::kWide);
+  torch::manual_seed(5);
+  torch::nn::Linear linear(32, 16);
+  const auto x = torch::randn({3, 6, 32});
+  torch::Tensor y;
+  {
+    ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    y = linear(x);
+  }
+  EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+  const auto bf = [](const torch::Tensor& t) { return t.detach().to(torch::kBFloat16); };
+  // The product rounded to bf16, then the fp32 bias added in place (in
+  // float32, rounded to the bf16 output).
+  const auto product = ampx::wide_linear(bf(x), bf(linear->weight));
+  EXPECT_TRUE(
+      torch::equal(y, (product.to(torch::kFloat) + linear->bias.detach()).to(torch::kBFloat16)));
+  y.to(torch::kFloat).sum().backward();
+  EXPECT_EQ(linear->weight.grad().scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::allclose(linear->bias.grad(), torch::full({16}, 18.f)));
+}
+
 // An ampx policy on a product op is kept: mm in float32 stays float32.
 TEST(WideProductsRoutingTest, AProductsOwnPolicyComesBeforeTheWideRoute) {
   ProductsMode mode(CpuProducts::kWide);

@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include "data.h"
+#include "gpt_nn.h"
 #include "machine.h"
 #include "models.h"
 
@@ -23,7 +24,7 @@
 namespace ampx::train {
 namespace {
 
-const std::vector<std::string> kWorkloads = {"gpt", "mnist-cnn", "fashion-mlp"};
+const std::vector<std::string> kWorkloads = {"gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"};
 const std::vector<std::string> kModes = {"fp32", "O1", "O2", "O3", "fp8"};
 
 struct WorkloadDefaults {
@@ -34,7 +35,7 @@ struct WorkloadDefaults {
 };
 
 WorkloadDefaults defaults_of(const std::string& workload) {
-  if (workload == "gpt") return {32, 200, 0, 1e-3};
+  if (is_gpt_workload(workload)) return {32, 200, 0, 1e-3};
   if (workload == "mnist-cnn") return {128, 0, 1, 1e-3};
   return {256, 0, 3, 1e-3};  // fashion-mlp
 }
@@ -95,7 +96,8 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.get_formatter()->column_width(34);
 
   app.add_option("--workload", c.workload,
-                 "what to train: gpt (char transformer on Moby Dick), "
+                 "what to train: gpt (char transformer on Moby Dick), gpt-nn (the same GPT "
+                 "built from torch::nn's stock modules: MultiheadAttention, GELU, Sequential), "
                  "mnist-cnn (MNIST), fashion-mlp (Fashion-MNIST)")
       ->check(CLI::IsMember(kWorkloads));
   auto* precision = app.add_option("--precision", c.precision,
@@ -269,8 +271,8 @@ void resolve_defaults(TrainConfig& c) {
     c.heads = 12;
     c.block_size = 1024;
   }
-  TORCH_CHECK(c.workload != "gpt" || c.d_model % c.heads == 0, "ampx-train: --d-model ", c.d_model,
-              " is not a multiple of --heads ", c.heads);
+  TORCH_CHECK(!is_gpt_workload(c.workload) || c.d_model % c.heads == 0, "ampx-train: --d-model ",
+              c.d_model, " is not a multiple of --heads ", c.heads);
   TORCH_CHECK(c.device != "cuda" || torch::cuda::is_available(),
               "ampx-train: --device cuda, but this LibTorch (", ampx::torch_version(),
               ") sees no CUDA device");
@@ -324,6 +326,11 @@ ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c) {
   return ampx::fp8::DelayedScaling().fp8_format(format).amax_history_len(c.amax_history);
 }
 
+const char* gpt_attention_of(const TrainConfig& c) {
+  if (c.workload == "gpt-nn") return kGptNNAttention;
+  return gpt_attention(torch::Device(c.device), gpt_attention_named(c.attention));
+}
+
 std::string settings_table(const TrainConfig& c) {
   std::vector<std::pair<std::string, std::string>> rows;
   auto add = [&](const std::string& k, const auto& v) {
@@ -355,12 +362,12 @@ std::string settings_table(const TrainConfig& c) {
   add("lr (AdamW)", c.lr);
   add("weight decay", c.weight_decay);
   add("seed", c.seed);
-  if (c.workload == "gpt") {
+  if (is_gpt_workload(c.workload)) {
     std::ostringstream shape;
     shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
           << c.block_size;
     add("model", shape.str());
-    add("attention", gpt_attention(torch::Device(c.device), gpt_attention_named(c.attention)));
+    add("attention", gpt_attention_of(c));
   }
   add("data", c.data_dir);
   add("output", c.out_dir);

@@ -22,7 +22,7 @@ namespace ampx::train {
 /// Every flag of ampx-train. Zero / empty means "the workload's default",
 /// filled in by resolve_defaults().
 struct TrainConfig {
-  std::string workload = "gpt";      // gpt | mnist-cnn | fashion-mlp
+  std::string workload = "gpt";      // gpt | gpt-nn | mnist-cnn | fashion-mlp
   std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 (one run)
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
@@ -74,6 +74,14 @@ struct TrainConfig {
   std::string only_mode;    // --only-mode: train this mode of --compare
   std::string result_file;  // --result-file: write the RunResult as JSON
 };
+
+/// The attention path a GPT workload's model runs (settings and report).
+const char* gpt_attention_of(const TrainConfig& config);
+
+/// Whether `workload` trains a GPT on Moby Dick's text (gpt, gpt-nn).
+inline bool is_gpt_workload(const std::string& workload) {
+  return workload == "gpt" || workload == "gpt-nn";
+}
 
 /// Whether a launcher started this process as one rank of several
 /// (torchrun's or --nproc's WORLD_SIZE, Open MPI's or Slurm's task count

@@ -107,10 +107,8 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"device", c.device},
         {"tf32", c.tf32},
         {"dtype", c.dtype},
-        {"attention", workload.name() == "gpt"
-                          ? nlohmann::json(gpt_attention(torch::Device(c.device),
-                                                         gpt_attention_named(c.attention)))
-                          : nlohmann::json()},
+        {"attention",
+         is_gpt_workload(workload.name()) ? nlohmann::json(gpt_attention_of(c)) : nlohmann::json()},
         {"cpu_products", c.device == "cpu"
                              ? nlohmann::json(ampx::cpu_products_are_wide(
                                                   c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16)

@@ -1,6 +1,7 @@
 #include "workloads.h"
 
 #include "data.h"
+#include "gpt_nn.h"
 #include "models.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -31,7 +32,11 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
 class GptWorkload final : public Workload {
  public:
   GptWorkload(const TrainConfig& c, TextData data)
-      : seed_(c.seed), batch_(c.batch_size), eval_batches_(c.eval_batches), data_(std::move(data)) {
+      : name_(c.workload),
+        seed_(c.seed),
+        batch_(c.batch_size),
+        eval_batches_(c.eval_batches),
+        data_(std::move(data)) {
     cfg_.vocab = static_cast<int64_t>(data_.vocab.size());
     cfg_.block = c.block_size;
     cfg_.layers = c.layers;
@@ -42,7 +47,7 @@ class GptWorkload final : public Workload {
                 "ampx-train: the text is too short for --block-size ", cfg_.block, ": ",
                 data_.train.numel(), " training and ", data_.val.numel(), " held-out characters");
   }
-  std::string name() const override { return "gpt"; }
+  std::string name() const override { return name_; }
   std::string unit() const override { return "tokens"; }
   std::string metric_name() const override { return "bpc"; }
   bool metric_is_percent() const override { return false; }
@@ -51,16 +56,23 @@ class GptWorkload final : public Workload {
     return std::max<int64_t>(1, data_.train.numel() / items_per_step());
   }
   nlohmann::json identity() const override {
-    return {{"workload", "gpt"},     {"vocab", cfg_.vocab}, {"block_size", cfg_.block},
+    return {{"workload", name_},     {"vocab", cfg_.vocab}, {"block_size", cfg_.block},
             {"layers", cfg_.layers}, {"heads", cfg_.heads}, {"d_model", cfg_.d},
             {"batch_size", batch_},  {"seed", seed_}};
   }
   std::shared_ptr<torch::nn::Module> build(const torch::Device& device) override {
+    if (name_ == "gpt-nn") {
+      nn_model_ = GPTNN(cfg_);
+      nn_model_->to(device);
+      return nn_model_.ptr();
+    }
     model_ = GPT(cfg_);
     model_->to(device);
     return model_.ptr();
   }
-  torch::Tensor forward(const torch::Tensor& input) override { return model_->forward(input); }
+  torch::Tensor forward(const torch::Tensor& input) override {
+    return nn_model_ ? nn_model_->forward(input) : model_->forward(input);
+  }
   Batch batch(int64_t step, const torch::Device& device) override {
     // B windows of T + 1 characters at random offsets of the training split.
     auto gen = generator_for(seed_, /*stream=*/0, static_cast<uint64_t>(step));
@@ -108,12 +120,14 @@ class GptWorkload final : public Workload {
     return train_device_;
   }
 
+  std::string name_;  // gpt or gpt-nn (the model built)
   uint64_t seed_;
   int64_t batch_, eval_batches_;
   TextData data_;
   torch::Tensor train_device_;  // data_.train on the training device (not the CPU)
   GPTConfig cfg_;
   GPT model_{nullptr};
+  GPTNN nn_model_{nullptr};
 };
 
 // MNIST's and Fashion-MNIST's pixels scaled to [0, 1] and standardised with
@@ -208,7 +222,7 @@ std::string Workload::describe_metric(double value) const {
 
 std::unique_ptr<Workload> make_workload(const TrainConfig& c) {
   const std::filesystem::path dir = c.data_dir;
-  if (c.workload == "gpt") return std::make_unique<GptWorkload>(c, load_moby_dick(dir));
+  if (is_gpt_workload(c.workload)) return std::make_unique<GptWorkload>(c, load_moby_dick(dir));
   if (c.workload == "mnist-cnn") return std::make_unique<ImageWorkload>(c, load_mnist(dir));
   TORCH_CHECK(c.workload == "fashion-mlp", "ampx-train: unknown --workload '", c.workload, "'");
   return std::make_unique<ImageWorkload>(c, load_fashion_mnist(dir));

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WORKLOADS = ("gpt", "mnist-cnn", "fashion-mlp")
+WORKLOADS = ("gpt", "gpt-nn", "mnist-cnn", "fashion-mlp")
+# The workloads that train the GPT shape on Moby Dick's text.
+GPT_WORKLOADS = ("gpt", "gpt-nn")
 
 # apps/ampx-train/config.h: the gpt shape flags' defaults.
 GPT_DEFAULTS = {"block_size": 128, "layers": 4, "d_model": 256, "heads": 4}
@@ -55,8 +57,14 @@ ATTENTION = "explicit matmul, masked_fill, softmax, matmul (no SDPA kernel)"
 CUDA_ATTENTION = "scaled_dot_product_attention, causal (LibTorch's fused kernels)"
 
 
-def attention_on(device):
-    """The attention path the GPT runs on `device` ("cpu" or "cuda")."""
+# gpt-nn's attention: nn.MultiheadAttention's own ops (models.h's kGptNNAttention).
+NN_ATTENTION = "nn.MultiheadAttention (causal attn_mask, need_weights=False)"
+
+
+def attention_on(device, workload="gpt"):
+    """The attention path the workload's GPT runs on `device` ("cpu" or "cuda")."""
+    if workload == "gpt-nn":
+        return NN_ATTENTION
     return CUDA_ATTENTION if device == "cuda" else ATTENTION
 
 
@@ -120,6 +128,51 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class NNBlock(nn.Module):
+    """A pre-norm transformer block as most Python users write one, from torch.nn's
+    stock modules: nn.MultiheadAttention (batch_first, the causal mask as attn_mask,
+    need_weights=False), an nn.Sequential MLP with nn.GELU, nn.LayerNorm."""
+
+    def __init__(self, heads, d):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTNN(nn.Module):
+    """gpt-nn: the GPT's shape and data written with NNBlock, the second model of the
+    comparison (models.h's GPTNN, its C++ twin), so that it does not rest on one
+    hand-matched model."""
+
+    def __init__(self, vocab=96, block=128, layers=4, heads=4, d=256):
+        super().__init__()
+        if heads <= 0 or d % heads != 0:
+            raise ValueError(f"GPT: d ({d}) must be a multiple of heads ({heads})")
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(block, d) * 0.02)
+        self.blocks = nn.ModuleList([NNBlock(heads, d) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        # -inf above the diagonal (the future a position may not attend to), 0
+        # elsewhere: nn.Transformer.generate_square_subsequent_mask's float mask.
+        self.register_buffer("mask", torch.full((block, block), float("-inf")).triu(1))
+
+    def forward(self, tokens):  # int64 [B, T] -> logits [B, T, vocab]
+        T = tokens.size(1)
+        x = self.tok(tokens) + self.pos[:T]
+        mask = self.mask[:T, :T]
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+
 class MnistCNN(nn.Module):
     """Two conv + batch-norm stages and a two-layer classifier (about 420k parameters)."""
 
@@ -161,6 +214,8 @@ def build_model(workload, vocab=96, block_size=128, layers=4, heads=4, d_model=2
     cls = LibTorchLinear if linear == "libtorch" else nn.Linear
     if workload == "gpt":
         return GPT(vocab=vocab, block=block_size, layers=layers, heads=heads, d=d_model, linear=cls)
+    if workload == "gpt-nn":  # stock modules only: `linear` does not apply
+        return GPTNN(vocab=vocab, block=block_size, layers=layers, heads=heads, d=d_model)
     if workload == "mnist-cnn":
         return MnistCNN(linear=cls)
     if workload == "fashion-mlp":

@@ -58,6 +58,12 @@ BOUNDS = {
     "libtorch": (1e-6, 1e-5, 1e-6, 1e-5, 1e-5),
     "torch": (1e-5, 1e-4, 1e-4, 3e-2, 1e-3),
 }
+# gpt-nn is built from stock modules on both sides (nn.MultiheadAttention,
+# nn.Linear on 3-D inputs), whose Python and C++ versions run different ATen
+# ops for the same math (LibTorch's C++ Linear adds the bias after a 3-D
+# matmul; the two MultiheadAttention forwards differ in their projections):
+# there is no bit-for-bit flavour, only the "torch" bounds.
+BOUNDS_OF = {"gpt-nn": {"torch": BOUNDS["torch"]}}
 
 
 def load(path):
@@ -132,7 +138,8 @@ def main():
                                            if diffs[worst] > 0 else "all bit-identical")
               + f" (bound {bound:g})")
 
-    for linear, (loss32_tol, tensor32_tol, loss16_tol, out16_tol, grad16_tol) in BOUNDS.items():
+    bounds = BOUNDS_OF.get(workload, BOUNDS)
+    for linear, (loss32_tol, tensor32_tol, loss16_tol, out16_tol, grad16_tol) in bounds.items():
         print(f" linear={linear}")
         # fp32: output, loss and grads from the exported weights.
         model = fresh(linear)

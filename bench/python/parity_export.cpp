@@ -14,6 +14,7 @@
 //        "fp32/output", "fp32/loss", "fp32/grad/<name>"   (O0)
 //        "bf16/output", "bf16/loss", "bf16/grad/<name>"   (O1; output cast to fp32)
 
+#include "gpt_nn.h"
 #include "models.h"
 
 #include <ampx/ampx.h>
@@ -36,6 +37,7 @@ namespace {
 using ampx::train::FashionMLP;
 using ampx::train::GPT;
 using ampx::train::GPTConfig;
+using ampx::train::GPTNN;
 using ampx::train::MnistCNN;
 
 constexpr uint64_t kSeed = 1337;  // ampx-train's --seed default
@@ -58,6 +60,10 @@ Net build(const std::string& workload, const GPTConfig& gpt) {
   torch::manual_seed(kSeed);
   if (workload == "gpt") {
     GPT m(gpt);
+    return {m.ptr(), [m](const torch::Tensor& x) mutable { return m->forward(x); }};
+  }
+  if (workload == "gpt-nn") {
+    GPTNN m(gpt);
     return {m.ptr(), [m](const torch::Tensor& x) mutable { return m->forward(x); }};
   }
   if (workload == "mnist-cnn") {
@@ -114,7 +120,7 @@ void export_workload(const std::string& workload, const std::filesystem::path& o
   c10::Dict<std::string, torch::Tensor> dict;
   torch::Tensor input, target;
   int64_t batch = 0;
-  if (workload == "gpt") {
+  if (workload == "gpt" || workload == "gpt-nn") {
     batch = 4;
     auto tokens = torch::randint(gpt.vocab, {batch, gpt.block + 1}, gen, torch::kLong);
     input = tokens.slice(1, 0, gpt.block).contiguous();
@@ -185,7 +191,7 @@ int main(int argc, char** argv) {
     ampx::set_cpu_products(ampx::CpuProducts::kNative);
     const std::filesystem::path dir = argv[1];
     std::filesystem::create_directories(dir);
-    for (const char* workload : {"gpt", "mnist-cnn", "fashion-mlp"}) {
+    for (const char* workload : {"gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"}) {
       export_workload(workload, dir / (std::string(workload) + ".pt"), threads);
     }
     return 0;

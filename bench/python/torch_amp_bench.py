@@ -58,12 +58,13 @@ import time
 import torch
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-from ampx_models import GPT_DEFAULTS, LINEARS, WORKLOADS, attention_on, build_model, cross_entropy
+from ampx_models import (GPT_DEFAULTS, GPT_WORKLOADS, LINEARS, WORKLOADS, attention_on, build_model,
+                         cross_entropy)
 
 PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16")
 
 # apps/ampx-train/config.cpp defaults_of(): batch size and lr per workload.
-DEFAULT_BATCH = {"gpt": 32, "mnist-cnn": 128, "fashion-mlp": 256}
+DEFAULT_BATCH = {"gpt": 32, "gpt-nn": 32, "mnist-cnn": 128, "fashion-mlp": 256}
 DEFAULT_LR = 1e-3
 DEFAULT_STEPS = 200
 DEFAULT_SEED = 1337
@@ -186,7 +187,7 @@ class ImageBatches:
 
 def make_batches(args):
     """The workload's batch function (step -> (input, target)) and its vocab (gpt) or None."""
-    if args.workload == "gpt":
+    if args.workload in GPT_WORKLOADS:
         train, vocab = load_text(args.data_dir)
         return GptBatches(train, args.batch_size, args.block_size, args.seed), vocab
     images, labels = load_images(args.data_dir, args.workload)
@@ -333,10 +334,10 @@ def train(args):
         "step_ms": step_ms,
     }
     result[batches.unit + "_per_s"] = result["items_per_s"]
-    if args.workload == "gpt":
+    if args.workload in GPT_WORKLOADS:
         result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
                            "heads": args.heads, "d_model": args.d_model}
-        result["attention"] = attention_on(args.device)
+        result["attention"] = attention_on(args.device, args.workload)
     if args.precision == "autocast-bf16" and args.device == "cpu":
         result["matmuls"] = bf16_matmuls()
     return result
@@ -405,7 +406,7 @@ def parse_args(argv=None):
         p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.warmup is not None and not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
-    if args.workload == "gpt" and args.d_model % args.heads:
+    if args.workload in GPT_WORKLOADS and args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device")
@@ -421,10 +422,10 @@ def main(argv=None):
     settings = [("workload", args.workload), ("precision", args.precision), ("threads", args.threads),
                 ("batch size", args.batch_size), ("steps", args.steps), ("lr (AdamW)", args.lr),
                 ("seed", args.seed), ("data", args.data_dir), ("torch", torch.__version__)]
-    if args.workload == "gpt":
+    if args.workload in GPT_WORKLOADS:
         settings.insert(5, ("model", f"{args.layers} layers, d {args.d_model}, {args.heads} heads, "
                                      f"block {args.block_size}"))
-        settings.insert(6, ("attention", attention_on(args.device)))
+        settings.insert(6, ("attention", attention_on(args.device, args.workload)))
     settings.insert(2, ("device", args.device))
     if args.precision == "autocast-bf16" and args.device == "cpu":
         settings.append(("bf16 matmuls", bf16_matmuls()))

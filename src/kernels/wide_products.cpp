@@ -66,7 +66,12 @@ at::Tensor linear_forward(AutogradContext* ctx, const at::Tensor& x, const at::T
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   ctx->save_for_backward({x, w});
-  return y2.to(x.scalar_type()).view(sizes);
+  // Not a view of the rounded 2-D product: callers may modify the result in
+  // place (LibTorch's C++ Linear adds the bias with += on 3-D inputs), which
+  // autograd forbids on a view made inside a custom Function.
+  at::Tensor y = at::empty(sizes, x.options());
+  y.view({-1, n}).copy_(y2);
+  return y;
 }
 
 variable_list linear_backward(AutogradContext* ctx, const at::Tensor& grad,
