@@ -7,6 +7,7 @@
 #include "ampx/kernels.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
+#include "policy/registry.h"
 
 #include <ATen/Context.h>
 #include <c10/util/Exception.h>
@@ -245,9 +246,11 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
     // low-precision inputs in fp32 through the dispatcher (ampx/policy.h).
     impl_->norms = std::make_unique<KeepNormsFp32Guard>(p.device.type());
   }
-  // A cast model's 16-bit products on a CPU without 16-bit matrix kernels
-  // (O1's AutocastGuard makes its own).
-  if (p.cast_model_type && p.device.is_cpu() && cpu_products_are_wide(p.dtype)) {
+  // A cast model's 16-bit products on a CPU without 16-bit matrix kernels,
+  // and its attention through ampx's fused kernel (O1's AutocastGuard makes
+  // its own).
+  if (p.cast_model_type && p.device.is_cpu() &&
+      (cpu_products_are_wide(p.dtype) || detail::routes_fused_attention())) {
     impl_->wide = std::make_unique<WideProductsGuard>();
   }
 }

@@ -2,14 +2,18 @@
 // against a float64 reference on every instruction-set build, its bits on 1
 // and 2 threads, strided inputs, the composite elsewhere, and its errors.
 
+#include "ampx/autocast.h"
+#include "ampx/detail/compat.h"
 #include "ampx/detail/kernels.h"
 #include "ampx/kernels.h"
+#include "ampx/policy.h"
 #include "test_util.h"
 
 #include <ATen/Parallel.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <cmath>
 #include <string>
@@ -198,4 +202,44 @@ TEST(AttentionTest, ErrorsNameTheArgument) {
               HasSubstr("same leading (batch, head) sizes"));
   EXPECT_THAT(error_text([&] { ampx::scaled_dot_product_attention(torch::randn({8}), q, q); }),
               HasSubstr("at least 2"));
+}
+
+// On LibTorch 2.1+, ampx's mixed-precision regions on the CPU run 16-bit
+// at::scaled_dot_product_attention without a mask or dropout through ampx's
+// kernel: autocast (O1: the inputs cast to bf16 first) and the guard of O2's
+// forward; a mask keeps ATen's, and so does code outside a region.
+TEST(AttentionTest, MixedRegionsRouteAtensAttentionToTheFusedKernel) {
+#if !AMPX_TORCH_AT_LEAST(2, 1)
+  GTEST_SKIP() << "LibTorch " << TORCH_VERSION << " has no at::scaled_dot_product_attention";
+#else
+  torch::manual_seed(54);
+  const auto q = torch::randn({2, 3, 20, 16}, torch::requires_grad());
+  const auto k = torch::randn({2, 3, 20, 16}), v = torch::randn({2, 3, 20, 16});
+  const auto bf = [](const torch::Tensor& t) { return t.detach().to(torch::kBFloat16); };
+  const auto fused = ampx::scaled_dot_product_attention(bf(q), bf(k), bf(v), true);
+  torch::Tensor o1, masked;
+  {
+    ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+    o1 = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+    const auto mask = torch::ones({20, 20}, torch::kBool).tril();
+    masked = at::scaled_dot_product_attention(q, k, v, mask);
+  }
+  EXPECT_EQ(o1.scalar_type(), torch::kBFloat16);
+  EXPECT_THAT(o1.grad_fn()->name(), HasSubstr("FusedAttention"));
+  EXPECT_TRUE(torch::equal(o1, fused));
+  EXPECT_THAT(masked.grad_fn()->name(), ::testing::Not(HasSubstr("FusedAttention")));
+  o1.to(torch::kFloat).sum().backward();
+  ASSERT_TRUE(q.grad().defined());
+  EXPECT_EQ(q.grad().scalar_type(), torch::kFloat);
+  {
+    ampx::WideProductsGuard o2;  // what AmpSession::forward_guard() makes for O2 on the CPU
+    const auto y = at::scaled_dot_product_attention(bf(q).requires_grad_(true), bf(k), bf(v), {},
+                                                    0.0, /*is_causal=*/true);
+    EXPECT_THAT(y.grad_fn()->name(), HasSubstr("FusedAttention"));
+    EXPECT_TRUE(torch::equal(y, fused));
+  }
+  const auto outside = at::scaled_dot_product_attention(bf(q).requires_grad_(true), bf(k), bf(v),
+                                                        {}, 0.0, /*is_causal=*/true);
+  EXPECT_THAT(outside.grad_fn()->name(), ::testing::Not(HasSubstr("FusedAttention")));
+#endif
 }

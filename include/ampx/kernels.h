@@ -111,7 +111,10 @@ bool mixed_gelu_is_fused(const at::Tensor& x);
 /// [B, L, H, Ev] in memory, so that merging the heads with
 /// `y.transpose(1, 2).reshape({B, L, H * Ev})` copies nothing. Elsewhere it
 /// runs LibTorch's own SDPA (2.x, on accelerators) or a composite of matmul,
-/// masked_fill and a float32 softmax. Not twice differentiable.
+/// masked_fill and a float32 softmax. Not twice differentiable. On LibTorch
+/// 2.1+, ampx's mixed-precision regions on the CPU (O1's AutocastGuard, O2's
+/// and O3's forward guard: WideProductsGuard) route 16-bit
+/// `at::scaled_dot_product_attention` calls without mask or dropout here.
 at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tensor& key,
                                         const at::Tensor& value, bool is_causal = false,
                                         std::optional<double> scale = std::nullopt);

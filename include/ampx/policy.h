@@ -213,6 +213,13 @@ class KeepNormsFp32Guard {
 /// broadcast batch sizes, addmm with a 2-D input or beta/alpha other than 1)
 /// run LibTorch's own kernel. Registrations are process-wide and restored on
 /// exit, also by exception, with the caveats of KeepNormsFp32Guard.
+///
+/// On LibTorch 2.1+ it also routes attention, on every CPU (wide products or
+/// not): `at::scaled_dot_product_attention` of bfloat16/float16 CPU tensors
+/// without attn_mask, dropout or enable_gqa runs
+/// ampx::scaled_dot_product_attention's fused kernel (other calls run ATen's).
+/// So O1's AutocastGuard and O2's and O3's forward guard make one there even
+/// where products are native.
 class WideProductsGuard {
  public:
   WideProductsGuard();

@@ -4,6 +4,7 @@
 #include "ampx/policy.h"
 
 #include "ampx/autocast.h"
+#include "ampx/detail/compat.h"
 #include "ampx/kernels.h"
 #include "registry.h"
 
@@ -12,6 +13,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -161,6 +163,8 @@ namespace {
 // The products a WideProductsGuard routes (see wide_product in kernel.cpp).
 const char* const kProductOps[] = {"aten::linear", "aten::matmul", "aten::mm", "aten::bmm",
                                    "aten::addmm"};
+// And attention, to ampx's fused kernel (routes_fused_attention).
+constexpr const char* kAttentionOp = "aten::scaled_dot_product_attention";
 
 // Set while a WideProductsGuard makes its own AutocastGuard, which must not
 // make another WideProductsGuard.
@@ -169,15 +173,23 @@ thread_local bool t_making_wide_guard = false;
 }  // namespace
 
 namespace detail {
+bool routes_fused_attention() {
+  return AMPX_TORCH_AT_LEAST(2, 1);
+}
+
 bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype) {
   return device_type == c10::DeviceType::CPU && !t_making_wide_guard &&
-         cpu_products_are_wide(dtype);
+         (cpu_products_are_wide(dtype) || routes_fused_attention());
 }
 }  // namespace detail
 
 WideProductsGuard::WideProductsGuard() {
   constexpr auto cpu = c10::DeviceType::CPU;
-  if (!cpu_products_are_wide(c10::kBFloat16) && !cpu_products_are_wide(c10::kHalf)) return;
+  const bool products = cpu_products_are_wide(c10::kBFloat16) || cpu_products_are_wide(c10::kHalf);
+  if (!products && !detail::routes_fused_attention()) return;
+  std::vector<const char*> routed;
+  if (products) routed.assign(std::begin(kProductOps), std::end(kProductOps));
+  if (detail::routes_fused_attention()) routed.push_back(kAttentionOp);
   const auto key = detail::autocast_key(cpu, "WideProductsGuard");
   const bool autocast_on = is_autocast_enabled(cpu);
   Changes changes;
@@ -187,7 +199,7 @@ WideProductsGuard::WideProductsGuard() {
     changes = whole_set(cpu, "WideProductsGuard", off, off);
   }
   auto& dispatcher = c10::Dispatcher::singleton();
-  for (const char* op : kProductOps) {
+  for (const char* op : routed) {
     for (auto& name : detail::resolve_op(op, "WideProductsGuard")) {
       // Inside autocast: the op keeps the casts it has now (ampx's policy,
       // else PyTorch's lower-precision cast where PyTorch has a kernel).

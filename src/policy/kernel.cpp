@@ -13,6 +13,7 @@
 #include <ATen/core/stack.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <optional>
 #include <string>
 
 namespace ampx {
@@ -151,6 +152,45 @@ bool wide_operands(std::initializer_list<at::Tensor> ts) {
   return true;
 }
 
+// aten::scaled_dot_product_attention(query, key, value, attn_mask=None,
+// dropout_p=0., is_causal=False, *, scale=None[, enable_gqa=False]) of
+// bfloat16/float16 CPU tensors without a mask, dropout or grouped queries,
+// whose sizes ampx's kernel takes: ampx::scaled_dot_product_attention.
+// Anything else returns false and runs ATen's.
+bool fused_attention(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t first = stack->size() - schema.arguments().size();
+  auto arg = [&](const char* name) -> const c10::IValue* {
+    const auto index = schema.argumentIndexWithName(name);
+    return index ? &(*stack)[first + static_cast<size_t>(*index)] : nullptr;
+  };
+  const c10::IValue *q = arg("query"), *k = arg("key"), *v = arg("value");
+  const c10::IValue *mask = arg("attn_mask"), *dropout = arg("dropout_p"),
+                    *causal = arg("is_causal"), *scale = arg("scale"), *gqa = arg("enable_gqa");
+  if (!q || !k || !v || !q->isTensor() || !k->isTensor() || !v->isTensor() || !causal ||
+      (mask && !mask->isNone()) || (dropout && dropout->toDouble() != 0.0) ||
+      (gqa && gqa->toBool())) {
+    return false;
+  }
+  const at::Tensor query = q->toTensor(), key = k->toTensor(), value = v->toTensor();
+  if (query.scalar_type() == at::kFloat ||
+      !scaled_dot_product_attention_is_fused(query, key, value)) {
+    return false;
+  }
+  const int64_t lead = query.dim() - 2;
+  if (key.sizes().slice(0, lead) != query.sizes().slice(0, lead) ||
+      value.sizes().slice(0, lead) != query.sizes().slice(0, lead) ||
+      key.size(-1) != query.size(-1) || value.size(-2) != key.size(-2)) {
+    return false;
+  }
+  std::optional<double> s;
+  if (scale && !scale->isNone()) s = scale->toDouble();
+  at::Tensor out = scaled_dot_product_attention(query, key, value, causal->toBool(), s);
+  torch::jit::drop(*stack, schema.arguments().size());
+  stack->emplace_back(std::move(out));
+  return true;
+}
+
 // A product entry with wide products (PolicyEntry::wide) on the CPU: the
 // default overloads of linear, matmul, mm, bmm and addmm (1-D bias, beta and
 // alpha 1) whose operands pass wide_operands and whose sizes agree run
@@ -160,6 +200,7 @@ bool wide_product(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   if (!schema.overload_name().empty()) return false;
   const std::string& name = schema.name();
+  if (name == "aten::scaled_dot_product_attention") return fused_attention(op, stack);
   const size_t n = stack->size();
   auto tensor = [&](size_t from_end) {
     const c10::IValue& v = (*stack)[n - from_end];

@@ -85,9 +85,14 @@ class KernelFunction;
 namespace ampx {
 namespace detail {
 /// Whether an enabled AutocastGuard on `device_type` with `dtype` makes a
-/// WideProductsGuard (the CPU, products wide for dtype, and not the guard a
-/// WideProductsGuard makes itself).
+/// WideProductsGuard (the CPU, products wide for dtype or 16-bit attention
+/// routed to ampx's kernel, and not the guard a WideProductsGuard makes
+/// itself).
 bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype);
+/// Whether WideProductsGuard routes 16-bit CPU aten::scaled_dot_product_attention
+/// to ampx::scaled_dot_product_attention: on every LibTorch that has the op
+/// with a scale argument (2.1+), on any CPU.
+bool routes_fused_attention();
 /// The Autocast-key kernel that applies `entry` on `device_type` (kernel.cpp).
 c10::KernelFunction make_policy_kernel(PolicyEntry entry, c10::DeviceType device_type);
 }  // namespace detail
