@@ -74,6 +74,7 @@ const std::vector<Case> kCases = {
     {{2, 3}, 70, 70, 40, 40, true},  // partial blocks, a width of no whole vector pair
     {{2, 3}, 70, 70, 40, 40, false},  {{3}, 45, 77, 16, 24, false},  // L != S, Ev != E, 3-D
     {{3}, 77, 45, 16, 24, true},       // more queries than keys: late rows see every key
+    {{3}, 45, 77, 16, 24, true},       // fewer queries than keys: the last keys unseen
     {{1, 2}, 1, 1, 8, 8, true},        // one query, one key
     {{2, 2}, 128, 128, 64, 64, true},  // gpt's head shape
 };
@@ -143,6 +144,7 @@ TEST(AttentionTest, SameBitsOnOneAndTwoThreads) {
   std::vector<torch::Tensor> runs[2];
   for (int n : {1, 2}) {
     at::set_num_threads(n);
+    ASSERT_EQ(at::get_num_threads(), n);
     auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
          v = v0.clone().requires_grad_(true);
     auto y = ampx::scaled_dot_product_attention(q, k, v, true);
@@ -167,6 +169,41 @@ TEST(AttentionTest, StridedInputsGiveTheBitsOfContiguousOnesAndHeadsMergeWithout
       parts[0].contiguous(), parts[1].contiguous(), parts[2].contiguous(), true);
   EXPECT_TRUE(torch::equal(y, y_copy));
   EXPECT_TRUE(y.transpose(1, 2).is_contiguous());
+  // Backward too: the gradient of the projection from the strided views,
+  // against the gradients of contiguous copies.
+  const auto leaf = qkv.clone().requires_grad_(true);
+  const auto views = leaf.permute({2, 0, 3, 1, 4}).unbind(0);
+  const auto dy = torch::randn({B, H, T, E}).to(torch::kBFloat16);
+  ampx::scaled_dot_product_attention(views[0], views[1], views[2], true).backward(dy);
+  std::vector<torch::Tensor> copies;
+  for (const auto& p : parts) copies.push_back(p.contiguous().requires_grad_(true));
+  ampx::scaled_dot_product_attention(copies[0], copies[1], copies[2], true).backward(dy);
+  const auto grads = leaf.grad().permute({2, 0, 3, 1, 4}).unbind(0);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(grads[i], copies[i].grad())) << i;
+}
+
+// The result is a tensor of its own, as ATen's is: it can be modified in
+// place (a view made inside the custom Function could not), and a second
+// derivative is refused by name rather than silently missing this op.
+TEST(AttentionTest, OutputTakesInPlaceOpsAndSecondDerivativesAreRefused) {
+  torch::manual_seed(55);
+  const auto q0 = torch::randn({2, 2, 10, 8}).to(torch::kBFloat16);
+  const auto k = torch::randn({2, 2, 10, 8}).to(torch::kBFloat16);
+  const auto v = torch::randn({2, 2, 10, 8}).to(torch::kBFloat16);
+  auto q = q0.clone().requires_grad_(true);
+  auto y = ampx::scaled_dot_product_attention(q, k, v, true);
+  y.add_(1);
+  y.transpose(1, 2).reshape({2, 10, 16}).mul_(2);  // a view of it, as a head merge makes
+  y.sum().backward();
+  auto plain = q0.clone().requires_grad_(true);
+  (ampx::scaled_dot_product_attention(plain, k, v, true) * 2).sum().backward();
+  EXPECT_TRUE(torch::equal(q.grad(), plain.grad()));
+  auto y2 = ampx::scaled_dot_product_attention(q, k, v, true);
+  EXPECT_THAT(error_text([&] {
+                torch::autograd::grad({y2.to(torch::kFloat).pow(2).sum()}, {q}, {},
+                                      /*retain_graph=*/true, /*create_graph=*/true);
+              }),
+              HasSubstr("not twice differentiable"));
 }
 
 // Other dtypes run the composite: float64 matches the reference closely.
@@ -237,6 +274,23 @@ TEST(AttentionTest, MixedRegionsRouteAtensAttentionToTheFusedKernel) {
                                                     0.0, /*is_causal=*/true);
     EXPECT_THAT(y.grad_fn()->name(), HasSubstr("FusedAttention"));
     EXPECT_TRUE(torch::equal(y, fused));
+  }
+  {
+    // A scale, no causal mask and L != S reach the kernel as given: ATen's
+    // float32 result from the same bf16 inputs, within a bf16 rounding.
+    const auto q12 = torch::randn({2, 3, 12, 16}), k20 = torch::randn({2, 3, 20, 16}),
+               v20 = torch::randn({2, 3, 20, 8});
+    torch::Tensor y;
+    {
+      ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      y = at::scaled_dot_product_attention(q12.requires_grad_(true), k20, v20, {}, 0.0,
+                                           /*is_causal=*/false, /*scale=*/0.3);
+    }
+    EXPECT_THAT(y.grad_fn()->name(), HasSubstr("FusedAttention"));
+    const auto aten =
+        at::scaled_dot_product_attention(bf(q12).to(torch::kFloat), bf(k20).to(torch::kFloat),
+                                         bf(v20).to(torch::kFloat), {}, 0.0, false, 0.3);
+    EXPECT_TRUE(torch::allclose(y.to(torch::kFloat), aten, 1e-2, 1e-2));
   }
   const auto outside = at::scaled_dot_product_attention(bf(q).requires_grad_(true), bf(k), bf(v),
                                                         {}, 0.0, /*is_causal=*/true);

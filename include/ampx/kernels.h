@@ -120,7 +120,8 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tenso
                                         std::optional<double> scale = std::nullopt);
 
 /// Whether scaled_dot_product_attention runs the fused CPU kernel for these
-/// arguments (CPU; float32, bfloat16 or float16; no empty dimension).
+/// arguments (strided CPU tensors; float32, bfloat16 or float16; no empty
+/// dimension).
 bool scaled_dot_product_attention_is_fused(const at::Tensor& query, const at::Tensor& key,
                                            const at::Tensor& value);
 

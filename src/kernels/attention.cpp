@@ -94,9 +94,10 @@ std::vector<int64_t> head_offsets(const at::Tensor& t) {
 }
 
 // A result shaped like `like` ([..., rows, width]); 4-D ones laid out
-// [B, rows, H, width] in memory (returned as the [B, H, rows, width] view),
-// so that `y.transpose(1, 2).reshape({B, rows, H * width})`, the usual merge
-// of the heads, is free.
+// [B, rows, H, width] in memory (strides, not a permuted view: a view made
+// inside a custom Function could not be modified in place), so that
+// `y.transpose(1, 2).reshape({B, rows, H * width})`, the usual merge of the
+// heads, is free.
 at::Tensor empty_heads(const at::Tensor& like, int64_t width,
                        at::ScalarType dtype = at::ScalarType::Undefined) {
   auto sizes = like.sizes().vec();
@@ -104,7 +105,8 @@ at::Tensor empty_heads(const at::Tensor& like, int64_t width,
   const auto options =
       like.options().dtype(dtype == at::ScalarType::Undefined ? like.scalar_type() : dtype);
   if (like.dim() == 4) {
-    return at::empty({sizes[0], sizes[2], sizes[1], sizes[3]}, options).permute({0, 2, 1, 3});
+    const int64_t heads = sizes[1], rows = sizes[2];
+    return at::empty_strided(sizes, {rows * heads * width, width, heads * width, 1}, options);
   }
   return at::empty(sizes, options);
 }
@@ -172,6 +174,11 @@ struct FusedAttentionFunction : public torch::autograd::Function<FusedAttentionF
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The gradients come from raw buffers, with no graph of their own: a
+    // second derivative (create_graph) would silently miss this op.
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "ampx::scaled_dot_product_attention: the fused CPU kernel is not twice "
+                "differentiable (backward with create_graph=true)");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &query = saved[0], &key = saved[1], &value = saved[2];
     const bool causal = ctx->saved_data["causal"].toBool();
@@ -219,7 +226,10 @@ at::Tensor composite_attention(const at::Tensor& q, const at::Tensor& k, const a
 
 bool scaled_dot_product_attention_is_fused(const at::Tensor& query, const at::Tensor& key,
                                            const at::Tensor& value) {
-  return query.defined() && key.defined() && value.defined() && query.device().is_cpu() &&
+  const auto plain = [](const at::Tensor& t) {
+    return t.defined() && t.layout() == at::kStrided && !t.is_nested();
+  };
+  return plain(query) && plain(key) && plain(value) && query.device().is_cpu() &&
          key.device().is_cpu() && value.device().is_cpu() && fused_dtype(query.scalar_type()) &&
          key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type() &&
          query.dim() >= 2 && key.dim() == query.dim() && value.dim() == query.dim() &&

@@ -41,7 +41,7 @@ namespace {
 
 constexpr int64_t kV = FVec::size();
 constexpr int64_t kPair = 2 * kV;  // columns per tile_product step
-// Query and key rows per tile: a multiple of kPair in every build (8, 16 or
+// Query and key rows per tile: a multiple of kPair in every build (16, 16 or
 // 32 floats per pair), small enough that the causal diagonal wastes little.
 constexpr int64_t kBlock = 32;
 static_assert(kBlock % kPair == 0, "tiles hold whole column pairs");
@@ -66,11 +66,12 @@ char* mutable_row_of(const AttentionRows& x, int64_t head, int64_t r, int64_t si
 // 16-bit `rounded` (widened back): each difference in units of 2^-15 of the
 // rounded value's spacing in its format (at most half a spacing, so |code|
 // <= 16384), which makes rounded + code * spacing * 2^-15 within 2^-16
-// spacings of exact: as close as float32 is. The unit, 2^15 / spacing, is a
-// power of two made from the rounded value's exponent bits (spacing at
-// least fp16's 2^-24; for bf16 below 2^-119 the unit saturates and the
-// residual, under 2^-126, is lost). A non-finite value gets a saturated code
-// and stays non-finite. Branch-free, so that the loops vectorize.
+// spacings of exact: for bf16 about one float32 ulp, for fp16 finer. The
+// unit, 2^15 / spacing, is a power of two made from the rounded value's
+// exponent bits (spacing at least fp16's 2^-24; for bf16 values below 2^-105
+// the unit saturates and the residual, under 2^-113, loses precision). A
+// non-finite value gets a saturated code and stays non-finite. Branch-free,
+// so that the loops vectorize.
 inline float unit_of(float rounded, int32_t mantissa_bits, int32_t min_spacing_exponent) {
   uint32_t bits;
   std::memcpy(&bits, &rounded, sizeof bits);
