@@ -463,6 +463,22 @@ def build_report(args, data):
     return "\n".join(lines) + "\n"
 
 
+# Sections from other machines (scripts/device-run.sh on the GPU machine) are
+# written by hand below this line of docs/PERFORMANCE.md; `make bench` keeps them.
+KEPT_MARK = "<!-- make bench keeps what follows: runs on other machines -->"
+
+
+def kept_sections(path):
+    """The text from KEPT_MARK to the end of the existing doc, if it has the mark."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    at = text.find(KEPT_MARK)
+    return "" if at < 0 else "\n" + text[at:]
+
+
 def targets(data):
     out = []
     peaks = {"fp32": data["gemm"].get("fp32_peak_gflops"),
@@ -628,7 +644,7 @@ def main():
     data["commit"] = git_commit()
     data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]
     data["targets"] = targets(data)
-    report = build_report(args, data)
+    report = build_report(args, data) + kept_sections(args.doc)
     for path, text in ((args.doc, report), (args.json, json.dumps(
             {k: v for k, v in data.items() if k != "micro"} |
             {"micro": {k: v["benchmarks"] for k, v in data["micro"].items()}}, indent=1) + "\n")):

@@ -2,8 +2,8 @@
 # The GPU proof of ampx in one command, for the lent GPU machine (PyTorch from
 # pip with CUDA, nvcc, no Debian packages, no network):
 #
-#   scripts/device-run.sh OUT [--part all|build|test|bench] [--build DIR] [--quick]
-#                             [--rounds N] [--steps N]
+#   scripts/device-run.sh OUT [--part all|build|test|bench|cpu] [--build DIR] [--quick]
+#                             [--rounds N] [--steps N] [--threads "2 16"]
 #
 #   build  cmake against the machine's PyTorch (torch.utils.cmake_prefix_path),
 #          tests and the JSON benchmarks on, NCCL required (AMPX_NCCL=OFF in the
@@ -15,6 +15,11 @@
 #          against a copy), ampx_fp8_bench, then per round and mode ampx-train
 #          and the same model in Python (torch.autocast + GradScaler +
 #          AdamW(fused=True)): GPT-2 small's shape on Moby Dick
+#   cpu    (not in all) the CPU comparison against the LibTorch of a pip wheel:
+#          ampx-train built against the wheel and the wheel's Python
+#          torch.autocast, gpt and gpt-nn on the CPU (bf16), fp32/O1/O2 against
+#          fp32/autocast-bf16, interleaved, at each thread count of --threads
+#          (default: 2 and all cores): OUT/cpu-tN/
 #   then   scripts/device_report.py: OUT/summary.md (a section for
 #          docs/PERFORMANCE.md) and OUT/summary.json, naming what was skipped
 #
@@ -30,13 +35,13 @@ cd "$(dirname "$0")/.."
 root=$PWD
 
 usage() {
-  sed -n '4,6p' "$0" >&2
+  sed -n '4,5p' "$0" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
 out=$1
 shift
-part=all build="" quick=0 rounds="" steps=""
+part=all build="" quick=0 rounds="" steps="" threads=""
 while [ $# -gt 0 ]; do
   case $1 in
     --part) part=$2; shift 2 ;;
@@ -44,13 +49,14 @@ while [ $# -gt 0 ]; do
     --quick) quick=1; shift ;;
     --rounds) rounds=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
     *) usage ;;
   esac
 done
-case $part in all|build|test|bench) ;; *) usage ;; esac
+case $part in all|build|test|bench|cpu) ;; *) usage ;; esac
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-: > "$out/device-run.log"
+touch "$out/device-run.log"  # appended to: parts may run as separate calls into one OUT
 log() { echo "device-run: $*" | tee -a "$out/device-run.log"; }
 
 PY=${PYTHON:-python3}
@@ -59,12 +65,18 @@ if [ -z "$build" ]; then
   if [ "$part" = all ] || [ "$part" = build ]; then
     prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
     log "configure against $("$PY" -c 'import torch; print(torch.__version__)') ($prefix)"
+    # Where the wheel lacks Gloo's headers (c10d's are there): Debian's, from .device/.
+    gloo=()
+    torch_include=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
+    if [ ! -e "$torch_include/gloo/context.h" ] && [ -e "$root/.device/gloo_include/gloo/context.h" ]; then
+      gloo=(-DAMPX_GLOO_INCLUDE_DIR="$root/.device/gloo_include")
+    fi
     cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
       -DAMPX_PYTHON="$(command -v "$PY")" -DAMPX_BUILD_BENCHMARKS=ON -DCMAKE_UNITY_BUILD=ON \
       -DAMPX_NCCL="${AMPX_NCCL:-ON}" \
       -DAMPX_GTEST_SOURCE_DIR="$root/.device/googletest" \
       -DAMPX_JSON_INCLUDE_DIR="$root/.device/nlohmann_include" \
-      -DAMPX_CLI11_INCLUDE_DIR="$root/.device/cli11_include" > "$out/configure.log" 2>&1 \
+      -DAMPX_CLI11_INCLUDE_DIR="$root/.device/cli11_include" "${gloo[@]}" > "$out/configure.log" 2>&1 \
       || { cat "$out/configure.log"; exit 1; }
     start=$(date +%s)
     cmake --build "$build" -j"$(nproc)" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
@@ -76,6 +88,19 @@ build=$(cd "$build" && pwd)
 PY=$(sed -n 's/^AMPX_PYTHON:[A-Z]*=//p' "$build/CMakeCache.txt" | head -n 1)
 PY=${PY:-python3}
 
+run_json() {  # name command...: stdout to OUT/name.log; a failure is recorded, not fatal
+  local name=$1
+  shift
+  if "$@" > "$out/$name.log" 2>&1; then
+    log "$name: ok"
+  else
+    log "$name: FAILED (exit $?), see $name.log"
+  fi
+}
+data=${AMPX_DATA_DIR:-}
+[ -n "$data" ] || { [ -d .device/data ] && data=$root/.device/data; } || true
+[ -n "$data" ] || data=${XDG_CACHE_HOME:-$HOME/.cache}/ampx/data
+
 if [ "$part" = all ] || [ "$part" = test ]; then
   start=$(date +%s)
   status=0
@@ -85,9 +110,6 @@ if [ "$part" = all ] || [ "$part" = test ]; then
 fi
 
 if [ "$part" = all ] || [ "$part" = bench ]; then
-  data=${AMPX_DATA_DIR:-}
-  [ -n "$data" ] || { [ -d .device/data ] && data=$root/.device/data; } || true
-  [ -n "$data" ] || data=${XDG_CACHE_HOME:-$HOME/.cache}/ampx/data
   cuda=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
   mkdir -p "$out/train"
   if [ "$quick" = 1 ]; then
@@ -104,15 +126,6 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   fi
   batch=(--batch-size "${BATCH:-$([ "$cuda" = 1 ] && echo 16 || echo 4)}")
 
-  run_json() {  # name command...: stdout to OUT/name.log; a failure is recorded, not fatal
-    local name=$1
-    shift
-    if "$@" > "$out/$name.log" 2>&1; then
-      log "$name: ok"
-    else
-      log "$name: FAILED (exit $?), see $name.log"
-    fi
-  }
   run_json gpu-bench "$build/bench/ampx_gpu_bench" --out "$out/gpu-bench.json" --iters "$([ "$quick" = 1 ] && echo 3 || echo 20)"
   if [ -x "$build/bench/ampx_fp8_bench" ]; then
     run_json fp8-bench sh -c "'$build/bench/ampx_fp8_bench' --iters $([ "$quick" = 1 ] && echo 2 || echo 20) > '$out/fp8-bench.json'"
@@ -128,6 +141,33 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
         --precision "$p" --device "$device" "${pyshape[@]}" "${batch[@]}" --steps "$steps" \
         --data-dir "$data" --json "$out/train/python-$p-r$r.json" \
         $([ "$device" = cuda ] && echo --adamw-impl fused)
+    done
+  done
+fi
+
+if [ "$part" = cpu ]; then
+  if [ "$quick" = 1 ]; then
+    rounds=${rounds:-1} steps=${steps:-4} threads=${threads:-1}
+    small=(--layers 1 --d-model 32 --heads 2 --block-size 16 --batch-size 4)
+  else
+    rounds=${rounds:-2} steps=${steps:-12} threads=${threads:-"2 $(nproc)"} small=()
+  fi
+  for t in $threads; do
+    for r in $(seq 1 "$rounds"); do
+      for w in gpt gpt-nn; do
+        dir=cpu-t$t/$w
+        mkdir -p "$out/$dir"
+        for m in fp32 O1 O2; do
+          run_json "$dir/ampx-$m-r$r" "$build/apps/ampx-train/ampx-train" --workload "$w" \
+            --precision "$m" --dtype bf16 --device cpu --threads "$t" --steps "$steps" "${small[@]}" \
+            --data-dir "$data" --out-dir "$out/$dir/ampx-$m-r$r" --progress none
+        done
+        for p in fp32 autocast-bf16; do
+          run_json "$dir/python-$p-r$r" "$PY" bench/python/torch_amp_bench.py --workload "$w" \
+            --precision "$p" --device cpu --threads "$t" --steps "$steps" "${small[@]}" \
+            --data-dir "$data" --json "$out/$dir/python-$p-r$r.json"
+        done
+      done
     done
   done
 fi

@@ -7,7 +7,9 @@
 # (copied from this machine's googletest, nlohmann-json3-dev and libcli11-dev
 # packages: cp -r /usr/src/googletest .device/googletest; cp -r
 # /usr/include/nlohmann .device/nlohmann_include; mkdir -p .device/cli11_include
-# && cp -r /usr/include/CLI .device/cli11_include/).
+# && cp -r /usr/include/CLI .device/cli11_include/; and Gloo's headers, which
+# the wheel lacks: mkdir -p .device/gloo_include && cp -r /usr/include/gloo
+# .device/gloo_include/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

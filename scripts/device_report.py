@@ -3,7 +3,7 @@
 OUT/summary.json: the tests' result, GPU matrix-product peaks, ampx's fused
 AdamW against PyTorch's, FP8 against bf16, and ampx-train's modes against
 the same model in Python (torch.autocast), with MFU against the measured bf16
-peak. Says what did not run and why. Standard library only (torch, when it
+peak, and the CPU comparison (--part cpu) against the same wheel. Says what did not run and why. Standard library only (torch, when it
 imports, only names the GPU and the CUDA version).
 
   scripts/device_report.py OUT > OUT/summary.md
@@ -55,14 +55,15 @@ def median(values):
     return statistics.median(values) if values else None
 
 
-def training(out, skipped):
+def training(out, skipped, sub="train"):
+    """ampx-train's and Python's runs under OUT/sub, medians over rounds."""
     ampx, python = {}, {}
-    for path in sorted(glob.glob(os.path.join(out, "train", "ampx-*-r*", "compare.json"))):
+    for path in sorted(glob.glob(os.path.join(out, sub, "ampx-*-r*", "compare.json"))):
         run = os.path.basename(os.path.dirname(path))
         mode = re.match(r"ampx-(.+)-r\d+$", run).group(1)
         data = load(path)
         if not data or not data.get("modes"):
-            skipped.append(f"{run}: no result")
+            skipped.append(f"{sub}/{run}: no result")
             continue
         m = data["modes"][0]
         ampx.setdefault(mode, []).append({
@@ -71,11 +72,11 @@ def training(out, skipped):
             "peak_bytes": m.get("peak_allocated_bytes"), "train_loss": m.get("train_loss"),
             "device": data.get("settings", {}).get("device")})
     model, params = None, None
-    for path in sorted(glob.glob(os.path.join(out, "train", "python-*-r*.json"))):
+    for path in sorted(glob.glob(os.path.join(out, sub, "python-*-r*.json"))):
         name = re.match(r"python-(.+)-r\d+\.json$", os.path.basename(path)).group(1)
         data = load(path)
         if not data:
-            skipped.append(f"{os.path.basename(path)}: no result")
+            skipped.append(f"{sub}/{os.path.basename(path)}: no result")
             continue
         model, params = data.get("model"), data.get("parameters")
         python.setdefault(name, []).append({
@@ -83,13 +84,13 @@ def training(out, skipped):
             "peak_bytes": data.get("peak_bytes"), "train_loss": data.get("train_loss"),
             "device": data.get("device"), "gpu": data.get("gpu"),
             "optimizer": data.get("optimizer", {}).get("impl")})
-    for log in sorted(glob.glob(os.path.join(out, "train", "*.log"))):
+    for log in sorted(glob.glob(os.path.join(out, sub, "*.log"))):
         name = os.path.basename(log)[:-4]
-        if not (os.path.exists(os.path.join(out, "train", name, "compare.json"))
-                or os.path.exists(os.path.join(out, "train", name + ".json"))):
+        if not (os.path.exists(os.path.join(out, sub, name, "compare.json"))
+                or os.path.exists(os.path.join(out, sub, name + ".json"))):
             with open(log, errors="replace") as f:
                 tail = f.read().strip().splitlines()[-1:] or ["(empty log)"]
-            skipped.append(f"{name}: failed: {tail[0][:200]}")
+            skipped.append(f"{sub}/{name}: failed: {tail[0][:200]}")
 
     def agg(runs):
         return {k: median([r[k] for r in runs]) for k in ("step_ms", "items_per_s", "peak_bytes",
@@ -208,6 +209,38 @@ def main():
         w("")
     else:
         skipped.append("training comparison: no run")
+
+    # The CPU comparison (--part cpu): OUT/cpu-tN/<workload>/, against the
+    # same wheel's torch.autocast (bf16), no MFU (no CPU peak measured here).
+    cpu = {}
+    for folder in sorted(glob.glob(os.path.join(out, "cpu-t*", "*")),
+                         key=lambda f: (int(re.search(r"cpu-t(\d+)", f).group(1)), f)):
+        sub = os.path.relpath(folder, out)
+        threads, workload = re.match(r"cpu-t(\d+)/(.+)$", sub).groups()
+        c_ampx, c_python, c_model, _, _ = training(out, skipped, sub)
+        if not (c_ampx or c_python):
+            continue
+        cpu[sub] = {"ampx": c_ampx, "python": c_python}
+        shape = (f"{c_model['layers']} layers, d {c_model['d_model']}, {c_model['heads']} heads, "
+                 f"context {c_model['block_size']}" if c_model else workload)
+        w(f"### CPU, {threads} thread{'' if threads == '1' else 's'}: {workload} ({shape}) against "
+          "torch.autocast on the same LibTorch\n")
+        w("| run | step ms | tokens/s | peak MiB | train loss | vs Python |")
+        w("| --- | ---: | ---: | ---: | ---: | ---: |")
+        rows = {f"python {k}": v for k, v in sorted(c_python.items())}
+        rows.update({f"ampx {k}": v for k, v in sorted(c_ampx.items())})
+        for label, r in rows.items():
+            vs = ""
+            if label.startswith("ampx "):
+                twin = c_python.get(CPU_PAIRS.get(label[5:], ""))
+                if twin and twin["step_ms"] and r["step_ms"]:
+                    vs = f"{twin['step_ms'] / r['step_ms']:.2f}x ({CPU_PAIRS[label[5:]]})"
+            peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
+            w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} | {fmt(peak)} | "
+              f"{fmt(r['train_loss'], '.4f')} | {vs} |")
+        w("")
+    if cpu:
+        summary["cpu"] = cpu
 
     summary["skipped"] = skipped
     if skipped:

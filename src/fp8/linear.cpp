@@ -456,6 +456,11 @@ TensorScaling::Cast TensorScaling::cast(const at::Tensor& x, bool record,
 
 void TensorScaling::record(const at::Tensor& amax) {
   at::NoGradGuard no_grad;
+  // Under delayed scaling last_amax_ is no module buffer (the history is), so
+  // it stays where it was made when the module moves: it follows the amaxes.
+  if (last_amax_.device() != amax.device()) {
+    last_amax_ = at::zeros({1}, amax.options().dtype(at::kFloat));
+  }
   last_amax_.copy_(amax.reshape({1}));
   if (delayed_) delayed_->update(last_amax_);
 }
