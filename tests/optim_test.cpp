@@ -3,6 +3,7 @@
 // scaler-aware path, fused clipping, bitwise resume from saved state.
 
 #include "ampx/optim.h"
+#include "ampx/detail/cpu_isa.h"
 
 #include "ampx/grad_scaler.h"
 #include "test_util.h"
@@ -742,12 +743,22 @@ std::unique_ptr<aopt::MixedPrecisionOptimizer> make_optimizer(const FusedCudaCas
 
 // Six scaled steps (scale 1024; the fourth has an inf and is skipped) on
 // params of 70000 (two chunks), 300 and 17x5 elements; everything the
-// optimizer holds afterwards, on the CPU.
-std::vector<torch::Tensor> fused_case_run(const FusedCudaCase& c, const torch::Device& device) {
+// optimizer holds afterwards, on the CPU. strided: every param is a stride-2
+// view, which takes the per-tensor path of ATen ops instead of the kernels.
+std::vector<torch::Tensor> fused_case_run(const FusedCudaCase& c, const torch::Device& device,
+                                          bool strided = false) {
   auto gen = at::detail::createCPUGenerator(90);
   std::vector<torch::Tensor> params;
   for (const auto& shape : std::vector<std::vector<int64_t>>{{70000}, {300}, {17, 5}}) {
-    params.push_back(at::randn(shape, gen).to(c.dtype).to(device).requires_grad_());
+    auto values = at::randn(shape, gen).to(c.dtype).to(device);
+    if (strided) {
+      auto wide = shape;
+      wide.back() *= 2;
+      auto view = at::zeros(wide, values.options()).slice(-1, 0, wide.back(), 2);
+      view.copy_(values);
+      values = view;
+    }
+    params.push_back(values.requires_grad_());
   }
   auto opt = make_optimizer(c, params);
   for (int s = 0; s < 6; ++s) {
@@ -770,6 +781,35 @@ const FusedCudaCase kFusedCudaCases[] = {
     {"sgd", torch::kHalf, true, false},    {"sgd", torch::kBFloat16, false, true},
     {"lamb", torch::kFloat, true, false},  {"lamb", torch::kBFloat16, true, false},
     {"lamb", torch::kHalf, true, false},   {"lamb", torch::kBFloat16, false, true}};
+
+// The fused CPU kernels compute the per-tensor path's expressions, op for op
+// and rounding for rounding: no multiply-add contracted into an FMA (which
+// GCC does by default wherever the ISA build has FMA) and no operands
+// reordered. The CUDA kernels promise the same (--fmad=false), so this is
+// what lets the GPU's steps equal the CPU's. Not LAMB (its norms are sums in
+// another order) nor stochastic rounding (the per-tensor path draws its bits
+// elsewhere).
+TEST(OptimTest, FusedCpuKernelsRoundAsThePerTensorPath) {
+  for (const auto& c : kFusedCudaCases) {
+    if (std::string(c.optimizer) == "lamb" || c.stochastic_rounding) continue;
+    SCOPED_TRACE(case_name(c) + " on " +
+                 ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()));
+    const auto fused = fused_case_run(c, torch::kCPU);
+    const auto generic = fused_case_run(c, torch::kCPU, /*strided=*/true);
+    ASSERT_EQ(fused.size(), generic.size());
+    for (size_t i = 0; i < fused.size(); ++i) {
+      ASSERT_EQ(fused[i].defined(), generic[i].defined()) << "tensor " << i;
+      if (!fused[i].defined()) continue;
+      EXPECT_TRUE(torch::equal(fused[i], generic[i]))
+          << "tensor " << i << " (max |fused - per-tensor| "
+          << (fused[i].to(torch::kDouble) - generic[i].to(torch::kDouble))
+                 .abs()
+                 .max()
+                 .item<double>()
+          << ")";
+    }
+  }
+}
 
 TEST(OptimTest, CudaFusedStepMatchesTheCpuKernels) {
   if (!torch::cuda::is_available()) {

@@ -58,7 +58,7 @@ void AdamW::update_generic(detail::ParamWork& w, const at::Tensor& grad, const a
   const auto bc2_sqrt = (1 - at::pow(b2, step)).sqrt().to(at::kFloat);
   auto weight = weight_f32(w) * (1 - o.lr() * o.weight_decay());
   const auto m = st.exp_avg * b1 + grad * (1 - b1);
-  const auto v = st.exp_avg_sq * b2 + grad * grad * (1 - b2);
+  const auto v = st.exp_avg_sq * b2 + grad * (1 - b2) * grad;  // as the kernels: (1-b2)*g*g
   weight = weight - step_size * m / (v.sqrt() / bc2_sqrt + o.eps());
   commit(st.exp_avg, m, skip);
   commit(st.exp_avg_sq, v, skip);

@@ -76,7 +76,7 @@ void LAMB::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at
   const auto bc2 = (1 - at::pow(b2, st.step_t)).to(at::kFloat);
   const auto weight = weight_f32(w);
   const auto m = st.exp_avg * b1 + grad * (1 - b1);
-  const auto v = st.exp_avg_sq * b2 + grad * grad * (1 - b2);
+  const auto v = st.exp_avg_sq * b2 + grad * (1 - b2) * grad;  // as the kernels: (1-b2)*g*g
   const auto u = (m / bc1) / ((v / bc2).sqrt() + o.eps()) + weight * o.weight_decay();
   const auto w_norm = weight.norm();
   const auto u_norm = u.norm();
