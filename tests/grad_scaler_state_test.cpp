@@ -2,6 +2,7 @@
 // exchanged with Python's torch, bitwise resume, and the update rule over long
 // random overflow patterns against tests/reference/torch_reference.py.
 
+#include "ampx/detail/compat.h"
 #include "ampx/grad_scaler.h"
 #include "ampx/serialize.h"
 
@@ -205,8 +206,7 @@ bool torch_expressible(const nlohmann::json& rule) {
 
 // Where the reference script must have driven torch.amp.GradScaler itself:
 // PyTorch runs it on the CPU from 2.3 on.
-constexpr bool kTorchHasCpuScaler =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3);
+constexpr bool kTorchHasCpuScaler = AMPX_TORCH_AT_LEAST(2, 3);
 
 // A rule PyTorch can express is built from PyTorch's four arguments alone, so
 // ampx's defaults for the rest (hysteresis, bounds) are under test too.

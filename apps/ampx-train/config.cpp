@@ -5,6 +5,7 @@
 #include "machine.h"
 #include "models.h"
 
+#include <ampx/detail/compat.h>
 #include <ampx/dist.h>
 #include <ampx/version.h>
 
@@ -281,8 +282,8 @@ void resolve_defaults(TrainConfig& c) {
               "GPUs); on the CPU fp32 products stay fp32");
   const auto modes = modes_of(c);
   const bool mixed = std::any_of(modes.begin(), modes.end(), [](auto& m) { return m != "fp32"; });
-  const bool torch_1x = ampx::torch_version()[0] == '1' && ampx::torch_version()[1] == '.';
-  TORCH_CHECK(!(mixed && c.dtype == "fp16" && c.device == "cpu" && torch_1x),
+  TORCH_CHECK(!(mixed && c.dtype == "fp16" && c.device == "cpu" &&
+                !ampx::detail::compat::cpu_autocast_supports_half()),
               "ampx-train: --dtype fp16 on --device cpu needs LibTorch 2.x; this is ",
               ampx::torch_version(),
               ", which has no fp16 CPU autocast or fp16 CPU matrix "

@@ -15,6 +15,7 @@
 // "blocks.2.attn", ... A scope only names: the numbers are the same.
 
 #include <ampx/debug/scope.h>
+#include <ampx/detail/compat.h>
 #include <ampx/kernels.h>
 
 #include <torch/torch.h>
@@ -77,7 +78,7 @@ inline constexpr const char* kGptAttention =
 /// On CUDA with LibTorch 2.x, gpt's attention is LibTorch's fused causal
 /// scaled_dot_product_attention (flash or memory-efficient kernels: the
 /// T x T scores are never stored), as a Python user's would be.
-#if TORCH_VERSION_MAJOR >= 2
+#if AMPX_TORCH_AT_LEAST(2, 0)
 #define AMPX_GPT_CUDA_SDPA 1
 #else
 #define AMPX_GPT_CUDA_SDPA 0

@@ -1,6 +1,7 @@
 #include "ampx/fp8/linear.h"
 
 #include "ampx/autocast.h"
+#include "ampx/detail/compat.h"
 #include "ampx/dist.h"
 
 #include <ATen/ATen.h>
@@ -20,14 +21,6 @@
 #include <exception>
 #include <mutex>
 #include <unordered_map>
-
-// at::_scaled_mm with scales as arguments and one result: LibTorch 2.5+
-// (before, scales were keyword arguments and it returned (out, amax)).
-#if AMPX_HAS_TORCH_FLOAT8 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5)
-#define AMPX_HAS_SCALED_MM 1
-#else
-#define AMPX_HAS_SCALED_MM 0
-#endif
 
 namespace ampx {
 namespace fp8 {

@@ -121,9 +121,8 @@ class NonFiniteGuard {
   /// With kWarn: every non-finite output seen, also those past max_reports.
   int64_t count() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -101,9 +101,8 @@ class RangeStatsCollector {
   /// What has been recorded so far (a copy).
   RangeStats stats() const;
 
-  struct Impl;
-
  private:
+  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -15,6 +15,12 @@
   (TORCH_VERSION_MAJOR > (major) ||       \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// LibTorch 2.1 introduced at::kFloat8_e4m3fn and at::kFloat8_e5m2.
+#define AMPX_HAS_TORCH_FLOAT8 AMPX_TORCH_AT_LEAST(2, 1)
+// at::_scaled_mm with scales as arguments and one result: LibTorch 2.5+
+// (before, scales were keyword arguments and it returned (out, amax)).
+#define AMPX_HAS_SCALED_MM AMPX_TORCH_AT_LEAST(2, 5)
+
 namespace ampx {
 namespace detail {
 namespace compat {

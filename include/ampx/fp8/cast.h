@@ -27,19 +27,14 @@
 // same rounding, no host sync); with older LibTorch the tensor is copied to the
 // host, cast there and copied back (slow, synchronizing: meant for checks).
 
+#include "ampx/detail/compat.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 #include <torch/version.h>
 
 #include <cstdint>
 #include <string>
-
-// LibTorch 2.1 introduced at::kFloat8_e4m3fn and at::kFloat8_e5m2.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-#define AMPX_HAS_TORCH_FLOAT8 1
-#else
-#define AMPX_HAS_TORCH_FLOAT8 0
-#endif
 
 namespace ampx {
 namespace fp8 {
