@@ -2,7 +2,7 @@
 
 // What a run shows while it trains, and what it leaves behind per step:
 //
-//   Progress progress("O2", total_steps, "tok/s", Progress::Style::kBar, log_every);
+//   Progress progress("O2", first_step, total_steps, "tok/s", Progress::Style::kBar, log_every);
 //   progress.update(step, loss, scale, items_per_s);   // "[O2] step 120/300 loss 2.45 ..."
 //   MetricsWriter metrics(out_dir / "metrics-O2.jsonl", /*csv=*/false, resumed_step);
 //   metrics.write({{"step", 120}, {"loss", 2.45}, ...});

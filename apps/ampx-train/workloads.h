@@ -1,12 +1,13 @@
 #pragma once
 
-// The three workloads of ampx-train, each a model + its data + its loss and
-// held-out metric. Batches are a pure function of (seed, step), so a resumed
-// run sees exactly the batches an uninterrupted one would.
+// The four workloads of ampx-train (gpt, gpt-nn, mnist-cnn, fashion-mlp),
+// each a model + its data + its loss and held-out metric. Batches are a pure
+// function of (seed, step), so a resumed run sees exactly the batches an
+// uninterrupted one would.
 //
 //   auto w = make_workload(config);            // loads the data once
-//   auto model = w->build();                   // fresh weights (torch's global seed)
-//   Batch b = w->batch(step);                  // input, target
+//   auto model = w->build(device);             // fresh weights (torch's global seed)
+//   Batch b = w->batch(step, device);          // input, target
 //   auto loss = w->loss(w->forward(b.input), b.target);
 
 #include "config.h"
