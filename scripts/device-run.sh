@@ -8,7 +8,8 @@
 #   build  cmake against the machine's PyTorch (torch.utils.cmake_prefix_path),
 #          tests and the JSON benchmarks on, NCCL required (AMPX_NCCL=OFF in the
 #          environment to go without); sources of GoogleTest, nlohmann/json and
-#          CLI11 from .device/ (scripts/device-test.sh says how to fill it)
+#          CLI11 (and Gloo's, where the wheel lacks them) from .device/
+#          (scripts/device-call.sh --prepare fills it)
 #   test   every test, the CUDA ones included: OUT/tests.log, OUT/ctest-junit.xml
 #   bench  interleaved in rounds: ampx_gpu_bench (matrix-product peaks; ampx's
 #          fused AdamW against PyTorch's _fused_adamw_ plus the bf16 copy and

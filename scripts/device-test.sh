@@ -4,12 +4,8 @@
 # is required (AMPX_NCCL=ON: a missing nccl.h fails the configure instead of
 # skipping the NCCL tests; AMPX_NCCL=OFF in the environment to go without). Expects
 # GoogleTest sources, nlohmann/json.hpp and CLI11's headers in .device/
-# (copied from this machine's googletest, nlohmann-json3-dev and libcli11-dev
-# packages: cp -r /usr/src/googletest .device/googletest; cp -r
-# /usr/include/nlohmann .device/nlohmann_include; mkdir -p .device/cli11_include
-# && cp -r /usr/include/CLI .device/cli11_include/; and Gloo's headers, which
-# the wheel lacks: mkdir -p .device/gloo_include && cp -r /usr/include/gloo
-# .device/gloo_include/).
+# (scripts/device-call.sh --prepare copies them from this machine's Debian
+# packages; scripts/device-run.sh also uses the Gloo headers it copies).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

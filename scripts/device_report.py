@@ -3,8 +3,9 @@
 OUT/summary.json: the tests' result, GPU matrix-product peaks, ampx's fused
 AdamW against PyTorch's, FP8 against bf16, and ampx-train's modes against
 the same model in Python (torch.autocast), with MFU against the measured bf16
-peak, and the CPU comparison (--part cpu) against the same wheel. Says what did not run and why. Standard library only (torch, when it
-imports, only names the GPU and the CUDA version).
+peak, and the CPU comparison (--part cpu) against the same LibTorch's
+Python. Says what did not run and why. Standard library only (torch, when
+it imports, only names the GPU and the CUDA version).
 
   scripts/device_report.py OUT > OUT/summary.md
 """
@@ -103,6 +104,38 @@ def fmt(x, spec=".1f", none="n/a"):
     return none if x is None else format(x, spec)
 
 
+def shape_of(model, default):
+    """A gpt's shape as the tables name it, from a Python run's "model"."""
+    if not model:
+        return default
+    return (f"{model['layers']} layers, d {model['d_model']}, {model['heads']} heads, "
+            f"context {model['block_size']}")
+
+
+def comparison_table(w, ampx, python, pairs, mfu=None):
+    """Python's runs, then ampx's, each ampx mode against its Python twin in
+    `pairs`; an MFU column where `mfu` (a run -> fraction or None) is given."""
+    mfu_head, mfu_rule = (" MFU |", " ---: |") if mfu else ("", "")
+    w(f"| run | step ms | tokens/s |{mfu_head} peak MiB | train loss | vs Python |")
+    w(f"| --- | ---: | ---: |{mfu_rule} ---: | ---: | ---: |")
+    rows = {f"python {k}": v for k, v in sorted(python.items())}
+    rows.update({f"ampx {k}": v for k, v in sorted(ampx.items())})
+    for label, r in rows.items():
+        vs = ""
+        if label.startswith("ampx "):
+            twin = python.get(pairs.get(label[5:], ""))
+            if twin and twin["step_ms"] and r["step_ms"]:
+                vs = f"{twin['step_ms'] / r['step_ms']:.2f}x ({pairs[label[5:]]})"
+        cell = ""
+        if mfu:
+            m = mfu(r)
+            cell = f" {fmt(100 * m if m else None, '.0f')}{'%' if m else ''} |"
+        peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
+        w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} |{cell} "
+          f"{fmt(peak)} | {fmt(r['train_loss'], '.4f')} | {vs} |")
+    w("")
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -183,30 +216,14 @@ def main():
         device = "cuda" if gpu else "cpu"
         pairs = PAIRS if device == "cuda" else CPU_PAIRS
         flops = gpt_flops_per_token(model, params)
-        shape = (f"{model['layers']} layers, d {model['d_model']}, {model['heads']} heads, "
-                 f"context {model['block_size']}" if model else "gpt")
-        w(f"### ampx-train against torch.autocast ({shape}; medians over rounds)\n")
-        w("| run | step ms | tokens/s | MFU | peak MiB | train loss | vs Python |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        rows = {}
-        for name, r in sorted(python.items()):
-            rows[f"python {name}"] = r
-        for name, r in sorted(ampx.items()):
-            rows[f"ampx {name}"] = r
-        for label, r in rows.items():
-            mfu = (r["items_per_s"] * flops / (bf16_peak * 1e12)
-                   if flops and bf16_peak and r["items_per_s"] else None)
-            vs = ""
-            if label.startswith("ampx "):
-                twin = python.get(pairs.get(label[5:], ""))
-                if twin and twin["step_ms"] and r["step_ms"]:
-                    vs = f"{twin['step_ms'] / r['step_ms']:.2f}x ({pairs[label[5:]]})"
-            peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
-            w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} | "
-              f"{fmt(100 * mfu if mfu else None, '.0f')}{'%' if mfu else ''} | {fmt(peak)} | "
-              f"{fmt(r['train_loss'], '.4f')} | {vs} |")
+        w(f"### ampx-train against torch.autocast ({shape_of(model, 'gpt')}; medians over "
+          "rounds)\n")
+
+        def mfu(r):
+            return (r["items_per_s"] * flops / (bf16_peak * 1e12)
+                    if flops and bf16_peak and r["items_per_s"] else None)
+        comparison_table(w, ampx, python, pairs, mfu)
         summary["training"] = {"ampx": ampx, "python": python, "flops_per_token": flops}
-        w("")
     else:
         skipped.append("training comparison: no run")
 
@@ -221,24 +238,9 @@ def main():
         if not (c_ampx or c_python):
             continue
         cpu[sub] = {"ampx": c_ampx, "python": c_python}
-        shape = (f"{c_model['layers']} layers, d {c_model['d_model']}, {c_model['heads']} heads, "
-                 f"context {c_model['block_size']}" if c_model else workload)
-        w(f"### CPU, {threads} thread{'' if threads == '1' else 's'}: {workload} ({shape}) against "
-          "torch.autocast on the same LibTorch\n")
-        w("| run | step ms | tokens/s | peak MiB | train loss | vs Python |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: |")
-        rows = {f"python {k}": v for k, v in sorted(c_python.items())}
-        rows.update({f"ampx {k}": v for k, v in sorted(c_ampx.items())})
-        for label, r in rows.items():
-            vs = ""
-            if label.startswith("ampx "):
-                twin = c_python.get(CPU_PAIRS.get(label[5:], ""))
-                if twin and twin["step_ms"] and r["step_ms"]:
-                    vs = f"{twin['step_ms'] / r['step_ms']:.2f}x ({CPU_PAIRS[label[5:]]})"
-            peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
-            w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} | {fmt(peak)} | "
-              f"{fmt(r['train_loss'], '.4f')} | {vs} |")
-        w("")
+        w(f"### CPU, {threads} thread{'' if threads == '1' else 's'}: {workload} "
+          f"({shape_of(c_model, workload)}) against torch.autocast on the same LibTorch\n")
+        comparison_table(w, c_ampx, c_python, CPU_PAIRS)
     if cpu:
         summary["cpu"] = cpu
 
