@@ -23,6 +23,7 @@
 
 #include "attention_kernels.h"
 #include "span_convert.h"
+#include "vec_math.h"
 
 #include <ATen/cpu/vec/vec.h>
 
@@ -106,14 +107,6 @@ void decode_residuals(float* rounded, const int16_t* codes, int64_t n, c10::Scal
   for (int64_t i = 0; i < n; ++i) {
     rounded[i] += static_cast<float>(codes[i]) / unit_of(rounded[i], mantissa, floor);
   }
-}
-
-FVec exp_of(const FVec& v) {
-#if defined(CPU_CAPABILITY_DEFAULT) || defined(AMPX_WITH_SLEEF)
-  return v.exp();
-#else
-  return v.map(static_cast<float (*)(float)>(std::exp));
-#endif
 }
 
 // Sums a vector's lanes in lane order.

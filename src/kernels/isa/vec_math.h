@@ -1,0 +1,92 @@
+#pragma once
+
+// Float32 vector math shared by the span kernels compiled once per
+// instruction set (activation_span.cpp, attention_span.cpp): an exp and a
+// reciprocal that the AVX2 and AVX-512 builds compute with the same formula,
+// with no library behind them. at::vec's exp calls SLEEF only where LibTorch links it
+// as a shared library (Debian's); pip wheels and the zip from pytorch.org
+// link it inside libtorch_cpu, and the fallback, libm lane by lane, made a
+// bfloat16 GELU or softmax several times slower there. Include from a file
+// compiled with CPU_CAPABILITY defined.
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <limits>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace ampx {
+namespace detail {
+namespace cpu {
+namespace CPU_CAPABILITY {
+
+using VecF = at::vec::Vectorized<float>;
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// v * 2^n for whole-number n in [-126, 128] (as exp_of needs them).
+inline VecF times_pow2(const VecF& v, const VecF& n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_scalef_ps(v, n);
+#else
+  // 2^n in two factors, each a normal float for n in [-126, 128].
+  const __m256i e = _mm256_cvtps_epi32(n);
+  const __m256i half = _mm256_srai_epi32(e, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 b =
+      _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(v, a), b);
+#endif
+}
+#endif
+
+// exp(x) for every float32 x: relative error below 3e-7 where the result is
+// a normal float, 0 below exp's normal range (x < -87.3, -inf included),
+// inf above it, NaN for NaN. Cody and Waite's reduction x = n ln 2 + r with
+// |r| <= ln 2 / 2 and e^r by its Taylor polynomial of degree 6 (truncation
+// r^7 / 7! < 1.2e-7).
+// (The DEFAULT build, for CPUs without AVX2, calls libm lane by lane, as
+// ATen's DEFAULT build does: with no vector registers that is the fastest.)
+inline VecF exp_of(const VecF& x) {
+#if defined(CPU_CAPABILITY_DEFAULT)
+  return x.exp();
+#else
+  const VecF lo(-87.33654f), hi(88.72283f);
+  const VecF xc = at::vec::minimum(at::vec::maximum(x, lo), hi);  // NaN stays NaN
+  const VecF n = (xc * VecF(1.44269504f)).round();
+  const VecF r = (xc - n * VecF(0.693359375f)) - n * VecF(-2.12194440e-4f);
+  VecF p(1.f / 720);
+  p = p * r + VecF(1.f / 120);
+  p = p * r + VecF(1.f / 24);
+  p = p * r + VecF(1.f / 6);
+  p = p * r + VecF(0.5f);
+  p = p * r + VecF(1.f);
+  p = p * r + VecF(1.f);
+  VecF e = times_pow2(p, n);
+  e = VecF::blendv(e, VecF(0.f), x < lo);
+  return VecF::blendv(e, VecF(std::numeric_limits<float>::infinity()), x > hi);
+#endif
+}
+
+// 1 / d for d >= 1, with relative error below 3e-7: the hardware's estimate
+// and one Newton step (a division costs several times as much on AVX-512).
+inline VecF reciprocal_of(const VecF& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const VecF r0 = _mm512_rcp14_ps(d);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const VecF r0 = _mm256_rcp_ps(d);
+#else
+  return VecF(1.f) / d;
+#endif
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return r0 * (VecF(2.f) - d * r0);
+#endif
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace detail
+}  // namespace ampx
