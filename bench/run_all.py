@@ -442,7 +442,7 @@ def build_report(args, data):
         w("")
         w(f"`ampx-train --workload {dbg['workload']} --precision fp32 --steps {dbg['steps']}{batch} "
           f"--threads {dbg['threads']}`, plain and with each diagnostic (docs/numerics.md); median "
-          "step after warm-up. `plain` has every model scope open (`ModuleScope`) and nothing "
+          "step after warm-up. `plain` has every model scope open (`ModuleScopeGuard`) and nothing "
           "alive: what a user pays when the diagnostics are off."
           + (f" `baseline` is `{dbg['baseline_train']}` (another build)."
              if dbg.get("baseline_train") else ""))

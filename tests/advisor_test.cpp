@@ -31,7 +31,7 @@ struct ScaledMlpImpl : torch::nn::Module {
     fc2->weight.mul_(down);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    ModuleScope scope(*this);
+    ModuleScopeGuard scope(*this);
     return fc2->forward(torch::tanh(fc1->forward(x)));
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};

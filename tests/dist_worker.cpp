@@ -427,7 +427,7 @@ int run(std::string scenario, const std::string& out) {
   std::ofstream log(scenario.rfind("overflow", 0) == 0 ? out : "/dev/null");
 
   for (int step = 0; step < kSteps; ++step) {
-    ampx::debug::set_step(step);
+    if (guard) guard->set_step(step);
     opt.zero_grad();
     if (scenario == "kill" && rank == 1 && step == 2) std::_Exit(3);  // dies mid-training
     if (scenario == "accumulate") {

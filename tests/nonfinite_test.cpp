@@ -43,7 +43,7 @@ struct TwoLayerImpl : torch::nn::Module {
     if (scale != 1.0) fc2->weight.abs_().mul_(scale);
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    ModuleScope scope(*this);
+    ModuleScopeGuard scope(*this);
     return fc2->forward(torch::relu(fc1->forward(x)));
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
@@ -53,10 +53,10 @@ TORCH_MODULE(TwoLayer);
 TEST(ScopeTest, InnermostScopeAndModulePaths) {
   EXPECT_EQ(current_scope(), "");
   {
-    ScopeGuard outer("outer");
+    NamedScopeGuard outer("outer");
     EXPECT_EQ(current_scope(), "outer");
     {
-      ScopeGuard inner("inner");
+      NamedScopeGuard inner("inner");
       EXPECT_EQ(current_scope(), "inner");
     }
     EXPECT_EQ(current_scope(), "outer");
@@ -70,7 +70,7 @@ TEST(ScopeTest, InnermostScopeAndModulePaths) {
   EXPECT_EQ(module_path(*second->fc1), "net.1.fc1");
   EXPECT_EQ(module_path(*seq), "net");
   {
-    ModuleScope scope(*second);
+    ModuleScopeGuard scope(*second);
     EXPECT_EQ(current_scope(), "net.1");
   }
   clear_module_names();
@@ -79,13 +79,11 @@ TEST(ScopeTest, InnermostScopeAndModulePaths) {
 
 TEST(NonFiniteGuardTest, LogOfNegativeNamesOpDirectionScopeAndElement) {
   auto x = torch::tensor({1.0f, 2.0f, -3.0f, 4.0f, -5.0f, 6.0f}).view({2, 3});
-  set_step(41);
   const auto r = expect_report([&] {
-    NonFiniteGuard guard;
-    ScopeGuard scope("head");
+    NonFiniteGuard guard(NonFiniteOptions().step(41));
+    NamedScopeGuard scope("head");
     (void)torch::log(x);
   });
-  set_step(-1);
   EXPECT_EQ(r.op, "aten::log");
   EXPECT_EQ(r.direction, Direction::kForward);
   EXPECT_EQ(r.scope, "head");
@@ -103,6 +101,35 @@ TEST(NonFiniteGuardTest, LogOfNegativeNamesOpDirectionScopeAndElement) {
   EXPECT_THAT(r.message(),
               HasSubstr("non-finite values from aten::log in forward, scope 'head', step 41"));
   EXPECT_THAT(r.message(), HasSubstr("this op created the non-finite values"));
+}
+
+// A guard that lives across steps quotes the step it was last given; the
+// deprecated process-wide step (kept one release, CHANGELOG.md) only where
+// the guard has none, and never outlives what its caller set.
+TEST(NonFiniteGuardTest, ReportsQuoteTheGuardsStep) {
+  const auto x = torch::tensor({-1.0f});
+  NonFiniteGuard guard(NonFiniteOptions().action(NonFiniteAction::kWarn));
+  (void)torch::log(x);
+  guard.set_step(7);
+  (void)torch::log(x);
+  ASSERT_EQ(guard.reports().size(), 2u);
+  EXPECT_EQ(guard.reports()[0].step, -1);
+  EXPECT_EQ(guard.reports()[1].step, 7);
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  set_step(12);
+  const auto legacy = expect_report([&] {
+    NonFiniteGuard unstepped;
+    (void)torch::log(x);
+  });
+  const auto own = expect_report([&] {
+    NonFiniteGuard stepped(NonFiniteOptions().step(3));
+    (void)torch::log(x);
+  });
+  set_step(-1);
+#pragma GCC diagnostic pop
+  EXPECT_EQ(legacy.step, 12);
+  EXPECT_EQ(own.step, 3);
 }
 
 TEST(NonFiniteGuardTest, Fp32OverflowInANamedLayerNamesTheLayerFromItsParameters) {
@@ -131,7 +158,7 @@ TEST(NonFiniteGuardTest, InfOnlyInBackwardIsAttributedToTheForwardScope) {
   const auto r = expect_report([&] {
     NonFiniteGuard guard;
     {
-      ScopeGuard scope("act");
+      NamedScopeGuard scope("act");
       y = torch::sqrt(x);
     }
     y.sum().backward();

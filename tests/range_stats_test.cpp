@@ -171,7 +171,7 @@ struct NetImpl : torch::nn::Module {
     fc2 = register_module("fc2", torch::nn::Linear(16, 1));
   }
   torch::Tensor forward(const torch::Tensor& x) {
-    ModuleScope scope(*this);
+    ModuleScopeGuard scope(*this);
     h = torch::relu(fc1->forward(x));
     return fc2->forward(h);
   }

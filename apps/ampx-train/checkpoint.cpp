@@ -3,13 +3,18 @@
 #include "archive_check.h"  // ampx's src/: bounds of LibTorch archives
 #include "atomic_file.h"    // ampx's src/: crash-safe writes
 
+#include <ampx/version.h>
+
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
+#include <torch/serialize/output-archive.h>
 #include <zlib.h>
 
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <mutex>
 #include <sstream>
 
 namespace ampx::train {
@@ -73,11 +78,14 @@ void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& m
                                       "ampx-train: checkpoint");
 }
 
-Checkpoint read_checkpoint(const std::filesystem::path& path) {
+std::string read_checkpoint_bytes(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path.string(), "'");
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return parse_checkpoint(bytes, path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+Checkpoint read_checkpoint(const std::filesystem::path& path) {
+  return parse_checkpoint(read_checkpoint_bytes(path), path);
 }
 
 Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::path& path) {
@@ -137,19 +145,22 @@ CheckpointProgress read_progress(const std::filesystem::path& path, const Checkp
     return j.get<int64_t>();
   };
   CheckpointProgress out;
-  out.step = count("step");
-  out.skipped = count("skipped");
-  TORCH_CHECK(out.skipped <= out.step, where, " has skipped=", out.skipped, " steps of its ",
-              out.step);
+  RunState& state = out.state;
+  state.next_step = count("step");
+  state.skipped = count("skipped");
+  TORCH_CHECK(state.skipped <= state.next_step, where, " has skipped=", state.skipped,
+              " steps of its ", state.next_step);
   const auto& losses = field("losses");
-  TORCH_CHECK(losses.is_array() && losses.size() == static_cast<size_t>(out.step), where, " has ",
+  TORCH_CHECK(losses.is_array() && losses.size() == static_cast<size_t>(state.next_step), where,
+              " has ",
               losses.is_array() ? std::to_string(losses.size()) + " losses" : losses.type_name(),
-              " for its ", out.step, " steps; expected one loss per step");
+              " for its ", state.next_step, " steps; expected one loss per step");
   for (const auto& l : losses) {
     // JSON has no NaN or infinity: nlohmann writes them as null.
     TORCH_CHECK(l.is_number() || l.is_null(), where, " has a loss of ", l.dump(),
                 "; expected a number");
-    out.losses.push_back(l.is_null() ? std::numeric_limits<double>::quiet_NaN() : l.get<double>());
+    state.losses.push_back(l.is_null() ? std::numeric_limits<double>::quiet_NaN()
+                                       : l.get<double>());
   }
   const auto& amp = field("amp");
   TORCH_CHECK(amp.is_object(), where, " has amp=", amp.type_name(),
@@ -195,6 +206,66 @@ nlohmann::json state_dict_to_json(const ampx::StateDict& dict) {
     }
   }
   return out;
+}
+
+void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& identity,
+                     int64_t steps_per_epoch, const TrainingObjects& objects,
+                     const RunState& state) {
+  torch::serialize::OutputArchive archive, model_archive, opt_archive;
+  objects.model.save(model_archive);
+  objects.optimizer.save(opt_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", opt_archive);
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    archive.write("rng/cpu", gen.get_state());
+  }
+  std::ostringstream payload;
+  archive.save_to(payload);
+  nlohmann::json amp_state = nlohmann::json::object();
+  for (const auto& [name, dict] : objects.amp.state_dict()) {
+    amp_state[name] = state_dict_to_json(dict);
+  }
+  const nlohmann::json meta = {
+      {"format", "ampx-train checkpoint"},
+      {"run", identity},
+      {"step", state.next_step},
+      {"epoch", state.next_step / steps_per_epoch},
+      {"position_in_epoch", state.next_step % steps_per_epoch},
+      {"skipped", state.skipped},
+      {"losses", state.losses},
+      {"amp", amp_state},
+      {"torch_version", ampx::torch_version()},
+  };
+  std::filesystem::create_directories(path.parent_path());
+  write_checkpoint(path, meta, payload.str());
+}
+
+RunState load_checkpoint(const std::filesystem::path& path, const std::string& bytes,
+                         const nlohmann::json& identity, const TrainingObjects& objects) {
+  const Checkpoint c = parse_checkpoint(bytes, path);
+  check_compatible(path, c.meta.at("run"), identity);
+  CheckpointProgress progress = read_progress(path, c);  // checked before anything is restored
+  torch::serialize::InputArchive archive, model_archive, opt_archive;
+  read_payload(path, c, archive);
+  try {
+    archive.read("model", model_archive);
+    archive.read("optimizer", opt_archive);
+    objects.model.load(model_archive);
+    objects.optimizer.load(opt_archive);
+    torch::Tensor rng;
+    archive.read("rng/cpu", rng);
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ampx-train: checkpoint '", path.string(),
+                "' passed its checks but its content does not fit this model: ",
+                e.what_without_backtrace());
+  }
+  objects.amp.load_state_dict(progress.scalers);
+  return std::move(progress.state);
 }
 
 void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,

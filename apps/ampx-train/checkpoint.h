@@ -4,6 +4,12 @@
 // archive (model, optimizer with masters and states, loss scalers, RNG, data
 // position), framed so that damage is detected before anything is restored.
 //
+//   save_checkpoint(path, identity, steps_per_epoch, {model, opt, amp}, state);  // atomic
+//   RunState state = load_checkpoint(path, read_checkpoint_bytes(path), identity,
+//                                    {model, opt, amp});  // checked, then restored
+//
+// and below them the file's framing, for tests and fuzzing:
+//
 //   write_checkpoint(dir / "checkpoint.ampx", meta, archive_bytes);  // atomic
 //   Checkpoint c = read_checkpoint(dir / "checkpoint.ampx");         // checked
 //   check_compatible(path, c.meta["run"], this_run);                 // same run?
@@ -12,8 +18,11 @@
 //   "AMPXCKPT" | u32 version | u64 meta bytes | u64 payload bytes |
 //   u32 CRC-32 (zlib) of meta + payload | meta (JSON text) | payload
 
+#include <ampx/amp.h>
 #include <ampx/state_dict.h>
 
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
 #include <nlohmann/json.hpp>
 
@@ -26,6 +35,40 @@
 namespace ampx::train {
 
 inline constexpr uint32_t kCheckpointVersion = 1;
+
+/// Where a run stands beyond its weights: what the training loop carries from
+/// step to step and a checkpoint saves and restores.
+struct RunState {
+  int64_t next_step = 0;       // the next step to run
+  int64_t skipped = 0;         // steps the loss scaler skipped so far
+  std::vector<double> losses;  // one per step run (NaN where JSON has null)
+};
+
+/// What a checkpoint holds besides the RunState (ampx::AmpSession's loss
+/// scalers included, the CPU generator's state too).
+struct TrainingObjects {
+  torch::nn::Module& model;
+  torch::optim::Optimizer& optimizer;
+  ampx::AmpSession& amp;
+};
+
+/// Writes the checkpoint of a run whose settings are `identity` at `state`
+/// (atomically, creating the folder): `objects`, the CPU generator, the
+/// state, its epoch from `steps_per_epoch`.
+void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& identity,
+                     int64_t steps_per_epoch, const TrainingObjects& objects,
+                     const RunState& state);
+
+/// The bytes of the file at `path` (rank 0 reads them; the others get them
+/// broadcast). Errors name the path.
+std::string read_checkpoint_bytes(const std::filesystem::path& path);
+
+/// Restores `objects` and the CPU generator from the checkpoint `bytes`
+/// read from `path`, and returns its RunState. Everything is checked first
+/// (framing, CRC, same run settings as `identity`, progress fields, archive
+/// bounds): an error restores nothing it has not checked, and names `path`.
+RunState load_checkpoint(const std::filesystem::path& path, const std::string& bytes,
+                         const nlohmann::json& identity, const TrainingObjects& objects);
 
 struct Checkpoint {
   nlohmann::json meta;
@@ -53,9 +96,7 @@ void read_payload(const std::filesystem::path& path, const Checkpoint& c,
 
 /// Where a run stood when a checkpoint was written, from its meta.
 struct CheckpointProgress {
-  int64_t step = 0;                                // the next step to run
-  int64_t skipped = 0;                             // steps the loss scaler skipped so far
-  std::vector<double> losses;                      // one per step run (NaN where JSON has null)
+  RunState state;
   std::map<std::string, ampx::StateDict> scalers;  // ampx::AmpSession::state_dict()
 };
 

@@ -261,7 +261,7 @@ void resolve_defaults(TrainConfig& c) {
   }
   if (c.lr == 0) c.lr = d.lr;
   if (c.eval_batches == 0) c.eval_batches = 32;
-  if (c.dtype.empty()) c.dtype = c.device == "cuda" ? "fp16" : "bf16";
+  if (c.dtype.empty()) c.dtype = c.on_cuda() ? "fp16" : "bf16";
   if (c.threads == 0) c.threads = std::max(1, cores_available() / local_processes(c.nproc));
   if (c.out_dir.empty()) c.out_dir = "runs/" + c.workload;
   if (c.checkpoint_dir.empty()) c.checkpoint_dir = c.out_dir + "/checkpoints";
@@ -277,7 +277,7 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(c.device != "cuda" || torch::cuda::is_available(),
               "ampx-train: --device cuda, but this LibTorch (", ampx::torch_version(),
               ") sees no CUDA device");
-  TORCH_CHECK(!c.tf32 || c.device == "cuda",
+  TORCH_CHECK(!c.tf32 || c.on_cuda(),
               "ampx-train: --tf32 is for --device cuda (TF32 is a tensor-core format of NVIDIA "
               "GPUs); on the CPU fp32 products stay fp32");
   const auto modes = modes_of(c);
@@ -347,7 +347,7 @@ std::string settings_table(const TrainConfig& c) {
     add("dtype", c.dtype);
   }
   add("device", c.device);
-  if (c.device == "cuda") {
+  if (c.on_cuda()) {
     add("tf32", c.tf32 ? "on (fp32 products and convolutions)" : "LibTorch's default");
   }
   if (c.nproc > 1) add("processes", c.nproc);

@@ -26,9 +26,8 @@ struct TrainConfig {
   std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 (one run)
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
-  std::string device = "cpu";
-  int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead) // cpu
-                  // | cuda
+  std::string device = "cpu";        // cpu | cuda
+  int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead)
   int threads = 0;            // intra-op threads; 0: this host's cores / its processes
   std::string malloc = "keep";  // keep: ampx::keep_freed_cpu_memory() | default: glibc's own
   double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take
@@ -73,6 +72,10 @@ struct TrainConfig {
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare
   std::string result_file;  // --result-file: write the RunResult as JSON
+
+  bool on_cuda() const { return device == "cuda"; }
+  /// `device` as LibTorch names it.
+  torch::Device torch_device() const { return on_cuda() ? torch::kCUDA : torch::kCPU; }
 };
 
 /// The attention path a GPT workload's model runs (settings and report).

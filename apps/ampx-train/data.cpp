@@ -2,6 +2,8 @@
 
 #include "data.h"
 
+#include "shell.h"
+
 #include <torch/torch.h>
 #include <zlib.h>
 
@@ -211,17 +213,6 @@ ImageData load_image_data(const fs::path& data_dir, const std::string& name,
               dims_text(train_hw.vec()), " but test images are ", dims_text(test_hw.vec()), " ('",
               files[0].string(), "', '", files[2].string(), "')");
   return data;
-}
-
-/// The text of `path` in shell syntax: as is when it has no special characters.
-std::string shell_quote(const std::string& s) {
-  const bool plain = !s.empty() && std::all_of(s.begin(), s.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || std::strchr("/._-+:,=@%", c) != nullptr;
-  });
-  if (plain) return s;
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
 }
 
 }  // namespace

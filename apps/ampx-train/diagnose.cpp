@@ -1,8 +1,10 @@
 #include "diagnose.h"
 
-#include "diagnostics.h"
 #include "machine.h"
+#include "output_file.h"
 #include "report.h"
+#include "shell.h"
+#include "step_diagnostics.h"
 #include "trainer.h"
 
 #include <ampx/debug/advisor.h>
@@ -16,7 +18,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <vector>
@@ -62,7 +63,7 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
   const int n = static_cast<int>(scopes.size());
   double x_lo = -26, x_hi = 17;  // fp16's and fp8's ranges at least
   {
-    std::ofstream f(out / "diagnose-ranges.dat");
+    std::ostringstream f;
     f << "# row scope act_log2_lo act_log2_hi grad_log2_lo grad_log2_hi ('?': none)\n";
     for (int i = 0; i < n; ++i) {
       f << n - 1 - i << " \"" << shown(scopes[i]) << "\"";
@@ -78,13 +79,14 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
       }
       f << "\n";
     }
+    write_output_file(out / "diagnose-ranges.dat", f.str());
   }
   x_lo = std::floor(x_lo) - 2;
   x_hi = std::ceil(x_hi) + 2;
   const char* colors[] = {"#d62728", "#1f77b4", "#2ca02c", "#ff7f0e"};
   std::ostringstream formats;
   {
-    std::ofstream f(out / "diagnose-formats.dat");
+    std::ostringstream f;
     f << "# per format (gnuplot index): x y dx dy of its lines at log2 min subnormal and "
          "log2 max\n";
     for (size_t k = 0; k < debug::kAllFormats.size(); ++k) {
@@ -98,8 +100,9 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
               << limits.name << ": 2^" << fmt("%.0f", lo) << " .. " << fmt("%.4g", limits.max)
               << (lo < x_lo && hi > x_hi ? " (beyond the plot)" : "") << "'";
     }
+    write_output_file(out / "diagnose-formats.dat", f.str());
   }
-  std::ofstream f(out / "diagnose.gp");
+  std::ostringstream f;
   f << "# gnuplot diagnose.gp  (run in this folder)\n"
     << "set terminal pngcairo noenhanced size 1100," << 160 + 20 * n << " font ',10'\n"
     << "set output 'diagnose.png'\n"
@@ -116,6 +119,7 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
     << "     '' using (($5+$6)/2):($1-0.17):(($6-$5)/2):(0.14) with boxxyerror lc rgb '#9467bd' "
        "title 'gradients'"
     << formats.str() << "\n";
+  write_output_file(out / "diagnose.gp", f.str());
 }
 
 }  // namespace
@@ -134,12 +138,11 @@ std::string range_table(const debug::RangeStats& stats) {
 
 Diagnosis diagnose(const TrainConfig& config, Workload& workload) {
   const Mode mode = parse_mode("fp32", config);
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const torch::Device device = config.torch_device();
   ModeSetUp setup = set_up_mode(config, workload, mode, device);  // names the modules
   StepDiagnostics diagnostics(StepDiagnostics::Options{std::nullopt, /*range_stats=*/true});
   std::vector<double> losses;
   for (int64_t step = 0; step < config.diagnose_steps; ++step) {
-    debug::set_step(step);
     const StepOutcome out =
         train_step(setup, workload, workload.batch(step, device), nullptr, &diagnostics);
     losses.push_back(out.loss.item<double>());
@@ -149,7 +152,6 @@ Diagnosis diagnose(const TrainConfig& config, Workload& workload) {
       std::fflush(stdout);
     }
   }
-  debug::set_step(-1);
   const debug::RangeStats& stats = diagnostics.range_stats();
   const debug::PrecisionAdvice advice = debug::advise(stats);
 
@@ -171,7 +173,7 @@ Diagnosis diagnose(const TrainConfig& config, Workload& workload) {
      << "## Magnitudes per scope\n\n"
      << range_table(stats);
   d.markdown_path = (out / "diagnose.md").string();
-  std::ofstream(d.markdown_path) << md.str();
+  write_output_file(d.markdown_path, md.str());
 
   const nlohmann::json json = {
       {"workload", workload.name()},
@@ -189,7 +191,7 @@ Diagnosis diagnose(const TrainConfig& config, Workload& workload) {
       {"stats", nlohmann::json::parse(stats.to_json())},
   };
   d.json_path = (out / "diagnose.json").string();
-  std::ofstream(d.json_path) << json.dump(1) << "\n";
+  write_output_file(d.json_path, json.dump(1) + "\n");
 
   write_plot(out,
              "ampx-train --diagnose " + workload.name() + ": " +

@@ -16,11 +16,11 @@
 #include "config.h"
 #include "device_memory.h"
 #include "diagnose.h"
-#include "diagnostics.h"
 #include "machine.h"
 #include "output_file.h"
 #include "preemption.h"
 #include "report.h"
+#include "step_diagnostics.h"
 #include "trainer.h"
 #include "workloads.h"
 
@@ -253,7 +253,7 @@ int run(int argc, char** argv) {
       std::cout << "malloc: glibc's defaults stay: " << kept.reason << "\n";
     }
   }
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
+  const torch::Device device = config.torch_device();
   enable_memory_tracking(device);
   auto workload = make_workload(config);  // loads the data: missing data fails here
   if (show_settings && rank0) {

@@ -1,6 +1,7 @@
 #include "report.h"
 
 #include "output_file.h"
+#include "shell.h"
 
 #include "machine.h"
 #include "models.h"
@@ -34,16 +35,6 @@ const RunResult& baseline_of(const std::vector<RunResult>& results) {
     if (r.mode == "fp32") return r;
   }
   return results.front();
-}
-
-std::string shell_quote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
-bool gnuplot_installed() {
-  return std::system("command -v gnuplot >/dev/null 2>&1") == 0;
 }
 
 }  // namespace
@@ -169,7 +160,7 @@ Report write_report(const TrainConfig& c, const Workload& workload,
       f << s + 1 << " " << r.losses[s] << " " << ema / weight << "\n";
     }
     write_output_file(dat, f.str());
-    curves << (i ? ", \\\n     " : "") << shell_quote(dat.filename().string())
+    curves << (i ? ", \\\n     " : "") << gnuplot_string(dat.filename().string())
            << " using 1:3 with lines lw 2 lc " << i + 1 << " title '" << r.mode << " (" << r.dtype
            << ")'";
   }
@@ -201,24 +192,6 @@ Report write_report(const TrainConfig& c, const Workload& workload,
   }
   report.plot_path = run_gnuplot(out.string(), "compare.gp", "compare.png", report.plot_note);
   return report;
-}
-
-std::string run_gnuplot(const std::string& dir, const std::string& script, const std::string& png,
-                        std::string& note) {
-  const fs::path out = dir;
-  if (!gnuplot_installed()) {
-    note =
-        "gnuplot is not installed (Debian: apt-get install gnuplot-nox); the "
-        "plot's data and script are in " +
-        out.string();
-    return "";
-  }
-  const std::string log = fs::path(script).stem().string() + ".gnuplot.log";
-  const std::string cmd = "cd " + shell_quote(out.string()) + " && gnuplot " + shell_quote(script) +
-                          " > " + shell_quote(log) + " 2>&1";
-  if (std::system(cmd.c_str()) == 0 && fs::exists(out / png)) return (out / png).string();
-  note = "gnuplot failed, see " + (out / log).string();
-  return "";
 }
 
 }  // namespace ampx::train

@@ -33,12 +33,6 @@ std::string comparison_table(const Workload& workload, const std::vector<RunResu
 nlohmann::json comparison_json(const TrainConfig& config, const Workload& workload,
                                const std::vector<RunResult>& results);
 
-/// Runs the gnuplot script `script` (a file name in `dir`) in `dir`, which
-/// draws `png` there. Returns the picture's path, or "" with `note` saying
-/// why there is none (gnuplot missing, or failed: its log is <script>.log).
-std::string run_gnuplot(const std::string& dir, const std::string& script, const std::string& png,
-                        std::string& note);
-
 /// Writes compare.md, compare.json, the plot's data and script, and runs
 /// gnuplot (if it is installed) to draw compare.png.
 Report write_report(const TrainConfig& config, const Workload& workload,

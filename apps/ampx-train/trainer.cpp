@@ -2,7 +2,9 @@
 
 #include "checkpoint.h"
 #include "device_memory.h"
+#include "fp8_trace.h"
 #include "machine.h"
+#include "metrics_writer.h"
 #include "output_file.h"
 #include "preemption.h"
 #include "profile.h"
@@ -14,23 +16,17 @@
 #include <ampx/debug/nonfinite.h>
 #include <ampx/debug/scope.h>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
-#include <iterator>
-#include <mutex>
 #include <numeric>
 #include <optional>
-#include <sstream>
 
 // GCC 14 reports the destructor of summarize_timing's std::vector<double>,
 // inlined into train_mode, as freeing a non-heap pointer: a false positive
@@ -45,80 +41,6 @@ namespace ampx::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-/// The state a run needs beyond its parameters, for checkpoints.
-struct LoopState {
-  int64_t next_step = 0;
-  int64_t skipped = 0;
-  std::vector<double> losses;
-};
-
-void save(const std::string& path, const nlohmann::json& identity, const Workload& workload,
-          torch::nn::Module& model, torch::optim::Optimizer& opt, const ampx::AmpSession& amp,
-          const LoopState& state) {
-  torch::serialize::OutputArchive archive, model_archive, opt_archive;
-  model.save(model_archive);
-  opt.save(opt_archive);
-  archive.write("model", model_archive);
-  archive.write("optimizer", opt_archive);
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    archive.write("rng/cpu", gen.get_state());
-  }
-  std::ostringstream payload;
-  archive.save_to(payload);
-  nlohmann::json amp_state = nlohmann::json::object();
-  for (const auto& [name, dict] : amp.state_dict()) amp_state[name] = state_dict_to_json(dict);
-  const int64_t spe = workload.steps_per_epoch();
-  const nlohmann::json meta = {
-      {"format", "ampx-train checkpoint"},
-      {"run", identity},
-      {"step", state.next_step},
-      {"epoch", state.next_step / spe},
-      {"position_in_epoch", state.next_step % spe},
-      {"skipped", state.skipped},
-      {"losses", state.losses},
-      {"amp", amp_state},
-      {"torch_version", ampx::torch_version()},
-  };
-  fs::create_directories(fs::path(path).parent_path());
-  write_checkpoint(path, meta, payload.str());
-}
-
-void load(const std::string& path, const Checkpoint& c, const nlohmann::json& identity,
-          torch::nn::Module& model, torch::optim::Optimizer& opt, ampx::AmpSession& amp,
-          LoopState& state) {
-  check_compatible(path, c.meta.at("run"), identity);
-  auto progress = read_progress(path, c);  // checked before anything is restored
-  torch::serialize::InputArchive archive, model_archive, opt_archive;
-  read_payload(path, c, archive);
-  try {
-    archive.read("model", model_archive);
-    archive.read("optimizer", opt_archive);
-    model.load(model_archive);
-    opt.load(opt_archive);
-    torch::Tensor rng;
-    archive.read("rng/cpu", rng);
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ampx-train: checkpoint '", path,
-                "' passed its checks but its content does not fit this model: ",
-                e.what_without_backtrace());
-  }
-  amp.load_state_dict(progress.scalers);
-  state.next_step = progress.step;
-  state.skipped = progress.skipped;
-  state.losses = std::move(progress.losses);
-}
-
-std::string read_file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path, "'");
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 /// FNV-1a (64-bit) of every parameter's bytes in order: equal on ranks
 /// whose weights are bitwise equal.
@@ -204,23 +126,24 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
   return (dir / "checkpoint.ampx").string();
 }
 
-torch::Tensor ModeSetUp::model_output(Workload& workload, const torch::Tensor& input) const {
+torch::Tensor ModeSetUp::model_output(const torch::Tensor& input) {
   // TE's fp8_autocast around the model's forward: the amaxes of its casts
   // are reduced over the group when it ends (the backward's when that ends).
   std::optional<ampx::fp8::Fp8AutocastGuard> region;
   if (fp8) region.emplace(ampx::fp8::Fp8AutocastOptions().amax_reduction_group(fp8_group));
-  return workload.forward(amp->cast_input(input));
+  return net.forward(amp->cast_input(input));
 }
 
-torch::Tensor ModeSetUp::forward(Workload& workload, const torch::Tensor& input) const {
-  return amp->cast_output(model_output(workload, input));
+torch::Tensor ModeSetUp::forward(const torch::Tensor& input) {
+  return amp->cast_output(model_output(input));
 }
 
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
                       const torch::Device& device) {
   ModeSetUp setup;
   torch::manual_seed(config.seed);
-  setup.model = workload.build(device);
+  setup.net = workload.build(device);
+  setup.model = setup.net.ptr();
   auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
   if (mode.level == ampx::OptLevel::O3) {
     // Pure low precision: no masters; bf16 keeps small updates alive by
@@ -265,12 +188,12 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
   auto& scaler = setup.amp->scaler();
   {
     std::optional<StepDiagnostics::Watch> watch;
-    if (diagnostics) watch.emplace(diagnostics->active() ? diagnostics : nullptr);
+    if (diagnostics) watch.emplace(diagnostics->active() ? diagnostics : nullptr, batch.step);
     torch::Tensor output;
     {
       auto forward = setup.amp->forward_guard();
-      output = setup.forward(workload, batch.input);
-      ampx::debug::ScopeGuard scope("loss");
+      output = setup.forward(batch.input);
+      ampx::debug::NamedScopeGuard scope("loss");
       out.loss = workload.loss(output, batch.target);
       output.reset();  // as the temporary it was: freed before the backward
     }
@@ -366,270 +289,279 @@ void summarize_timing(const Workload& workload, const std::vector<double>& step_
   result.median_step_ms = median(timed);
 }
 
-/// Mode fp8: one layer's amaxes and scales (input, weight, output
-/// gradient) after every step, into the metrics and a plot.
-class Fp8Trace {
- public:
-  Fp8Trace(const TrainConfig& config, torch::nn::Module& model,
-           const std::vector<std::string>& layers) {
-    layer_ = config.fp8_trace_layer.empty() ? layers.front() : config.fp8_trace_layer;
-    std::string known;
-    for (const auto& l : layers) known += (known.empty() ? "" : ", ") + l;
-    TORCH_CHECK(std::find(layers.begin(), layers.end(), layer_) != layers.end(),
-                "ampx-train: --fp8-trace-layer '", layer_, "' is not an FP8 layer of this model (",
-                known, ")");
-    scaling_ = ampx::fp8::scaling_of(*model.named_modules()[layer_]);
-  }
-
-  void add(int64_t step, nlohmann::ordered_json& record) {
-    const ampx::fp8::TensorScaling* roles[] = {scaling_->input.get(), scaling_->weight.get(),
-                                               scaling_->grad_output.get()};
-    static const char* names[] = {"input", "weight", "grad_output"};
-    std::array<double, 6> row{};
-    for (int i = 0; i < 3; ++i) {
-      row[2 * i] = roles[i]->last_amax().item<double>();
-      row[2 * i + 1] = roles[i]->scale().item<double>();
-      record[std::string("fp8_") + names[i] + "_amax"] = row[2 * i];
-      record[std::string("fp8_") + names[i] + "_scale"] = row[2 * i + 1];
-    }
-    record["fp8_layer"] = layer_;
-    rows_.emplace_back(step, row);
-  }
-
-  /// fp8-trace-<mode>.dat and .gp in `dir`; the PNG's path if gnuplot made
-  /// it, else the data's.
-  std::string write(const std::string& dir, const std::string& mode) const {
-    const fs::path data = fs::path(dir) / ("fp8-trace-" + mode + ".dat");
-    {
-      std::ofstream f(data);
-      f << "# " << layer_ << ": step input_amax input_scale weight_amax weight_scale "
-        << "grad_output_amax grad_output_scale (scale: the next step's)\n";
-      for (const auto& [step, r] : rows_) {
-        f << step + 1;
-        for (double v : r) f << " " << v;
-        f << "\n";
-      }
-    }
-    const std::string png = "fp8-trace-" + mode + ".png";
-    const std::string script = "fp8-trace-" + mode + ".gp";
-    {
-      std::ofstream f(fs::path(dir) / script);
-      const std::string d = data.filename().string();
-      f << "set terminal pngcairo size 1400,520 font ',11'\nset output '" << png << "'\n"
-        << "set multiplot layout 1,2 title 'FP8 scaling of " << layer_ << "'\n"
-        << "set grid\nset logscale y\nset key bottom right\nset xlabel 'step'\n"
-        << "set offsets 0, 0, graph 0.08, graph 0.08\n"
-        << "set title 'amax (after the step)'\n"
-        << "plot '" << d << "' using 1:2 with lines title 'input', '' using 1:4 with lines "
-        << "title 'weight', '' using 1:6 with lines title 'output gradient'\n"
-        << "set title 'scale'\n"
-        << "plot '" << d << "' using 1:3 with lines title 'input (E4M3)', '' using 1:5 with "
-        << "lines title 'weight (E4M3)', '' using 1:7 with lines title 'output gradient'\n"
-        << "unset multiplot\n";
-    }
-    std::string note;
-    const std::string plot = run_gnuplot(dir, script, png, note);
-    return plot.empty() ? data.string() : plot;
-  }
-
- private:
-  std::string layer_;
-  std::shared_ptr<ampx::fp8::LinearScaling> scaling_;
-  std::vector<std::pair<int64_t, std::array<double, 6>>> rows_;
+/// The ranks' agreement after a step, carried by the one all-reduce the loss
+/// needs anyway: the global batch's loss (the mean of the ranks' means) and
+/// whether any rank was asked to stop (a preemption signal, preemption.h).
+struct StepVote {
+  double loss = 0;
+  bool stop = false;
 };
 
-}  // namespace
+StepVote vote_after_step(const ampx::dist::ProcessGroup* group, const torch::Tensor& loss,
+                         bool stop) {
+  if (group == nullptr) return {loss.item<double>(), stop};  // .item() waits for the device
+  const auto local = loss.detach().to(torch::kFloat).reshape({1});
+  auto both = torch::cat({local, torch::full({1}, stop ? 1.0 : 0.0, local.options())});
+  group->all_reduce_sum(both);
+  const auto mean = both.slice(0, 0, 1) / static_cast<double>(group->world_size());
+  return {mean.item<double>(), both[1].item<float>() > 0};
+}
 
-RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode_name,
-                     const ampx::dist::ProcessGroup* group) {
-  const Mode mode = parse_mode(mode_name, config);
-  const int64_t rank = group ? group->rank() : 0, world = group ? group->world_size() : 1;
-  const bool lead = rank == 0;  // writes files, shows progress, evaluates
-  TORCH_CHECK(config.batch_size % world == 0, "ampx-train: --batch-size ", config.batch_size,
-              " (the global batch) must be divisible by the ", world, " processes");
-  const torch::Device device(config.device == "cuda" ? torch::kCUDA : torch::kCPU);
-  RunResult result;
-  result.mode = mode.name;
-  result.dtype = mode.dtype_name();
-  result.blas = blas_library();
-  const int64_t total_steps =
+/// What one step of the loop did.
+struct StepResult {
+  double loss = 0;      // the global batch's
+  bool stepped = true;  // false: the loss scaler skipped it
+  bool stop = false;    // some rank was asked to stop after it
+  double ms = 0;        // its wall time
+};
+
+/// One mode's training run, from its set-up to its result: what train_mode()'s
+/// loop carries between steps, one concern per member.
+class ModeRun {
+ public:
+  ModeRun(const TrainConfig& config, Workload& workload, const std::string& mode_name,
+          const ampx::dist::ProcessGroup* group);
+
+  int64_t first_step() const { return state_.next_step; }
+  int64_t total_steps() const { return total_steps_; }
+
+  /// Trains step `step` on this rank's rows of its batch; the ranks vote on
+  /// the loss and on stopping; --profile's step is traced, the others timed.
+  StepResult step(int64_t step);
+  /// The step's line of the metrics, evaluation (--eval-every), FP8 trace and progress.
+  void record(int64_t step, const StepResult& r);
+  /// Writes the checkpoint when one is planned (--save-every, and the last
+  /// step then) or a rank was asked to stop; true when the run stops here.
+  bool checkpoint(int64_t step, bool stop);
+  /// Timing, peak memory, the diagnostics' files and the final evaluation
+  /// (none of them after a preemption).
+  RunResult finish();
+
+ private:
+  EvalResult evaluate();
+
+  const TrainConfig& config_;
+  Workload& workload_;
+  const Mode mode_;
+  const ampx::dist::ProcessGroup* group_;
+  const int64_t rank_, world_;
+  const bool lead_;  // rank 0: writes files, shows progress, evaluates
+  const torch::Device device_;
+  int64_t total_steps_ = 0;
+  nlohmann::json identity_;  // what a checkpoint must share with the run resuming it
+  std::string checkpoint_path_;
+  bool may_write_checkpoint_ = false;
+  int64_t base_bytes_ = 0;  // allocated before the set-up: peak memory counts from here
+  ModeSetUp setup_;
+  std::optional<ampx::dist::DistributedDataParallel> ddp_;
+  std::optional<Fp8Trace> fp8_trace_;
+  RunState state_;
+  std::optional<MetricsWriter> metrics_;
+  std::optional<Progress> progress_;
+  StepDiagnostics diagnostics_;
+  int64_t profile_step_ = -1;
+  std::string profile_path_;
+  std::vector<double> step_ms_;
+  std::chrono::steady_clock::time_point start_;
+  RunResult result_;
+};
+
+ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::string& mode_name,
+                 const ampx::dist::ProcessGroup* group)
+    : config_(config),
+      workload_(workload),
+      mode_(parse_mode(mode_name, config)),
+      group_(group),
+      rank_(group ? group->rank() : 0),
+      world_(group ? group->world_size() : 1),
+      lead_(rank_ == 0),
+      device_(config.torch_device()),
+      diagnostics_(diagnostics_options(config)) {
+  TORCH_CHECK(config.batch_size % world_ == 0, "ampx-train: --batch-size ", config.batch_size,
+              " (the global batch) must be divisible by the ", world_, " processes");
+  result_.mode = mode_.name;
+  result_.dtype = mode_.dtype_name();
+  result_.blas = blas_library();
+  total_steps_ =
       config.steps > 0
           ? config.steps
           : std::max<int64_t>(
                 1, static_cast<int64_t>(std::ceil(config.epochs * workload.steps_per_epoch())));
-  result.steps = total_steps;
+  result_.steps = total_steps_;
 
-  nlohmann::json identity = workload.identity();
-  identity["precision"] = mode.name;
-  identity["dtype"] = result.dtype;
-  identity["device"] = config.device;
-  identity["steps_per_epoch"] = workload.steps_per_epoch();
-  if (mode.fp8) identity["fp8_recipe"] = fp8_recipe_of(config).to_string();
+  identity_ = workload.identity();
+  identity_["precision"] = mode_.name;
+  identity_["dtype"] = result_.dtype;
+  identity_["device"] = config.device;
+  identity_["steps_per_epoch"] = workload.steps_per_epoch();
+  if (mode_.fp8) identity_["fp8_recipe"] = fp8_recipe_of(config).to_string();
 
-  const std::string ckpt = checkpoint_path_for(config, mode.name);
+  checkpoint_path_ = checkpoint_path_for(config, mode_.name);
   from_rank0(group, [&] {  // rank 0 alone writes and reads checkpoints
-    check_checkpoint_rules(config, ckpt);
+    check_checkpoint_rules(config, checkpoint_path_);
     return std::string();
   });
   // A preemption checkpoint never replaces one this run neither resumed nor writes anyway.
-  const bool may_write_checkpoint = config.resume || config.save_every > 0 || !fs::exists(ckpt);
+  may_write_checkpoint_ = config.resume || config.save_every > 0 || !fs::exists(checkpoint_path_);
 
-  const int64_t base = allocated_bytes(device);
-  reset_peak_memory(device);
-
-  ModeSetUp setup = set_up_mode(config, workload, mode, device);
-  auto& model = *setup.model;
-  auto& optimizer = *setup.optimizer;
-  auto& amp = *setup.amp;
+  base_bytes_ = allocated_bytes(device_);
+  reset_peak_memory(device_);
+  setup_ = set_up_mode(config, workload, mode_, device_);
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
-  if (group) check_ranks_agree(*group, run_fingerprint(identity, model, total_steps));
+  if (group) check_ranks_agree(*group, run_fingerprint(identity_, *setup_.model, total_steps_));
   // After the cast: the broadcast and the buckets see the training dtypes.
-  std::optional<ampx::dist::DistributedDataParallel> ddp;
-  if (group) ddp.emplace(setup.model, *group);
+  if (group) ddp_.emplace(setup_.model, *group);
   // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.
-  if (group && setup.fp8 && fp8_recipe_of(config).is_delayed()) setup.fp8_group = group;
-  std::optional<Fp8Trace> fp8_trace;
-  if (setup.fp8 && lead) fp8_trace.emplace(config, model, setup.fp8_layers);
+  if (group && setup_.fp8 && fp8_recipe_of(config).is_delayed()) setup_.fp8_group = group;
+  if (setup_.fp8 && lead_) {
+    fp8_trace_.emplace(config.fp8_trace_layer, *setup_.model, setup_.fp8_layers);
+  }
 
-  LoopState state;
   if (config.resume) {
-    const std::string bytes = from_rank0(group, [&] { return read_file_bytes(ckpt); });
-    load(ckpt, parse_checkpoint(bytes, ckpt), identity, model, optimizer, amp, state);
-    TORCH_CHECK(state.next_step <= total_steps, "ampx-train: checkpoint '", ckpt, "' is at step ",
-                state.next_step, ", past this run's ", total_steps, " steps; raise --steps");
+    const std::string bytes =
+        from_rank0(group, [&] { return read_checkpoint_bytes(checkpoint_path_); });
+    state_ = load_checkpoint(checkpoint_path_, bytes, identity_,
+                             {*setup_.model, *setup_.optimizer, *setup_.amp});
+    TORCH_CHECK(state_.next_step <= total_steps_, "ampx-train: checkpoint '", checkpoint_path_,
+                "' is at step ", state_.next_step, ", past this run's ", total_steps_,
+                " steps; raise --steps");
   }
 
-  if (lead) fs::create_directories(config.out_dir);
-  const bool csv = config.metrics_format == "csv";
-  std::optional<MetricsWriter> metrics;
-  if (lead) {
-    metrics.emplace(fs::path(config.out_dir) / ("metrics-" + mode.name + (csv ? ".csv" : ".jsonl")),
-                    csv, config.resume ? state.next_step - 1 : -1);
-    result.metrics_path = metrics->path().string();
+  if (lead_) {
+    fs::create_directories(config.out_dir);
+    const bool csv = config.metrics_format == "csv";
+    metrics_.emplace(
+        fs::path(config.out_dir) / ("metrics-" + mode_.name + (csv ? ".csv" : ".jsonl")), csv,
+        config.resume ? state_.next_step - 1 : -1);
+    result_.metrics_path = metrics_->path().string();
   }
-  Progress progress(mode.name, state.next_step, total_steps, workload.unit() + "/s",
-                    lead ? Progress::style_for(config.progress) : Progress::Style::kNone,
+  progress_.emplace(mode_.name, state_.next_step, total_steps_, workload.unit() + "/s",
+                    lead_ ? Progress::style_for(config.progress) : Progress::Style::kNone,
                     config.log_every);
-
-  auto evaluate = [&]() {
-    torch::NoGradGuard no_grad;
-    model.eval();
-    EvalResult r = workload.evaluate(
-        [&](const torch::Tensor& input) {
-          auto forward = amp.forward_guard();
-          return setup.forward(workload, input);
-        },
-        device);
-    model.train();
-    return r;
-  };
-
   // --profile: one step after warm-up, left out of the timing (the profiler slows it).
-  const int64_t profile_step =
-      config.profile.empty() || !lead
-          ? -1
-          : state.next_step + std::min<int64_t>(10, (total_steps - state.next_step) / 2);
-  const std::string profile_path =
-      profile_path_for(config.profile, mode.name, !config.compare.empty());
-  StepDiagnostics diagnostics(diagnostics_options(config));
-  std::vector<double> step_ms;
-  const auto run_start = std::chrono::steady_clock::now();
-  for (int64_t step = state.next_step; step < total_steps; ++step) {
-    std::optional<StepProfile> profile;
-    if (step == profile_step) profile.emplace(profile_path);
-    const auto t0 = std::chrono::steady_clock::now();
-    const Batch batch = rank_rows(workload.batch(step, device), rank, world);
-    ampx::debug::set_step(step);
-    StepOutcome outcome;
-    try {
-      outcome = train_step(setup, workload, batch, ddp ? &*ddp : nullptr, &diagnostics);
-    } catch (const ampx::debug::NonFiniteError&) {
-      progress.finish();  // the live line ends before main prints the report
-      throw;
-    }
-    auto& [loss, stepped] = outcome;
-    // A preemption signal (preemption.h) stops the run after this step; the
-    // ranks agree on it through the loss's all-reduce: one flag per rank.
-    bool stop = preemption_signal() != 0;
-    if (group) {  // the global batch's loss: the mean of the ranks' means
-      const auto local = loss.detach().to(torch::kFloat).reshape({1});
-      auto global = torch::cat({local, torch::full({1}, stop ? 1.0 : 0.0, local.options())});
-      group->all_reduce_sum(global);
-      loss = global.slice(0, 0, 1) / static_cast<double>(world);
-      stop = global[1].item<float>() > 0;
-    }
-    const double loss_value = loss.item<double>();  // also waits for the device
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (profile) {
-      profile.reset();  // writes the trace
-      result.profile_summary = "[" + mode.name + "] profile of step " + std::to_string(step + 1) +
-                               " (" + std::to_string(ms) +
-                               " ms with the profiler on): " + profile_path + "\n" +
-                               summarize_trace(profile_path, 15);
-    } else {
-      step_ms.push_back(ms);
-    }
-    if (!stepped) ++state.skipped;
-    state.losses.push_back(loss_value);
-    const double scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
-    nlohmann::ordered_json record = step_record(
-        config, workload, mode.name, step, loss_value, scale, stepped, ms,
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count());
-    const bool eval_now = lead && config.eval_every > 0 && (step + 1) % config.eval_every == 0 &&
-                          step + 1 < total_steps;
-    if (eval_now) {
-      const EvalResult e = evaluate();
-      result.evals.emplace_back(step + 1, e);
-      record["eval_loss"] = e.loss;
-      record["eval_" + workload.metric_name()] = e.metric;
-    }
-    if (fp8_trace) fp8_trace->add(step, record);
-    if (metrics) metrics->write(record);
-    progress.update(step, loss_value, scale, workload.items_per_step() * 1000.0 / ms);
-    state.next_step = step + 1;
-    const bool planned =
-        config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == total_steps);
-    stop = stop && step + 1 < total_steps;  // after the last step: the run ends as planned
-    if (planned || stop) {
-      TORCH_CHECK(planned || may_write_checkpoint, "ampx-train: ", signal_name(preemption_signal()),
-                  " asked to stop after step ", step + 1, ", but '", ckpt,
-                  "' holds a checkpoint this run did not write; it stays as it is, and the steps "
-                  "of this run are lost (pass --save-every or another --checkpoint-dir)");
-      if (lead) save(ckpt, identity, workload, model, optimizer, amp, state);
-      result.checkpoint_path = ckpt;
-    }
-    if (stop) {
-      result.preempted_after = step + 1;
-      break;
-    }
+  if (!config.profile.empty() && lead_) {
+    profile_step_ = state_.next_step + std::min<int64_t>(10, (total_steps_ - state_.next_step) / 2);
+    profile_path_ = profile_path_for(config.profile, mode_.name, !config.compare.empty());
   }
-  progress.finish();
-  if (result.preempted_after > 0) {
-    result.losses = std::move(state.losses);
-    return result;  // no evaluation or timing: the process is asked to end
+  start_ = std::chrono::steady_clock::now();
+}
+
+StepResult ModeRun::step(int64_t step) {
+  std::optional<StepProfile> profile;
+  if (step == profile_step_) profile.emplace(profile_path_);
+  const auto t0 = std::chrono::steady_clock::now();
+  const Batch batch = rank_rows(workload_.batch(step, device_), rank_, world_);
+  StepOutcome outcome;
+  try {
+    outcome = train_step(setup_, workload_, batch, ddp_ ? &*ddp_ : nullptr, &diagnostics_);
+  } catch (const ampx::debug::NonFiniteError&) {
+    progress_->finish();  // the live line ends before main prints the report
+    throw;
   }
-  result.peak_bytes = peak_allocated_bytes(device) - base;
-  ampx::debug::set_step(-1);
-  result.nonfinite_summary = diagnostics.nonfinite_summary();
-  if (config.range_stats && lead) {
-    const auto path = fs::path(config.out_dir) / ("range-stats-" + mode.name + ".json");
-    write_output_file(path, diagnostics.range_stats().to_json() + "\n");
+  const StepVote vote = vote_after_step(group_, outcome.loss, preemption_signal() != 0);
+  StepResult r{
+      vote.loss, outcome.stepped, vote.stop,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+  if (profile) {
+    profile.reset();  // writes the trace
+    result_.profile_summary = "[" + mode_.name + "] profile of step " + std::to_string(step + 1) +
+                              " (" + std::to_string(r.ms) +
+                              " ms with the profiler on): " + profile_path_ + "\n" +
+                              summarize_trace(profile_path_, 15);
+  } else {
+    step_ms_.push_back(r.ms);
+  }
+  if (!r.stepped) ++state_.skipped;
+  state_.losses.push_back(r.loss);
+  state_.next_step = step + 1;
+  return r;
+}
+
+void ModeRun::record(int64_t step, const StepResult& r) {
+  const double scale = setup_.amp->scaler().is_enabled() ? setup_.amp->scaler().get_scale() : 1.0;
+  nlohmann::ordered_json record =
+      step_record(config_, workload_, mode_.name, step, r.loss, scale, r.stepped, r.ms,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  if (lead_ && config_.eval_every > 0 && (step + 1) % config_.eval_every == 0 &&
+      step + 1 < total_steps_) {
+    const EvalResult e = evaluate();
+    result_.evals.emplace_back(step + 1, e);
+    record["eval_loss"] = e.loss;
+    record["eval_" + workload_.metric_name()] = e.metric;
+  }
+  if (fp8_trace_) fp8_trace_->add(step, record);
+  if (metrics_) metrics_->write(record);
+  progress_->update(step, r.loss, scale, workload_.items_per_step() * 1000.0 / r.ms);
+}
+
+bool ModeRun::checkpoint(int64_t step, bool stop) {
+  const bool last = step + 1 == total_steps_;
+  const bool planned = config_.save_every > 0 && ((step + 1) % config_.save_every == 0 || last);
+  stop = stop && !last;  // after the last step: the run ends as planned
+  if (!planned && !stop) return false;
+  TORCH_CHECK(planned || may_write_checkpoint_, "ampx-train: ", signal_name(preemption_signal()),
+              " asked to stop after step ", step + 1, ", but '", checkpoint_path_,
+              "' holds a checkpoint this run did not write; it stays as it is, and the steps "
+              "of this run are lost (pass --save-every or another --checkpoint-dir)");
+  if (lead_) {
+    save_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(),
+                    {*setup_.model, *setup_.optimizer, *setup_.amp}, state_);
+  }
+  result_.checkpoint_path = checkpoint_path_;
+  if (stop) result_.preempted_after = step + 1;
+  return stop;
+}
+
+EvalResult ModeRun::evaluate() {
+  torch::NoGradGuard no_grad;
+  setup_.model->eval();
+  EvalResult r = workload_.evaluate(
+      [&](const torch::Tensor& input) {
+        auto forward = setup_.amp->forward_guard();
+        return setup_.forward(input);
+      },
+      device_);
+  setup_.model->train();
+  return r;
+}
+
+RunResult ModeRun::finish() {
+  progress_->finish();
+  RunResult result = std::move(result_);
+  result.losses = std::move(state_.losses);
+  if (result.preempted_after > 0) return result;  // the process is asked to end
+  result.peak_bytes = peak_allocated_bytes(device_) - base_bytes_;
+  result.nonfinite_summary = diagnostics_.nonfinite_summary();
+  if (config_.range_stats && lead_) {
+    const auto path = fs::path(config_.out_dir) / ("range-stats-" + mode_.name + ".json");
+    write_output_file(path, diagnostics_.range_stats().to_json() + "\n");
     result.range_stats_path = path.string();
   }
-
-  if (fp8_trace) result.fp8_trace_path = fp8_trace->write(config.out_dir, mode.name);
-  summarize_timing(workload, step_ms, result);
-  result.skipped = state.skipped;
-  result.losses = std::move(state.losses);
+  if (fp8_trace_) result.fp8_trace_path = fp8_trace_->write(config_.out_dir, mode_.name);
+  summarize_timing(workload_, step_ms_, result);
+  result.skipped = state_.skipped;
   const auto& losses = result.losses;  // steps >= 1, so never empty
   const auto tail = std::max<std::ptrdiff_t>(1, static_cast<std::ptrdiff_t>(losses.size()) / 10);
   result.train_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail;
-  result.final_scale = amp.scaler().is_enabled() ? amp.scaler().get_scale() : 1.0;
-  if (lead) result.eval = evaluate();
-  result.weights_checksum = weights_checksum(model);
+  result.final_scale = setup_.amp->scaler().is_enabled() ? setup_.amp->scaler().get_scale() : 1.0;
+  if (lead_) result.eval = evaluate();
+  result.weights_checksum = weights_checksum(*setup_.model);
   return result;
+}
+
+}  // namespace
+
+// After llm.c's main loop: a step, its record, the checkpoint rules.
+RunResult train_mode(const TrainConfig& config, Workload& workload, const std::string& mode,
+                     const ampx::dist::ProcessGroup* group) {
+  ModeRun run(config, workload, mode, group);
+  for (int64_t step = run.first_step(); step < run.total_steps(); ++step) {
+    const StepResult r = run.step(step);
+    run.record(step, r);
+    if (run.checkpoint(step, r.stop)) break;
+  }
+  return run.finish();
 }
 
 }  // namespace ampx::train

@@ -9,7 +9,7 @@
 //   r.items_per_s, r.peak_bytes, r.eval.loss, r.skipped, r.final_scale ...
 
 #include "config.h"
-#include "diagnostics.h"
+#include "step_diagnostics.h"
 #include "workloads.h"
 
 #include <ampx/ampx.h>
@@ -63,10 +63,10 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
 
 /// What a mode trains: the workload's fresh model (from config.seed), its
 /// ampx::optim::AdamW, and ampx's opt level over both, as the mode defines
-/// them (fp32: O0; O1, O2, O3 in config.dtype; O3 without masters). The
-/// model lives in the workload (Workload::forward runs it).
+/// them (fp32: O0; O1, O2, O3 in config.dtype; O3 without masters).
 struct ModeSetUp {
-  std::shared_ptr<torch::nn::Module> model;
+  torch::nn::AnyModule net;                       // the model and its forward
+  std::shared_ptr<torch::nn::Module> model;       // net.ptr()
   std::unique_ptr<ampx::optim::AdamW> optimizer;  // initialize() holds its address
   std::unique_ptr<ampx::AmpSession> amp;
   /// fp8: the converted Linears (paths), and the group their amaxes are
@@ -78,9 +78,9 @@ struct ModeSetUp {
   /// The model's output for `input` (cast to the model's dtype), in the
   /// dtype the mode's forward made it: call under amp->forward_guard(). In
   /// mode fp8, inside an FP8 region.
-  torch::Tensor model_output(Workload& workload, const torch::Tensor& input) const;
+  torch::Tensor model_output(const torch::Tensor& input);
   /// model_output() cast to fp32 for the loss (mixed modes).
-  torch::Tensor forward(Workload& workload, const torch::Tensor& input) const;
+  torch::Tensor forward(const torch::Tensor& input);
 };
 
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
@@ -91,7 +91,8 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
 /// averaged over `ddp`'s ranks, the scaler's step and update. Returns the
 /// loss (this rank's) and whether the optimizer stepped (false: inf/NaN
 /// gradients, skipped). `diagnostics` watches the forward and the backward
-/// (not the optimizer's step); the loss runs in the scope "loss".
+/// (not the optimizer's step), its reports quoting batch.step; the loss runs
+/// in the scope "loss".
 struct StepOutcome {
   torch::Tensor loss;
   bool stepped = true;

@@ -60,18 +60,11 @@ class GptWorkload final : public Workload {
             {"layers", cfg_.layers}, {"heads", cfg_.heads}, {"d_model", cfg_.d},
             {"batch_size", batch_},  {"seed", seed_}};
   }
-  std::shared_ptr<torch::nn::Module> build(const torch::Device& device) override {
-    if (name_ == "gpt-nn") {
-      nn_model_ = GPTNN(cfg_);
-      nn_model_->to(device);
-      return nn_model_.ptr();
-    }
-    model_ = GPT(cfg_);
-    model_->to(device);
-    return model_.ptr();
-  }
-  torch::Tensor forward(const torch::Tensor& input) override {
-    return nn_model_ ? nn_model_->forward(input) : model_->forward(input);
+  torch::nn::AnyModule build(const torch::Device& device) override {
+    torch::nn::AnyModule model =
+        name_ == "gpt-nn" ? torch::nn::AnyModule(GPTNN(cfg_)) : torch::nn::AnyModule(GPT(cfg_));
+    model.ptr()->to(device);
+    return model;
   }
   Batch batch(int64_t step, const torch::Device& device) override {
     // B windows of T + 1 characters at random offsets of the training split.
@@ -83,7 +76,7 @@ class GptWorkload final : public Workload {
     const auto& text = train_on(device);
     auto windows =
         text.index({starts.to(device) + torch::arange(T + 1, text.options())});  // [B, T + 1]
-    return {windows.slice(1, 0, T), windows.slice(1, 1)};
+    return {windows.slice(1, 0, T), windows.slice(1, 1), step};
   }
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
     return cross_entropy(output, target);
@@ -126,8 +119,6 @@ class GptWorkload final : public Workload {
   TextData data_;
   torch::Tensor train_device_;  // data_.train on the training device (not the CPU)
   GPTConfig cfg_;
-  GPT model_{nullptr};
-  GPTNN nn_model_{nullptr};
 };
 
 // MNIST's and Fashion-MNIST's pixels scaled to [0, 1] and standardised with
@@ -154,18 +145,11 @@ class ImageWorkload final : public Workload {
   nlohmann::json identity() const override {
     return {{"workload", workload_}, {"batch_size", batch_}, {"seed", seed_}};
   }
-  std::shared_ptr<torch::nn::Module> build(const torch::Device& device) override {
-    if (workload_ == "mnist-cnn") {
-      cnn_ = MnistCNN();
-      cnn_->to(device);
-      return cnn_.ptr();
-    }
-    mlp_ = FashionMLP();
-    mlp_->to(device);
-    return mlp_.ptr();
-  }
-  torch::Tensor forward(const torch::Tensor& input) override {
-    return workload_ == "mnist-cnn" ? cnn_->forward(input) : mlp_->forward(input);
+  torch::nn::AnyModule build(const torch::Device& device) override {
+    torch::nn::AnyModule model = workload_ == "mnist-cnn" ? torch::nn::AnyModule(MnistCNN())
+                                                          : torch::nn::AnyModule(FashionMLP());
+    model.ptr()->to(device);
+    return model;
   }
   Batch batch(int64_t step, const torch::Device& device) override {
     // Epoch e visits a permutation drawn from (seed, e); the last partial
@@ -178,7 +162,7 @@ class ImageWorkload final : public Workload {
     }
     auto idx = perm_.slice(0, pos * batch_, (pos + 1) * batch_);
     return {shape(train_x_.index_select(0, idx)).to(device),
-            train_y_.index_select(0, idx).to(device)};
+            train_y_.index_select(0, idx).to(device), step};
   }
   torch::Tensor loss(const torch::Tensor& output, const torch::Tensor& target) override {
     return cross_entropy(output, target);
@@ -208,8 +192,6 @@ class ImageWorkload final : public Workload {
   torch::Tensor train_x_, train_y_, test_x_, test_y_;
   torch::Tensor perm_;
   int64_t perm_epoch_ = -1;
-  MnistCNN cnn_{nullptr};
-  FashionMLP mlp_{nullptr};
 };
 
 }  // namespace

@@ -6,9 +6,9 @@
 // uninterrupted one would.
 //
 //   auto w = make_workload(config);            // loads the data once
-//   auto model = w->build(device);             // fresh weights (torch's global seed)
-//   Batch b = w->batch(step, device);          // input, target
-//   auto loss = w->loss(w->forward(b.input), b.target);
+//   torch::nn::AnyModule model = w->build(device);  // fresh weights (torch's global seed)
+//   Batch b = w->batch(step, device);          // input, target, step
+//   auto loss = w->loss(model.forward(b.input), b.target);
 
 #include "config.h"
 
@@ -24,6 +24,7 @@ namespace ampx::train {
 struct Batch {
   torch::Tensor input;   // gpt: int64 [B, T]; images: fp32 [B, 1, 28, 28] or [B, 784]
   torch::Tensor target;  // gpt: int64 [B, T]; images: int64 [B]
+  int64_t step = -1;     // the training step it is for (diagnostics quote it)
 };
 
 struct EvalResult {
@@ -48,10 +49,9 @@ class Workload {
   virtual int64_t steps_per_epoch() const = 0;
   /// The settings a checkpoint must share with the run resuming it.
   virtual nlohmann::json identity() const = 0;
-  /// A freshly initialised model on `device`, from torch's global seed.
-  virtual std::shared_ptr<torch::nn::Module> build(const torch::Device& device) = 0;
-  /// The forward pass of the model build() returned last.
-  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  /// A freshly initialised model on `device`, from torch's global seed: its
+  /// module (`.ptr()`) and its forward (`.forward(input)`).
+  virtual torch::nn::AnyModule build(const torch::Device& device) = 0;
   /// Step `step`'s batch on `device` (deterministic in the seed and step).
   virtual Batch batch(int64_t step, const torch::Device& device) = 0;
   /// Mean cross entropy, computed in fp32 whatever the output dtype.

@@ -49,7 +49,7 @@ struct NNBlockImpl : torch::nn::Module {
     mlp = register_module("mlp", Sequential(fc, GELU(), out));
   }
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& mask) {  // x: [B, T, d]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     const auto h = ln1(x).transpose(0, 1);  // [T, B, d]
     const auto a = std::get<0>(attn->forward(h, h, h, /*key_padding_mask=*/{},
                                              /*need_weights=*/false, mask));
@@ -76,7 +76,7 @@ struct GPTNNImpl : torch::nn::Module {
     mask = register_buffer("mask", torch::full({c.block, c.block}, -INFINITY).triu(1));
   }
   torch::Tensor forward(const torch::Tensor& tokens) {  // int64 [B, T] -> logits [B, T, vocab]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     const int64_t T = tokens.size(1);
     auto x = tok(tokens) + pos.slice(0, 0, T);
     const auto causal = mask.slice(0, 0, T).slice(1, 0, T);

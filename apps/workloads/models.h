@@ -9,7 +9,7 @@
 //
 // The memory benchmark (bench/o2_memory.cpp) trains the same GPT.
 //
-// Each forward opens an ampx::debug::ModuleScope: once ampx-train has named
+// Each forward opens an ampx::debug::ModuleScopeGuard: once ampx-train has named
 // the modules (ampx::debug::name_modules), the numerics diagnostics put the
 // ops between the layers (gelu, softmax, the residual adds) in "blocks.2",
 // "blocks.2.attn", ... A scope only names: the numbers are the same.
@@ -104,7 +104,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
         register_buffer("mask", torch::ones({c.block, c.block}, torch::kBool).tril().logical_not());
   }
   torch::Tensor forward(const torch::Tensor& x) {  // x: [B, T, d]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     const auto B = x.size(0), T = x.size(1), hd = d / heads;
     auto parts =
         linear_2d(qkv, x).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});  // [3, B, H, T, hd]
@@ -144,7 +144,7 @@ struct BlockImpl : torch::nn::Module {
     out = register_module("out", torch::nn::Linear(4 * c.d, c.d));
   }
   torch::Tensor forward(torch::Tensor x) {
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     x = x + attn(ln1(x));
     return x + linear_2d(out, torch::gelu(linear_2d(fc, ln2(x))));
   }
@@ -164,7 +164,7 @@ struct GPTImpl : torch::nn::Module {
     head = register_module("head", torch::nn::Linear(c.d, c.vocab));
   }
   torch::Tensor forward(const torch::Tensor& tokens) {  // int64 [B, T] -> logits [B, T, vocab]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     auto x = tok(tokens) + pos.slice(0, 0, tokens.size(1));
     for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
     return linear_2d(head, ln_f(x));
@@ -190,7 +190,7 @@ struct MnistCNNImpl : torch::nn::Module {
     fc2 = register_module("fc2", Linear(128, 10));
   }
   torch::Tensor forward(const torch::Tensor& images) {  // [B, 1, 28, 28] -> [B, 10]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     auto x = torch::max_pool2d(torch::relu(bn1(conv1(images))), 2);  // [B, 32, 14, 14]
     x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);            // [B, 64, 7, 7]
     return fc2(torch::relu(fc1(x.flatten(1))));
@@ -209,7 +209,7 @@ struct FashionMLPImpl : torch::nn::Module {
     fc3 = register_module("fc3", torch::nn::Linear(256, 10));
   }
   torch::Tensor forward(const torch::Tensor& images) {  // [B, 784] -> [B, 10]
-    ampx::debug::ModuleScope scope(*this);
+    ampx::debug::ModuleScopeGuard scope(*this);
     return fc3(torch::relu(fc2(torch::relu(fc1(images)))));
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};

@@ -12,7 +12,8 @@ namespace ampx {
 namespace debug {
 namespace {
 
-std::string sci(double v) {
+// v with three significant digits: "65536" -> "6.55e+04", "0.000123".
+std::string three_digits(double v) {
   std::ostringstream s;
   s << std::setprecision(3) << v;
   return s.str();
@@ -77,7 +78,7 @@ std::string list_scopes(const std::vector<ScopeFinding>& v, bool with_max) {
   const size_t shown = std::min<size_t>(v.size(), 3);
   for (size_t i = 0; i < shown; ++i) {
     s << (i ? ", " : "") << scope_name(v[i].scope)
-      << (with_max ? " max " + sci(v[i].abs_max)
+      << (with_max ? " max " + three_digits(v[i].abs_max)
                    : " " + percent(v[i].fraction_to_zero) + " to zero");
   }
   if (v.size() > shown) s << " and " << v.size() - shown << " more";
@@ -136,22 +137,24 @@ FormatAdvice advise_16bit(Format f, const RangeStats& stats, const AdvisorOption
   if (!a.overflows.empty()) {
     a.verdict = Verdict::kOverflows;
     a.reasons.push_back(name + ": " + layers(a.overflows.size()) + " values exceed " +
-                        sci(lim.max) + " (" + list_scopes(a.overflows, true) +
+                        three_digits(lim.max) + " (" + list_scopes(a.overflows, true) +
                         "); use a wider format or keep those layers in fp32 with a cast policy "
                         "(ampx::policy)");
   }
   if (!grads.empty() && lost_fraction > o.underflow_tolerance()) {
     if (a.verdict == Verdict::kSafe) a.verdict = Verdict::kUnderflows;
-    a.reasons.push_back(name + ": " + percent(lost_fraction) + " of gradient values round to zero" +
-                        (k != 0 ? " even at loss scale " + sci(a.loss_scale) : std::string()) +
-                        " (" + list_scopes(a.underflows, false) + ")");
+    a.reasons.push_back(
+        name + ": " + percent(lost_fraction) + " of gradient values round to zero" +
+        (k != 0 ? " even at loss scale " + three_digits(a.loss_scale) : std::string()) + " (" +
+        list_scopes(a.underflows, false) + ")");
   }
   if (f == Format::kFloat16 && a.verdict == Verdict::kSafe && !grads.empty()) {
     a.verdict = Verdict::kNeedsScaling;
-    a.reasons.push_back(
-        name + ": largest gradient " + sci(grad_max) + "; loss scale " + sci(a.loss_scale) +
-        " keeps it below " + sci(lim.max / o.headroom()) + " and loses " + percent(lost_fraction) +
-        " of gradient values to zero (GradScaler finds " + "such a scale by itself)");
+    a.reasons.push_back(name + ": largest gradient " + three_digits(grad_max) + "; loss scale " +
+                        three_digits(a.loss_scale) + " keeps it below " +
+                        three_digits(lim.max / o.headroom()) + " and loses " +
+                        percent(lost_fraction) + " of gradient values to zero (GradScaler finds " +
+                        "such a scale by itself)");
   }
   if (a.verdict == Verdict::kSafe) {
     a.reasons.push_back(name + ": no value overflows; " + percent(lost_fraction) +
@@ -262,7 +265,8 @@ PrecisionAdvice advise(const RangeStats& stats, const AdvisorOptions& options) {
     if (fp16 == Verdict::kOverflows) p.recommendation += "; fp16 would overflow";
   } else if (fp16 == Verdict::kSafe || fp16 == Verdict::kNeedsScaling) {
     p.recommended = Format::kFloat16;
-    p.recommendation = "fp16 with loss scaling (" + sci(p.at(Format::kFloat16).loss_scale) +
+    p.recommendation = "fp16 with loss scaling (" +
+                       three_digits(p.at(Format::kFloat16).loss_scale) +
                        "): bf16 loses gradients to zero";
   } else {
     p.recommended = Format::kBFloat16;
@@ -279,7 +283,7 @@ std::string PrecisionAdvice::to_markdown() const {
     << "| --- | --- | --- | --- | --- |\n";
   for (const auto& a : formats) {
     m << "| " << to_string(a.format) << " | " << to_string(a.verdict) << " | "
-      << (a.format == Format::kFloat16 ? sci(a.loss_scale) : std::string("-")) << " | "
+      << (a.format == Format::kFloat16 ? three_digits(a.loss_scale) : std::string("-")) << " | "
       << (a.overflows.empty() ? "-" : list_scopes(a.overflows, true)) << " | "
       << (a.underflows.empty() ? "-" : list_scopes(a.underflows, false)) << " |\n";
   }

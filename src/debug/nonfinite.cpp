@@ -2,11 +2,13 @@
 
 #include "ampx/debug/scope.h"
 #include "observer.h"
+#include "scope_internal.h"
 #include "tensor_scan.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <iomanip>
 #include <sstream>
@@ -89,7 +91,8 @@ NonFiniteError::NonFiniteError(NonFiniteReport report)
       report_(std::move(report)) {}
 
 struct NonFiniteGuard::Impl : detail::Observer {
-  Impl(const NonFiniteOptions& o) : Observer(o.forward(), o.backward()), options(o) {}
+  Impl(const NonFiniteOptions& o)
+      : Observer(o.forward(), o.backward()), options(o), step(o.step()) {}
 
   void on_op(const detail::OpEvent& event) override {
     for (const auto& out : event.tensors) {
@@ -118,7 +121,8 @@ struct NonFiniteGuard::Impl : detail::Observer {
     r.direction = event.direction;
     r.scope = *event.scope;
     r.backward_node = *event.backward_node;
-    r.step = current_step();
+    r.step = step.load(std::memory_order_relaxed);
+    if (r.step < 0) r.step = detail::deprecated_global_step();
     r.output_index = out.output_index;
     r.dtype = out.tensor.scalar_type();
     r.shape = out.tensor.sizes().vec();
@@ -181,6 +185,7 @@ struct NonFiniteGuard::Impl : detail::Observer {
   }
 
   NonFiniteOptions options;
+  std::atomic<int64_t> step;  // read by autograd's device threads too
   std::unordered_map<const c10::StorageImpl*, c10::weak_intrusive_ptr<c10::StorageImpl>>
       deliberate_values;
   std::vector<NonFiniteReport> reports;
@@ -203,6 +208,9 @@ const std::vector<NonFiniteReport>& NonFiniteGuard::reports() const {
 }
 int64_t NonFiniteGuard::count() const {
   return impl_->count;
+}
+void NonFiniteGuard::set_step(int64_t step) {
+  impl_->step.store(step, std::memory_order_relaxed);
 }
 
 }  // namespace debug

@@ -57,6 +57,23 @@ void RangeRecord::merge(const RangeRecord& o) {
   }
 }
 
+void RangeStats::merge(const RangeStats& other) {
+  std::map<std::tuple<std::string, std::string, Direction>, size_t> index;
+  for (size_t i = 0; i < records.size(); ++i) {
+    index.emplace(std::make_tuple(records[i].scope, records[i].op, records[i].direction), i);
+  }
+  for (const auto& r : other.records) {
+    const auto [it, added] =
+        index.try_emplace(std::make_tuple(r.scope, r.op, r.direction), records.size());
+    if (added) {
+      records.push_back(r);
+    } else {
+      records[it->second].merge(r);
+    }
+  }
+  ops_seen += other.ops_seen;
+}
+
 RangeRecord RangeStats::merged(const std::string& scope, Direction direction) const {
   RangeRecord out;
   out.scope = scope;

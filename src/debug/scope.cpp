@@ -126,6 +126,10 @@ bool any_parameter_named() {
   return registry().any_parameter.load(std::memory_order_relaxed);
 }
 
+int64_t deprecated_global_step() {
+  return g_step.load(std::memory_order_relaxed);
+}
+
 bool parameter_name(const c10::TensorImpl* impl, ParameterName* out) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -205,17 +209,17 @@ std::string module_path(const torch::nn::Module& module) {
   return module.name();
 }
 
-ScopeGuard::ScopeGuard(std::string name) {
+NamedScopeGuard::NamedScopeGuard(std::string name) {
   detail::push_scope(std::move(name));
 }
-ScopeGuard::~ScopeGuard() {
+NamedScopeGuard::~NamedScopeGuard() {
   detail::pop_scope();
 }
 
-ModuleScope::ModuleScope(const torch::nn::Module& module) {
+ModuleScopeGuard::ModuleScopeGuard(const torch::nn::Module& module) {
   detail::push_scope(module_path(module));
 }
-ModuleScope::~ModuleScope() {
+ModuleScopeGuard::~ModuleScopeGuard() {
   detail::pop_scope();
 }
 

@@ -81,10 +81,11 @@ void checkpoint_state(const uint8_t* data, size_t size) {
   const std::string path = scratch_file("state.ampx");
   write_file(path, bytes.data(), bytes.size());
   const auto progress = ampx::train::read_progress(path, ampx::train::read_checkpoint(path));
-  if (!(progress.step >= 0 && progress.skipped >= 0 && progress.skipped <= progress.step &&
-        progress.losses.size() == static_cast<size_t>(progress.step))) {
+  const auto& state = progress.state;
+  if (!(state.next_step >= 0 && state.skipped >= 0 && state.skipped <= state.next_step &&
+        state.losses.size() == static_cast<size_t>(state.next_step))) {
     std::fprintf(stderr, "fuzz: a checkpoint's progress was accepted as step %lld, skipped %lld\n",
-                 static_cast<long long>(progress.step), static_cast<long long>(progress.skipped));
+                 static_cast<long long>(state.next_step), static_cast<long long>(state.skipped));
     std::abort();
   }
   for (const auto& [name, dict] : progress.scalers) {

@@ -462,12 +462,12 @@ TEST_F(TrainCheckpointTest, ProgressRoundTripsWithANanLoss) {
                      {"amp", {{"scaler0", ampx::train::state_dict_to_json(scaler.state_dict())}}}};
   write_checkpoint(path_, meta, "payload");
   const auto p = read_progress(path_, read_checkpoint(path_));
-  EXPECT_EQ(p.step, 3);
-  EXPECT_EQ(p.skipped, 1);
-  ASSERT_EQ(p.losses.size(), 3u);
-  EXPECT_EQ(p.losses[0], 2.5);
-  EXPECT_TRUE(std::isnan(p.losses[1]));
-  EXPECT_EQ(p.losses[2], 2.25);
+  EXPECT_EQ(p.state.next_step, 3);
+  EXPECT_EQ(p.state.skipped, 1);
+  ASSERT_EQ(p.state.losses.size(), 3u);
+  EXPECT_EQ(p.state.losses[0], 2.5);
+  EXPECT_TRUE(std::isnan(p.state.losses[1]));
+  EXPECT_EQ(p.state.losses[2], 2.25);
   ASSERT_EQ(p.scalers.count("scaler0"), 1u);
   ampx::GradScaler loaded;
   loaded.load_state_dict(p.scalers.at("scaler0"));

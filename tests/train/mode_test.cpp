@@ -110,10 +110,10 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
     auto guard = setup.amp->forward_guard();
     // gpt's output: the logits of its last matrix product, before the fp32
     // cast for the loss.
-    const auto logits = setup.model_output(*workload_, batch.input);
+    const auto logits = setup.model_output(batch.input);
     EXPECT_EQ(logits.scalar_type(), low_products ? low : torch::kFloat) << mode;
     // The loss reads fp32 in every mode.
-    EXPECT_EQ(setup.forward(*workload_, batch.input).scalar_type(), torch::kFloat) << mode;
+    EXPECT_EQ(setup.forward(batch.input).scalar_type(), torch::kFloat) << mode;
   }
   EXPECT_EQ(setup.amp->scaler().is_enabled(), scaled) << mode;
 

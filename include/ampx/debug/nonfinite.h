@@ -63,6 +63,9 @@ struct NonFiniteOptions {
   TORCH_ARG(bool, backward) = true;
   /// With kWarn: reports kept (and warned) at most; later ones are counted.
   TORCH_ARG(int64_t, max_reports) = 16;
+  /// The training step reports quote (-1: unknown). A guard that lives
+  /// across steps is told each with NonFiniteGuard::set_step().
+  TORCH_ARG(int64_t, step) = -1;
 };
 
 /// One tensor an op took.
@@ -81,7 +84,7 @@ struct NonFiniteReport {
   Direction direction = Direction::kForward;
   std::string scope;          ///< innermost scope ("" when none)
   std::string backward_node;  ///< autograd node in backward: "LogBackward0"
-  int64_t step = -1;          ///< debug::current_step(), -1 when unknown
+  int64_t step = -1;          ///< the guard's step (NonFiniteOptions::step), -1 when unknown
   size_t output_index = 0;    ///< which output of the op
   c10::ScalarType dtype = c10::ScalarType::Undefined;
   std::vector<int64_t> shape;
@@ -120,6 +123,9 @@ class NonFiniteGuard {
   const std::vector<NonFiniteReport>& reports() const;
   /// With kWarn: every non-finite output seen, also those past max_reports.
   int64_t count() const;
+  /// The step later reports quote (NonFiniteOptions::step of a guard that
+  /// lives across steps). Call between steps, not while ops run.
+  void set_step(int64_t step);
 
  private:
   struct Impl;

@@ -77,6 +77,10 @@ struct RangeStats {
   std::vector<RangeRecord> records;  ///< in order of first appearance
   int64_t ops_seen = 0;              ///< outputs scanned
 
+  /// Adds `other`'s records (say, another step's) to these: a record of
+  /// the same (scope, op, direction) merges into the one here, a new one is
+  /// appended; ops_seen adds up.
+  void merge(const RangeStats& other);
   /// Every record of `scope`, forward or backward, merged into one.
   RangeRecord merged(const std::string& scope, Direction direction) const;
   /// Scopes in order of first appearance.

@@ -9,11 +9,11 @@
 //                                             // "blocks.2.mlp.fc1" run in that scope
 //   struct BlockImpl : torch::nn::Module {
 //     torch::Tensor forward(torch::Tensor x) {
-//       ampx::debug::ModuleScope scope(*this);  // "blocks.2" once named
+//       ampx::debug::ModuleScopeGuard scope(*this);  // "blocks.2" once named
 //       ...                                     // gelu, softmax, adds: here
 //     }
 //   };
-//   { ampx::debug::ScopeGuard scope("loss"); loss = criterion(logits, y); }
+//   { ampx::debug::NamedScopeGuard scope("loss"); loss = criterion(logits, y); }
 //   ampx::debug::current_scope();              // "loss"
 //
 // The innermost scope wins. A scope costs a push and a pop on a thread-local
@@ -35,7 +35,7 @@ namespace debug {
 
 /// Names every submodule of `root` by its path ("blocks.2.mlp.fc1", as
 /// `named_modules()` spells it, under `prefix`) and every parameter by its
-/// module's path, for ModuleScope and for the automatic attribution of ops
+/// module's path, for ModuleScopeGuard and for the automatic attribution of ops
 /// that take a parameter. Call again after adding modules; names of destroyed
 /// modules are dropped on the next call. Thread safe.
 void name_modules(const torch::nn::Module& root, const std::string& prefix = "");
@@ -48,30 +48,39 @@ void clear_module_names();
 std::string module_path(const torch::nn::Module& module);
 
 /// Opens a named region for the current thread until destroyed.
-class ScopeGuard {
+class NamedScopeGuard {
  public:
-  explicit ScopeGuard(std::string name);
-  ~ScopeGuard();
-  ScopeGuard(const ScopeGuard&) = delete;
-  ScopeGuard& operator=(const ScopeGuard&) = delete;
+  explicit NamedScopeGuard(std::string name);
+  ~NamedScopeGuard();
+  NamedScopeGuard(const NamedScopeGuard&) = delete;
+  NamedScopeGuard& operator=(const NamedScopeGuard&) = delete;
 };
 
-/// A ScopeGuard named by module_path(module).
-class ModuleScope {
+/// A NamedScopeGuard named by module_path(module).
+class ModuleScopeGuard {
  public:
-  explicit ModuleScope(const torch::nn::Module& module);
-  ~ModuleScope();
-  ModuleScope(const ModuleScope&) = delete;
-  ModuleScope& operator=(const ModuleScope&) = delete;
+  explicit ModuleScopeGuard(const torch::nn::Module& module);
+  ~ModuleScopeGuard();
+  ModuleScopeGuard(const ModuleScopeGuard&) = delete;
+  ModuleScopeGuard& operator=(const ModuleScopeGuard&) = delete;
 };
+
+/// Deprecated names (to be removed after the next release; CHANGELOG.md).
+using ScopeGuard [[deprecated("renamed ampx::debug::NamedScopeGuard")]] = NamedScopeGuard;
+using ModuleScope [[deprecated("renamed ampx::debug::ModuleScopeGuard")]] = ModuleScopeGuard;
 
 /// The innermost open scope of this thread, "" outside any.
 std::string current_scope();
 
-/// The training step that diagnostics quote in their reports (ampx-train
-/// sets it every step; -1, the default, means unknown). Process-wide.
-void set_step(int64_t step);
-int64_t current_step();
+/// Deprecated (to be removed after the next release; CHANGELOG.md): a process-wide
+/// step that NonFiniteGuard reports quoted when it was given none. Pass the
+/// step to the guard instead: NonFiniteOptions().step(step), or
+/// NonFiniteGuard::set_step() for a guard that lives across steps.
+[[deprecated(
+    "pass the step to NonFiniteGuard: NonFiniteOptions::step or NonFiniteGuard::set_step")]] void
+set_step(int64_t step);
+[[deprecated("the step is NonFiniteOptions::step of the guard that reports it")]] int64_t
+current_step();
 
 }  // namespace debug
 }  // namespace ampx

@@ -109,15 +109,6 @@ void decode_residuals(float* rounded, const int16_t* codes, int64_t n, c10::Scal
   }
 }
 
-// Sums a vector's lanes in lane order.
-float lane_total(const FVec& v) {
-  alignas(64) float lanes[kV];
-  v.store(lanes);
-  float total = 0.f;
-  for (int64_t i = 0; i < kV; ++i) total += lanes[i];
-  return total;
-}
-
 // c[r][0, kPair) = (accumulate ? c[r] : 0) + alpha * sum_p a(r, p) * b[p][0, kPair)
 // for r < R <= 6, where a(r, p) = a[r * ar + p * ap] (any layout: its
 // elements are broadcast one at a time) and b's rows are ldb apart. The
@@ -288,7 +279,7 @@ void attention_forward_heads(const AttentionProblem& p, int64_t begin, int64_t e
             e.store(sr + c);
             sum = sum + e;
           }
-          l[r] = l[r] * rescale + lane_total(sum);
+          l[r] = l[r] * rescale + lane_sum(sum);
           m[r] = m_new;
           if (rescale != 1.f) {
             float* orow = o.data() + r * w.ev;
@@ -345,7 +336,7 @@ void attention_backward_heads(const AttentionProblem& p, int64_t begin, int64_t 
       for (int64_t c = 0; c < w.ev; c += kV) {
         acc = at::vec::fmadd(FVec::loadu(dor + c), FVec::loadu(row.data() + c), acc);
       }
-      d[r] = lane_total(acc);
+      d[r] = lane_sum(acc);
     }
     std::fill(dq.begin(), dq.end(), 0.f);
     const float* lse = p.lse + h * p.t;

@@ -7,6 +7,7 @@
 
 #include "norm_kernels.h"
 #include "span_convert.h"
+#include "vec_math.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -23,15 +24,6 @@ namespace detail {
 namespace cpu {
 namespace CPU_CAPABILITY {
 namespace {
-
-// The lanes of v summed in lane order.
-float lane_sum(const FVec& v) {
-  float lanes[FVec::size()];
-  v.store(lanes);
-  float s = 0.f;
-  for (int64_t l = 0; l < FVec::size(); ++l) s += lanes[l];
-  return s;
-}
 
 int64_t element_size(c10::ScalarType dtype) {
   return dtype == c10::kFloat ? 4 : 2;

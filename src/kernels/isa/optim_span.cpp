@@ -10,6 +10,7 @@
 // in the same order without FMA contraction, so tails match vector lanes.
 
 #include "optim_kernels.h"
+#include "vec_math.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -184,14 +185,6 @@ struct LambMomentsOp {
   }
 };
 
-double lane_sum(const FVec& x) {
-  float lanes[FVec::size()];
-  x.store(lanes);
-  double s = 0.0;
-  for (int64_t l = 0; l < FVec::size(); ++l) s += lanes[l];
-  return s;
-}
-
 }  // namespace
 
 void adamw_span(const FusedParam& p, int64_t begin, int64_t end) {
@@ -218,8 +211,8 @@ void lamb_moments_span(const FusedParam& p, int64_t begin, int64_t end, double* 
   for (int64_t b = begin; b < end; b += kBlock) {
     LambMomentsOp op{p.beta1, p.one_minus_beta1, p.beta2, p.one_minus_beta2, dir};
     run(p, b, std::min(b + kBlock, end), op);
-    sums[0] += lane_sum(op.acc_w) + op.sacc_w;
-    sums[1] += lane_sum(op.acc_u) + op.sacc_u;
+    sums[0] += lane_sum_in_double(op.acc_w) + op.sacc_w;
+    sums[1] += lane_sum_in_double(op.acc_u) + op.sacc_u;
   }
 }
 

@@ -1,9 +1,9 @@
 #pragma once
 
 // Float32 vector math shared by the span kernels compiled once per
-// instruction set (activation_span.cpp, attention_span.cpp): an exp and a
-// reciprocal that the AVX2 and AVX-512 builds compute with the same formula,
-// with no library behind them. at::vec's exp calls SLEEF only where LibTorch links it
+// instruction set: an exp and a reciprocal that the AVX2 and AVX-512 builds
+// compute with the same formula, with no library behind them, and the sums
+// of a vector's lanes. at::vec's exp calls SLEEF only where LibTorch links it
 // as a shared library (Debian's); pip wheels and the zip from pytorch.org
 // link it inside libtorch_cpu, and the fallback, libm lane by lane, made a
 // bfloat16 GELU or softmax several times slower there. Include from a file
@@ -12,6 +12,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -84,6 +85,25 @@ inline VecF reciprocal_of(const VecF& d) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   return r0 * (VecF(2.f) - d * r0);
 #endif
+}
+
+// The lanes of v summed in lane order, in float32 (the same bits in every
+// build whatever the thread count: the kernels' reductions rely on it).
+inline float lane_sum(const VecF& v) {
+  alignas(64) float lanes[VecF::size()];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t l = 0; l < VecF::size(); ++l) s += lanes[l];
+  return s;
+}
+
+// The same in float64, for sums of squares over many vectors (LAMB's norms).
+inline double lane_sum_in_double(const VecF& v) {
+  alignas(64) float lanes[VecF::size()];
+  v.store(lanes);
+  double s = 0.0;
+  for (int64_t l = 0; l < VecF::size(); ++l) s += lanes[l];
+  return s;
 }
 
 }  // namespace CPU_CAPABILITY

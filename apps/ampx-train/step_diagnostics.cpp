@@ -1,4 +1,4 @@
-#include "diagnostics.h"
+#include "step_diagnostics.h"
 
 #include <sstream>
 #include <utility>
@@ -7,13 +7,13 @@ namespace ampx::train {
 
 namespace debug = ampx::debug;
 
-StepDiagnostics::Watch::Watch(StepDiagnostics* owner) : owner_(owner) {
+StepDiagnostics::Watch::Watch(StepDiagnostics* owner, int64_t step) : owner_(owner) {
   if (!owner_) return;
   if (owner_->options_.nonfinite) {
     // kWarn: the first report of a step is warned (later ones mostly carry
     // it on); count() still counts every one.
     guard_ = std::make_unique<debug::NonFiniteGuard>(
-        debug::NonFiniteOptions().action(*owner_->options_.nonfinite).max_reports(1));
+        debug::NonFiniteOptions().action(*owner_->options_.nonfinite).max_reports(1).step(step));
   }
   if (owner_->options_.range_stats) collector_ = std::make_unique<debug::RangeStatsCollector>();
 }
@@ -40,16 +40,7 @@ void StepDiagnostics::fold(const debug::NonFiniteGuard& guard) {
 }
 
 void StepDiagnostics::fold(const debug::RangeStats& step) {
-  for (const auto& r : step.records) {
-    const auto key = std::make_tuple(r.scope, r.op, static_cast<int>(r.direction));
-    const auto [it, added] = index_.try_emplace(key, stats_.records.size());
-    if (added) {
-      stats_.records.push_back(r);
-    } else {
-      stats_.records[it->second].merge(r);
-    }
-  }
-  stats_.ops_seen += step.ops_seen;
+  stats_.merge(step);
 }
 
 std::string StepDiagnostics::nonfinite_summary() const {

@@ -5,7 +5,7 @@
 //
 //   StepDiagnostics diag(StepDiagnostics::Options{NonFiniteAction::kWarn, /*range_stats=*/true});
 //   for (...) {
-//     auto watch = diag.watch();   // a NonFiniteGuard and a RangeStatsCollector, this step
+//     auto watch = diag.watch(step);  // a NonFiniteGuard and a RangeStatsCollector, this step
 //     forward and backward ...
 //   }                              // the step's reports and statistics fold into diag
 //   diag.nonfinite_count();        // 12
@@ -18,11 +18,9 @@
 #include <ampx/debug/range_stats.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
 #include <string>
-#include <tuple>
 
 namespace ampx::train {
 
@@ -43,10 +41,10 @@ class StepDiagnostics {
 
   /// What watches one step: alive from watch() to its destruction. With
   /// NonFiniteAction::kThrow the guard throws ampx::debug::NonFiniteError
-  /// from the op that made the first inf/NaN.
+  /// from the op that made the first inf/NaN. Reports quote `step`.
   class Watch {
    public:
-    explicit Watch(StepDiagnostics* owner);
+    Watch(StepDiagnostics* owner, int64_t step);
     ~Watch();                 // folds what it saw into the owner
     Watch(Watch&&) = delete;  // watch() returns a prvalue: nothing moves
     Watch& operator=(Watch&&) = delete;
@@ -59,7 +57,7 @@ class StepDiagnostics {
     std::unique_ptr<ampx::debug::RangeStatsCollector> collector_;
   };
   /// Nothing alive (and nothing recorded) when !active().
-  [[nodiscard]] Watch watch() { return Watch(active() ? this : nullptr); }
+  [[nodiscard]] Watch watch(int64_t step) { return Watch(active() ? this : nullptr, step); }
 
   /// --detect-nonfinite=warn: inf/NaN outputs seen, steps that had any, and
   /// the first report (the op that made the first one).
@@ -82,7 +80,6 @@ class StepDiagnostics {
   int64_t nonfinite_steps_ = 0;
   std::optional<ampx::debug::NonFiniteReport> first_report_;
   ampx::debug::RangeStats stats_;
-  std::map<std::tuple<std::string, std::string, int>, size_t> index_;  // -> stats_.records
 };
 
 /// What --detect-nonfinite=throw prints when it stops a run: the report and,
