@@ -5,7 +5,11 @@
 // length fields they find and allocate what they say (a 4-byte pickle string
 // length, a memo index, a zip record's size), so a hostile or damaged file
 // could make them reserve gigabytes. Fuzzing found it (tests/fuzz). Not
-// installed: not part of ampx's API.
+// installed: not part of ampx's API. One parser a file under src/archive/:
+// zip_records.cpp, pickle_lengths.cpp (check_pickle), module_source.cpp
+// (check_attribute_module_source) and pickle_machine.cpp
+// (check_output_archive_pickle); archive_check.cpp and
+// output_archive_check.cpp compose them.
 //
 //   ampx::detail::check_torch_archive(bytes.data(), bytes.size(), "load_state_dict: 'x.pt'");
 //   torch::pickle_load(bytes);  // every length now bounded by the file's size
@@ -26,8 +30,9 @@ namespace detail {
 struct ArchiveRecord {
   std::string name;
   uint64_t offset = 0, size = 0;
-  uint64_t stored_size = 0;  // its size once inflated (== size unless deflated)
+  uint64_t inflated_size = 0;  // its size once inflated (== size unless deflated)
   bool deflated = false;
+  bool pickle = false;  // a .pkl record (LibTorch stores pickles as they are)
 };
 
 /// Throws c10::Error starting with `what` unless every zip record (stored,

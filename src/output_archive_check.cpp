@@ -2,7 +2,7 @@
 // OutputArchive wrote (torch::save of a module, an optimizer, a
 // ZeroRedundancyOptimizer shard, ampx-train's checkpoint payload) before
 // LibTorch reads it, and load_output_archive, which then reads it.
-// archive_check.cpp holds the parts.
+// src/archive/ holds the parsers it runs (archive_check.h).
 
 #include "archive_check.h"
 
@@ -50,8 +50,8 @@ void check_output_archive(const std::string& bytes, const std::string& what) {
       TORCH_CHECK(false, what, ": zip record '", r.name, "' does not inflate (",
                   e.what_without_backtrace(), ")");
     }
-    TORCH_CHECK(std::get<1>(record) == r.stored_size, what, ": zip record '", r.name,
-                "' does not inflate to its ", r.stored_size, " bytes");
+    TORCH_CHECK(std::get<1>(record) == r.inflated_size, what, ": zip record '", r.name,
+                "' does not inflate to its ", r.inflated_size, " bytes");
     return std::string(static_cast<const char*>(std::get<0>(record).get()), std::get<1>(record));
   };
   std::map<std::string, uint64_t> storages;  // data/<key> -> bytes

@@ -1,5 +1,6 @@
 #include "ampx/debug/advisor.h"
 
+#include "fraction.h"
 #include "json_writer.h"
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 namespace ampx {
 namespace debug {
 namespace {
+
+using detail::fraction;
 
 // v with three significant digits: "65536" -> "6.55e+04", "0.000123".
 std::string three_digits(double v) {
@@ -37,10 +40,6 @@ int64_t below_power_of_two(const RangeRecord& r, int limit_exp) {
     if (RangeRecord::kMinExponent + b + 1 <= limit_exp) n += r.histogram[b];
   }
   return n;
-}
-
-double fraction(int64_t part, int64_t whole) {
-  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
 }
 
 // Power-of-two exponent of the zero boundary of `f`: min_subnormal / 2.

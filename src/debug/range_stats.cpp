@@ -1,5 +1,6 @@
 #include "ampx/debug/range_stats.h"
 
+#include "fraction.h"
 #include "json_writer.h"
 #include "observer.h"
 
@@ -14,14 +15,12 @@ namespace ampx {
 namespace debug {
 namespace {
 
+using detail::fraction;
+
 size_t format_index(Format f) {
   const auto it = std::find(kAllFormats.begin(), kAllFormats.end(), f);
   TORCH_CHECK(it != kAllFormats.end(), "ampx::debug: unknown format ", static_cast<int>(f));
   return static_cast<size_t>(it - kAllFormats.begin());
-}
-
-double fraction(int64_t part, int64_t whole) {
-  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
 }
 
 }  // namespace
