@@ -641,7 +641,11 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
     return std::string();
   };
   EXPECT_THAT(error(), HasSubstr("no launcher environment"));
+  EXPECT_FALSE(ampx::dist::launched_as_rank());
+  // A partial torchrun environment is a launch, reported, never a lone run.
   ::setenv("RANK", "1", 1);
+  EXPECT_TRUE(ampx::dist::launched_as_rank());
+  EXPECT_THAT(error(), HasSubstr("incomplete torchrun environment: missing WORLD_SIZE"));
   ::setenv("WORLD_SIZE", "2", 1);
   EXPECT_THAT(error(),
               HasSubstr("incomplete torchrun environment: missing MASTER_ADDR, MASTER_PORT"));
@@ -668,12 +672,21 @@ TEST(DistEnvTest, ReadsTorchrunOpenMpiAndSlurmVariablesAndNamesWhatIsMissing) {
   EXPECT_THAT(error(), HasSubstr("rank 2 is not below the world size 2"));
   ::unsetenv("RANK");
   ::unsetenv("WORLD_SIZE");
+  EXPECT_FALSE(ampx::dist::launched_as_rank());
   ::setenv("OMPI_COMM_WORLD_RANK", "0", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "1", 1);
+  EXPECT_FALSE(ampx::dist::launched_as_rank()) << "mpirun -n 1: one process, no group";
   ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  EXPECT_TRUE(ampx::dist::launched_as_rank());
   EXPECT_EQ(ampx::dist::launch_env_from_environment().launcher, "Open MPI");
   ::unsetenv("OMPI_COMM_WORLD_RANK");
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+  ::setenv("SLURM_PROCID", "0", 1);
+  ::setenv("SLURM_NTASKS", "1", 1);
+  EXPECT_FALSE(ampx::dist::launched_as_rank()) << "a batch job's lone task";
   ::setenv("SLURM_PROCID", "3", 1);
   ::setenv("SLURM_NTASKS", "4", 1);
+  EXPECT_TRUE(ampx::dist::launched_as_rank());
   e = ampx::dist::launch_env_from_environment();
   EXPECT_EQ(e.launcher, "Slurm");
   EXPECT_EQ(e.rank, 3);

@@ -67,7 +67,7 @@ int cores_available() {
 /// (LOCAL_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE, Slurm's tasks per node),
 /// or --nproc.
 int local_processes(int nproc) {
-  if (!launched_as_rank()) return nproc;
+  if (!ampx::dist::launched_as_rank()) return nproc;
   try {
     return static_cast<int>(
         std::max<int64_t>(1, ampx::dist::launch_env_from_environment().local_world_size));
@@ -77,15 +77,6 @@ int local_processes(int nproc) {
 }
 
 }  // namespace
-
-bool launched_as_rank() {
-  auto above_one = [](const char* name) {
-    const char* v = std::getenv(name);
-    return v != nullptr && std::atoll(v) > 1;
-  };
-  return std::getenv("WORLD_SIZE") != nullptr || above_one("OMPI_COMM_WORLD_SIZE") ||
-         (std::getenv("SLURM_PROCID") != nullptr && above_one("SLURM_NTASKS"));
-}
 
 std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
   CLI::App app{

@@ -86,11 +86,6 @@ inline bool is_gpt_workload(const std::string& workload) {
   return workload == "gpt" || workload == "gpt-nn";
 }
 
-/// Whether a launcher started this process as one rank of several
-/// (torchrun's or --nproc's WORLD_SIZE, Open MPI's or Slurm's task count
-/// above 1).
-bool launched_as_rank();
-
 /// Parses argv into `config`. Returns an exit code when the program should
 /// stop (0 after --help, CLI11's code after a usage error, printed to
 /// stderr), nullopt when it should run.

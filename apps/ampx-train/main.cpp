@@ -151,7 +151,7 @@ std::string host_name() {
 }
 
 Role role_of(const TrainConfig& config) {
-  if (launched_as_rank()) {  // ours carry --nproc or --only-mode
+  if (ampx::dist::launched_as_rank()) {  // ours carry --nproc or --only-mode
     return config.nproc > 1 || !config.only_mode.empty() ? Role::kRank : Role::kExternalRank;
   }
   return config.only_mode.empty() ? Role::kMain : Role::kModeProcess;

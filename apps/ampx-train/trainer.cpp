@@ -67,59 +67,6 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-nlohmann::json to_json(const RunResult& r) {
-  nlohmann::json evals = nlohmann::json::array();
-  for (const auto& [step, e] : r.evals) evals.push_back({step, e.loss, e.metric});
-  return {{"mode", r.mode},
-          {"dtype", r.dtype},
-          {"blas", r.blas},
-          {"steps", r.steps},
-          {"timed_steps", r.timed_steps},
-          {"items_per_s", r.items_per_s},
-          {"median_step_ms", r.median_step_ms},
-          {"peak_bytes", r.peak_bytes},
-          {"train_loss", r.train_loss},
-          {"eval", {r.eval.loss, r.eval.metric}},
-          {"skipped", r.skipped},
-          {"final_scale", r.final_scale},
-          {"losses", r.losses},
-          {"evals", evals},
-          {"metrics_path", r.metrics_path},
-          {"fp8_trace_path", r.fp8_trace_path},
-          {"checkpoint_path", r.checkpoint_path}};
-}
-
-namespace {
-// JSON has no NaN (nlohmann writes null): a diverged run's losses come back as NaN.
-double number(const nlohmann::json& j) {
-  return j.is_null() ? NAN : j.get<double>();
-}
-}  // namespace
-
-RunResult run_result_from_json(const nlohmann::json& j) {
-  RunResult r;
-  r.mode = j.at("mode");
-  r.dtype = j.at("dtype");
-  r.blas = j.at("blas");
-  r.steps = j.at("steps");
-  r.timed_steps = j.at("timed_steps");
-  r.items_per_s = j.at("items_per_s");
-  r.median_step_ms = j.at("median_step_ms");
-  r.peak_bytes = j.at("peak_bytes");
-  r.train_loss = number(j.at("train_loss"));
-  r.eval = {number(j.at("eval").at(0)), number(j.at("eval").at(1))};
-  r.skipped = j.at("skipped");
-  r.final_scale = j.at("final_scale");
-  for (const auto& l : j.at("losses")) r.losses.push_back(number(l));
-  for (const auto& e : j.at("evals")) {
-    r.evals.emplace_back(e.at(0), EvalResult{number(e.at(1)), number(e.at(2))});
-  }
-  r.metrics_path = j.at("metrics_path");
-  r.fp8_trace_path = j.value("fp8_trace_path", "");
-  r.checkpoint_path = j.at("checkpoint_path");
-  return r;
-}
-
 std::string checkpoint_path_for(const TrainConfig& config, const std::string& mode) {
   fs::path dir = config.checkpoint_dir;
   if (!config.compare.empty()) dir /= mode;

@@ -9,6 +9,7 @@
 //   r.items_per_s, r.peak_bytes, r.eval.loss, r.skipped, r.final_scale ...
 
 #include "config.h"
+#include "run_result.h"
 #include "step_diagnostics.h"
 #include "workloads.h"
 
@@ -23,39 +24,6 @@
 #include <vector>
 
 namespace ampx::train {
-
-struct RunResult {
-  std::string mode;         // fp32 | O1 | O2 | O3
-  std::string dtype;        // fp32, bf16 or fp16
-  std::string blas;         // the BLAS build the training process ran on (machine.h)
-  int64_t steps = 0;        // steps of the whole run (resumed ones included)
-  int64_t timed_steps = 0;  // steps timed in this process, after warm-up
-  double items_per_s = 0;   // tokens or samples per second over the timed steps
-  double median_step_ms = 0;
-  int64_t peak_bytes = 0;      // most tensor bytes allocated at once while training
-  double train_loss = 0;       // mean loss of the last tenth of the steps
-  EvalResult eval;             // held-out loss and bpc / accuracy at the end
-  int64_t skipped = 0;         // optimizer steps skipped for inf/NaN gradients
-  double final_scale = 1;      // loss scale at the end (1: no scaling)
-  std::vector<double> losses;  // every step's training loss
-  std::vector<std::pair<int64_t, EvalResult>> evals;  // (step, result) of --eval-every
-  std::string metrics_path;
-  std::string checkpoint_path;    // empty when no checkpoint was written
-  std::string profile_summary;    // --profile: the trace's path and top ops
-  std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
-  std::string range_stats_path;   // --range-stats: the statistics' JSON
-  std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
-  std::string weights_checksum;   // FNV-1a of the final parameters' bytes, "0x..."
-  /// > 0: a preemption signal (here or on another rank) stopped the run
-  /// after this many steps, and its checkpoint holds them; nothing after the
-  /// last step (timing, evaluation, peak memory) is filled in.
-  int64_t preempted_after = 0;
-};
-
-/// A RunResult as JSON and back: how a --compare run collects the result of
-/// each mode from the process that trained it.
-nlohmann::json to_json(const RunResult& result);
-RunResult run_result_from_json(const nlohmann::json& json);
 
 /// Where mode `mode`'s checkpoint lives: --checkpoint-dir itself for a
 /// single run, a folder per mode under it for --compare.

@@ -77,6 +77,14 @@ struct LaunchEnv {
 /// the latter two). Errors name every variable that is missing or malformed.
 LaunchEnv launch_env_from_environment();
 
+/// Whether a launcher started this process as one rank of a run, by the
+/// rules launch_env_from_environment() reads: torchrun's RANK or WORLD_SIZE
+/// set (a partial set is then reported by launch_env_from_environment), or
+/// Open MPI's or Slurm's task count above 1 (a lone `mpirun -n 1` or batch
+/// job is not a data-parallel run). A program that trains alone otherwise
+/// asks this first.
+bool launched_as_rank();
+
 struct InitOptions {
   /// How long rendezvous and each collective may take before they fail.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(300);

@@ -1,4 +1,5 @@
 #include "tensor_scan.h"
+#include "../kernels/function_args.h"
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -19,7 +20,6 @@ namespace debug {
 namespace detail {
 namespace {
 
-constexpr int64_t kGrain = 1 << 15;
 constexpr uint32_t kAbsMask = 0x7fffffffu;
 constexpr uint32_t kExpMask = 0x7f800000u;
 
@@ -116,7 +116,7 @@ inline bool non_finite(double x) {
 template <typename T>
 int64_t count_non_finite(const T* data, int64_t n) {
   std::vector<int64_t> per_thread(at::get_num_threads(), 0);
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, ampx::detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
     int64_t bad = 0;
     for (int64_t i = begin; i < end; ++i) bad += non_finite(data[i]);
     per_thread[at::get_thread_num()] += bad;
@@ -277,7 +277,7 @@ RangeRecord scan_range(const at::Tensor& values) {
   detail::dispatch_floating(t, "ampx::debug::scan_range", [&](const auto* data) {
     const int64_t n = t.numel();
     std::vector<detail::Partial> partials(at::get_num_threads());
-    at::parallel_for(0, n, detail::kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, ampx::detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
       detail::range_pass(data, begin, end, &partials[at::get_thread_num()]);
     });
     record = detail::finish(partials, n);

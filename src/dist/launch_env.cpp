@@ -77,6 +77,16 @@ int64_t slurm_tasks_on_node(const std::string& spec, int64_t node) {
 
 }  // namespace
 
+bool launched_as_rank() {
+  auto above_one = [](const char* name) {
+    const char* v = env(name);
+    return v != nullptr && std::atoll(v) > 1;
+  };
+  return env("RANK") != nullptr || env("WORLD_SIZE") != nullptr ||
+         (env("OMPI_COMM_WORLD_RANK") != nullptr && above_one("OMPI_COMM_WORLD_SIZE")) ||
+         (env("SLURM_PROCID") != nullptr && above_one("SLURM_NTASKS"));
+}
+
 LaunchEnv launch_env_from_environment() {
   Reader r;
   LaunchEnv e;

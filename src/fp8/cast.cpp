@@ -1,4 +1,5 @@
 #include "ampx/fp8/cast.h"
+#include "../kernels/function_args.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
@@ -13,7 +14,6 @@ namespace fp8 {
 namespace {
 
 // Elements per parallel_for task: a cast is a few integer ops per element.
-constexpr int64_t kGrain = 32768;
 
 const Fp8Limits kE4M3{"e4m3", 4, 3, 7, 448.0f, 0.015625f, 0.001953125f, 0x7E, 0x7F};
 const Fp8Limits kE5M2{"e5m2", 5,   2, 15, 57344.0f, 0.00006103515625f, 0.0000152587890625f,
@@ -107,9 +107,11 @@ at::Tensor quantize_cpu(const at::Tensor& x, const Fp8Limits& f, float scale) {
   at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
   const float* in = x32.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
-  at::parallel_for(0, x32.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) out[i] = encode_bits(bits_of(in[i] * scale), f);
-  });
+  at::parallel_for(0, x32.numel(), ampx::detail::kElementwiseGrain,
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t i = begin; i < end; ++i)
+                       out[i] = encode_bits(bits_of(in[i] * scale), f);
+                   });
   return codes;
 }
 
@@ -119,7 +121,7 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, Fp8Format format, float scale
   const auto& table = decode_table(format);
   const uint8_t* in = c.data_ptr<uint8_t>();
   float* out = values.data_ptr<float>();
-  at::parallel_for(0, c.numel(), kGrain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, c.numel(), ampx::detail::kElementwiseGrain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) out[i] = table[in[i]] * scale_inv;
   });
   return values;

@@ -1,5 +1,6 @@
 #include "ampx/fp8/linear.h"
 
+#include "../kernels/function_args.h"
 #include "ampx/autocast.h"
 #include "ampx/detail/compat.h"
 #include "ampx/dist.h"
@@ -195,15 +196,14 @@ using torch::autograd::variable_list;
 // y = dq(q8(x)) @ dq(q8(w))^T + b in float32; the states' scales are those
 // of the steps before (delayed scaling), the amaxes seen here feed the next.
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
-  // bias as an optional: LibTorch 1.13's Function::apply cannot take an
-  // undefined tensor.
+  // bias as an optional (kernels/function_args.h).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias_arg,
                             std::shared_ptr<LinearScaling> scaling,
                             c10::ScalarType out_dtype, const dist::ProcessGroup* group,
                             bool record) {
     // The products are FP8 in float32: autocast must not recast them.
-    const at::Tensor bias = bias_arg ? *bias_arg : at::Tensor();
+    const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     const auto xc = scaling->input->cast(x2, record, group);
@@ -597,9 +597,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
               weight.size(1), ", got ", x.scalar_type(), " ", x.sizes());
   // Inference (no grad) casts with the current scales and leaves them be.
   const bool record = at::GradMode::is_enabled();
-  const auto bias_arg = bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt;
-  return Fp8LinearFunction::apply(x, weight, bias_arg, scaling, output_dtype_for(x, output_dtype),
-                                  t_region.group, record);
+  return Fp8LinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias), scaling,
+                                  output_dtype_for(x, output_dtype), t_region.group, record);
 }
 
 }  // namespace detail

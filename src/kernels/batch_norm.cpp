@@ -5,6 +5,7 @@
 
 #include "ampx/kernels.h"
 
+#include "function_args.h"
 #include "isa/norm_kernels.h"
 
 #include <ATen/ATen.h>
@@ -19,13 +20,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-at::Tensor value_or_undefined(const c10::optional<at::Tensor>& t) {
-  return t ? *t : at::Tensor();
-}
-c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
-  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
-}
 
 struct Shape {
   int64_t nb, channels, s;
@@ -48,10 +42,10 @@ struct MixedBatchNormFunction : public torch::autograd::Function<MixedBatchNormF
                             const c10::optional<at::Tensor>& running_var_arg, bool training,
                             double momentum, double eps) {
     const at::Tensor xc = x.contiguous();
-    const at::Tensor w = value_or_undefined(weight_arg);
-    const at::Tensor b = value_or_undefined(bias_arg);
-    at::Tensor rm = value_or_undefined(running_mean_arg);
-    at::Tensor rv = value_or_undefined(running_var_arg);
+    const at::Tensor w = ampx::detail::tensor_or_undefined(weight_arg);
+    const at::Tensor b = ampx::detail::tensor_or_undefined(bias_arg);
+    at::Tensor rm = ampx::detail::tensor_or_undefined(running_mean_arg);
+    at::Tensor rv = ampx::detail::tensor_or_undefined(running_var_arg);
     const Shape sh = shape_of(xc);
     const int64_t count = sh.nb * sh.s;
     TORCH_CHECK(!training || count > 1,
@@ -179,9 +173,10 @@ at::Tensor mixed_batch_norm(const at::Tensor& x, const at::Tensor& weight, const
                           momentum, eps, /*cudnn_enabled=*/true)
         .to(x.scalar_type());
   }
-  return MixedBatchNormFunction::apply(x, optional_of(weight), optional_of(bias),
-                                       optional_of(running_mean), optional_of(running_var),
-                                       training, momentum, eps);
+  return MixedBatchNormFunction::apply(
+      x, ampx::detail::optional_tensor(weight), ampx::detail::optional_tensor(bias),
+      ampx::detail::optional_tensor(running_mean), ampx::detail::optional_tensor(running_var),
+      training, momentum, eps);
 }
 
 }  // namespace ampx

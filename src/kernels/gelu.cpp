@@ -9,6 +9,7 @@
 
 #include "ampx/detail/kernels.h"
 
+#include "function_args.h"
 #include "isa/activation_kernels.h"
 
 #include <ATen/ATen.h>
@@ -21,8 +22,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kGrain = 32768;  // elements per parallel task
-
 struct MixedGeluFunction : public torch::autograd::Function<MixedGeluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t isa) {
     const at::Tensor xc = x.contiguous();
@@ -32,7 +31,7 @@ struct MixedGeluFunction : public torch::autograd::Function<MixedGeluFunction> {
     auto* yp = static_cast<char*>(y.data_ptr());
     const auto dtype = xc.scalar_type();
     const int64_t size = static_cast<int64_t>(xc.element_size());
-    at::parallel_for(0, xc.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, xc.numel(), ampx::detail::kElementwiseGrain, [&](int64_t i0, int64_t i1) {
       gelu(xp + i0 * size, dtype, yp + i0 * size, i1 - i0);
     });
     ctx->save_for_backward({xc});
@@ -51,7 +50,7 @@ struct MixedGeluFunction : public torch::autograd::Function<MixedGeluFunction> {
     auto* dxp = static_cast<char*>(dx.data_ptr());
     const auto dtype = x.scalar_type();
     const int64_t size = static_cast<int64_t>(x.element_size());
-    at::parallel_for(0, x.numel(), kGrain, [&](int64_t i0, int64_t i1) {
+    at::parallel_for(0, x.numel(), ampx::detail::kElementwiseGrain, [&](int64_t i0, int64_t i1) {
       gelu_backward(dyp + i0 * size, xp + i0 * size, dtype, dxp + i0 * size, i1 - i0);
     });
     return {dx, at::Tensor()};

@@ -6,6 +6,7 @@
 
 #include "ampx/kernels.h"
 
+#include "function_args.h"
 #include "isa/norm_kernels.h"
 
 #include <ATen/ATen.h>
@@ -31,14 +32,13 @@ const float* data_or_null(const at::Tensor& t) {
 }
 
 struct MixedLayerNormFunction : public torch::autograd::Function<MixedLayerNormFunction> {
-  // weight and bias as optionals: LibTorch 1.13's Function::apply cannot
-  // take an undefined tensor.
+  // weight and bias as optionals (function_args.h).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const c10::optional<at::Tensor>& weight_arg,
                             const c10::optional<at::Tensor>& bias_arg, int64_t n,
                             int64_t normalized_dims, double eps) {
-    const at::Tensor weight = weight_arg ? *weight_arg : at::Tensor();
-    const at::Tensor bias = bias_arg ? *bias_arg : at::Tensor();
+    const at::Tensor weight = ampx::detail::tensor_or_undefined(weight_arg);
+    const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     const at::Tensor xc = x.contiguous();
     const at::Tensor w = weight.defined() ? weight.contiguous() : weight;
     const at::Tensor b = bias.defined() ? bias.contiguous() : bias;
@@ -134,10 +134,8 @@ at::Tensor mixed_layer_norm(const at::Tensor& x, at::IntArrayRef normalized_shap
   }
   int64_t n = 1;
   for (auto s : normalized_shape) n *= s;
-  auto opt = [](const at::Tensor& t) {
-    return t.defined() ? c10::optional<at::Tensor>(t) : c10::optional<at::Tensor>();
-  };
-  return MixedLayerNormFunction::apply(x, opt(weight), opt(bias), n,
+  return MixedLayerNormFunction::apply(x, ampx::detail::optional_tensor(weight),
+                                       ampx::detail::optional_tensor(bias), n,
                                        static_cast<int64_t>(normalized_shape.size()), eps);
 }
 

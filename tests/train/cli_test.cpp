@@ -66,10 +66,7 @@ std::string join(const std::vector<std::string>& args) {
 }
 
 /// Flags of a gpt run small enough to take a moment.
-const std::vector<std::string> kTinyGpt = {
-    "--workload",   "gpt", "--layers",     "1",   "--d-model", "16", "--heads",        "2",
-    "--block-size", "8",   "--batch-size", "4",   "--steps",   "2",  "--eval-batches", "1",
-    "--threads",    "1",   "--progress",   "none"};
+const std::vector<std::string> kTinyGpt = ampx::train::test::tiny_gpt({{"--steps", "2"}});
 
 class TrainCliTest : public testing::Test {
  protected:

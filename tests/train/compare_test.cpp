@@ -63,10 +63,12 @@ class CompareTest : public ::testing::Test {
 
   /// The binary with the tiny gpt flags, writing to `out`.
   std::string command(const std::string& out) const {
-    return std::string("'") + AMPX_TRAIN_BINARY + "' --workload gpt --data-dir '" +
-           (dir_ / "data").string() + "' --out-dir '" + (dir_ / out).string() +
-           "' --layers 1 --d-model 16 --heads 2 --block-size 8 --batch-size 4 "
-           "--eval-batches 1 --threads 1 --progress none ";
+    std::string cmd = std::string("'") + AMPX_TRAIN_BINARY + "'";
+    for (const auto& a : ampx::train::test::tiny_gpt(
+             {{"--data-dir", (dir_ / "data").string()}, {"--out-dir", (dir_ / out).string()}})) {
+      cmd += " '" + a + "'";
+    }
+    return cmd + " ";
   }
 
   /// Runs `cmd` through the shell; its output in `output_`, its exit code returned.

@@ -86,22 +86,13 @@ class FullDiskTest : public ::testing::Test {
   /// into `ck` every `save_every` steps.
   std::vector<std::string> args(const fs::path& out, const fs::path& ck, int64_t steps,
                                 int64_t save_every) const {
-    return {"--workload",       "gpt",
-            "--precision",      "O2",
-            "--data-dir",       (dir_.path() / "data").string(),
-            "--out-dir",        out.string(),
-            "--checkpoint-dir", ck.string(),
-            "--layers",         "1",
-            "--d-model",        "16",
-            "--heads",          "2",
-            "--block-size",     "8",
-            "--batch-size",     "4",
-            "--steps",          std::to_string(steps),
-            "--save-every",     std::to_string(save_every),
-            "--eval-batches",   "1",
-            "--threads",        "1",
-            "--progress",       "none",
-            "--seed",           "9"};
+    return ampx::train::test::tiny_gpt({{"--precision", "O2"},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", out.string()},
+                                        {"--checkpoint-dir", ck.string()},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--save-every", std::to_string(save_every)},
+                                        {"--seed", "9"}});
   }
 
   /// Mounts a tmpfs of `bytes` at <tmp>/<name>; the test is skipped (with

@@ -95,22 +95,14 @@ class ListeningTest : public ::testing::TestWithParam<int> {
 TEST_P(ListeningTest, NprocRunListensOnLoopbackOnly) {
   const int nproc = GetParam();
   const fs::path out = dir_.path() / "run", log = dir_.path() / "run.log";
-  const pid_t pid =
-      ampx::train::test::spawn_train({"--workload",     "gpt",
-                                      "--precision",    "O2",
-                                      "--data-dir",     (dir_.path() / "data").string(),
-                                      "--out-dir",      out.string(),
-                                      "--layers",       "1",
-                                      "--d-model",      "16",
-                                      "--heads",        "2",
-                                      "--block-size",   "8",
-                                      "--batch-size",   "6",
-                                      "--steps",        "1000000",
-                                      "--eval-batches", "1",
-                                      "--threads",      "1",
-                                      "--progress",     "none",
-                                      "--nproc",        std::to_string(nproc)},
-                                     log);
+  const pid_t pid = ampx::train::test::spawn_train(
+      ampx::train::test::tiny_gpt({{"--precision", "O2"},
+                                   {"--data-dir", (dir_.path() / "data").string()},
+                                   {"--out-dir", out.string()},
+                                   {"--batch-size", "6"},
+                                   {"--steps", "1000000"},
+                                   {"--nproc", std::to_string(nproc)}}),
+      log);
   const ampx::train::test::KillGroupGuard guard(pid);
   // Training is under way: every rank has made its store, Gloo and listener.
   ASSERT_TRUE(ampx::train::test::wait_for_lines(pid, out / "metrics-O2.jsonl", 2))

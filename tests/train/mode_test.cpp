@@ -46,35 +46,14 @@ class ModeTest : public testing::TestWithParam<ModeCase> {
       GTEST_SKIP() << "fp16 on CPU needs LibTorch 2.x; this is " << ampx::torch_version();
     }
     write_text_data(tmp_.path() / "data", "abcdefgh ", 20000, 3);
-    const std::vector<std::string> args = {"ampx-train",
-                                           "--workload",
-                                           "gpt",
-                                           "--precision",
-                                           GetParam().mode,
-                                           "--dtype",
-                                           GetParam().dtype,
-                                           "--data-dir",
-                                           (tmp_.path() / "data").string(),
-                                           "--out-dir",
-                                           (tmp_.path() / "out").string(),
-                                           "--layers",
-                                           "1",
-                                           "--d-model",
-                                           "16",
-                                           "--heads",
-                                           "2",
-                                           "--block-size",
-                                           "8",
-                                           "--batch-size",
-                                           "4",
-                                           "--steps",
-                                           "2",
-                                           "--eval-batches",
-                                           "1",
-                                           "--threads",
-                                           "1",
-                                           "--progress",
-                                           "none"};
+    std::vector<std::string> args = {"ampx-train"};
+    for (auto& a : ampx::train::test::tiny_gpt({{"--precision", GetParam().mode},
+                                                {"--dtype", GetParam().dtype},
+                                                {"--data-dir", (tmp_.path() / "data").string()},
+                                                {"--out-dir", (tmp_.path() / "out").string()},
+                                                {"--steps", "2"}})) {
+      args.push_back(std::move(a));
+    }
     std::vector<const char*> argv;
     for (const auto& a : args) argv.push_back(a.c_str());
     ASSERT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config_));

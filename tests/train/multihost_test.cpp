@@ -93,10 +93,8 @@ class MultiHostTest : public ::testing::Test {
   /// The tiny gpt flags (as the single-host tests use), output relative to
   /// each host's own folder.
   static std::vector<std::string> gpt_args(const fs::path& data) {
-    return {"--workload",   "gpt", "--data-dir",   data.string(), "--out-dir",      "out",
-            "--layers",     "1",   "--d-model",    "16",          "--heads",        "2",
-            "--block-size", "8",   "--batch-size", "4",           "--eval-batches", "1",
-            "--progress",   "none"};
+    return ampx::train::test::tiny_gpt(
+        {{"--data-dir", data.string()}, {"--out-dir", "out"}, {"--threads", ""}});
   }
 
   /// One process on this machine, outside any namespace: the reference.

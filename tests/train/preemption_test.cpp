@@ -80,22 +80,13 @@ class PreemptionTest : public ::testing::Test {
   std::vector<std::string> args(const std::string& name, const std::string& precision,
                                 int64_t steps) const {
     const auto out = dir_.path() / name;
-    return {"--workload",       "gpt",
-            "--precision",      precision,
-            "--data-dir",       (dir_.path() / "data").string(),
-            "--out-dir",        out.string(),
-            "--checkpoint-dir", (out / "ck").string(),
-            "--layers",         "1",
-            "--d-model",        "16",
-            "--heads",          "2",
-            "--block-size",     "8",
-            "--batch-size",     "4",
-            "--steps",          std::to_string(steps),
-            "--eval-batches",   "1",
-            "--threads",        "1",
-            "--progress",       "none",
-            "--seed",           "5",
-            "--save-every",     "1000"};
+    return ampx::train::test::tiny_gpt({{"--precision", precision},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", out.string()},
+                                        {"--checkpoint-dir", (out / "ck").string()},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--seed", "5"},
+                                        {"--save-every", "1000"}});
   }
   fs::path checkpoint(const std::string& name) const {
     return dir_.path() / name / "ck" / "checkpoint.ampx";

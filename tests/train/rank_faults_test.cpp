@@ -146,21 +146,14 @@ class RankFaultsTest : public ::testing::Test {
                                 const std::string& precision = "O2",
                                 const std::string& d_model = "16") const {
     const auto out = dir_.path() / name;
-    return {"--workload",     "gpt",
-            "--precision",    precision,
-            "--data-dir",     (dir_.path() / "data").string(),
-            "--out-dir",      out.string(),
-            "--layers",       "1",
-            "--d-model",      d_model,
-            "--heads",        "2",
-            "--block-size",   "8",
-            "--batch-size",   "12",
-            "--steps",        std::to_string(steps),
-            "--eval-batches", "1",
-            "--threads",      "1",
-            "--progress",     "none",
-            "--seed",         "5",
-            "--dist-timeout", std::to_string(timeout_s)};
+    return ampx::train::test::tiny_gpt({{"--precision", precision},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", out.string()},
+                                        {"--d-model", d_model},
+                                        {"--batch-size", "12"},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--seed", "5"},
+                                        {"--dist-timeout", std::to_string(timeout_s)}});
   }
 
   /// torchrun's variables for rank `rank` of `world` on loopback.

@@ -66,21 +66,15 @@ class ResumeTest : public ::testing::TestWithParam<std::string> {
                                 const std::string& precision = "",
                                 const std::string& d_model = "32") const {
     const auto out = dir_.path() / name;
-    return {"--workload",       "gpt",
-            "--precision",      precision.empty() ? GetParam() : precision,
-            "--data-dir",       (dir_.path() / "data").string(),
-            "--out-dir",        out.string(),
-            "--checkpoint-dir", (out / "ck").string(),
-            "--layers",         "2",
-            "--d-model",        d_model,
-            "--heads",          "2",
-            "--block-size",     "16",
-            "--batch-size",     "4",
-            "--steps",          std::to_string(steps),
-            "--eval-batches",   "1",
-            "--threads",        "1",
-            "--progress",       "none",
-            "--seed",           "11"};
+    return ampx::train::test::tiny_gpt({{"--precision", precision.empty() ? GetParam() : precision},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", out.string()},
+                                        {"--checkpoint-dir", (out / "ck").string()},
+                                        {"--layers", "2"},
+                                        {"--d-model", d_model},
+                                        {"--block-size", "16"},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--seed", "11"}});
   }
   fs::path checkpoint(const std::string& name) const {
     return dir_.path() / name / "ck" / "checkpoint.ampx";

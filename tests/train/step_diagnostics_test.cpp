@@ -100,20 +100,14 @@ class DiagnosticsTest : public testing::Test {
   /// A 2-block gpt small enough to take a moment, writing into <tmp>/<name>.
   std::vector<std::string> gpt(const std::string& name, const std::string& precision = "fp32",
                                int64_t steps = 6) const {
-    return {"--workload",     "gpt",
-            "--precision",    precision,
-            "--data-dir",     (dir_.path() / "data").string(),
-            "--out-dir",      (dir_.path() / name).string(),
-            "--layers",       "2",
-            "--d-model",      "32",
-            "--heads",        "2",
-            "--block-size",   "16",
-            "--batch-size",   "4",
-            "--steps",        std::to_string(steps),
-            "--eval-batches", "1",
-            "--threads",      "1",
-            "--progress",     "none",
-            "--seed",         "5"};
+    return ampx::train::test::tiny_gpt({{"--precision", precision},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", (dir_.path() / name).string()},
+                                        {"--layers", "2"},
+                                        {"--d-model", "32"},
+                                        {"--block-size", "16"},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--seed", "5"}});
   }
 
   /// fashion-mlp on 64 generated images, batch 16, writing into <tmp>/<name>.

@@ -30,11 +30,41 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace ampx::train::test {
 
 namespace fs = std::filesystem;
+
+/// ampx-train's flags for a gpt small enough to train in a moment (1 layer,
+/// d 16, 2 heads, context 8, batch 4, one eval batch, one thread, no
+/// progress line). Each of `flags` ({"--steps", "3"}, ...) replaces the
+/// default of the same name or comes after them; an empty value leaves the
+/// flag out (ampx-train's own default).
+inline std::vector<std::string> tiny_gpt(
+    const std::vector<std::pair<std::string, std::string>>& flags = {}) {
+  std::vector<std::pair<std::string, std::string>> all = {
+      {"--workload", "gpt"},   {"--layers", "1"},     {"--d-model", "16"},
+      {"--heads", "2"},        {"--block-size", "8"}, {"--batch-size", "4"},
+      {"--eval-batches", "1"}, {"--threads", "1"},    {"--progress", "none"}};
+  for (const auto& flag : flags) {
+    const auto same =
+        std::find_if(all.begin(), all.end(), [&](const auto& f) { return f.first == flag.first; });
+    if (same != all.end()) {
+      same->second = flag.second;
+    } else {
+      all.push_back(flag);
+    }
+  }
+  std::vector<std::string> args;
+  for (const auto& [name, value] : all) {
+    if (value.empty()) continue;
+    args.push_back(name);
+    args.push_back(value);
+  }
+  return args;
+}
 
 /// A fresh folder under the system's temp folder, removed with everything in it.
 class TempDir {

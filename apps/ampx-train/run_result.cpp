@@ -1,0 +1,87 @@
+#include "run_result.h"
+
+#include <cmath>
+
+namespace ampx::train {
+namespace {
+
+/// Every field that travels, once: visit(name, member) in to_json's order.
+template <typename Result, typename Visit>
+void for_each_field(Result& r, Visit&& visit) {
+  visit("mode", r.mode);
+  visit("dtype", r.dtype);
+  visit("blas", r.blas);
+  visit("steps", r.steps);
+  visit("timed_steps", r.timed_steps);
+  visit("items_per_s", r.items_per_s);
+  visit("median_step_ms", r.median_step_ms);
+  visit("peak_bytes", r.peak_bytes);
+  visit("train_loss", r.train_loss);
+  visit("eval", r.eval);
+  visit("skipped", r.skipped);
+  visit("final_scale", r.final_scale);
+  visit("losses", r.losses);
+  visit("evals", r.evals);
+  visit("metrics_path", r.metrics_path);
+  visit("fp8_trace_path", r.fp8_trace_path);
+  visit("checkpoint_path", r.checkpoint_path);
+}
+
+template <typename T>
+nlohmann::json json_of(const T& v) {
+  return v;  // NaN becomes null
+}
+nlohmann::json json_of(const EvalResult& e) {
+  return {e.loss, e.metric};
+}
+nlohmann::json json_of(const std::vector<std::pair<int64_t, EvalResult>>& evals) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [step, e] : evals) out.push_back({step, e.loss, e.metric});
+  return out;
+}
+
+// JSON has no NaN (nlohmann writes null): a diverged run's losses come back as NaN.
+void read(const nlohmann::json& j, double& v) {
+  v = j.is_null() ? NAN : j.get<double>();
+}
+void read(const nlohmann::json& j, int64_t& v) {
+  v = j.get<int64_t>();
+}
+void read(const nlohmann::json& j, std::string& v) {
+  v = j.get<std::string>();
+}
+void read(const nlohmann::json& j, EvalResult& e) {
+  read(j.at(0), e.loss);
+  read(j.at(1), e.metric);
+}
+void read(const nlohmann::json& j, std::vector<double>& v) {
+  for (const auto& x : j) read(x, v.emplace_back());
+}
+void read(const nlohmann::json& j, std::vector<std::pair<int64_t, EvalResult>>& evals) {
+  for (const auto& e : j) {
+    auto& [step, result] = evals.emplace_back();
+    read(e.at(0), step);
+    read(e.at(1), result.loss);
+    read(e.at(2), result.metric);
+  }
+}
+
+}  // namespace
+
+nlohmann::json to_json(const RunResult& result) {
+  nlohmann::json out = nlohmann::json::object();
+  for_each_field(result, [&](const char* name, const auto& v) { out[name] = json_of(v); });
+  return out;
+}
+
+RunResult run_result_from_json(const nlohmann::json& json) {
+  RunResult r;
+  for_each_field(r, [&](const char* name, auto& v) {
+    // fp8_trace_path came later: results written before it have none.
+    if (std::string(name) == "fp8_trace_path" && !json.contains(name)) return;
+    read(json.at(name), v);
+  });
+  return r;
+}
+
+}  // namespace ampx::train

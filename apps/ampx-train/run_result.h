@@ -1,0 +1,53 @@
+#pragma once
+
+// What one mode's training run measured, and its JSON form: how a --compare
+// run collects each mode's result from the process that trained it.
+//
+//   write_output_file(path, to_json(result).dump() + "\n");
+//   RunResult back = run_result_from_json(nlohmann::json::parse(text));
+
+#include "workloads.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ampx::train {
+
+struct RunResult {
+  std::string mode;         // fp32 | O1 | O2 | O3
+  std::string dtype;        // fp32, bf16 or fp16
+  std::string blas;         // the BLAS build the training process ran on (machine.h)
+  int64_t steps = 0;        // steps of the whole run (resumed ones included)
+  int64_t timed_steps = 0;  // steps timed in this process, after warm-up
+  double items_per_s = 0;   // tokens or samples per second over the timed steps
+  double median_step_ms = 0;
+  int64_t peak_bytes = 0;      // most tensor bytes allocated at once while training
+  double train_loss = 0;       // mean loss of the last tenth of the steps
+  EvalResult eval;             // held-out loss and bpc / accuracy at the end
+  int64_t skipped = 0;         // optimizer steps skipped for inf/NaN gradients
+  double final_scale = 1;      // loss scale at the end (1: no scaling)
+  std::vector<double> losses;  // every step's training loss
+  std::vector<std::pair<int64_t, EvalResult>> evals;  // (step, result) of --eval-every
+  std::string metrics_path;
+  std::string checkpoint_path;    // empty when no checkpoint was written
+  std::string profile_summary;    // --profile: the trace's path and top ops
+  std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
+  std::string range_stats_path;   // --range-stats: the statistics' JSON
+  std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
+  std::string weights_checksum;   // FNV-1a of the final parameters' bytes, "0x..."
+  /// > 0: a preemption signal (here or on another rank) stopped the run
+  /// after this many steps, and its checkpoint holds them; nothing after the
+  /// last step (timing, evaluation, peak memory) is filled in.
+  int64_t preempted_after = 0;
+};
+
+/// A RunResult as JSON and back (the fields from `mode` to `checkpoint_path`;
+/// the console-only ones stay behind). NaN losses travel as null.
+nlohmann::json to_json(const RunResult& result);
+RunResult run_result_from_json(const nlohmann::json& json);
+
+}  // namespace ampx::train
