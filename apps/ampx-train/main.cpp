@@ -210,92 +210,76 @@ int report_preemption(const RunResult& r, const ampx::dist::ProcessGroup* group)
   return kExitPreempted;
 }
 
-int run(int argc, char** argv) {
-  TrainConfig config;
-  if (auto code = parse_command_line(argc, argv, config)) return *code;
-  resolve_defaults(config);
-  const auto modes = modes_of(config);
-  const Role role = role_of(config);
-  bool show_settings = role == Role::kMain;
-  if (role == Role::kExternalRank) {
-    // Its world size is the number of processes; rank 0 alone shows the settings.
-    const auto env = ampx::dist::launch_env_from_environment();
-    config.nproc = static_cast<int>(env.world_size);
-    show_settings = env.rank == 0;
+/// The settings table (and a word on the BLAS build) at the start of a run.
+void show_settings(const TrainConfig& config) {
+  std::cout << "ampx-train\n" << settings_table(config) << std::flush;
+  if (const auto warning = blas_warning(config.threads); !warning.empty()) {
+    std::cout << warning << "\n";
   }
-  if (show_settings) {
-    std::cout << "ampx-train\n" << settings_table(config) << std::flush;
-    if (const auto warning = blas_warning(config.threads); !warning.empty()) {
-      std::cout << warning << "\n";
-    }
-  }
-  // A diagnosis is short and writes no checkpoint: a signal ends it as usual.
-  if (!config.diagnose) install_preemption_handlers();
-  const bool rank_role = role == Role::kRank || role == Role::kExternalRank;
-  if (modes.size() == 1 && config.nproc > 1 && !rank_role) {
-    std::cout << std::endl;
-    return run_ranks(argc, argv, config.nproc);
-  }
-  std::optional<ampx::dist::ProcessGroup> group;
-  if (rank_role && modes.size() == 1) {
-    const auto env = ampx::dist::launch_env_from_environment();
-    auto options = ampx::dist::InitOptions().timeout(
-        std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)));
-    const char* store_file = std::getenv(kStoreFileEnv);
-    if (role == Role::kRank && store_file != nullptr) options.store_file(store_file);
-    group.emplace(ampx::dist::init_process_group(env, options));
-    print_placement(env, *group, config.threads);
-  }
-  const bool rank0 = !group || group->rank() == 0;
+}
+
+/// What every process that trains does first: threads, the allocator,
+/// memory tracking, then the data (missing data fails here).
+std::unique_ptr<Workload> prepare(const TrainConfig& config, bool show) {
   at::set_num_threads(config.threads);
   if (config.malloc == "keep") {
-    if (const auto kept = ampx::keep_freed_cpu_memory(); !kept.applied && show_settings) {
+    if (const auto kept = ampx::keep_freed_cpu_memory(); !kept.applied && show) {
       std::cout << "malloc: glibc's defaults stay: " << kept.reason << "\n";
     }
   }
-  const torch::Device device = config.torch_device();
-  enable_memory_tracking(device);
-  auto workload = make_workload(config);  // loads the data: missing data fails here
-  if (show_settings && rank0) {
+  enable_memory_tracking(config.torch_device());
+  auto workload = make_workload(config);
+  if (show) {
     if (config.epochs > 0)
       std::cout << "  (" << workload->steps_per_epoch() << " steps per epoch)\n";
     std::cout << std::endl;
   }
+  return workload;
+}
 
-  if (config.diagnose) {
-    const Diagnosis d = diagnose(config, *workload);
-    std::cout << d.advice_markdown << "\n"
-              << "report:  " << d.markdown_path << "\n"
-              << "json:    " << d.json_path << "\n";
-    if (!d.plot_path.empty()) {
-      std::cout << "plot:    " << d.plot_path << "\n";
-    } else {
-      std::cout << "plot:    none: " << d.plot_note << "\n";
-    }
-    std::cout << std::flush;
-    return 0;
+/// --diagnose: a short fp32 run's advice, and where its report is.
+int print_diagnosis(const TrainConfig& config, Workload& workload) {
+  const Diagnosis d = diagnose(config, workload);
+  std::cout << d.advice_markdown << "\n"
+            << "report:  " << d.markdown_path << "\n"
+            << "json:    " << d.json_path << "\n";
+  if (!d.plot_path.empty()) {
+    std::cout << "plot:    " << d.plot_path << "\n";
+  } else {
+    std::cout << "plot:    none: " << d.plot_note << "\n";
   }
+  std::cout << std::flush;
+  return 0;
+}
 
-  if (modes.size() == 1) {
-    const RunResult r = train_mode(config, *workload, modes.front(), group ? &*group : nullptr);
-    if (r.preempted_after > 0) return report_preemption(r, group ? &*group : nullptr);
-    if (group) {
-      std::printf("[%s] rank %lld of %lld: weights %s\n", r.mode.c_str(),
-                  static_cast<long long>(group->rank()),
-                  static_cast<long long>(group->world_size()), r.weights_checksum.c_str());
-      std::fflush(stdout);
-    }
-    if (!rank0) return 0;
-    print_done(*workload, r);
-    if (!config.result_file.empty()) {
-      write_output_file(config.result_file, to_json(r).dump() + "\n");
-    }
-    if (!config.only_mode.empty()) return 0;  // the --compare parent reports
-    const Report report = write_report(config, *workload, {r});
-    std::cout << "\nsummary: " << report.json_path << "\nmetrics: " << r.metrics_path << std::endl;
-    return 0;
+/// One mode in this process, a rank of `group` if there is one: trains,
+/// prints the result and writes --result-file; the report too, unless a
+/// --compare parent makes it.
+int train_one(const TrainConfig& config, Workload& workload, const std::string& mode,
+              const ampx::dist::ProcessGroup* group) {
+  const RunResult r = train_mode(config, workload, mode, group);
+  if (r.preempted_after > 0) return report_preemption(r, group);
+  if (group) {
+    std::printf("[%s] rank %lld of %lld: weights %s\n", r.mode.c_str(),
+                static_cast<long long>(group->rank()), static_cast<long long>(group->world_size()),
+                r.weights_checksum.c_str());
+    std::fflush(stdout);
+    if (group->rank() != 0) return 0;
   }
+  print_done(workload, r);
+  if (!config.result_file.empty()) {
+    write_output_file(config.result_file, to_json(r).dump() + "\n");
+  }
+  if (!config.only_mode.empty()) return 0;  // the --compare parent reports
+  const Report report = write_report(config, workload, {r});
+  std::cout << "\nsummary: " << report.json_path << "\nmetrics: " << r.metrics_path << std::endl;
+  return 0;
+}
 
+/// --compare: each mode in a process of its own (--only-mode), one after
+/// another, then the report of them all.
+int compare(int argc, char** argv, const TrainConfig& config, Workload& workload,
+            const std::vector<std::string>& modes) {
   std::vector<RunResult> results;
   fs::create_directories(config.out_dir);
   for (const auto& mode : modes) {
@@ -324,7 +308,7 @@ int run(int argc, char** argv) {
     results.push_back(run_result_from_json(nlohmann::json::parse(in)));
   }
 
-  const Report report = write_report(config, *workload, results);
+  const Report report = write_report(config, workload, results);
   std::cout << "\n" << report.table << "\n";
   std::cout << "table:   " << report.markdown_path << "\n"
             << "json:    " << report.json_path << "\n";
@@ -335,6 +319,72 @@ int run(int argc, char** argv) {
   }
   std::cout << "metrics: " << results.front().metrics_path << " (one file per mode)" << std::endl;
   return 0;
+}
+
+/// What the process trains once it knows its place: a diagnosis, one mode,
+/// or a comparison. `group`: the ranks of a data-parallel run.
+int train(int argc, char** argv, const TrainConfig& config, Workload& workload,
+          const ampx::dist::ProcessGroup* group) {
+  const auto modes = modes_of(config);
+  if (config.diagnose) return print_diagnosis(config, workload);
+  if (modes.size() == 1) return train_one(config, workload, modes.front(), group);
+  return compare(argc, argv, config, workload, modes);
+}
+
+/// Role::kMain and Role::kModeProcess: a process of its own, which starts
+/// --nproc's ranks when asked for them.
+int run_process(int argc, char** argv, const TrainConfig& config, bool show) {
+  if (show) show_settings(config);
+  // A diagnosis is short and writes no checkpoint: a signal ends it as usual.
+  if (!config.diagnose) install_preemption_handlers();
+  if (modes_of(config).size() == 1 && config.nproc > 1) {
+    std::cout << std::endl;
+    return run_ranks(argc, argv, config.nproc);
+  }
+  auto workload = prepare(config, show);
+  return train(argc, argv, config, *workload, nullptr);
+}
+
+/// Role::kRank and Role::kExternalRank: one rank of a data-parallel run,
+/// started by --nproc or by an outside launcher (torchrun), which then also
+/// says how many ranks there are; rank 0 alone shows the settings.
+int run_rank(int argc, char** argv, TrainConfig config, Role role) {
+  bool show = false;
+  if (role == Role::kExternalRank) {
+    const auto env = ampx::dist::launch_env_from_environment();
+    config.nproc = static_cast<int>(env.world_size);
+    show = env.rank == 0;
+  }
+  if (show) show_settings(config);
+  if (!config.diagnose) install_preemption_handlers();
+  std::optional<ampx::dist::ProcessGroup> group;
+  if (modes_of(config).size() == 1) {  // --compare's modes each meet in a child of their own
+    const auto env = ampx::dist::launch_env_from_environment();
+    auto options = ampx::dist::InitOptions().timeout(
+        std::chrono::milliseconds(static_cast<int64_t>(config.dist_timeout * 1000)));
+    const char* store_file = std::getenv(kStoreFileEnv);
+    if (role == Role::kRank && store_file != nullptr) options.store_file(store_file);
+    group.emplace(ampx::dist::init_process_group(env, options));
+    print_placement(env, *group, config.threads);
+  }
+  auto workload = prepare(config, show && (!group || group->rank() == 0));
+  return train(argc, argv, config, *workload, group ? &*group : nullptr);
+}
+
+int run(int argc, char** argv) {
+  TrainConfig config;
+  if (auto code = parse_command_line(argc, argv, config)) return *code;
+  resolve_defaults(config);
+  const Role role = role_of(config);
+  switch (role) {
+    case Role::kMain:
+    case Role::kModeProcess:
+      return run_process(argc, argv, config, /*show=*/role == Role::kMain);
+    case Role::kRank:
+    case Role::kExternalRank:
+      return run_rank(argc, argv, config, role);
+  }
+  return 1;
 }
 
 /// Executes this binary again with OpenBLAS's OpenMP build first on
