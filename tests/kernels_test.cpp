@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <limits>
 #include <random>
@@ -76,6 +77,24 @@ void check_against_definition(UnscaleFn fn, const std::string& name,
 template <ampx::detail::cpu::Isa kIsa>
 void unscale_with(at::TensorList grads, at::Tensor& found_inf, const at::Tensor& inv_scale) {
   ampx::detail::cpu::non_finite_check_and_unscale_(grads, found_inf, inv_scale, kIsa);
+}
+
+// The kernels that pick their build themselves (norms, fused optimizers) run
+// best_isa(): the CPU's best, or the lower one ATEN_CPU_CAPABILITY asks for,
+// as ATen's own kernels do. ctest's kernels.isa_default and kernels.isa_avx2
+// run this test and those kernels' tests under each: here they check that
+// the variable took.
+TEST(CpuIsaTest, RunsTheBuildAtenCpuCapabilityAsks) {
+  using ampx::detail::cpu::Isa;
+  const Isa hardware = ampx::detail::cpu::supported_isas().back();
+  Isa want = hardware;
+  if (const char* asked = std::getenv("ATEN_CPU_CAPABILITY")) {
+    const std::string a = asked;
+    const Isa named = a == "default" ? Isa::kDefault : a == "avx2" ? Isa::kAvx2 : Isa::kAvx512;
+    if (static_cast<int>(named) < static_cast<int>(want)) want = named;
+  }
+  EXPECT_EQ(ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()),
+            ampx::detail::cpu::isa_name(want));
 }
 
 TEST(KernelsTest, CpuUnscaleMatchesDefinitionForEveryDtypeAndIsa) {

@@ -5,7 +5,7 @@
 // 16-bit (bfloat16 or float16) spans in and out, the math in float32 with
 // the intermediates never rounded, one rounding per output element.
 
-#include "ampx/detail/cpu_isa.h"
+#include "isa_dispatch.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -34,16 +34,12 @@ struct GeluKernels {
   void (*backward)(const void*, const void*, c10::ScalarType, void*, int64_t);
 };
 
-inline GeluKernels gelu_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return {&AVX512::gelu_span, &AVX512::gelu_backward_span};
-    case Isa::kAvx2:
-      return {&AVX2::gelu_span, &AVX2::gelu_backward_span};
-    default:
-      return {&DEFAULT::gelu_span, &DEFAULT::gelu_backward_span};
+#define AMPX_GELU_BUILD(ns)                 \
+  GeluKernels {                             \
+    &ns::gelu_span, &ns::gelu_backward_span \
   }
-}
+AMPX_ISA_DISPATCH(GeluKernels, gelu_kernels_for, AMPX_GELU_BUILD)
+#undef AMPX_GELU_BUILD
 
 }  // namespace cpu
 }  // namespace detail

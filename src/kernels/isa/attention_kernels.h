@@ -11,7 +11,7 @@
 // contiguous. The math is float32 throughout (inputs widened once per head,
 // products and softmax statistics in float32, one rounding per output).
 
-#include "ampx/detail/cpu_isa.h"
+#include "isa_dispatch.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -66,16 +66,12 @@ struct AttentionKernels {
   void (*backward)(const AttentionProblem&, int64_t, int64_t);
 };
 
-inline AttentionKernels attention_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return {&AVX512::attention_forward_heads, &AVX512::attention_backward_heads};
-    case Isa::kAvx2:
-      return {&AVX2::attention_forward_heads, &AVX2::attention_backward_heads};
-    default:
-      return {&DEFAULT::attention_forward_heads, &DEFAULT::attention_backward_heads};
+#define AMPX_ATTENTION_BUILD(ns)                                \
+  AttentionKernels {                                            \
+    &ns::attention_forward_heads, &ns::attention_backward_heads \
   }
-}
+AMPX_ISA_DISPATCH(AttentionKernels, attention_kernels_for, AMPX_ATTENTION_BUILD)
+#undef AMPX_ATTENTION_BUILD
 
 }  // namespace cpu
 }  // namespace detail

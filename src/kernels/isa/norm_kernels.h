@@ -5,7 +5,7 @@
 // 16-bit (bfloat16 or float16) rows in and out, statistics and affine
 // parameters in float32, every row read once forward and once backward.
 
-#include "ampx/detail/cpu_isa.h"
+#include "isa_dispatch.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -70,35 +70,22 @@ struct BatchNormKernels {
                               int64_t, int64_t, float, float, float);
 };
 
-#define AMPX_BATCH_NORM_KERNELS(ns)                                                   \
-  BatchNormKernels {                                                                  \
-    &ns::channel_sum, &ns::channel_sq_dev, &ns::channel_affine,                       \
-        &ns::channel_backward_sums, &ns::channel_backward_dx                           \
+#define AMPX_BATCH_NORM_BUILD(ns)                                                           \
+  BatchNormKernels {                                                                        \
+    &ns::channel_sum, &ns::channel_sq_dev, &ns::channel_affine, &ns::channel_backward_sums, \
+        &ns::channel_backward_dx                                                            \
   }
-inline BatchNormKernels batch_norm_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return AMPX_BATCH_NORM_KERNELS(AVX512);
-    case Isa::kAvx2: return AMPX_BATCH_NORM_KERNELS(AVX2);
-    default: return AMPX_BATCH_NORM_KERNELS(DEFAULT);
-  }
-}
-#undef AMPX_BATCH_NORM_KERNELS
+AMPX_ISA_DISPATCH(BatchNormKernels, batch_norm_kernels_for, AMPX_BATCH_NORM_BUILD)
+#undef AMPX_BATCH_NORM_BUILD
 
-inline LayerNormRowsFn layer_norm_rows_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return &AVX512::layer_norm_rows;
-    case Isa::kAvx2: return &AVX2::layer_norm_rows;
-    default: return &DEFAULT::layer_norm_rows;
-  }
-}
+#define AMPX_LAYER_NORM_ROWS_BUILD(ns) &ns::layer_norm_rows
+AMPX_ISA_DISPATCH(LayerNormRowsFn, layer_norm_rows_for, AMPX_LAYER_NORM_ROWS_BUILD)
+#undef AMPX_LAYER_NORM_ROWS_BUILD
 
-inline LayerNormBackwardRowsFn layer_norm_backward_rows_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return &AVX512::layer_norm_backward_rows;
-    case Isa::kAvx2: return &AVX2::layer_norm_backward_rows;
-    default: return &DEFAULT::layer_norm_backward_rows;
-  }
-}
+#define AMPX_LAYER_NORM_BACKWARD_ROWS_BUILD(ns) &ns::layer_norm_backward_rows
+AMPX_ISA_DISPATCH(LayerNormBackwardRowsFn, layer_norm_backward_rows_for,
+                  AMPX_LAYER_NORM_BACKWARD_ROWS_BUILD)
+#undef AMPX_LAYER_NORM_BACKWARD_ROWS_BUILD
 
 }  // namespace cpu
 }  // namespace detail

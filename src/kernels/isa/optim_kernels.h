@@ -9,7 +9,7 @@
 // pass: it reads the gradient, the weight (fp32 master or the param itself)
 // and the fp32 states once, and writes each of them once.
 
-#include "ampx/detail/cpu_isa.h"
+#include "isa_dispatch.h"
 
 #include "../optim_math.h"
 
@@ -69,18 +69,12 @@ struct OptimKernels {
   void (*lamb_apply)(const FusedParam&, int64_t, int64_t);
 };
 
-inline OptimKernels optim_kernels_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512:
-      return {&AVX512::adamw_span, &AVX512::sgd_span, &AVX512::lamb_moments_span,
-              &AVX512::lamb_apply_span};
-    case Isa::kAvx2:
-      return {&AVX2::adamw_span, &AVX2::sgd_span, &AVX2::lamb_moments_span, &AVX2::lamb_apply_span};
-    default:
-      return {&DEFAULT::adamw_span, &DEFAULT::sgd_span, &DEFAULT::lamb_moments_span,
-              &DEFAULT::lamb_apply_span};
+#define AMPX_OPTIM_BUILD(ns)                                                     \
+  OptimKernels {                                                                 \
+    &ns::adamw_span, &ns::sgd_span, &ns::lamb_moments_span, &ns::lamb_apply_span \
   }
-}
+AMPX_ISA_DISPATCH(OptimKernels, optim_kernels_for, AMPX_OPTIM_BUILD)
+#undef AMPX_OPTIM_BUILD
 
 /// Stochastic rounding's random bits (kernels/optim_math.h, shared with CUDA).
 using math::sr_bits;

@@ -5,7 +5,7 @@
 // DEFAULT, AVX2 or AVX512, which names both at::vec's inline namespace and the
 // namespaces declared here. (The optimizer kernels: optim_kernels.h.)
 
-#include "ampx/detail/cpu_isa.h"
+#include "isa_dispatch.h"
 
 #include <c10/core/ScalarType.h>
 
@@ -28,13 +28,9 @@ AMPX_DECLARE_ISA_KERNELS(AVX512)
 
 using UnscaleSpanFn = bool (*)(void*, c10::ScalarType, int64_t, int64_t, float);
 
-inline UnscaleSpanFn unscale_span_for(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return &AVX512::unscale_span;
-    case Isa::kAvx2: return &AVX2::unscale_span;
-    default: return &DEFAULT::unscale_span;
-  }
-}
+#define AMPX_UNSCALE_BUILD(ns) &ns::unscale_span
+AMPX_ISA_DISPATCH(UnscaleSpanFn, unscale_span_for, AMPX_UNSCALE_BUILD)
+#undef AMPX_UNSCALE_BUILD
 
 }  // namespace cpu
 }  // namespace detail
