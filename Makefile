@@ -161,7 +161,8 @@ soak: build
 # A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
 # FUZZ_SECONDS each; the checkpoint_crc target mutates the checkpoint seeds.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := checkpoint checkpoint_crc checkpoint_state state_dict zero_shard idx text launch_env
+FUZZ_TARGETS := checkpoint checkpoint_crc checkpoint_state state_dict zero_shard idx text launch_env \
+	safetensors
 fuzz: build
 	@mkdir -p build/fuzz && cd build/fuzz && for t in $(FUZZ_TARGETS); do \
 	  corpus=$(CURDIR)/tests/fuzz/corpus/$$t; \

@@ -97,7 +97,7 @@ case "$LEG" in
     APT_CONF='Acquire::Check-Valid-Until "false";'
     PACKAGES=(
       build-essential cmake make
-      libtorch-dev python3-torch python3-numpy
+      libtorch-dev python3-torch python3-numpy python3-safetensors
       libopenblas0-pthread libopenblas0-openmp libsleef-dev
       libgtest-dev libgmock-dev googletest libbenchmark-dev
       libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev

@@ -13,6 +13,7 @@
 #include "ampx/memory.h"
 #include "ampx/optim.h"
 #include "ampx/policy.h"
+#include "ampx/safetensors.h"
 #include "ampx/scale_update.h"
 #include "ampx/scaler_aware_optimizer.h"
 #include "ampx/serialize.h"

@@ -16,6 +16,7 @@
 #include <zlib.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -104,6 +105,28 @@ void state_dict(const uint8_t* data, size_t size) {
   ampx::GradScaler scaler;
   scaler.load_state_dict(dict);
   check_scale(scaler);
+}
+
+// ampx::read_safetensors (weights from Hugging Face and other frameworks),
+// then the tensors into a module: whatever it accepts is backed by the file
+// (no tensor bytes beyond its size).
+void safetensors(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("weights.safetensors");
+  write_file(path, data, size);
+  const auto tensors = ampx::read_safetensors(path);
+  size_t bytes = 0;
+  for (const auto& [name, t] : tensors) bytes += static_cast<size_t>(t.nbytes());
+  if (bytes > size) {
+    std::fprintf(stderr, "fuzz: read_safetensors made %zu tensor bytes from a %zu-byte file\n",
+                 bytes, size);
+    std::abort();
+  }
+  torch::nn::Linear model(4, 3);
+  try {
+    ampx::load_safetensors(*model, path);
+  } catch (const c10::Error&) {
+    // names or shapes that are not the model's: refused, as they should be
+  }
 }
 
 /// The ZeroRedundancyOptimizer the zero_shard target loads into: AdamW over
@@ -210,6 +233,7 @@ const std::vector<NamedTarget>& targets() {
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
+      {"safetensors", safetensors, "ampx::read_safetensors and load_safetensors"},
   };
   return all;
 }
@@ -262,6 +286,13 @@ void write_seeds(const std::string& dir) {
     const std::string path = scratch_file("seed.pt");
     ampx::save_state_dict(ampx::GradScaler().state_dict(), path);
     out("state_dict", "seed-1.pt", read_whole(path));
+  }
+  {  // a safetensors file of a Linear(4, 3), as the target's model
+    torch::manual_seed(0);
+    torch::nn::Linear model(4, 3);
+    const std::string path = scratch_file("seed.safetensors");
+    ampx::save_safetensors(*model, path, {{"format", "pt"}});
+    out("safetensors", "seed-1.safetensors", read_whole(path));
   }
   {  // a ZeroRedundancyOptimizer shard after one AdamW step (the target's model and group)
     torch::manual_seed(0);

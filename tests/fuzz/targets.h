@@ -23,7 +23,7 @@ struct NamedTarget {
 };
 
 /// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
-/// zero_shard, idx, text, launch_env.
+/// zero_shard, idx, text, launch_env, safetensors.
 const std::vector<NamedTarget>& targets();
 
 /// Writes a small valid input for each target into <dir>/<target>/seed-*

@@ -1,0 +1,221 @@
+// ampx/safetensors.h: the file format byte for byte, round trips of every
+// dtype, modules in and out, and a clear error for each way a file from
+// outside can be wrong.
+
+#include "ampx/safetensors.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+class SafetensorsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ =
+        fs::temp_directory_path() /
+        ("ampx-safetensors-" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
+         "-" + ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  static std::string bytes_of(const std::string& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  // A file of `header` (its length prefixed) and `data`.
+  std::string file_with(const std::string& header, const std::string& data) const {
+    const std::string p = path("crafted.safetensors");
+    const uint64_t n = header.size();
+    std::string bytes(8, '\0');
+    std::memcpy(bytes.data(), &n, 8);
+    std::ofstream(p, std::ios::binary) << bytes << header << data;
+    return p;
+  }
+  static std::string error_of(const std::string& p) {
+    try {
+      ampx::read_safetensors(p);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  }
+
+  fs::path dir_;
+};
+
+// What the format says, written by hand: u64 header length, the JSON header
+// padded with spaces to an 8-byte boundary, the raw little-endian bytes.
+TEST_F(SafetensorsTest, WritesTheFormatByteForByte) {
+  const auto t = torch::tensor({1.0f, -2.0f, 0.5f});
+  ampx::save_safetensors({{"w", t}}, path("one.safetensors"), {{"format", "pt"}});
+  const std::string header =
+      R"({"__metadata__":{"format":"pt"},"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  std::string padded = header + std::string((8 - (8 + header.size()) % 8) % 8, ' ');
+  const uint64_t n = padded.size();
+  std::string want(8, '\0');
+  std::memcpy(want.data(), &n, 8);
+  want += padded;
+  want.append(static_cast<const char*>(t.data_ptr()), 12);
+  EXPECT_EQ(bytes_of(path("one.safetensors")), want);
+}
+
+TEST_F(SafetensorsTest, EveryDtypeRoundTripsBitwiseWithMetadata) {
+  torch::manual_seed(3);
+  std::map<std::string, torch::Tensor> tensors = {
+      {"f64", torch::randn({2, 3}, torch::kDouble)},
+      {"f32", torch::randn({4, 1, 2})},
+      {"f16", torch::randn({5}).to(torch::kHalf)},
+      {"bf16", torch::randn({3, 3}).to(torch::kBFloat16)},
+      {"i64", torch::arange(-3, 4)},
+      {"i32", torch::arange(0, 6, torch::kInt).reshape({2, 3})},
+      {"i16", torch::arange(0, 4, torch::kShort)},
+      {"i8", torch::arange(-4, 4, torch::kChar)},
+      {"u8", torch::arange(0, 255, torch::kByte)},
+      {"bool", torch::tensor({true, false, true})},
+      {"scalar", torch::tensor(2.5f)},
+      {"empty", torch::empty({0, 4})},
+      {"strided \"name\"\n", torch::randn({4, 6}).t()},
+  };
+  ampx::save_safetensors(tensors, path("all.safetensors"), {{"a", "b"}, {"ünï", "x\"y"}});
+  std::map<std::string, std::string> meta;
+  const auto back = ampx::read_safetensors(path("all.safetensors"), &meta);
+  EXPECT_EQ(meta, (std::map<std::string, std::string>{{"a", "b"}, {"ünï", "x\"y"}}));
+  ASSERT_EQ(back.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    ASSERT_TRUE(back.count(name)) << name;
+    EXPECT_EQ(back.at(name).scalar_type(), t.scalar_type()) << name;
+    EXPECT_EQ(back.at(name).sizes(), t.sizes()) << name;
+    EXPECT_TRUE(torch::equal(back.at(name), t)) << name;
+  }
+}
+
+TEST_F(SafetensorsTest, ModulesGoOutAndComeBackWithBuffersAndConvertedDtypes) {
+  torch::manual_seed(4);
+  torch::nn::Sequential net(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8),
+                            torch::nn::Linear(8, 2));
+  net->train();
+  net->forward(torch::randn({16, 4}));  // running statistics move
+  ampx::save_safetensors(*net, path("net.safetensors"));
+  const auto names = ampx::read_safetensors(path("net.safetensors"));
+  EXPECT_TRUE(names.count("1.running_mean") && names.count("1.num_batches_tracked") &&
+              names.count("0.weight") && names.count("2.bias"));
+
+  torch::manual_seed(5);
+  torch::nn::Sequential other(torch::nn::Linear(4, 8), torch::nn::BatchNorm1d(8),
+                              torch::nn::Linear(8, 2));
+  ampx::load_safetensors(*other, path("net.safetensors"));
+  const auto a = net->named_parameters(), b = other->named_parameters();
+  for (const auto& p : a) EXPECT_TRUE(torch::equal(p.value(), b[p.key()])) << p.key();
+  EXPECT_TRUE(
+      torch::equal(net->named_buffers()["1.running_var"], other->named_buffers()["1.running_var"]));
+  // A bfloat16 file into a float32 module converts, as load_state_dict does.
+  std::map<std::string, torch::Tensor> low;
+  for (const auto& [name, t] : names) {
+    low[name] = t.is_floating_point() ? t.to(torch::kBFloat16) : t;
+  }
+  ampx::save_safetensors(low, path("bf16.safetensors"));
+  ampx::load_safetensors(*other, path("bf16.safetensors"));
+  EXPECT_TRUE(
+      torch::equal(other->named_parameters()["0.weight"], low["0.weight"].to(torch::kFloat)));
+}
+
+TEST_F(SafetensorsTest, LoadingIntoAModuleNamesWhatDoesNotFitAndChangesNothing) {
+  torch::nn::Linear small(4, 2), wide(4, 3);
+  torch::nn::Sequential two(torch::nn::Linear(4, 2));
+  ampx::save_safetensors(*small, path("small.safetensors"));
+  const auto before = wide->weight.clone();
+  std::string text;
+  try {
+    ampx::load_safetensors(*wide, path("small.safetensors"));
+  } catch (const c10::Error& e) {
+    text = e.what_without_backtrace();
+  }
+  EXPECT_THAT(text, HasSubstr("tensor 'bias' has shape [2] in the file and [3] in the module"));
+  EXPECT_TRUE(torch::equal(wide->weight, before));
+  try {
+    ampx::load_safetensors(*two, path("small.safetensors"));
+  } catch (const c10::Error& e) {
+    text = e.what_without_backtrace();
+  }
+  EXPECT_THAT(text, HasSubstr("does not fit this module: missing 0.bias, 0.weight; unexpected "
+                              "bias, weight;"));
+}
+
+// Each way a file from outside can be wrong: a clear error naming it, never a
+// crash or an allocation the file does not back.
+TEST_F(SafetensorsTest, BadFilesGetAnErrorSayingWhatIsWrong) {
+  const std::string ok = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  const std::string eight(8, '\x01');
+  EXPECT_EQ(error_of(file_with(ok, eight)), "");
+  {
+    std::ofstream(path("short"), std::ios::binary) << "abc";
+    EXPECT_THAT(error_of(path("short")), HasSubstr("shorter than its 8-byte header length"));
+  }
+  {
+    std::string huge(8, '\0');
+    const uint64_t n = uint64_t{1} << 40;
+    std::memcpy(huge.data(), &n, 8);
+    std::ofstream(path("huge"), std::ios::binary) << huge << ok;
+    EXPECT_THAT(error_of(path("huge")), HasSubstr("safetensors headers are at most 100000000"));
+  }
+  {
+    std::string cut(8, '\0');
+    const uint64_t n = ok.size() + 100;
+    std::memcpy(cut.data(), &n, 8);
+    std::ofstream(path("cut"), std::ios::binary) << cut << ok;
+    EXPECT_THAT(error_of(path("cut")), HasSubstr("is truncated: its header needs"));
+  }
+  EXPECT_THAT(
+      error_of(file_with(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})", eight)),
+      HasSubstr("expected '}'"));
+  EXPECT_THAT(error_of(file_with(R"({"w":{"dtype":"F32","shape":[2]}})", eight)),
+              HasSubstr("a tensor entry without dtype, shape and data_offsets"));
+  EXPECT_THAT(
+      error_of(file_with(R"({"w":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}})", eight)),
+      HasSubstr("tensor 'w' has dtype 'Q4', which ampx does not read"));
+  EXPECT_THAT(
+      error_of(file_with(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight)),
+      HasSubstr("needs 12 bytes, its data_offsets give 8"));
+  EXPECT_THAT(
+      error_of(file_with(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", eight)),
+      HasSubstr("outside the 8 bytes of data"));
+  EXPECT_THAT(error_of(file_with(ok, eight + "xx")),
+              HasSubstr("2 bytes after the last tensor's data belong to no tensor"));
+  EXPECT_THAT(error_of(file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                 R"("b":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})",
+                                 eight + "xx")),
+              HasSubstr("its tensors' data overlap at byte 2"));
+  EXPECT_THAT(error_of(file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                 R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                                 eight)),
+              HasSubstr("the header names 'a' twice"));
+  EXPECT_THAT(error_of(file_with(R"({"w":{"dtype":"F32","shape":[4611686018427387904,4],)"
+                                 R"("data_offsets":[0,8]}})",
+                                 eight)),
+              HasSubstr("has a shape larger than the file"));
+  EXPECT_THAT(error_of(file_with(R"({"w":{"dtype":"F32","shape":[99999999999999999999],)"
+                                 R"("data_offsets":[0,8]}})",
+                                 eight)),
+              HasSubstr("an integer too large"));
+  EXPECT_THAT(error_of(file_with(R"({"w\ud800":{}})", eight)),
+              HasSubstr("a lone high surrogate at byte 9"));
+  EXPECT_THAT(error_of(path("missing")), HasSubstr("cannot open"));
+}
+
+}  // namespace
