@@ -26,6 +26,9 @@
 //
 // Everything is ATen ops on the state's device: update() never syncs with the
 // host on CUDA.
+//
+// TensorScaling and LinearScaling (at the end) are the states an FP8 layer
+// keeps per role (input, weight, output gradient) under either recipe.
 
 #include "ampx/fp8/cast.h"
 
@@ -34,9 +37,15 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
 namespace serialize {
 class InputArchive;
 class OutputArchive;
@@ -44,6 +53,10 @@ class OutputArchive;
 }  // namespace torch
 
 namespace ampx {
+namespace dist {
+class ProcessGroup;
+}  // namespace dist
+
 namespace fp8 {
 
 /// TE's `recipe.Format`: which element format each pass uses.
@@ -180,6 +193,59 @@ class Recipe {
   bool delayed_ = true;
   DelayedScaling delayed_options_;
   CurrentScaling current_options_;
+};
+
+/// The scaling of one tensor role of an FP8 layer (its input, its weight or
+/// its output gradient) under the layer's recipe. Delayed scaling: the cast
+/// uses the scale the history of the steps before gives, and each cast's
+/// amax feeds the next. Current scaling: each cast uses its own amax; the
+/// tensors below then hold the last cast's amax, scale and scale_inv.
+class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
+ public:
+  TensorScaling(const Recipe& recipe, Pass pass, c10::Device device);
+
+  const Recipe& recipe() const { return recipe_; }
+  Fp8Format format() const { return format_; }
+  /// The delayed-scaling state; throws c10::Error under current scaling.
+  DelayedScalingState& delayed_state();
+  /// float32 [1]. Delayed: the scale the next cast uses. Current: the last cast's.
+  const at::Tensor& scale() const;
+  const at::Tensor& scale_inv() const;
+  /// float32 [1]: the amax of the last recorded cast (after the amax
+  /// reduction, where there is one); 0 before the first.
+  const at::Tensor& last_amax() const { return last_amax_; }
+  /// The tensors that make up the state, by name suffix (for module buffers):
+  /// delayed: amax_history, scale, scale_inv; current: amax, scale, scale_inv.
+  std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+
+  /// Casts x (any floating dtype) with this role's scale: one-byte codes and
+  /// the scale_inv they decode with. When `record`, the amax of x is
+  /// recorded: at once, or, while `group` is set, at the next reduction
+  /// (see Fp8AutocastOptions::amax_reduction_group in ampx/fp8/autocast.h).
+  struct Cast {
+    at::Tensor codes;
+    at::Tensor scale_inv;
+  };
+  Cast cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group);
+  /// Records an amax: delayed scaling updates the history and the next scale.
+  void record(const at::Tensor& amax);
+
+ private:
+  Recipe recipe_;
+  Fp8Format format_;
+  std::unique_ptr<DelayedScalingState> delayed_;
+  at::Tensor last_amax_, scale_, scale_inv_;  // current scaling (scale_: delayed's own)
+};
+
+/// The three roles of an FP8 linear layer, all under one recipe.
+struct LinearScaling {
+  LinearScaling(const Recipe& recipe, c10::Device device);
+  Recipe recipe;
+  std::shared_ptr<TensorScaling> input, weight, grad_output;
+  /// Registers every state tensor as a buffer of `module`, named
+  /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"), so that
+  /// torch::save/load and .to(device) carry them.
+  void register_buffers(torch::nn::Module& module, const std::string& prefix) const;
 };
 
 }  // namespace fp8
