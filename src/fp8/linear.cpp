@@ -23,12 +23,8 @@ namespace {
 
 // ---- the matrix products ---------------------------------------------------
 
-struct Fp8Operand {
-  at::Tensor codes;  // uint8
-  Fp8Format format;
-  at::Tensor scale_inv;
-  at::Tensor value() const { return dequantize(codes, format, scale_inv, at::kFloat); }
-};
+// The operands are Fp8Tensors (codes, scale_inv, format); the emulation
+// multiplies their float32 values.
 
 std::atomic<int64_t> g_scaled_mm_calls{0};
 
@@ -36,7 +32,7 @@ std::atomic<int64_t> g_scaled_mm_calls{0};
 // a [M, K] times b [N, K] transposed on FP8 tensor cores, float32 result;
 // undefined where the device or the shapes do not allow it (then the caller
 // emulates). PyTorch wants a row-major, b^T column-major, every dim % 16.
-at::Tensor scaled_mm_nt(const Fp8Operand& a, const Fp8Operand& b) {
+at::Tensor scaled_mm_nt(const Fp8Tensor& a, const Fp8Tensor& b) {
   static std::atomic<bool> refused{false};
   if (!a.codes.is_cuda() || refused.load() || a.codes.size(0) % 16 || a.codes.size(1) % 16 ||
       b.codes.size(0) % 16 || (a.format == Fp8Format::kE5M2 && b.format == Fp8Format::kE5M2)) {
@@ -59,32 +55,32 @@ at::Tensor scaled_mm_nt(const Fp8Operand& a, const Fp8Operand& b) {
   }
 }
 #else
-at::Tensor scaled_mm_nt(const Fp8Operand&, const Fp8Operand&) {
+at::Tensor scaled_mm_nt(const Fp8Tensor&, const Fp8Tensor&) {
   return {};
 }
 #endif
 
 // y [N, out] = x [N, in] . w [out, in]^T
-at::Tensor forward_product(const Fp8Operand& x, const Fp8Operand& w) {
+at::Tensor forward_product(const Fp8Tensor& x, const Fp8Tensor& w) {
   at::Tensor y = scaled_mm_nt(x, w);
-  return y.defined() ? y : at::mm(x.value(), w.value().t());
+  return y.defined() ? y : at::mm(x.dequantize(), w.dequantize().t());
 }
 
 // grad_x [N, in] = g [N, out] . w [out, in]
-at::Tensor input_grad_product(const Fp8Operand& g, const Fp8Operand& w) {
+at::Tensor input_grad_product(const Fp8Tensor& g, const Fp8Tensor& w) {
   at::Tensor y;
-  if (g.codes.is_cuda()) y = scaled_mm_nt(g, {w.codes.t().contiguous(), w.format, w.scale_inv});
-  return y.defined() ? y : at::mm(g.value(), w.value());
+  if (g.codes.is_cuda()) y = scaled_mm_nt(g, {w.codes.t().contiguous(), w.scale_inv, w.format});
+  return y.defined() ? y : at::mm(g.dequantize(), w.dequantize());
 }
 
 // grad_w [out, in] = g [N, out]^T . x [N, in]
-at::Tensor weight_grad_product(const Fp8Operand& g, const Fp8Operand& x) {
+at::Tensor weight_grad_product(const Fp8Tensor& g, const Fp8Tensor& x) {
   at::Tensor y;
   if (g.codes.is_cuda()) {
-    y = scaled_mm_nt({g.codes.t().contiguous(), g.format, g.scale_inv},
-                     {x.codes.t().contiguous(), x.format, x.scale_inv});
+    y = scaled_mm_nt({g.codes.t().contiguous(), g.scale_inv, g.format},
+                     {x.codes.t().contiguous(), x.scale_inv, x.format});
   }
-  return y.defined() ? y : g.value().t().mm(x.value());
+  return y.defined() ? y : g.dequantize().t().mm(x.dequantize());
 }
 
 // ---- the autograd function ---------------------------------------------------
@@ -110,11 +106,9 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    const auto xc = scaling->input->cast(x2, record, group);
-    const auto wc = scaling->weight->cast(weight, record, group);
-    const Fp8Operand xo{xc.codes, scaling->input->format(), xc.scale_inv};
-    const Fp8Operand wo{wc.codes, scaling->weight->format(), wc.scale_inv};
-    at::Tensor y = forward_product(xo, wo);
+    const Fp8Tensor xc = scaling->input->cast(x2, record, group);
+    const Fp8Tensor wc = scaling->weight->cast(weight, record, group);
+    at::Tensor y = forward_product(xc, wc);
     if (bias.defined()) y = y + bias.to(at::kFloat);
     ctx->save_for_backward({xc.codes, wc.codes, xc.scale_inv, wc.scale_inv});
     ctx->saved_data["scaling"] =
@@ -136,11 +130,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
         reinterpret_cast<const dist::ProcessGroup*>(ctx->saved_data["group"].toInt());
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
-    const Fp8Operand xo{saved[0], scaling->input->format(), saved[2]};
-    const Fp8Operand wo{saved[1], scaling->weight->format(), saved[3]};
+    const Fp8Tensor xo{saved[0], saved[2], scaling->input->format()};
+    const Fp8Tensor wo{saved[1], saved[3], scaling->weight->format()};
     const at::Tensor g = grads[0].reshape({-1, wo.codes.size(0)}).to(at::kFloat);
-    const auto gc = scaling->grad_output->cast(g, /*record=*/true, group);
-    const Fp8Operand go{gc.codes, scaling->grad_output->format(), gc.scale_inv};
+    const Fp8Tensor go = scaling->grad_output->cast(g, /*record=*/true, group);
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());

@@ -53,14 +53,14 @@ const char* role_name(int i) {
 
 }  // namespace
 
-Fp8Format format_for(RecipeFormat recipe_format, Pass pass) {
+Fp8Format format_for(RecipeFormat recipe_format, Direction pass) {
   switch (recipe_format) {
     case RecipeFormat::kE4M3:
       return Fp8Format::kE4M3;
     case RecipeFormat::kE5M2:
       return Fp8Format::kE5M2;
     case RecipeFormat::kHybrid:
-      return pass == Pass::kForward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+      return pass == Direction::kForward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
   }
   return Fp8Format::kE4M3;
 }
@@ -77,7 +77,7 @@ void DelayedScaling::validate() const {
   TORCH_CHECK(margin_ >= 0, "DelayedScaling: margin must be >= 0, got ", margin_);
 }
 
-DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Pass pass,
+DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Direction pass,
                                          c10::Device device)
     : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
   recipe_.validate();
@@ -179,12 +179,12 @@ at::Tensor current_scale(const at::Tensor& amax, Fp8Format format, const Current
   return at::where(usable, scale, full1(a, 1.0f)).reshape(amax.sizes());
 }
 
-CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Pass pass) {
+CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Direction pass) {
   recipe.validate();
   const Fp8Format format = format_for(recipe.fp8_format(), pass);
   const at::Tensor scale = current_scale(compute_amax(x), format, recipe);
   const at::Tensor scale_inv = full1(scale, 1.0f).div(scale);
-  return {quantize(x, format, scale), scale, scale_inv, format};
+  return {{quantize(x, format, scale), scale_inv, format}, scale};
 }
 
 Recipe::Recipe(const DelayedScaling& delayed) : delayed_(true), delayed_options_(delayed) {}
@@ -233,7 +233,7 @@ std::string Recipe::to_string() const {
 
 // ---- TensorScaling -------------------------------------------------------------
 
-TensorScaling::TensorScaling(const Recipe& recipe, Pass pass, c10::Device device)
+TensorScaling::TensorScaling(const Recipe& recipe, Direction pass, c10::Device device)
     : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
   recipe_.validate();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
@@ -269,8 +269,7 @@ std::vector<std::pair<std::string, at::Tensor>> TensorScaling::state_tensors() c
   return {{"amax", last_amax_}, {"scale", scale_}, {"scale_inv", scale_inv_}};
 }
 
-TensorScaling::Cast TensorScaling::cast(const at::Tensor& x, bool record,
-                                        const dist::ProcessGroup* group) {
+Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group) {
   at::NoGradGuard no_grad;
   if (!delayed_) {
     TORCH_CHECK(group == nullptr,
@@ -285,11 +284,11 @@ TensorScaling::Cast TensorScaling::cast(const at::Tensor& x, bool record,
       scale_.copy_(scale);
       scale_inv_.copy_(scale_inv);
     }
-    return {quantize(x, format_, scale), scale_inv};
+    return {quantize(x, format_, scale), scale_inv, format_};
   }
   // The scale of the steps before; clone scale_inv: the update below (or a
   // later one, before backward reads it) writes the state in place.
-  Cast out{quantize(x, format_, delayed_->scale()), delayed_->scale_inv().clone()};
+  Fp8Tensor out{quantize(x, format_, delayed_->scale()), delayed_->scale_inv().clone(), format_};
   if (record) {
     at::Tensor amax = compute_amax(x);
     if (group == nullptr) {
@@ -314,9 +313,9 @@ void TensorScaling::record(const at::Tensor& amax) {
 
 LinearScaling::LinearScaling(const Recipe& recipe_, c10::Device device)
     : recipe(recipe_),
-      input(std::make_shared<TensorScaling>(recipe_, Pass::kForward, device)),
-      weight(std::make_shared<TensorScaling>(recipe_, Pass::kForward, device)),
-      grad_output(std::make_shared<TensorScaling>(recipe_, Pass::kBackward, device)) {}
+      input(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
+      weight(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
+      grad_output(std::make_shared<TensorScaling>(recipe_, Direction::kBackward, device)) {}
 
 void LinearScaling::register_buffers(torch::nn::Module& module, const std::string& prefix) const {
   const TensorScaling* roles[] = {input.get(), weight.get(), grad_output.get()};
