@@ -362,6 +362,7 @@ int run_fp8(const std::string& scenario, const std::string& out,
     {
       ampx::fp8::Fp8AutocastGuard fp8(region);
       loss = torch::mse_loss(model->forward(batch.first).to(torch::kFloat), batch.second);
+      fp8.finish();
     }
     loss.backward();
     ddp.synchronize();

@@ -249,6 +249,18 @@ TEST(Fp8CastTest, ScaleMultipliesInFloat32BeforeTheCast) {
   }
 }
 
+TEST(Fp8CastTest, Fp8TensorHoldsTheCodesTheirScaleInvAndFormat) {
+  const auto x = torch::tensor({1.0f, 300.0f, 1000.0f, -0.0f, 0.01f});
+  const auto scale = torch::full({1}, 0.5f);
+  const auto t = ampx::fp8::Fp8Tensor::quantize(x, Fp8Format::kE5M2, scale);
+  EXPECT_EQ(t.format, Fp8Format::kE5M2);
+  EXPECT_TRUE(torch::equal(t.codes, ampx::fp8::quantize(x, Fp8Format::kE5M2, scale)));
+  EXPECT_EQ(t.scale_inv.item<float>(), 2.0f);
+  EXPECT_TRUE(torch::equal(
+      t.dequantize(torch::kBFloat16),
+      ampx::fp8::dequantize(t.codes, Fp8Format::kE5M2, t.scale_inv, torch::kBFloat16)));
+}
+
 TEST(Fp8CastTest, RoundToFp8KeepsTheDtypeAndWidensBf16AndFp16Exactly) {
   const auto x = torch::randn({3, 5, 7}) * 100;
   for (Fp8Format f : kFormats) {

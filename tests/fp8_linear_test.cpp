@@ -91,6 +91,28 @@ TEST(Fp8LinearTest, OutsideTheRegionItIsAPlainLinear) {
   EXPECT_EQ(fresh->input_state().scale().item<float>(), 1.0f);
 }
 
+TEST(Fp8LinearTest, FinishEndsTheRegionOnceAndOnlyTheInnermost) {
+  Fp8AutocastGuard outer;
+  {
+    Fp8AutocastGuard inner(false);
+    try {
+      outer.finish();
+      ADD_FAILURE() << "finish() on a region with a live inner one did not throw";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("is not the innermost one of this thread"),
+                std::string::npos);
+    }
+    EXPECT_FALSE(is_fp8_enabled());
+    inner.finish();
+    EXPECT_TRUE(is_fp8_enabled());
+    inner.finish();  // a second call does nothing
+    EXPECT_TRUE(is_fp8_enabled());
+  }  // the destructor of a finished region leaves the state alone
+  EXPECT_TRUE(is_fp8_enabled());
+  outer.finish();
+  EXPECT_FALSE(is_fp8_enabled());
+}
+
 TEST(Fp8LinearTest, OutputDtypeFollowsAutocastOrTheOption) {
   Linear fc(8, 4);
   Linear wide(LinearOptions(8, 4).output_dtype(torch::kFloat));

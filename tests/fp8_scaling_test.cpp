@@ -15,17 +15,16 @@
 
 namespace {
 
+using ampx::Direction;
 using ampx::fp8::AmaxComputeAlgo;
 using ampx::fp8::CurrentScaling;
 using ampx::fp8::DelayedScaling;
 using ampx::fp8::DelayedScalingState;
 using ampx::fp8::Fp8Format;
-using ampx::fp8::Pass;
 using ampx::fp8::RecipeFormat;
-using ::testing::HasSubstr;
 using ampx::test::from_bits;
 using ampx::test::to_bits;
-
+using ::testing::HasSubstr;
 
 torch::Tensor amax1(float a) {
   return torch::full({1}, a);
@@ -51,10 +50,10 @@ TEST(Fp8ScalingTest, DefaultsAreTransformerEngines) {
   EXPECT_FALSE(c.power_2_scale());
   EXPECT_EQ(c.amax_epsilon(), 0.0);
   // HYBRID: E4M3 forward, E5M2 backward.
-  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kHybrid, Pass::kForward), Fp8Format::kE4M3);
-  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kHybrid, Pass::kBackward), Fp8Format::kE5M2);
-  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kE4M3, Pass::kBackward), Fp8Format::kE4M3);
-  const DelayedScalingState s(d, Pass::kBackward);
+  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kHybrid, Direction::kForward), Fp8Format::kE4M3);
+  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kHybrid, Direction::kBackward), Fp8Format::kE5M2);
+  EXPECT_EQ(ampx::fp8::format_for(RecipeFormat::kE4M3, Direction::kBackward), Fp8Format::kE4M3);
+  const DelayedScalingState s(d, Direction::kBackward);
   EXPECT_EQ(s.format(), Fp8Format::kE5M2);
   EXPECT_EQ(scale_of(s), 1.0f);
   EXPECT_EQ(s.scale_inv().item<float>(), 1.0f);
@@ -64,21 +63,21 @@ TEST(Fp8ScalingTest, DefaultsAreTransformerEngines) {
 
 TEST(Fp8ScalingTest, PureE5M2IsRefusedAsTransformerEngineRefusesIt) {
   const auto e5m2 = DelayedScaling().fp8_format(RecipeFormat::kE5M2);
-  EXPECT_EQ(ampx::test::error_text([&] { DelayedScalingState s(e5m2, Pass::kForward); }),
+  EXPECT_EQ(ampx::test::error_text([&] { DelayedScalingState s(e5m2, Direction::kForward); }),
             "DelayedScaling: pure E5M2 training is not supported (fp8_format must be E4M3 or "
             "HYBRID)");
   EXPECT_EQ(ampx::test::error_text([] {
               (void)ampx::fp8::quantize_current(torch::ones({2}),
                                                 CurrentScaling().fp8_format(RecipeFormat::kE5M2),
-                                                Pass::kBackward);
+                                                Direction::kBackward);
             }),
             "CurrentScaling: pure E5M2 training is not supported (fp8_format must be E4M3 or "
             "HYBRID)");
   // Pure E4M3 is allowed.
-  DelayedScalingState s(DelayedScaling().fp8_format(RecipeFormat::kE4M3), Pass::kBackward);
+  DelayedScalingState s(DelayedScaling().fp8_format(RecipeFormat::kE4M3), Direction::kBackward);
   EXPECT_EQ(s.format(), Fp8Format::kE4M3);
   EXPECT_THAT(ampx::test::error_text([] {
-                DelayedScalingState(DelayedScaling().amax_history_len(0), Pass::kForward);
+                DelayedScalingState(DelayedScaling().amax_history_len(0), Direction::kForward);
               }),
               HasSubstr("DelayedScaling: amax_history_len must be >= 1, got 0"));
 }
@@ -87,7 +86,7 @@ TEST(Fp8ScalingTest, PureE5M2IsRefusedAsTransformerEngineRefusesIt) {
 // last L amaxes. E4M3, L = 3, max: scale = 448 / max(window).
 TEST(Fp8ScalingTest, HistoryRollsAndMaxTakesTheWindowsLargest) {
   DelayedScalingState s(DelayedScaling().amax_history_len(3).fp8_format(RecipeFormat::kE4M3),
-                        Pass::kForward);
+                        Direction::kForward);
   s.update(amax1(2.0f));  // window {0, 0, 2}
   EXPECT_EQ(history_of(s), (std::vector<float>{0, 0, 2}));
   EXPECT_EQ(scale_of(s), 224.0f);  // 448 / 2
@@ -109,7 +108,7 @@ TEST(Fp8ScalingTest, HistoryRollsAndMaxTakesTheWindowsLargest) {
 TEST(Fp8ScalingTest, MostRecentFollowsTheLastAmaxOnly) {
   DelayedScalingState s(
       DelayedScaling().amax_history_len(3).amax_compute_algo(AmaxComputeAlgo::kMostRecent),
-      Pass::kBackward);  // HYBRID backward: E5M2, max 57344
+      Direction::kBackward);  // HYBRID backward: E5M2, max 57344
   s.update(amax1(8.0f));
   EXPECT_EQ(scale_of(s), 7168.0f);  // 57344 / 8
   s.update(amax1(0.5f));
@@ -119,7 +118,7 @@ TEST(Fp8ScalingTest, MostRecentFollowsTheLastAmaxOnly) {
 
 TEST(Fp8ScalingTest, MarginDividesTheScaleByTwoToTheMargin) {
   for (int64_t margin : {0, 1, 3}) {
-    DelayedScalingState s(DelayedScaling().margin(margin).amax_history_len(4), Pass::kForward);
+    DelayedScalingState s(DelayedScaling().margin(margin).amax_history_len(4), Direction::kForward);
     s.update(amax1(3.0f));
     EXPECT_EQ(scale_of(s), 448.0f / std::ldexp(1.0f, static_cast<int>(margin)) / 3.0f)
         << "margin " << margin;
@@ -128,7 +127,7 @@ TEST(Fp8ScalingTest, MarginDividesTheScaleByTwoToTheMargin) {
 }
 
 TEST(Fp8ScalingTest, ZeroAmaxChangesNothingAndNonFiniteAmaxKeepsTheScale) {
-  DelayedScalingState s(DelayedScaling().amax_history_len(2), Pass::kForward);
+  DelayedScalingState s(DelayedScaling().amax_history_len(2), Direction::kForward);
   s.update(amax1(4.0f));
   EXPECT_EQ(scale_of(s), 112.0f);
   const auto before = history_of(s);
@@ -150,7 +149,7 @@ TEST(Fp8ScalingTest, ZeroAmaxChangesNothingAndNonFiniteAmaxKeepsTheScale) {
   // most_recent: a NaN or inf amax keeps the previous scale.
   DelayedScalingState r(
       DelayedScaling().amax_history_len(2).amax_compute_algo(AmaxComputeAlgo::kMostRecent),
-      Pass::kForward);
+      Direction::kForward);
   r.update(amax1(8.0f));
   r.update(amax1(NAN));
   EXPECT_EQ(scale_of(r), 56.0f);
@@ -172,7 +171,7 @@ TEST(Fp8ScalingTest, DelayedScalingMatchesTeRuleRestatedInPython) {
                             .margin(c["margin"].get<int64_t>())
                             .amax_compute_algo(c["algo"] == "max" ? AmaxComputeAlgo::kMax
                                                                   : AmaxComputeAlgo::kMostRecent);
-    const Pass pass = c["format"] == "e4m3" ? Pass::kForward : Pass::kBackward;
+    const Direction pass = c["format"] == "e4m3" ? Direction::kForward : Direction::kBackward;
     DelayedScalingState s(recipe, pass);
     const auto& amaxes = c["amax"];
     const auto& steps = c["steps"];
@@ -216,20 +215,21 @@ TEST(Fp8ScalingTest, CurrentScaleMatchesTeComputeScaleFromAmax) {
 
 TEST(Fp8ScalingTest, CurrentScalingMapsTheTensorsAmaxToTheFormatsMax) {
   const auto x = torch::tensor({0.5f, -3.0f, 1.25f, 0.0f});
-  const auto q = ampx::fp8::quantize_current(x, CurrentScaling(), Pass::kForward);
+  const auto q = ampx::fp8::quantize_current(x, CurrentScaling(), Direction::kForward);
   EXPECT_EQ(q.format, Fp8Format::kE4M3);
   EXPECT_EQ(q.scale.item<float>(), 448.0f / 3.0f);
   EXPECT_EQ(q.scale_inv.item<float>(), 1.0f / (448.0f / 3.0f));
   EXPECT_EQ(q.codes[1].item<int>(), 0xFE);  // -448
-  const auto g = ampx::fp8::quantize_current(x, CurrentScaling(), Pass::kBackward);
+  const auto g = ampx::fp8::quantize_current(x, CurrentScaling(), Direction::kBackward);
   EXPECT_EQ(g.format, Fp8Format::kE5M2);
   EXPECT_EQ(g.codes[1].item<int>(), 0xFB);  // -57344
   // All zeros: scale 1, as TE.
-  const auto z = ampx::fp8::quantize_current(torch::zeros({3}), CurrentScaling(), Pass::kForward);
+  const auto z =
+      ampx::fp8::quantize_current(torch::zeros({3}), CurrentScaling(), Direction::kForward);
   EXPECT_EQ(z.scale.item<float>(), 1.0f);
   // Power-of-two scales round down: 448 / 3 = 149.33 -> 128.
   const auto p =
-      ampx::fp8::quantize_current(x, CurrentScaling().power_2_scale(true), Pass::kForward);
+      ampx::fp8::quantize_current(x, CurrentScaling().power_2_scale(true), Direction::kForward);
   EXPECT_EQ(p.scale.item<float>(), 128.0f);
 }
 
@@ -250,10 +250,10 @@ void load_state(DelayedScalingState& s, const std::string& bytes) {
 
 TEST(Fp8ScalingTest, StateRoundTripsBitwiseAndContinuesIdentically) {
   const auto recipe = DelayedScaling().amax_history_len(5).margin(1);
-  DelayedScalingState a(recipe, Pass::kForward);
+  DelayedScalingState a(recipe, Direction::kForward);
   for (float v : {3.0f, 0.1f, 7.7f, NAN, 1e-30f, 2.5f}) a.update(amax1(v));
   const std::string bytes = save_state(a);
-  DelayedScalingState b(recipe, Pass::kForward);
+  DelayedScalingState b(recipe, Direction::kForward);
   load_state(b, bytes);
   auto same_bits = [](const torch::Tensor& x, const torch::Tensor& y) {
     return x.view(torch::kInt).equal(y.view(torch::kInt));
@@ -268,11 +268,11 @@ TEST(Fp8ScalingTest, StateRoundTripsBitwiseAndContinuesIdentically) {
     EXPECT_TRUE(same_bits(a.amax_history(), b.amax_history()));
   }
   // A state saved under another recipe is not silently taken.
-  DelayedScalingState other(DelayedScaling().amax_history_len(4).margin(1), Pass::kForward);
+  DelayedScalingState other(DelayedScaling().amax_history_len(4).margin(1), Direction::kForward);
   EXPECT_THAT(ampx::test::error_text([&] { load_state(other, bytes); }),
               HasSubstr("DelayedScalingState.load: the saved amax history has 5 entries but this "
                         "recipe's amax_history_len is 4"));
-  DelayedScalingState backward(recipe, Pass::kBackward);
+  DelayedScalingState backward(recipe, Direction::kBackward);
   EXPECT_THAT(
       ampx::test::error_text([&] { load_state(backward, bytes); }),
       HasSubstr("DelayedScalingState.load: the saved state is e4m3 but this state is e5m2"));
@@ -283,8 +283,8 @@ TEST(Fp8ScalingTest, CudaUpdateMatchesCpuWithoutLeavingTheDevice) {
     GTEST_SKIP() << "CUDA not available";
   }
   const auto recipe = DelayedScaling().amax_history_len(4);
-  DelayedScalingState cpu(recipe, Pass::kForward);
-  DelayedScalingState cuda(recipe, Pass::kForward, torch::Device(torch::kCUDA));
+  DelayedScalingState cpu(recipe, Direction::kForward);
+  DelayedScalingState cuda(recipe, Direction::kForward, torch::Device(torch::kCUDA));
   for (float v : {3.0f, 0.0f, INFINITY, 0.25f, NAN, 1e-42f, 9.0f}) {
     cpu.update(amax1(v));
     cuda.update(amax1(v).cuda());

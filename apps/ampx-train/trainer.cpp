@@ -75,10 +75,12 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
 
 torch::Tensor ModeSetUp::model_output(const torch::Tensor& input) {
   // TE's fp8_autocast around the model's forward: the amaxes of its casts
-  // are reduced over the group when it ends (the backward's when that ends).
+  // are reduced over the group by finish() (the backward's when that ends).
   std::optional<ampx::fp8::Fp8AutocastGuard> region;
   if (fp8) region.emplace(ampx::fp8::Fp8AutocastOptions().amax_reduction_group(fp8_group));
-  return net.forward(amp->cast_input(input));
+  torch::Tensor output = net.forward(amp->cast_input(input));
+  if (region) region->finish();
+  return output;
 }
 
 torch::Tensor ModeSetUp::forward(const torch::Tensor& input) {

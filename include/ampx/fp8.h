@@ -2,10 +2,15 @@
 
 // FP8 (8-bit floating point) training support, after NVIDIA Transformer Engine:
 //   ampx/fp8/cast.h     E4M3 / E5M2 codes: quantize, dequantize, round_to_fp8
-//   ampx/fp8/scaling.h  DelayedScaling and CurrentScaling recipes
-//   ampx/fp8/linear.h   fp8::Linear, Fp8AutocastGuard, model conversion
+//   ampx/fp8/scaling.h  DelayedScaling and CurrentScaling recipes, the per-role
+//                       scaling states of a layer (TensorScaling, LinearScaling)
+//   ampx/fp8/autocast.h Fp8AutocastGuard: the region, and its amax reduction
+//   ampx/fp8/convert.h  convert_linears: torch::nn::Linear layers to FP8 in place
+//   ampx/fp8/linear.h   fp8::Linear (includes autocast.h and convert.h)
 // See docs/fp8.md for what exists, where it differs from TE, and what is next.
 
+#include "ampx/fp8/autocast.h"
 #include "ampx/fp8/cast.h"
-#include "ampx/fp8/scaling.h"
+#include "ampx/fp8/convert.h"
 #include "ampx/fp8/linear.h"
+#include "ampx/fp8/scaling.h"

@@ -45,10 +45,6 @@ std::vector<int64_t> unravel(int64_t flat, const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-std::string to_string(Direction direction) {
-  return direction == Direction::kForward ? "forward" : "backward";
-}
-
 bool NonFiniteReport::propagated() const {
   return std::any_of(inputs.begin(), inputs.end(),
                      [](const TensorSummary& s) { return s.non_finite > 0 && !s.written; });

@@ -1,4 +1,5 @@
 #include "ampx/fp8/cast.h"
+#include "../float_formats.h"
 #include "../kernels/function_args.h"
 
 #include <ATen/Parallel.h>
@@ -13,11 +14,17 @@ namespace ampx {
 namespace fp8 {
 namespace {
 
-// Elements per parallel_for task: a cast is a few integer ops per element.
+// The constants are the shared table's (src/float_formats.h); NaN is 0x7F
+// (0xFF with the sign) in both formats, as PyTorch writes it.
+constexpr Fp8Limits fp8_limits(const char* name, const ampx::detail::FloatFormatSpec& spec) {
+  return Fp8Limits{
+      name,     spec.exponent_bits, spec.mantissa_bits,   spec.bias,
+      spec.max, spec.min_normal(),  spec.min_subnormal(), static_cast<uint8_t>(spec.max_bits()),
+      0x7F};
+}
 
-const Fp8Limits kE4M3{"e4m3", 4, 3, 7, 448.0f, 0.015625f, 0.001953125f, 0x7E, 0x7F};
-const Fp8Limits kE5M2{"e5m2", 5,   2, 15, 57344.0f, 0.00006103515625f, 0.0000152587890625f,
-                      0x7B,   0x7F};
+const Fp8Limits kE4M3Limits = fp8_limits("e4m3", ampx::detail::kE4M3);
+const Fp8Limits kE5M2Limits = fp8_limits("e5m2", ampx::detail::kE5M2);
 
 uint32_t bits_of(float f) {
   uint32_t u;
@@ -84,8 +91,8 @@ std::array<float, 256> make_decode_table(const Fp8Limits& f) {
 }
 
 const std::array<float, 256>& decode_table(Fp8Format format) {
-  static const std::array<float, 256> e4m3 = make_decode_table(kE4M3);
-  static const std::array<float, 256> e5m2 = make_decode_table(kE5M2);
+  static const std::array<float, 256> e4m3 = make_decode_table(kE4M3Limits);
+  static const std::array<float, 256> e5m2 = make_decode_table(kE5M2Limits);
   return format == Fp8Format::kE4M3 ? e4m3 : e5m2;
 }
 
@@ -139,7 +146,7 @@ at::Tensor quantize_on_device(const at::Tensor& x, Fp8Format format, const at::T
 }  // namespace
 
 const Fp8Limits& limits(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? kE4M3 : kE5M2;
+  return format == Fp8Format::kE4M3 ? kE4M3Limits : kE5M2Limits;
 }
 
 std::string to_string(Fp8Format format) {
@@ -169,6 +176,15 @@ at::Tensor quantize(const at::Tensor& x, Fp8Format format, const at::Tensor& sca
 
 at::Tensor dequantize(const at::Tensor& codes, Fp8Format format, const at::Tensor& scale_inv,
                       c10::ScalarType out_dtype) {
+  return Fp8Tensor{codes, scale_inv, format}.dequantize(out_dtype);
+}
+
+Fp8Tensor Fp8Tensor::quantize(const at::Tensor& x, Fp8Format format, const at::Tensor& scale) {
+  at::Tensor codes = fp8::quantize(x, format, scale);  // checks scale: float32, one element
+  return {std::move(codes), at::ones_like(scale).div(scale), format};
+}
+
+at::Tensor Fp8Tensor::dequantize(c10::ScalarType out_dtype) const {
   TORCH_CHECK(codes.scalar_type() == at::kByte, "ampx::fp8::dequantize: codes must be uint8, got ",
               codes.scalar_type());
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf,

@@ -1,5 +1,8 @@
 #include "ampx/fp8/scaling.h"
+#include "autocast_internal.h"
 
+#include <ATen/core/grad_mode.h>
+#include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
 #include <torch/torch.h>
 
@@ -43,16 +46,21 @@ T read_value(torch::serialize::InputArchive& archive, const std::string& key) {
   return v.to<T>();
 }
 
+const char* role_name(int i) {
+  static const char* names[] = {"input", "weight", "grad_output"};
+  return names[i];
+}
+
 }  // namespace
 
-Fp8Format format_for(RecipeFormat recipe_format, Pass pass) {
+Fp8Format format_for(RecipeFormat recipe_format, Direction pass) {
   switch (recipe_format) {
     case RecipeFormat::kE4M3:
       return Fp8Format::kE4M3;
     case RecipeFormat::kE5M2:
       return Fp8Format::kE5M2;
     case RecipeFormat::kHybrid:
-      return pass == Pass::kForward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
+      return pass == Direction::kForward ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
   }
   return Fp8Format::kE4M3;
 }
@@ -69,7 +77,7 @@ void DelayedScaling::validate() const {
   TORCH_CHECK(margin_ >= 0, "DelayedScaling: margin must be >= 0, got ", margin_);
 }
 
-DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Pass pass,
+DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Direction pass,
                                          c10::Device device)
     : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
   recipe_.validate();
@@ -171,12 +179,12 @@ at::Tensor current_scale(const at::Tensor& amax, Fp8Format format, const Current
   return at::where(usable, scale, full1(a, 1.0f)).reshape(amax.sizes());
 }
 
-CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Pass pass) {
+CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Direction pass) {
   recipe.validate();
   const Fp8Format format = format_for(recipe.fp8_format(), pass);
   const at::Tensor scale = current_scale(compute_amax(x), format, recipe);
   const at::Tensor scale_inv = full1(scale, 1.0f).div(scale);
-  return {quantize(x, format, scale), scale, scale_inv, format};
+  return {{quantize(x, format, scale), scale_inv, format}, scale};
 }
 
 Recipe::Recipe(const DelayedScaling& delayed) : delayed_(true), delayed_options_(delayed) {}
@@ -221,6 +229,101 @@ std::string Recipe::to_string() const {
     s << ")";
   }
   return s.str();
+}
+
+// ---- TensorScaling -------------------------------------------------------------
+
+TensorScaling::TensorScaling(const Recipe& recipe, Direction pass, c10::Device device)
+    : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
+  recipe_.validate();
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
+  last_amax_ = at::zeros({1}, options);
+  if (recipe_.is_delayed()) {
+    delayed_ = std::make_unique<DelayedScalingState>(recipe_.delayed(), pass, device);
+  } else {
+    scale_ = at::ones({1}, options);
+    scale_inv_ = at::ones({1}, options);
+  }
+}
+
+DelayedScalingState& TensorScaling::delayed_state() {
+  TORCH_CHECK(delayed_ != nullptr, "ampx::fp8: this layer's recipe is ", recipe_.to_string(),
+              ", which has no delayed-scaling state");
+  return *delayed_;
+}
+
+const at::Tensor& TensorScaling::scale() const {
+  return delayed_ ? delayed_->scale() : scale_;
+}
+
+const at::Tensor& TensorScaling::scale_inv() const {
+  return delayed_ ? delayed_->scale_inv() : scale_inv_;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> TensorScaling::state_tensors() const {
+  if (delayed_) {
+    return {{"amax_history", delayed_->amax_history()},
+            {"scale", delayed_->scale()},
+            {"scale_inv", delayed_->scale_inv()}};
+  }
+  return {{"amax", last_amax_}, {"scale", scale_}, {"scale_inv", scale_inv_}};
+}
+
+Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group) {
+  at::NoGradGuard no_grad;
+  if (!delayed_) {
+    TORCH_CHECK(group == nullptr,
+                "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
+                "recipe is ",
+                recipe_.to_string(), " (each tensor is cast with its own amax)");
+    const at::Tensor amax = compute_amax(x);
+    const at::Tensor scale = current_scale(amax, format_, recipe_.current());
+    const at::Tensor scale_inv = at::ones_like(scale).div(scale);
+    if (record) {
+      last_amax_.copy_(amax);
+      scale_.copy_(scale);
+      scale_inv_.copy_(scale_inv);
+    }
+    return {quantize(x, format_, scale), scale_inv, format_};
+  }
+  // The scale of the steps before; clone scale_inv: the update below (or a
+  // later one, before backward reads it) writes the state in place.
+  Fp8Tensor out{quantize(x, format_, delayed_->scale()), delayed_->scale_inv().clone(), format_};
+  if (record) {
+    at::Tensor amax = compute_amax(x);
+    if (group == nullptr) {
+      this->record(amax);
+    } else {
+      detail::defer_amax(shared_from_this(), std::move(amax), group);
+    }
+  }
+  return out;
+}
+
+void TensorScaling::record(const at::Tensor& amax) {
+  at::NoGradGuard no_grad;
+  // Under delayed scaling last_amax_ is no module buffer (the history is), so
+  // it stays where it was made when the module moves: it follows the amaxes.
+  if (last_amax_.device() != amax.device()) {
+    last_amax_ = at::zeros({1}, amax.options().dtype(at::kFloat));
+  }
+  last_amax_.copy_(amax.reshape({1}));
+  if (delayed_) delayed_->update(last_amax_);
+}
+
+LinearScaling::LinearScaling(const Recipe& recipe_, c10::Device device)
+    : recipe(recipe_),
+      input(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
+      weight(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
+      grad_output(std::make_shared<TensorScaling>(recipe_, Direction::kBackward, device)) {}
+
+void LinearScaling::register_buffers(torch::nn::Module& module, const std::string& prefix) const {
+  const TensorScaling* roles[] = {input.get(), weight.get(), grad_output.get()};
+  for (int i = 0; i < 3; ++i) {
+    for (const auto& [suffix, tensor] : roles[i]->state_tensors()) {
+      module.register_buffer(prefix + role_name(i) + "_" + suffix, tensor);
+    }
+  }
 }
 
 }  // namespace fp8

@@ -34,6 +34,8 @@
 // A guard belongs to the thread that made it and must be destroyed there;
 // autograd's device threads serving that thread's backward are checked too.
 
+#include "ampx/direction.h"
+
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <torch/arg.h>
@@ -46,8 +48,10 @@
 namespace ampx {
 namespace debug {
 
-enum class Direction { kForward, kBackward };
-std::string to_string(Direction direction);  // "forward", "backward"
+// The library's one forward/backward enum (ampx/direction.h), by the name
+// ampx::debug has always used; ampx::fp8::Pass is the deprecated other one.
+using ampx::Direction;
+using ampx::to_string;  // to_string(Direction): "forward", "backward"
 
 enum class NonFiniteAction {
   kThrow,  ///< throw NonFiniteError from the op that produced the value

@@ -82,6 +82,29 @@ uint8_t encode(float value, Fp8Format format);
                                     const at::Tensor& scale_inv,
                                     c10::ScalarType out_dtype = c10::ScalarType::Float);
 
+/// FP8 values as they travel: one-byte codes, the scale_inv they decode
+/// with, and their format. What quantize_current() and an FP8 layer's casts
+/// give, and what its products take; quantize() and dequantize() above are
+/// its two halves, for callers that hold the pieces.
+///
+///   auto t = ampx::fp8::Fp8Tensor::quantize(x, Fp8Format::kE4M3, scale);
+///   t.codes;         // uint8, x's shape: quantize(x, kE4M3, scale)
+///   t.scale_inv;     // float32, one element: 1 / scale
+///   t.dequantize();  // float32: x * scale on the E4M3 grid, times 1 / scale
+struct Fp8Tensor {
+  at::Tensor codes;      ///< uint8
+  at::Tensor scale_inv;  ///< float32, one element: multiplies the codes' values back
+  Fp8Format format = Fp8Format::kE4M3;
+
+  /// The codes of x * scale (see quantize()) and scale_inv = 1 / scale,
+  /// computed in float32 on scale's device.
+  [[nodiscard]] static Fp8Tensor quantize(const at::Tensor& x, Fp8Format format,
+                                          const at::Tensor& scale);
+  /// The values: codes times scale_inv, computed in float32 and returned in
+  /// `out_dtype` (float32, bfloat16, float16). dequantize() is this.
+  [[nodiscard]] at::Tensor dequantize(c10::ScalarType out_dtype = c10::ScalarType::Float) const;
+};
+
 /// Fake quantization: x rounded to the FP8 grid (saturated, nearest even),
 /// returned in x's dtype. Equals dequantize(quantize(x, f, 1), f, 1, x.dtype()).
 [[nodiscard]] at::Tensor round_to_fp8(const at::Tensor& x, Fp8Format format);

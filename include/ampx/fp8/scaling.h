@@ -5,7 +5,7 @@
 // and current scaling (the scale comes from the tensor being cast).
 //
 //   auto recipe = ampx::fp8::DelayedScaling().amax_history_len(16).margin(0);
-//   ampx::fp8::DelayedScalingState input(recipe, ampx::fp8::Pass::kForward);
+//   ampx::fp8::DelayedScalingState input(recipe, ampx::Direction::kForward);
 //   input.scale();                         // 1.0 before any step
 //   auto codes = ampx::fp8::quantize(x, input.format(), input.scale());
 //   input.update(ampx::fp8::compute_amax(x));      // x's amax 2.0 -> scale 448 / 2 = 224
@@ -26,7 +26,11 @@
 //
 // Everything is ATen ops on the state's device: update() never syncs with the
 // host on CUDA.
+//
+// TensorScaling and LinearScaling (at the end) are the states an FP8 layer
+// keeps per role (input, weight, output gradient) under either recipe.
 
+#include "ampx/direction.h"
 #include "ampx/fp8/cast.h"
 
 #include <ATen/core/Tensor.h>
@@ -34,9 +38,15 @@
 #include <torch/arg.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
 namespace serialize {
 class InputArchive;
 class OutputArchive;
@@ -44,6 +54,10 @@ class OutputArchive;
 }  // namespace torch
 
 namespace ampx {
+namespace dist {
+class ProcessGroup;
+}  // namespace dist
+
 namespace fp8 {
 
 /// TE's `recipe.Format`: which element format each pass uses.
@@ -53,8 +67,10 @@ enum class RecipeFormat {
   kE5M2,    ///< E5M2 in both: refused by the recipes, as TE refuses it
 };
 
-/// Forward tensors (activations, weights) or backward ones (gradients).
-enum class Pass { kForward, kBackward };
+/// Forward tensors (activations, weights) or backward ones (gradients): the
+/// library's one enum for it, ampx::Direction (ampx/direction.h).
+using Pass [[deprecated("ampx::fp8::Pass is ampx::Direction (ampx/direction.h)")]] =
+    ampx::Direction;
 
 /// TE's `amax_compute_algo` (its callable form is not offered).
 enum class AmaxComputeAlgo {
@@ -63,7 +79,7 @@ enum class AmaxComputeAlgo {
 };
 
 /// The element format `recipe_format` gives `pass`.
-Fp8Format format_for(RecipeFormat recipe_format, Pass pass);
+Fp8Format format_for(RecipeFormat recipe_format, Direction pass);
 
 /// The largest absolute value of x as a float32 tensor of one element (on x's
 /// device, no host sync). NaN in x gives NaN.
@@ -90,7 +106,7 @@ struct DelayedScaling {
 /// `device`. Starts with scale 1 and an all-zero history, as TE does.
 class DelayedScalingState {
  public:
-  DelayedScalingState(const DelayedScaling& recipe, Pass pass,
+  DelayedScalingState(const DelayedScaling& recipe, Direction pass,
                       c10::Device device = c10::Device(c10::DeviceType::CPU));
 
   /// Records this step's amax (a float32 tensor of one element, on the
@@ -145,17 +161,15 @@ struct CurrentScaling {
 [[nodiscard]] at::Tensor current_scale(const at::Tensor& amax, Fp8Format format,
                                        const CurrentScaling& recipe);
 
-/// A tensor cast with its own scale: codes (uint8), scale and scale_inv ([1] float32).
-struct CurrentScaled {
-  at::Tensor codes;
+/// A tensor cast with its own scale: an Fp8Tensor (codes, scale_inv, format)
+/// and the scale it was cast with ([1] float32, like scale_inv).
+struct CurrentScaled : Fp8Tensor {
   at::Tensor scale;
-  at::Tensor scale_inv;
-  Fp8Format format;
 };
 
 /// Current scaling of x for `pass`: compute_amax(x) -> current_scale -> quantize.
 [[nodiscard]] CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe,
-                                             Pass pass);
+                                             Direction pass);
 
 /// One of the two recipes, as a layer takes it: converts implicitly from
 /// either, so `LinearOptions(768, 768).recipe(CurrentScaling())` works.
@@ -180,6 +194,57 @@ class Recipe {
   bool delayed_ = true;
   DelayedScaling delayed_options_;
   CurrentScaling current_options_;
+};
+
+/// The scaling of one tensor role of an FP8 layer (its input, its weight or
+/// its output gradient) under the layer's recipe. Delayed scaling: the cast
+/// uses the scale the history of the steps before gives, and each cast's
+/// amax feeds the next. Current scaling: each cast uses its own amax; the
+/// tensors below then hold the last cast's amax, scale and scale_inv.
+class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
+ public:
+  TensorScaling(const Recipe& recipe, Direction pass, c10::Device device);
+
+  const Recipe& recipe() const { return recipe_; }
+  Fp8Format format() const { return format_; }
+  /// The delayed-scaling state; throws c10::Error under current scaling.
+  DelayedScalingState& delayed_state();
+  /// float32 [1]. Delayed: the scale the next cast uses. Current: the last cast's.
+  const at::Tensor& scale() const;
+  const at::Tensor& scale_inv() const;
+  /// float32 [1]: the amax of the last recorded cast (after the amax
+  /// reduction, where there is one); 0 before the first.
+  const at::Tensor& last_amax() const { return last_amax_; }
+  /// The tensors that make up the state, by name suffix (for module buffers):
+  /// delayed: amax_history, scale, scale_inv; current: amax, scale, scale_inv.
+  std::vector<std::pair<std::string, at::Tensor>> state_tensors() const;
+
+  /// Casts x (any floating dtype) with this role's scale: one-byte codes,
+  /// the scale_inv they decode with, this role's format. When `record`, the
+  /// amax of x is recorded: at once, or, while `group` is set, at the next
+  /// reduction (see Fp8AutocastOptions::amax_reduction_group in
+  /// ampx/fp8/autocast.h).
+  Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group);
+  using Cast [[deprecated("TensorScaling::Cast is ampx::fp8::Fp8Tensor")]] = Fp8Tensor;
+  /// Records an amax: delayed scaling updates the history and the next scale.
+  void record(const at::Tensor& amax);
+
+ private:
+  Recipe recipe_;
+  Fp8Format format_;
+  std::unique_ptr<DelayedScalingState> delayed_;
+  at::Tensor last_amax_, scale_, scale_inv_;  // current scaling (scale_: delayed's own)
+};
+
+/// The three roles of an FP8 linear layer, all under one recipe.
+struct LinearScaling {
+  LinearScaling(const Recipe& recipe, c10::Device device);
+  Recipe recipe;
+  std::shared_ptr<TensorScaling> input, weight, grad_output;
+  /// Registers every state tensor as a buffer of `module`, named
+  /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"), so that
+  /// torch::save/load and .to(device) carry them.
+  void register_buffers(torch::nn::Module& module, const std::string& prefix) const;
 };
 
 }  // namespace fp8

@@ -1,0 +1,19 @@
+#pragma once
+
+// Which pass of a training step a tensor belongs to: the forward pass
+// (activations, weights) or the backward pass (gradients). One enum for the
+// whole library: ampx::debug's records and ampx::fp8's recipes (a recipe's
+// format depends on it) say it the same way.
+//
+//   ampx::to_string(ampx::Direction::kBackward);  // "backward"
+
+#include <string>
+
+namespace ampx {
+
+enum class Direction { kForward, kBackward };
+
+/// "forward", "backward".
+std::string to_string(Direction direction);
+
+}  // namespace ampx
