@@ -1,12 +1,15 @@
 #pragma once
 
-// Crash-safe file writes, for save_state_dict and ampx-train's checkpoints
-// (the trainer reaches this one internal header through its include path).
-// Not installed: not part of ampx's API.
+// Whole files: crash-safe writes (save_state_dict, save_archive,
+// save_safetensors, ampx-train's checkpoints and outputs) and the one reader
+// of a whole file. ampx-train reaches this internal header through the
+// ampx_internal target. Not installed: not part of ampx's API.
 //
 //   ampx::detail::write_file_atomically(path, bytes.data(), bytes.size(), "save_state_dict");
+//   auto bytes = ampx::detail::read_file(path);  // nullopt, errno set, when it cannot be opened
 
 #include <cstddef>
+#include <optional>
 #include <string>
 
 namespace ampx {
@@ -18,6 +21,10 @@ namespace detail {
 /// and name the path; the temp file is removed on failure.
 void write_file_atomically(const std::string& path, const void* data, size_t size,
                            const char* caller = "write_file_atomically");
+
+/// The bytes of the file at `path`, or nullopt with errno saying why it
+/// could not be opened (each caller words its own error).
+std::optional<std::string> read_file(const std::string& path);
 
 }  // namespace detail
 }  // namespace ampx

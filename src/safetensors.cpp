@@ -20,8 +20,6 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <set>
 #include <string_view>
@@ -279,12 +277,6 @@ class HeaderParser {
   size_t i_ = 0;
 };
 
-std::string read_bytes(const std::string& path, const char* caller) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), caller, ": cannot open '", path, "': ", std::strerror(errno));
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
 std::map<std::string, at::Tensor> named_tensors(const torch::nn::Module& module) {
   std::map<std::string, at::Tensor> out;
   for (const auto& p : module.named_parameters(/*recurse=*/true)) out[p.key()] = p.value();
@@ -347,7 +339,9 @@ void save_safetensors(const torch::nn::Module& module, const std::string& path,
 std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
                                                    std::map<std::string, std::string>* metadata) {
   const std::string where = "read_safetensors: '" + path + "'";
-  const std::string file = read_bytes(path, "read_safetensors");
+  const auto read = detail::read_file(path);
+  TORCH_CHECK(read, "read_safetensors: cannot open '", path, "': ", std::strerror(errno));
+  const std::string& file = *read;
   TORCH_CHECK(file.size() >= 8, where, " is not a safetensors file: ", file.size(),
               " bytes, shorter than its 8-byte header length");
   uint64_t header_bytes = 0;

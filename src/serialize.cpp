@@ -10,8 +10,6 @@
 
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -71,10 +69,9 @@ void save_state_dict(const StateDict& dict, const std::string& path) {
 }
 
 StateDict load_state_dict(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "load_state_dict: cannot open '", path, "': ", errno_text());
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)),
-                                std::istreambuf_iterator<char>());
+  const auto file = detail::read_file(path);
+  TORCH_CHECK(file, "load_state_dict: cannot open '", path, "': ", errno_text());
+  const std::vector<char> bytes(file->begin(), file->end());
   TORCH_CHECK(!bytes.empty(), "load_state_dict: '", path, "' is empty");
   c10::IValue value;
   const std::string where = "load_state_dict: '" + path + "'";
@@ -106,9 +103,9 @@ void save_archive(torch::serialize::OutputArchive& archive, const std::string& p
 }
 
 void load_archive(torch::serialize::InputArchive& archive, const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "load_archive: cannot open '", path, "': ", errno_text());
-  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto file = detail::read_file(path);
+  TORCH_CHECK(file, "load_archive: cannot open '", path, "': ", errno_text());
+  const std::string& bytes = *file;
   const std::string where = "load_archive: '" + path + "'";
   TORCH_CHECK(!bytes.empty(), where, " is empty");
   detail::load_output_archive(bytes, archive, where);

@@ -11,8 +11,6 @@
 #include <zlib.h>
 
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -79,9 +77,9 @@ void write_checkpoint(const std::filesystem::path& path, const nlohmann::json& m
 }
 
 std::string read_checkpoint_bytes(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in.good(), "ampx-train: cannot open checkpoint '", path.string(), "'");
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  auto bytes = ampx::detail::read_file(path.string());
+  TORCH_CHECK(bytes, "ampx-train: cannot open checkpoint '", path.string(), "'");
+  return std::move(*bytes);
 }
 
 Checkpoint read_checkpoint(const std::filesystem::path& path) {

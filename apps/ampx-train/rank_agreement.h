@@ -8,6 +8,12 @@
 //   check_ranks_agree(group, run_fingerprint(identity, model, steps));
 //   // ampx-train: the ranks of this run were started with different settings
 //   // (...): precision: O2 on rank(s) 0, 2 vs O1 on rank(s) 1; ...
+//
+// and what the ranks share: rank 0's reading of a file, and a checksum of
+// the weights to compare at the end.
+//
+//   std::string bytes = from_rank0(group, [&] { return read_checkpoint_bytes(path); });
+//   weights_checksum(model);  // "0x1f3a...", equal on ranks with the same bits
 
 #include <ampx/dist.h>
 
@@ -15,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,5 +41,15 @@ std::string disagreement(const std::vector<nlohmann::json>& by_rank);
 /// Sends `fingerprint` to every rank of `group` (two all-gathers) and throws,
 /// on every rank alike, when any rank's differs.
 void check_ranks_agree(const ampx::dist::ProcessGroup& group, const nlohmann::json& fingerprint);
+
+/// What `fn` returns on rank 0, on every rank of `group` (rank 0 alone reads
+/// files: the other hosts need not have them); `fn` itself without a group.
+/// When `fn` throws there, every rank throws, the others with rank 0's message.
+std::string from_rank0(const ampx::dist::ProcessGroup* group,
+                       const std::function<std::string()>& fn);
+
+/// FNV-1a (64-bit) of every parameter's bytes in order, "0x..." : equal on
+/// ranks whose weights are bitwise equal.
+std::string weights_checksum(torch::nn::Module& model);
 
 }  // namespace ampx::train

@@ -20,8 +20,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -41,22 +39,6 @@ namespace ampx::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-/// FNV-1a (64-bit) of every parameter's bytes in order: equal on ranks
-/// whose weights are bitwise equal.
-std::string weights_checksum(torch::nn::Module& model) {
-  uint64_t h = 1469598103934665603ull;
-  for (const auto& p : model.parameters()) {
-    const auto c = p.detach().to(torch::kCPU).contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {
-      h = (h ^ bytes[i]) * 1099511628211ull;
-    }
-  }
-  char text[24];
-  std::snprintf(text, sizeof(text), "0x%016llx", static_cast<unsigned long long>(h));
-  return text;
-}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -155,34 +137,6 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
 }
 
 namespace {
-
-/// What `fn` returns on rank 0, on every rank: rank 0 alone reads files
-/// (the other hosts need not have them). When `fn` throws there, every
-/// rank throws, the others with rank 0's message.
-std::string from_rank0(const ampx::dist::ProcessGroup* group,
-                       const std::function<std::string()>& fn) {
-  if (group == nullptr) return fn();
-  std::string bytes;
-  int64_t failed = 0;
-  if (group->rank() == 0) {
-    try {
-      bytes = fn();
-    } catch (const c10::Error& e) {
-      bytes = e.what_without_backtrace();
-      failed = 1;
-    }
-  }
-  auto header = torch::tensor({failed, static_cast<int64_t>(bytes.size())}, torch::kLong);
-  group->broadcast(header);
-  failed = header[0].item<int64_t>();
-  auto data = torch::empty({header[1].item<int64_t>()}, torch::kByte);
-  if (group->rank() == 0 && !bytes.empty())
-    std::memcpy(data.data_ptr(), bytes.data(), bytes.size());
-  if (data.numel() > 0) group->broadcast(data);
-  bytes.assign(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
-  TORCH_CHECK(!failed, group->rank() == 0 ? "" : "rank 0: ", bytes);
-  return bytes;
-}
 
 /// Refuses to overwrite a checkpoint, or to resume without one.
 void check_checkpoint_rules(const TrainConfig& config, const std::string& ckpt) {
