@@ -441,7 +441,11 @@ TEST_F(MultiHostTest, LoopbackMasterAddrOnHost0FailsNamingGlooSocketIfnameAndWor
   EXPECT_TRUE(contains(wrong[0].output,
                        {"GLOO_SOCKET_IFNAME=eth9: host", "has no interface 'eth9'", "eth0"}));
   EXPECT_EQ(wrong[1].status, 1);
-  EXPECT_TRUE(contains(wrong[1].output, {"rank 1", "reach the rendezvous at", "node0"}));
+  // Rank 1 either never reached rank 0's store or reached it just before
+  // rank 0 ended (a loaded machine): each names the rendezvous at node0.
+  EXPECT_TRUE(contains(wrong[1].output, {"rank 1", "reach the rendezvous at", "node0"}) ||
+              contains(wrong[1].output, {"rank 1", "lost the rendezvous store at", "node0"}))
+      << wrong[1].output;
 
   // The documented setting on host 0: the same launch trains.
   auto fixed = start(hosts, "fixed", Launcher::kTorchrun, {1, 1}, args, "node0",
