@@ -356,9 +356,10 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
 
   const uint64_t data_bytes = file.size() - 8 - header_bytes;
   const char* data = file.data() + 8 + header_bytes;
-  // Byte ranges: each within the data, in order they tile it exactly.
+  // Every entry and the byte ranges are checked before any tensor is made:
+  // overlapping entries could otherwise each allocate the whole data.
+  std::vector<c10::ScalarType> types;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  std::map<std::string, at::Tensor> out;
   for (const auto& [name, e] : entries) {
     const DtypeName* d = nullptr;
     for (const auto& k : kDtypes) {
@@ -379,14 +380,13 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
     TORCH_CHECK(count * element == e.end - e.begin, where, ": tensor '", name, "' of shape ",
                 c10::IntArrayRef(e.shape), " and dtype ", e.dtype, " needs ", count * element,
                 " bytes, its data_offsets give ", e.end - e.begin);
+    types.push_back(d->type);
     ranges.emplace_back(e.begin, e.end);
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(d->type));
-    if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
-    out.emplace(name, std::move(t));
   }
-  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint64_t, uint64_t>> sorted = ranges;
+  std::sort(sorted.begin(), sorted.end());
   uint64_t covered = 0;
-  for (const auto& [b, e] : ranges) {
+  for (const auto& [b, e] : sorted) {
     TORCH_CHECK(b == covered, where, ": its tensors' data ",
                 b < covered ? "overlap" : "leave a gap", " at byte ", std::min(b, covered),
                 " of the data");
@@ -394,6 +394,13 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
   }
   TORCH_CHECK(covered == data_bytes, where, ": ", data_bytes - covered,
               " bytes after the last tensor's data belong to no tensor");
+  std::map<std::string, at::Tensor> out;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& [name, e] = entries[i];
+    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(types[i]));
+    if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
+    out.emplace(name, std::move(t));
+  }
   if (metadata != nullptr) *metadata = std::move(meta);
   return out;
 }

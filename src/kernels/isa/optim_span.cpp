@@ -211,8 +211,8 @@ void lamb_moments_span(const FusedParam& p, int64_t begin, int64_t end, double* 
   for (int64_t b = begin; b < end; b += kBlock) {
     LambMomentsOp op{p.beta1, p.one_minus_beta1, p.beta2, p.one_minus_beta2, dir};
     run(p, b, std::min(b + kBlock, end), op);
-    sums[0] += lane_sum_in_double(op.acc_w) + op.sacc_w;
-    sums[1] += lane_sum_in_double(op.acc_u) + op.sacc_u;
+    sums[0] += lane_sum<double>(op.acc_w) + op.sacc_w;
+    sums[1] += lane_sum<double>(op.acc_u) + op.sacc_u;
   }
 }
 

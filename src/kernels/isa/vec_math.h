@@ -2,7 +2,7 @@
 
 // Float32 vector math shared by the span kernels compiled once per
 // instruction set: an exp and a reciprocal that the AVX2 and AVX-512 builds
-// compute with the same formula, with no library behind them, and the sums
+// compute with the same formula, with no library behind them, and the sum
 // of a vector's lanes. at::vec's exp calls SLEEF only where LibTorch links it
 // as a shared library (Debian's); pip wheels and the zip from pytorch.org
 // link it inside libtorch_cpu, and the fallback, libm lane by lane, made a
@@ -87,21 +87,14 @@ inline VecF reciprocal_of(const VecF& d) {
 #endif
 }
 
-// The lanes of v summed in lane order, in float32 (the same bits in every
-// build whatever the thread count: the kernels' reductions rely on it).
-inline float lane_sum(const VecF& v) {
+// The lanes of v summed in lane order in `Sum` (float: the same bits in
+// every build whatever the thread count, which the kernels' reductions rely
+// on; double for sums of squares over many vectors, LAMB's norms).
+template <typename Sum = float>
+inline Sum lane_sum(const VecF& v) {
   alignas(64) float lanes[VecF::size()];
   v.store(lanes);
-  float s = 0.f;
-  for (int64_t l = 0; l < VecF::size(); ++l) s += lanes[l];
-  return s;
-}
-
-// The same in float64, for sums of squares over many vectors (LAMB's norms).
-inline double lane_sum_in_double(const VecF& v) {
-  alignas(64) float lanes[VecF::size()];
-  v.store(lanes);
-  double s = 0.0;
+  Sum s = 0;
   for (int64_t l = 0; l < VecF::size(); ++l) s += lanes[l];
   return s;
 }
