@@ -26,7 +26,8 @@
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
 #                   peaks, micro-benchmarks, ampx-train's workloads in every mode next to
-#                   PyTorch's torch.autocast, data parallel; writes docs/PERFORMANCE.md
+#                   PyTorch's torch.autocast, data parallel, causal attention by shape
+#                   (also on 2.14, against LibTorch's SDPA); writes docs/PERFORMANCE.md
 #                   and docs/performance.json (bench/run_all.py; BENCH_ARGS adds flags)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -173,7 +174,15 @@ fuzz: build
 # The benchmarks' PyTorch runs load OpenBLAS through Python's torch: the
 # OpenMP build goes first on LD_LIBRARY_PATH here, tested when the recipe runs
 # (after `deps`), not when make parses this file.
+# The attention-by-shape benchmark also runs on today's LibTorch (2.14, the
+# forky chroot), where LibTorch has its own SDPA to compare against: only that
+# program is built there (build/forky-bench).
+FORKY_BENCH_BUILD := build/forky-bench
+FORKY_BENCH_CMAKE_FLAGS := -DAMPX_BUILD_TESTS=OFF -DAMPX_BUILD_EXAMPLES=OFF -DAMPX_BUILD_TRAIN=OFF \
+	-DAMPX_BUILD_BENCHMARKS=ON
+
 bench: build data
+	$(call leg_build,forky,$(FORKY_BENCH_BUILD),$(FORKY_BENCH_CMAKE_FLAGS),ampx_attention_bench)
 	@omp=$$(ls /usr/lib/*/openblas-openmp/libopenblas.so.0 2>/dev/null | head -n 1); \
 	if [ -n "$$omp" ]; then export LD_LIBRARY_PATH="$$(dirname "$$omp")$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \
 	echo "LD_LIBRARY_PATH=$$LD_LIBRARY_PATH bench/run_all.py $(BENCH_ARGS)"; \

@@ -15,7 +15,10 @@ In one run, on one machine, with the same threads everywhere:
   5. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes;
   6. numerics diagnostics (ampx::debug): ampx-train gpt fp32 plain, with --detect-nonfinite
      (NonFiniteGuard) and with --range-stats (RangeStatsCollector), step time and ratio to plain;
-     with --baseline-train, also the plain step of another build (nothing active vs before).
+     with --baseline-train, also the plain step of another build (nothing active vs before);
+  7. causal attention by shape (ampx_attention_bench): ampx's fused kernel against the explicit
+     ops on this LibTorch, and on 2.14 (--forky-build, the forky chroot) against LibTorch's own
+     at::scaled_dot_product_attention too.
 Then the targets of the benchmark issue, each as a ratio measured in this run, met or not.
 
 Only the standard library: the orchestration runs under any python3.
@@ -165,6 +168,36 @@ def micro(args, out):
         with open(path) as f:
             results[prog] = {"benchmarks": json.load(f)["benchmarks"], "summary": text,
                              "command": " ".join([program] + flags)}
+    return results
+
+
+def attention(args, out):
+    """ampx_attention_bench on this build, and in the forky chroot on --forky-build's (LibTorch
+    2.14: its SDPA as a third path), when that build has it."""
+    results = []
+    flags = ["--threads", str(args.threads)] + (["--rounds", "1", "--reps", "1"] if args.quick
+                                                 else [])
+    host = os.path.join(args.build, "bench", "ampx_attention_bench")
+    if os.path.exists(host):
+        path = os.path.join(out, "attention-host.json")
+        run([host] + flags + ["--json", path])
+        with open(path) as f:
+            results.append(json.load(f))
+    else:
+        log("ampx_attention_bench not built, skipped")
+    forky = os.path.join(args.forky_build, "bench", "ampx_attention_bench")
+    rel_out, rel_exe = os.path.relpath(out, ROOT), os.path.relpath(forky, ROOT)
+    if not os.path.exists(forky):
+        log(f"{forky} not built (make bench builds it), attention on 2.14 skipped")
+    elif rel_out.startswith("..") or rel_exe.startswith(".."):
+        log("--out or --forky-build outside the repository (the chroot sees only it): "
+            "attention on 2.14 skipped")
+    else:
+        path = os.path.join(rel_out, "attention-forky.json")
+        run([os.path.join(ROOT, "scripts", "chroot.sh"), "forky", "/src/" + rel_exe] + flags +
+            ["--json", "/src/" + path])
+        with open(os.path.join(ROOT, path)) as f:
+            results.append(json.load(f))
     return results
 
 
@@ -456,6 +489,30 @@ def build_report(args, data):
         for name, why in dbg.get("failed", {}).items():
             w(f"| {name} | failed: {why} | | |")
         w("")
+    for a in data.get("attention") or []:
+        paths = [p for p in ("ampx", "sdpa", "explicit") if p in a["cases"][0]]
+        w(f"## Causal attention by shape (`ampx_attention_bench`, LibTorch {a['libtorch']})")
+        w("")
+        w(f"Forward and backward to the projection's gradient, {a['threads']} threads, median of "
+          f"{a['rounds']} interleaved rounds of {a['reps']}; 4096 tokens (B x T) and width 256 "
+          "(H x E) in every row. `sdpa`: LibTorch's `at::scaled_dot_product_attention` "
+          "(the backend it picked in `via`); `explicit`: matmul, masked_fill, softmax, matmul. "
+          "Ratios above 1: ampx is faster.")
+        w("")
+        head = " | ".join(f"{p} ms" for p in paths)
+        ratios = [p for p in paths if p != "ampx"]
+        w(f"| dtype | B | T | H | E | {head} | "
+          + " | ".join(f"{p} / ampx" for p in ratios) + (" | sdpa via |" if "sdpa" in paths
+                                                         else " |"))
+        w("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in paths + ratios)
+          + (" | --- |" if "sdpa" in paths else " |"))
+        for c in a["cases"]:
+            ms = {p: c[p]["ms"] for p in paths}
+            w(f"| {c['dtype']} | {c['batch']} | {c['context']} | {c['heads']} | {c['head_size']} | "
+              + " | ".join(fmt(ms[p], 2) for p in paths) + " | "
+              + " | ".join(f"{ms[p] / ms['ampx']:.2f}x" for p in ratios)
+              + (f" | {c['sdpa_backend']} |" if "sdpa" in paths else " |"))
+        w("")
     w("## Notes")
     w("")
     w("The analysis behind these numbers (where the time goes, what is outside ampx) is in "
@@ -600,7 +657,9 @@ def main():
     p.add_argument("--baseline-train", default=None,
                    help="another build's ampx-train: part 'debug' also times its plain gpt "
                         "fp32 step (diagnostics off here vs that build)")
-    p.add_argument("--only", default="gemm,micro,e2e,python,dist,debug",
+    p.add_argument("--forky-build", default=os.path.join(ROOT, "build", "forky-bench"),
+                   help="the forky chroot's build of ampx_attention_bench (LibTorch 2.14)")
+    p.add_argument("--only", default="gemm,micro,e2e,python,dist,debug,attention",
                    help="comma-separated parts to run (the report covers what ran)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
@@ -614,7 +673,8 @@ def main():
     data = {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "command": "bench/run_all.py " + " ".join(sys.argv[1:]) if sys.argv[1:] else
             "make bench",
-            "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None, "debug": None}
+            "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None, "debug": None,
+            "attention": None}
     if "gemm" in parts:
         data["gemm"] = gemm_peaks(args, args.out)
     if "micro" in parts:
@@ -640,6 +700,8 @@ def main():
         data["dist"] = dist(args, args.out)
     if "debug" in parts:
         data["debug"] = {w: debug_cost(args, args.out, w) for w in args.debug_workloads.split(",")}
+    if "attention" in parts:
+        data["attention"] = attention(args, args.out)
     data["machine"] = machine(args, data["gemm"], data["e2e"])
     data["commit"] = git_commit()
     data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]
