@@ -48,8 +48,11 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<c10::Sca
                              bool enabled, bool cache_enabled)
     : device_type_(device_type), dtype_(checked_dtype(device_type, dtype)), enabled_(enabled) {
   if (enabled_ && device_type_ == c10::DeviceType::CUDA && !at::globalContext().hasCUDA()) {
-    TORCH_WARN("AutocastGuard: device_type cuda was requested but CUDA is not available. "
-               "Disabling autocast.");
+    // Once per process: a loop opens a guard every step, and Python's
+    // warnings filter shows torch.autocast's warning once per call site.
+    TORCH_WARN_ONCE(
+        "AutocastGuard: device_type cuda was requested but CUDA is not available. "
+        "Disabling autocast.");
     enabled_ = false;
   }
   // The steps and their order are those of torch.autocast.__enter__.

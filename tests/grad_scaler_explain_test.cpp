@@ -25,30 +25,8 @@ using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
 using ampx::test::kInf;
+using ampx::test::WarningCapture;
 const double kScale2p127 = std::ldexp(1.0, 127);  // 1.70141e+38: x4 overflows float32
-
-/// Collects the TORCH_WARN messages of its scope (this thread).
-class WarningCapture : public c10::WarningHandler {
- public:
-  WarningCapture() : guard_(this) {}
-#if AMPX_TORCH_AT_LEAST(2, 0)
-  void process(const c10::Warning& warning) override {
-    messages.push_back(warning.msg());
-  }
-#else
-  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
-    messages.push_back(msg);
-  }
-#endif
-  std::vector<std::string> messages;
-
- private:
-#if AMPX_TORCH_AT_LEAST(2, 0)
-  c10::WarningUtils::WarningHandlerGuard guard_;
-#else
-  c10::Warning::WarningHandlerGuard guard_;  // Warning was a namespace in 1.13
-#endif
-};
 
 /// fc1 (8 -> 16) then fc2 (16 -> 1), set up so that with a scale of 2^127
 /// only fc2's gradients overflow: h = relu(fc1(1)) = 0.9 everywhere, so

@@ -3,6 +3,7 @@
 // Helpers shared by ampx's tests.
 
 #include "ampx/autocast.h"
+#include "ampx/detail/compat.h"
 #include "ampx/optim.h"
 
 #include <c10/util/Exception.h>
@@ -35,6 +36,29 @@ inline bool cpu_fp16_autocast() {
     return false;
   }
 }
+
+/// Collects the TORCH_WARN messages of its scope (this thread).
+class WarningCapture : public c10::WarningHandler {
+ public:
+  WarningCapture() : guard_(this) {}
+#if AMPX_TORCH_AT_LEAST(2, 0)
+  void process(const c10::Warning& warning) override {
+    messages.push_back(warning.msg());
+  }
+#else
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  std::vector<std::string> messages;
+
+ private:
+#if AMPX_TORCH_AT_LEAST(2, 0)
+  c10::WarningUtils::WarningHandlerGuard guard_;
+#else
+  c10::Warning::WarningHandlerGuard guard_;  // Warning was a namespace in 1.13
+#endif
+};
 
 /// A float32's bit pattern, and back.
 inline uint32_t to_bits(float f) {

@@ -1,8 +1,14 @@
+// A user's program against ampx: the installed package (package.consumer)
+// or the subproject (package.subproject, configured only). It runs README.md's
+// training loop as written (readme_loop.cpp, generated from the README by
+// readme_usage.cmake) and a gradient it can check by hand.
 #include <ampx/ampx.h>
 #include <torch/torch.h>
 
 #include <iostream>
 #include <string>
+
+bool readme_loop_trains();
 
 int main() {
   ampx::GradScaler scaler;
@@ -18,5 +24,7 @@ int main() {
                   std::string(AMPX_VERSION) == ampx::version();  // the installed, generated header
   std::cout << "ampx " << ampx::version() << " on LibTorch " << ampx::torch_version()
             << (ok ? ": ok" : ": WRONG") << "\n";
-  return ok ? 0 : 1;
+  const bool readme = readme_loop_trains();
+  std::cout << "README.md's loop " << (readme ? "trains" : "DOES NOT TRAIN") << "\n";
+  return ok && readme ? 0 : 1;
 }

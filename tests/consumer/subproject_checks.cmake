@@ -1,12 +1,8 @@
-# A user's project that takes ampx as a subproject (add_subdirectory; FetchContent
-# from a local path makes the same call): only the library is defined, nothing
-# is installed, and ampx::ampx is there to link. Configured, not built, by
-# ctest package.subproject (a build is the library's own, which make test
-# already does).
-cmake_minimum_required(VERSION 3.18)
-project(ampx_subproject_consumer LANGUAGES CXX)
-find_package(Torch REQUIRED)
-add_subdirectory(${AMPX_SOURCE_DIR} ampx)
+# What package.subproject checks once README.md's subproject block
+# (add_subdirectory(third_party/ampx)) has run in a user's project
+# (run_subproject_test.cmake): only the library is defined, nothing is
+# installed, and ampx::ampx is there to link, carrying C++20. Configured, not
+# built (a build is the library's own, which make test already does).
 if(NOT TARGET ampx::ampx)
   message(FATAL_ERROR "ampx as a subproject: no ampx::ampx target")
 endif()
@@ -18,8 +14,6 @@ endforeach()
 if(AMPX_INSTALL)
   message(FATAL_ERROR "ampx as a subproject would install itself (AMPX_INSTALL is on)")
 endif()
-add_executable(consumer ../main.cpp)
-target_link_libraries(consumer PRIVATE ampx::ampx)
 get_target_property(features ampx INTERFACE_COMPILE_FEATURES)
 if(NOT "cxx_std_20" IN_LIST features)
   message(FATAL_ERROR "ampx::ampx does not carry cxx_std_20 to its users (${features})")
