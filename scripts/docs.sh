@@ -45,7 +45,7 @@ status=0
 # Doxygen's exit status alone is not trusted: the log must be empty too.
 if [ "$status" -ne 0 ] || [ -s "$log" ]; then
   echo "ampx docs: doxygen failed (exit status $status); its warnings ($log):" >&2
-  sed "s|$root/||" "$log" >&2 || true
+  sed "s|$root/||" "$log" | awk '!seen[$0]++' >&2 || true
   exit 1
 fi
 
