@@ -2,6 +2,7 @@
 
 /// \file
 /// FP8 (8-bit floating point) training support, after NVIDIA Transformer Engine:
+///
 /// ```
 ///   ampx/fp8/cast.h     E4M3 / E5M2 codes: quantize, dequantize, round_to_fp8
 ///   ampx/fp8/scaling.h  DelayedScaling and CurrentScaling recipes, the per-role

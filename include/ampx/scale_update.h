@@ -12,6 +12,7 @@
 /// ```
 ///
 /// One update, in place, on the scale's device:
+///
 /// ```
 ///   found_inf != 0: growth_tracker = 0; hysteresis_tracker -= 1 (not below 0);
 ///                   if hysteresis_tracker == 0: scale *= backoff_factor

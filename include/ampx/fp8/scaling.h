@@ -14,6 +14,7 @@
 /// ```
 ///
 /// Delayed scaling, as TE's amax_and_scale_update does it (history length L):
+///
 /// ```
 ///   - the step's amax enters the history and the window is the last L amaxes,
 ///     this step's included; amax_compute_algo picks max over the window

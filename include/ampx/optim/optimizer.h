@@ -13,6 +13,7 @@
 /// ```
 ///
 /// Params may be float32, bfloat16 or float16, their grads of the same dtype:
+///
 /// ```
 ///   fp32 param:           updated in place; states fp32.
 ///   bf16/fp16 param:      fp32 master (captured or made from the param at its
