@@ -62,7 +62,9 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.xml")):
         kind, name = c.get("kind"), c.findtext("compoundname")
         if kind == "file" and not name.endswith(".h"):
             continue  # the main page
-        if kind not in ("file", "namespace") or name.endswith("::detail") or "::detail::" in name:
+        if kind == "namespace" and (name.split("::")[0] != "ampx" or "detail" in name.split("::")):
+            continue  # LibTorch's, forward-declared; ampx's internals
+        if kind not in ("file", "namespace"):
             continue
         text = "".join("".join(c.find(d).itertext()) for d in ("briefdescription", "detaileddescription"))
         if not text.strip():
