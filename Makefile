@@ -10,6 +10,9 @@
 #                   RUN_ARGS adds flags
 #   make run-host   the same against the host's LibTorch 1.13 (no chroot)
 #   make data       install the datasets only (scripts/install-data.sh)
+#   make docs       the API reference from the public headers' comments (Doxygen,
+#                   docs/Doxyfile) in build/docs/html/; fails on an undocumented
+#                   public symbol or a broken reference (make test-host runs it too)
 #   make test       build and run every test on the three legs below; a warning
 #                   in ampx's code fails the build (AMPX_WARNINGS_AS_ERRORS)
 #   make test-host  LibTorch 1.13 (Debian 12, this machine), GCC 12
@@ -48,11 +51,14 @@ FORKY_CMAKE_FLAGS := -DAMPX_BUILD_BENCHMARKS=OFF
 # on the host and forky legs, the oldest and the newest LibTorch: on 2.6 they
 # took a third of the leg's time and test no CUDA code.
 CUDA_CMAKE_FLAGS := -DAMPX_NCCL=ON -DAMPX_BUILD_TRAIN_TESTS=OFF
+# The host leg always runs the API reference's test (docs.reference): a
+# missing doxygen fails its configure.
+HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON
 
 # The datasets, on the host; the chroot legs see them at the same path.
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
-.PHONY: all deps data build run run-host test test-host test-forky test-cuda \
+.PHONY: all deps data docs build run run-host test test-host test-forky test-cuda \
 	sanitize sanitize-forky tsan soak fuzz bench clean
 
 all: build
@@ -61,12 +67,15 @@ deps:
 	@scripts/install-deps.sh
 
 build: deps
-	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
+	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) $(HOST_CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
 	  || { cat $(HOST_BUILD).configure.log; exit 1; }
 	@cmake --build $(HOST_BUILD) -j$(JOBS)
 
 data: deps
 	@AMPX_DATA_DIR=$(DATA_DIR) scripts/install-data.sh
+
+docs: deps
+	@scripts/docs.sh build/docs
 
 # Configures and builds a chroot leg: $(call leg_build,LEG,BUILD_DIR,CMAKE_FLAGS,TARGET)
 # (TARGET empty: everything). The configure output is kept in BUILD_DIR.configure.log.
@@ -88,7 +97,7 @@ run: deps data
 	AMPX_DATA_DIR=$(DATA_DIR) scripts/chroot.sh forky $(FORKY_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)
 
 run-host: deps data
-	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
+	@mkdir -p build && cmake -S . -B $(HOST_BUILD) $(CMAKE_FLAGS) $(HOST_CMAKE_FLAGS) > $(HOST_BUILD).configure.log 2>&1 \
 	  || { cat $(HOST_BUILD).configure.log; exit 1; }
 	@cmake --build $(HOST_BUILD) -j$(JOBS) --target ampx-train
 	AMPX_DATA_DIR=$(DATA_DIR) $(HOST_BUILD)/apps/ampx-train/ampx-train $(MAIN_JOB) $(RUN_ARGS)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what ampx needs on a Debian 12 host (LibTorch 1.13 leg): compilers,
-# CMake, LibTorch, an optimised BLAS, test and benchmark frameworks, and
-# Python's torch for reference values. Idempotent: packages already present
-# are not fetched again.
+# CMake, LibTorch, an optimised BLAS, test and benchmark frameworks,
+# Python's torch for reference values, and Doxygen for the API reference.
+# Idempotent: packages already present are not fetched again.
 set -euo pipefail
 
 PACKAGES=(
@@ -12,7 +12,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
   gnuplot-nox dataset-fashion-mnist curl ca-certificates
-  debootstrap
+  debootstrap doxygen
 )
 
 missing=()

@@ -1,9 +1,14 @@
 #pragma once
 
-// ampx: automatic mixed precision for LibTorch. Include this for everything
-// but data parallelism, which needs c10d: include "ampx/dist.h" (process
-// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that, and
-// "ampx/debug.h" for the numerics diagnostics (ampx::debug).
+/// \file
+/// ampx: automatic mixed precision for LibTorch. Include this for everything
+/// but data parallelism, which needs c10d: include "ampx/dist.h" (process
+/// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that, and
+/// "ampx/debug.h" for the numerics diagnostics (ampx::debug).
+
+/// \namespace ampx
+/// Automatic mixed precision for LibTorch: autocast, GradScaler, Apex-style
+/// opt levels, cast policies, mixed-precision kernels and state files.
 
 #include "ampx/amp.h"
 #include "ampx/autocast.h"

@@ -1,19 +1,22 @@
 #pragma once
 
-// Autocast: run eligible ops (matmul, conv, linear) in float16/bfloat16 and
-// keep precision-sensitive ops (softmax on CUDA, norms, losses) in float32,
-// through the dispatcher's Autocast keys. `AutocastGuard` is the C++ twin of
-// Python's `with torch.autocast(device_type, dtype, enabled, cache_enabled):`,
-// with the same enter/exit steps, nesting and weight-cast cache rules.
-//
-//   {
-//     ampx::AutocastGuard autocast(torch::kCPU);        // bfloat16 on the CPU
-//     auto y = model->forward(x);                        // linear in bf16
-//     loss = torch::mse_loss(y, target);                 // loss in fp32
-//   }                                                    // state restored here
-//   scaler.scale(loss).backward();                       // backward outside
-//
-// Autocast state is per thread, as in PyTorch.
+/// \file
+/// Autocast: run eligible ops (matmul, conv, linear) in float16/bfloat16 and
+/// keep precision-sensitive ops (softmax on CUDA, norms, losses) in float32,
+/// through the dispatcher's Autocast keys. `AutocastGuard` is the C++ twin of
+/// Python's `with torch.autocast(device_type, dtype, enabled, cache_enabled):`,
+/// with the same enter/exit steps, nesting and weight-cast cache rules.
+///
+/// ```
+///   {
+///     ampx::AutocastGuard autocast(torch::kCPU);        // bfloat16 on the CPU
+///     auto y = model->forward(x);                        // linear in bf16
+///     loss = torch::mse_loss(y, target);                 // loss in fp32
+///   }                                                    // state restored here
+///   scaler.scale(loss).backward();                       // backward outside
+/// ```
+///
+/// Autocast state is per thread, as in PyTorch.
 
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
@@ -64,6 +67,8 @@ void clear_autocast_cache();
 /// faster there). AMPX_CPU_PRODUCTS=native, or set_cpu_products, turns it off.
 class AutocastGuard {
  public:
+  /// Enters the region: torch.autocast(device_type, dtype, enabled,
+  /// cache_enabled); `dtype` unset keeps the thread's current one.
   explicit AutocastGuard(c10::DeviceType device_type,
                          c10::optional<c10::ScalarType> dtype = c10::nullopt,
                          bool enabled = true, bool cache_enabled = true);
@@ -74,7 +79,9 @@ class AutocastGuard {
   AutocastGuard(AutocastGuard&&) = delete;
   AutocastGuard& operator=(AutocastGuard&&) = delete;
 
+  /// The device type the region casts for (kCPU or kCUDA).
   c10::DeviceType device_type() const noexcept { return device_type_; }
+  /// The dtype the region casts to.
   c10::ScalarType dtype() const noexcept { return dtype_; }
   /// False when constructed disabled, or disabled because CUDA is missing.
   bool enabled() const noexcept { return enabled_; }
@@ -125,7 +132,9 @@ decltype(auto) cast_arg(T&& arg, c10::DeviceType device_type, c10::ScalarType dt
 /// runs with autocast disabled; outside one, `fn` runs unchanged. Use it for
 /// custom ops and functions that must run in float32:
 ///
+/// ```
 ///   auto y = ampx::custom_fwd(torch::kCPU, torch::kFloat, my_fp32_op, x, w);
+/// ```
 template <class F, class... Args>
 decltype(auto) custom_fwd(c10::DeviceType device_type, c10::ScalarType cast_inputs, F&& fn,
                           Args&&... args) {

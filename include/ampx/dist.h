@@ -1,25 +1,28 @@
 #pragma once
 
-// Data-parallel training on PyTorch's own c10d process groups (Gloo for CPU
-// tensors, NCCL for CUDA tensors in CUDA builds), launched by torchrun, Open
-// MPI or Slurm, or by hand:
-//
-//   auto pg = ampx::dist::init_process_group();          // RANK, WORLD_SIZE, MASTER_ADDR, ...
-//   ampx::dist::DistributedDataParallel ddp(model, pg);  // rank 0's weights everywhere
-//   for (...) {
-//     opt.zero_grad();
-//     auto loss = loss_fn(model->forward(x_shard), y_shard);
-//     scaler.scale(loss).backward();                     // buckets all-reduce during backward
-//     ddp.synchronize();                                 // wait, average into .grad
-//     scaler.step(opt);                                  // same grads, same skip on every rank
-//     scaler.update();
-//   }
-//
-// Gradients are all-reduced in buckets (default 25 MiB) launched from
-// gradient hooks as soon as every gradient of a bucket is ready, so the
-// communication overlaps the rest of backward. Because every rank steps
-// with the same averaged gradients, an inf/NaN on any rank reaches all of
-// them and GradScaler skips and backs off identically everywhere.
+/// \file
+/// Data-parallel training on PyTorch's own c10d process groups (Gloo for CPU
+/// tensors, NCCL for CUDA tensors in CUDA builds), launched by torchrun, Open
+/// MPI or Slurm, or by hand:
+///
+/// ```
+///   auto pg = ampx::dist::init_process_group();          // RANK, WORLD_SIZE, MASTER_ADDR, ...
+///   ampx::dist::DistributedDataParallel ddp(model, pg);  // rank 0's weights everywhere
+///   for (...) {
+///     opt.zero_grad();
+///     auto loss = loss_fn(model->forward(x_shard), y_shard);
+///     scaler.scale(loss).backward();                     // buckets all-reduce during backward
+///     ddp.synchronize();                                 // wait, average into .grad
+///     scaler.step(opt);                                  // same grads, same skip on every rank
+///     scaler.update();
+///   }
+/// ```
+///
+/// Gradients are all-reduced in buckets (default 25 MiB) launched from
+/// gradient hooks as soon as every gradient of a bucket is ready, so the
+/// communication overlaps the rest of backward. Because every rank steps
+/// with the same averaged gradients, an inf/NaN on any rank reaches all of
+/// them and GradScaler skips and backs off identically everywhere.
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
@@ -46,13 +49,15 @@ namespace detail {
 struct ProcessGroupAccess;
 }  // namespace detail
 
+/// Data-parallel training on c10d process groups: launch environments,
+/// ProcessGroup, DistributedDataParallel, and ZeRO stage 1 (ampx/zero.h).
 namespace dist {
 
 /// Where this process sits, as a launcher described it.
 struct LaunchEnv {
-  int64_t rank = 0;
-  int64_t world_size = 1;
-  int64_t local_rank = 0;
+  int64_t rank = 0;        ///< this process's index among all ranks
+  int64_t world_size = 1;  ///< ranks in the run
+  int64_t local_rank = 0;  ///< this process's index among the ranks on this host
   /// Processes of this run on this host: torchrun's LOCAL_WORLD_SIZE, Open
   /// MPI's OMPI_COMM_WORLD_LOCAL_SIZE, Slurm's SLURM_STEP_TASKS_PER_NODE (or
   /// SLURM_TASKS_PER_NODE, e.g. "2(x3),1") at SLURM_NODEID; 1 when unset.
@@ -60,14 +65,15 @@ struct LaunchEnv {
   /// This host's index among the hosts: torchrun's GROUP_RANK (or NODE_RANK),
   /// Slurm's SLURM_NODEID; -1 when the launcher does not say.
   int64_t node_rank = -1;
-  std::string master_addr;
-  int64_t master_port = 0;
-  std::string launcher;  // "torchrun", "Open MPI", "Slurm"
+  std::string master_addr;  ///< MASTER_ADDR: the host of rank 0's rendezvous store
+  int64_t master_port = 0;  ///< MASTER_PORT: the store's TCP port
+  std::string launcher;     ///< "torchrun", "Open MPI", "Slurm"
   /// torchrun's agent already serves the TCPStore at MASTER_PORT
   /// (TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included, joins
   /// it as a client, under "/worker/attempt_<TORCHELASTIC_RESTART_COUNT>/",
   /// as PyTorch's own init_process_group does.
   bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT with agent_store (the attempt number), else 0.
   int64_t restart_count = 0;
 };
 
@@ -85,6 +91,8 @@ LaunchEnv launch_env_from_environment();
 /// asks this first.
 bool launched_as_rank();
 
+/// init_process_group()'s settings, set by chained calls:
+/// `InitOptions().timeout(std::chrono::seconds(60)).nccl(false)`.
 struct InitOptions {
   /// How long rendezvous and each collective may take before they fail.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::seconds(300);
@@ -116,11 +124,15 @@ struct InitOptions {
 /// tensor's device. Copies share one group.
 class ProcessGroup {
  public:
+  /// This process's rank in the group.
   int64_t rank() const;
+  /// Ranks in the group.
   int64_t world_size() const;
+  /// InitOptions::timeout: how long a collective may take before it fails.
   std::chrono::milliseconds timeout() const;
   /// Whether CUDA tensors go through NCCL ("gloo" or "gloo+nccl" in backends()).
   bool has_nccl() const;
+  /// "gloo", or "gloo+nccl" with NCCL.
   std::string backends() const;
   /// The address Gloo serves this rank on and how it was chosen:
   /// "10.0.0.2 (the route to MASTER_ADDR 10.0.0.1)", "10.0.0.1 (GLOO_SOCKET_IFNAME=eth0)".
@@ -192,6 +204,8 @@ bool is_nccl_available();
 /// before rank 0's store binds it). Throws if the system has none.
 int free_loopback_port();
 
+/// DistributedDataParallel's settings, PyTorch's defaults, set by chained
+/// calls: `DistributedDataParallelOptions().communication_dtype(torch::kBFloat16)`.
 struct DistributedDataParallelOptions {
   /// Most bytes of gradients per all-reduce (PyTorch's bucket_cap_mb).
   TORCH_ARG(int64_t, bucket_cap_bytes) = 25 * 1024 * 1024;
@@ -217,6 +231,8 @@ struct DistributedDataParallelOptions {
 /// naming what differs on which ranks, when one was given another model.
 class DistributedDataParallel {
  public:
+  /// Wraps `module` on every rank of `group` (collective: see above) and
+  /// installs the gradient hooks that fill and launch the buckets.
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, ProcessGroup group,
                           DistributedDataParallelOptions options = {});
   ~DistributedDataParallel();
@@ -241,6 +257,8 @@ class DistributedDataParallel {
     explicit NoSyncGuard(DistributedDataParallel& ddp);
     DistributedDataParallel& ddp_;
   };
+  /// `auto guard = ddp.no_sync();`: backward without communication while
+  /// `guard` lives (see NoSyncGuard).
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   /// Bytes all-reduced so far (what the communication dtype saves).

@@ -1,38 +1,43 @@
 #pragma once
 
-// GradScaler: dynamic loss scaling against float16 gradient underflow, with
-// the semantics, defaults, state-dict keys and error texts of PyTorch's
-// `torch.amp.GradScaler`, plus hysteresis and scale bounds.
-//
-//   ampx::GradScaler scaler;                  // init_scale 2^16, interval 2000
-//   for (...) {
-//     optimizer.zero_grad();
-//     torch::Tensor loss;
-//     { ampx::AutocastGuard autocast(torch::kCUDA); loss = loss_fn(model(x), y); }
-//     scaler.scale(loss).backward();
-//     scaler.unscale_(optimizer);             // optional: clip in real units
-//     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
-//     scaler.step(optimizer);                 // skipped if any grad is inf/NaN
-//     scaler.update();
-//   }
-//
-// Per optimizer, an iteration moves READY -> UNSCALED (unscale_) -> STEPPED
-// (step); update() puts every optimizer back to READY. The scale lives on the
-// device of the first tensor passed to scale(). Not thread safe (nor is
-// PyTorch's); one scaler serves any number of optimizers and losses.
-//
-// Opt-in diagnostics, free when off (no extra kernel, no host sync):
-//
-//   ampx::GradScaler scaler(ampx::GradScalerOptions()
-//                               .explain_skipped_steps(true)   // who overflowed
-//                               .collapse_warning_steps(50));  // scale stuck falling
-//   scaler.name_parameters(model->named_parameters());
-//   scaler.protect_buffers(*model);   // BatchNorm stats survive skipped steps
-//   ...
-//   scaler.last_skipped_step()->to_string();
-//   // "skipped step at iteration 7 (scale 65536): 2 of 4 gradients hold inf/NaN:
-//   //  fc2.weight [1, 16] Float (16 non-finite), fc2.bias [1] Float (1 non-finite)"
-//   scaler.scale_collapsed();         // false
+/// \file
+/// GradScaler: dynamic loss scaling against float16 gradient underflow, with
+/// the semantics, defaults, state-dict keys and error texts of PyTorch's
+/// `torch.amp.GradScaler`, plus hysteresis and scale bounds.
+///
+/// ```
+///   ampx::GradScaler scaler;                  // init_scale 2^16, interval 2000
+///   for (...) {
+///     optimizer.zero_grad();
+///     torch::Tensor loss;
+///     { ampx::AutocastGuard autocast(torch::kCUDA); loss = loss_fn(model(x), y); }
+///     scaler.scale(loss).backward();
+///     scaler.unscale_(optimizer);             // optional: clip in real units
+///     torch::nn::utils::clip_grad_norm_(model->parameters(), 1.0);
+///     scaler.step(optimizer);                 // skipped if any grad is inf/NaN
+///     scaler.update();
+///   }
+/// ```
+///
+/// Per optimizer, an iteration moves READY -> UNSCALED (unscale_) -> STEPPED
+/// (step); update() puts every optimizer back to READY. The scale lives on the
+/// device of the first tensor passed to scale(). Not thread safe (nor is
+/// PyTorch's); one scaler serves any number of optimizers and losses.
+///
+/// Opt-in diagnostics, free when off (no extra kernel, no host sync):
+///
+/// ```
+///   ampx::GradScaler scaler(ampx::GradScalerOptions()
+///                               .explain_skipped_steps(true)   // who overflowed
+///                               .collapse_warning_steps(50));  // scale stuck falling
+///   scaler.name_parameters(model->named_parameters());
+///   scaler.protect_buffers(*model);   // BatchNorm stats survive skipped steps
+///   ...
+///   scaler.last_skipped_step()->to_string();
+///   // "skipped step at iteration 7 (scale 65536): 2 of 4 gradients hold inf/NaN:
+///   //  fc2.weight [1, 16] Float (16 non-finite), fc2.bias [1] Float (1 non-finite)"
+///   scaler.scale_collapsed();         // false
+/// ```
 
 #include "ampx/scale_update.h"
 #include "ampx/scaler_aware_optimizer.h"
@@ -71,6 +76,8 @@ class OutputArchive;
 
 namespace ampx {
 
+/// GradScaler's settings, PyTorch's defaults, set by chained calls:
+/// `GradScalerOptions().init_scale(1024).hysteresis(2)`.
 struct GradScalerOptions {
   /// Initial scale factor.
   TORCH_ARG(double, init_scale) = 65536.0;
@@ -106,8 +113,8 @@ struct NonFiniteGrad {
   /// The name given by GradScaler::name_parameters, else
   /// "param_groups[g].params[i]" (the optimizer's indices).
   std::string name;
-  std::vector<int64_t> sizes;
-  c10::ScalarType dtype;
+  std::vector<int64_t> sizes;  ///< the gradient's shape
+  c10::ScalarType dtype;       ///< the gradient's dtype
   /// Elements that are inf or NaN (of the values, for a sparse gradient).
   int64_t non_finite;
 };
@@ -135,10 +142,14 @@ enum class OptState { kReady, kUnscaled, kStepped };
 /// (a host sync on CUDA), which is why the result is not a plain bool.
 class StepResult {
  public:
+  /// A result known on the host: `stepped` or skipped.
   explicit StepResult(bool stepped) : known_(stepped) {}
+  /// A result that a float32 [] flag on the device holds (1 = skipped), read
+  /// only when asked.
   explicit StepResult(at::Tensor found_inf) : found_inf_(std::move(found_inf)) {}
   /// Whether the optimizer stepped (false: skipped on inf/NaN).
   bool stepped() const;
+  /// stepped(): `if (scaler.step(opt))` asks whether the optimizer stepped.
   explicit operator bool() const { return stepped(); }
   /// float32 [] flag (1 = skipped), undefined for a plain bool result.
   const at::Tensor& found_inf() const { return found_inf_; }
@@ -148,12 +159,17 @@ class StepResult {
   at::Tensor found_inf_;
 };
 
+/// Dynamic loss scaling, PyTorch's `torch.amp.GradScaler` (the top of this
+/// header shows the loop).
 class GradScaler {
  public:
+  /// Checks `options` when enabled (growth_factor > 1, backoff_factor in
+  /// (0, 1), init_scale finite and > 0, ...); the scale is made by scale().
   explicit GradScaler(GradScalerOptions options = {});
 
   /// `outputs * scale`. The first call creates the scale on outputs' device.
   at::Tensor scale(const at::Tensor& outputs);
+  /// Each of `outputs` times the scale (copied once to each output device).
   std::vector<at::Tensor> scale(const std::vector<at::Tensor>& outputs);
 
   /// Divides `optimizer`'s gradients by the scale in place and records
@@ -188,15 +204,25 @@ class GradScaler {
   /// Overflows still absorbed before the next backoff (see hysteresis).
   int64_t get_hysteresis_tracker() const;
 
+  /// GradScalerOptions::growth_factor.
   double get_growth_factor() const { return rule_.growth_factor; }
+  /// Changes the growth factor for later updates (not checked, as in PyTorch).
   void set_growth_factor(double new_factor) { rule_.growth_factor = new_factor; }
+  /// GradScalerOptions::backoff_factor.
   double get_backoff_factor() const { return rule_.backoff_factor; }
+  /// Changes the backoff factor for later updates (not checked, as in PyTorch).
   void set_backoff_factor(double new_factor) { rule_.backoff_factor = new_factor; }
+  /// GradScalerOptions::growth_interval.
   int64_t get_growth_interval() const { return rule_.growth_interval; }
+  /// Changes the growth interval for later updates (not checked, as in PyTorch).
   void set_growth_interval(int64_t new_interval) { rule_.growth_interval = new_interval; }
+  /// GradScalerOptions::hysteresis.
   int64_t get_hysteresis() const { return rule_.hysteresis; }
+  /// GradScalerOptions::min_scale.
   c10::optional<double> get_min_scale() const { return rule_.min_scale; }
+  /// GradScalerOptions::max_scale.
   c10::optional<double> get_max_scale() const { return rule_.max_scale; }
+  /// GradScalerOptions::enabled: false makes every call a pass-through.
   bool is_enabled() const { return enabled_; }
 
   /// Where `optimizer` is in the current iteration.
@@ -216,15 +242,17 @@ class GradScaler {
   /// installs an all-reduce MAX, so that every rank skips and backs off
   /// together when any rank's gradients overflowed. Empty: none (default).
   using FoundInfHook = std::function<void(at::Tensor& found_inf)>;
+  /// Installs `hook` (see FoundInfHook), replacing any earlier one.
   void set_found_inf_hook(FoundInfHook hook) { found_inf_hook_ = std::move(hook); }
 
   /// Names for explanations of skipped steps, e.g. `model->named_parameters()`.
   /// Looked up by tensor identity (never serialized); later calls add names.
   void name_parameters(const torch::OrderedDict<std::string, at::Tensor>& named_parameters);
 
+  /// How many skipped steps skipped_steps() keeps.
+  static constexpr size_t kSkippedStepHistory = 16;
   /// The last kSkippedStepHistory skipped steps, oldest first (empty unless
   /// explain_skipped_steps).
-  static constexpr size_t kSkippedStepHistory = 16;
   const std::deque<SkippedStep>& skipped_steps() const { return skipped_steps_; }
   /// The newest of skipped_steps(), if any.
   c10::optional<SkippedStep> last_skipped_step() const;
@@ -253,6 +281,7 @@ class GradScaler {
 
   /// LibTorch archive serialization (embeds in torch::save checkpoints).
   void save(torch::serialize::OutputArchive& archive) const;
+  /// Reads what save() wrote; errors if `archive` holds no GradScaler state.
   void load(torch::serialize::InputArchive& archive);
 
  private:
@@ -314,8 +343,10 @@ class GradScaler {
   std::vector<ProtectedBuffer> protected_buffers_;
 };
 
+/// `scaler.save(archive)`, so that `torch::save(scaler, path)` works.
 torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
                                             const GradScaler& scaler);
+/// `scaler.load(archive)`, so that `torch::load(scaler, path)` works.
 torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive,
                                            GradScaler& scaler);
 

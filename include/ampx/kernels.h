@@ -1,14 +1,17 @@
 #pragma once
 
-// The two kernels of dynamic loss scaling, usable on their own (e.g. by a
-// custom optimizer or trainer). Each routes to ATen's own kernel where this
-// LibTorch build has one for the tensors' device, and to ampx's otherwise:
-// LibTorch 1.13 has CPU kernels for neither, and CUDA's unscale kernel lacks
-// bfloat16. No function here synchronises with the host.
-//
-//   auto found_inf = torch::zeros({1});            // float32, caller zeroes
-//   ampx::non_finite_check_and_unscale_(grads, found_inf, inv_scale);
-//   ampx::update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, rule);
+/// \file
+/// The two kernels of dynamic loss scaling, usable on their own (e.g. by a
+/// custom optimizer or trainer). Each routes to ATen's own kernel where this
+/// LibTorch build has one for the tensors' device, and to ampx's otherwise:
+/// LibTorch 1.13 has CPU kernels for neither, and CUDA's unscale kernel lacks
+/// bfloat16. No function here synchronises with the host.
+///
+/// ```
+///   auto found_inf = torch::zeros({1});            // float32, caller zeroes
+///   ampx::non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+///   ampx::update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, rule);
+/// ```
 
 #include "ampx/scale_update.h"
 
@@ -151,6 +154,7 @@ const char* to_string(CpuProducts mode);
 /// variable AMPX_CPU_PRODUCTS (auto, native or wide; unset: auto), read at the
 /// first use; another value is an error naming it.
 void set_cpu_products(CpuProducts mode);
+/// The process-wide mode (see set_cpu_products).
 CpuProducts get_cpu_products();
 
 /// Whether LibTorch multiplies `dtype` matrices on this CPU with vectorized
@@ -181,6 +185,8 @@ at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b);
 /// attention: a [..., M, K] with b [K, N], or with b [..., K, N] of the same
 /// batch sizes (wide_matmul_supports); other shapes are an error.
 at::Tensor wide_matmul(const at::Tensor& a, const at::Tensor& b);
+/// Whether the sizes fit wide_matmul (a [..., M, K] with b [K, N], or b
+/// [..., K, N] of a's batch sizes); dtypes are not looked at.
 bool wide_matmul_supports(const at::Tensor& a, const at::Tensor& b);
 
 }  // namespace ampx

@@ -1,23 +1,27 @@
 #pragma once
 
-// Allocated tensor bytes on the CPU, counted by a tracking allocator that
-// wraps LibTorch's own (the CUDA side has the caching allocator's stats).
-// Peak training memory is measured with it, not estimated from RSS.
-//
-//   ampx::enable_cpu_memory_tracking();          // before the tensors to count
-//   ampx::reset_peak_cpu_memory();
-//   train_step();
-//   auto peak = ampx::cpu_memory_stats().peak_allocated_bytes;
+/// \file
+/// Allocated tensor bytes on the CPU, counted by a tracking allocator that
+/// wraps LibTorch's own (the CUDA side has the caching allocator's stats).
+/// Peak training memory is measured with it, not estimated from RSS.
+///
+/// ```
+///   ampx::enable_cpu_memory_tracking();          // before the tensors to count
+///   ampx::reset_peak_cpu_memory();
+///   train_step();
+///   auto peak = ampx::cpu_memory_stats().peak_allocated_bytes;
+/// ```
 
 #include <cstdint>
 #include <string>
 
 namespace ampx {
 
+/// Bytes of CPU tensors counted by the tracking allocator.
 struct MemoryStats {
-  int64_t allocated_bytes = 0;       // live now
-  int64_t peak_allocated_bytes = 0;  // most live at once since the last reset
-  int64_t allocations = 0;           // allocations since tracking began
+  int64_t allocated_bytes = 0;       ///< live now
+  int64_t peak_allocated_bytes = 0;  ///< most live at once since the last reset
+  int64_t allocations = 0;           ///< allocations since tracking began
 };
 
 /// Installs the tracking allocator as LibTorch's CPU allocator (once; later
@@ -25,6 +29,7 @@ struct MemoryStats {
 /// ones are freed by their own allocator as before. Errors if another
 /// allocator with a higher priority is installed.
 void enable_cpu_memory_tracking();
+/// Whether enable_cpu_memory_tracking() has installed the tracking allocator.
 bool cpu_memory_tracking_enabled();
 
 /// Zeros when tracking is not enabled.
@@ -35,10 +40,10 @@ void reset_peak_cpu_memory();
 
 /// What keep_freed_cpu_memory() did.
 struct MallocRetention {
-  bool applied = false;        // false: nothing changed, `reason` says why
-  int64_t mmap_threshold = 0;  // bytes: blocks above it are mapped and unmapped one by one
-  int64_t trim_threshold = 0;  // bytes free at a heap's top before they go back to the OS
-  std::string reason;
+  bool applied = false;        ///< false: nothing changed, `reason` says why
+  int64_t mmap_threshold = 0;  ///< bytes: blocks above it are mapped and unmapped one by one
+  int64_t trim_threshold = 0;  ///< bytes free at a heap's top before they go back to the OS
+  std::string reason;          ///< why nothing changed; empty when applied
 };
 
 /// Makes glibc's malloc keep freed memory for the next step instead of
@@ -54,7 +59,9 @@ struct MallocRetention {
 /// library is not glibc, or where GLIBC_TUNABLES already sets either threshold
 /// (the user's choice wins).
 ///
+/// ```
 ///   auto r = ampx::keep_freed_cpu_memory();  // r.applied == true on glibc
+/// ```
 MallocRetention keep_freed_cpu_memory(int64_t trim_threshold = int64_t{1} << 30);
 
 }  // namespace ampx

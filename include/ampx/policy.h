@@ -1,23 +1,26 @@
 #pragma once
 
-// Cast policies users control: which ops autocast casts, and to what. PyTorch
-// fixes its op lists at build time (pytorch#117832); ampx changes them at run
-// time by registering a kernel for the op on the device's Autocast dispatch
-// key (AutocastCPU, AutocastCUDA), which shadows PyTorch's own autocast kernel
-// for that op until ampx drops the registration. See docs/policy.md.
-//
-//   {
-//     ampx::AutocastGuard autocast(torch::kCUDA);
-//     ampx::CastPolicyGuard policy(torch::kCUDA, {{"aten::mm", ampx::CastPolicy::kFp32},
-//                                                {"aten::softmax",
-//                                                ampx::CastPolicy::kLowerPrecision}});
-//     auto y = torch::softmax(torch::mm(a, b), 1);   // mm in fp32, softmax in fp16
-//   }                                                 // PyTorch's lists again
-//
-// Policies act only where autocast is on (AutocastGuard), in every thread.
-// Unlike autocast's enabled flag they are process-wide: the dispatcher is
-// global, so a policy set or a guard alive in one thread applies to autocast
-// regions of all threads. The registry is mutex-protected.
+/// \file
+/// Cast policies users control: which ops autocast casts, and to what. PyTorch
+/// fixes its op lists at build time (pytorch#117832); ampx changes them at run
+/// time by registering a kernel for the op on the device's Autocast dispatch
+/// key (AutocastCPU, AutocastCUDA), which shadows PyTorch's own autocast kernel
+/// for that op until ampx drops the registration. See docs/policy.md.
+///
+/// ```
+///   {
+///     ampx::AutocastGuard autocast(torch::kCUDA);
+///     ampx::CastPolicyGuard policy(torch::kCUDA, {{"aten::mm", ampx::CastPolicy::kFp32},
+///                                                {"aten::softmax",
+///                                                ampx::CastPolicy::kLowerPrecision}});
+///     auto y = torch::softmax(torch::mm(a, b), 1);   // mm in fp32, softmax in fp16
+///   }                                                 // PyTorch's lists again
+/// ```
+///
+/// Policies act only where autocast is on (AutocastGuard), in every thread.
+/// Unlike autocast's enabled flag they are process-wide: the dispatcher is
+/// global, so a policy set or a guard alive in one thread applies to autocast
+/// regions of all threads. The registry is mutex-protected.
 
 #include <c10/core/DeviceType.h>
 #include <c10/util/Optional.h>
@@ -98,8 +101,11 @@ class AutocastGuard;
 /// guard lives, autocast regions of all threads see its policies.
 class CastPolicyGuard {
  public:
+  /// Sets each (op, policy) of `policies` on `device_type` as
+  /// set_cast_policy does, after saving what it replaces.
   CastPolicyGuard(c10::DeviceType device_type,
                   std::initializer_list<std::pair<std::string, CastPolicy>> policies);
+  /// The same, from a vector.
   CastPolicyGuard(c10::DeviceType device_type,
                   const std::vector<std::pair<std::string, CastPolicy>>& policies);
   ~CastPolicyGuard();
@@ -134,6 +140,7 @@ void apply_cast_policy_preset(c10::DeviceType device_type, CastPolicyPreset pres
 /// it lives, kApexO1 sets Apex's on top of the current ones; both restore.
 class CastPolicyPresetGuard {
  public:
+  /// Applies `preset` on `device_type` after saving the current policies.
   CastPolicyPresetGuard(c10::DeviceType device_type, CastPolicyPreset preset);
   ~CastPolicyPresetGuard();
 
@@ -182,6 +189,7 @@ std::vector<std::string> norm_ops();
 /// around each op.
 class KeepNormsFp32Guard {
  public:
+  /// Keeps the norms in fp32 on `device_type` (kCPU or kCUDA) until destroyed.
   explicit KeepNormsFp32Guard(c10::DeviceType device_type);
   ~KeepNormsFp32Guard();
 
@@ -248,6 +256,7 @@ class WideProductsGuard {
 /// process-wide registrations); restored on exit, also by exception.
 class Fp32RegionGuard {
  public:
+  /// Opens the float32 region on `device_type` (kCPU or kCUDA).
   explicit Fp32RegionGuard(c10::DeviceType device_type);
   ~Fp32RegionGuard();
 

@@ -1,23 +1,26 @@
 #pragma once
 
-// Weights in and out as safetensors, the format Hugging Face and most
-// frameworks read: a little-endian u64 header length, a JSON header naming
-// each tensor's dtype, shape and byte range, then the raw bytes.
-//
-//   ampx::save_safetensors(*model, "model.safetensors");   // atomically
-//   // Python: safetensors.torch.load_model(model, "model.safetensors")
-//   ampx::load_safetensors(*model, "model.safetensors");   // names and shapes checked
-//   auto tensors = ampx::read_safetensors("model.safetensors");  // name -> CPU tensor
-//
-// Names are those of named_parameters() and named_buffers() ("blocks.0.fc.weight"),
-// as PyTorch's state_dict() and safetensors.torch name them. dtypes: F64,
-// F32, F16, BF16, I64, I32, I16, I8, U8, BOOL. A file from outside is
-// checked before anything is allocated from it: the header's length and
-// JSON, every dtype, every shape against its byte range, and the ranges
-// against the file (contiguous, in bounds, no overlap, nothing left over);
-// errors name the path and what is wrong.
-//
-// Not yet: the FP8 dtypes (F8_E4M3, F8_E5M2) and their scales.
+/// \file
+/// Weights in and out as safetensors, the format Hugging Face and most
+/// frameworks read: a little-endian u64 header length, a JSON header naming
+/// each tensor's dtype, shape and byte range, then the raw bytes.
+///
+/// ```
+///   ampx::save_safetensors(*model, "model.safetensors");   // atomically
+///   // Python: safetensors.torch.load_model(model, "model.safetensors")
+///   ampx::load_safetensors(*model, "model.safetensors");   // names and shapes checked
+///   auto tensors = ampx::read_safetensors("model.safetensors");  // name -> CPU tensor
+/// ```
+///
+/// Names are those of named_parameters() and named_buffers() ("blocks.0.fc.weight"),
+/// as PyTorch's state_dict() and safetensors.torch name them. dtypes: F64,
+/// F32, F16, BF16, I64, I32, I16, I8, U8, BOOL. A file from outside is
+/// checked before anything is allocated from it: the header's length and
+/// JSON, every dtype, every shape against its byte range, and the ranges
+/// against the file (contiguous, in bounds, no overlap, nothing left over);
+/// errors name the path and what is wrong.
+///
+/// Not yet: the FP8 dtypes (F8_E4M3, F8_E5M2) and their scales.
 
 #include <ATen/core/Tensor.h>
 

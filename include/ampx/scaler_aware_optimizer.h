@@ -1,14 +1,17 @@
 #pragma once
 
-// ScalerAwareOptimizer: the interface through which GradScaler::step hands an
-// optimizer the loss scale instead of unscaling its gradients (PyTorch's
-// `_step_supports_amp_scaling`, e.g. fused Adam). ampx::optim's optimizers
-// and ampx::dist::ZeroRedundancyOptimizer implement it.
-//
-//   class MyOptimizer : public torch::optim::Optimizer, public ampx::ScalerAwareOptimizer {
-//     void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) override;
-//   };
-//   scaler.step(my_opt);  // calls my_opt.step_scaled(scale, found_inf): no host sync
+/// \file
+/// ScalerAwareOptimizer: the interface through which GradScaler::step hands an
+/// optimizer the loss scale instead of unscaling its gradients (PyTorch's
+/// `_step_supports_amp_scaling`, e.g. fused Adam). ampx::optim's optimizers
+/// and ampx::dist::ZeroRedundancyOptimizer implement it.
+///
+/// ```
+///   class MyOptimizer : public torch::optim::Optimizer, public ampx::ScalerAwareOptimizer {
+///     void step_scaled(const at::Tensor& grad_scale, const at::Tensor& found_inf) override;
+///   };
+///   scaler.step(my_opt);  // calls my_opt.step_scaled(scale, found_inf): no host sync
+/// ```
 
 #include <ATen/core/Tensor.h>
 

@@ -1,23 +1,28 @@
 #pragma once
 
-// Files that Python's torch.load and torch.save understand: state dicts
-// pickled with LibTorch's serialization (torch::pickle_save), written
-// atomically so an existing file is never left half-overwritten. And
-// LibTorch's own archives (torch::save of a module, an optimizer, a
-// ZeroRedundancyOptimizer shard), written atomically and read back only
-// after a check that LibTorch's reader can take them: its readers crash or
-// allocate without bound on some crafted files (tests/fuzz/README.md).
-//
-//   ampx::save_state_dict(scaler.state_dict(), "scaler.pt");
-//   // Python: torch.load("scaler.pt") -> {'scale': 65536.0, ...}
-//   scaler.load_state_dict(ampx::load_state_dict("from_python.pt"));
-//
-//   torch::serialize::OutputArchive out;
-//   zero.save(out);                                   // this rank's shard
-//   ampx::save_archive(out, "zero-rank1.pt");
-//   torch::serialize::InputArchive in;
-//   ampx::load_archive(in, "zero-rank1.pt");          // checked, then read
-//   zero.load(in);
+/// \file
+/// Files that Python's torch.load and torch.save understand: state dicts
+/// pickled with LibTorch's serialization (torch::pickle_save), written
+/// atomically so an existing file is never left half-overwritten. And
+/// LibTorch's own archives (torch::save of a module, an optimizer, a
+/// ZeroRedundancyOptimizer shard), written atomically and read back only
+/// after a check that LibTorch's reader can take them: its readers crash or
+/// allocate without bound on some crafted files (tests/fuzz/README.md).
+///
+/// ```
+///   ampx::save_state_dict(scaler.state_dict(), "scaler.pt");
+///   // Python: torch.load("scaler.pt") -> {'scale': 65536.0, ...}
+///   scaler.load_state_dict(ampx::load_state_dict("from_python.pt"));
+/// ```
+///
+/// ```
+///   torch::serialize::OutputArchive out;
+///   zero.save(out);                                   // this rank's shard
+///   ampx::save_archive(out, "zero-rank1.pt");
+///   torch::serialize::InputArchive in;
+///   ampx::load_archive(in, "zero-rank1.pt");          // checked, then read
+///   zero.load(in);
+/// ```
 
 #include "ampx/grad_scaler.h"
 

@@ -1,33 +1,36 @@
 #pragma once
 
-// ZeRO stage 1 (Rajbhandari et al., 2020) on ampx::dist: every rank keeps
-// the fp32 master weights and optimizer state of only its 1/world_size
-// share of the parameters, so optimizer memory per rank falls by the world
-// size, and training gives the parameters of unsharded data parallelism.
-//
-//   auto pg = ampx::dist::init_process_group();
-//   ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg,   // model still fp32
-//       [](std::vector<torch::Tensor> shard) {
-//         return std::make_unique<ampx::optim::AdamW>(shard, ampx::optim::AdamWOptions(3e-4));
-//       });
-//   auto amp = ampx::initialize(model, {}, ampx::AmpOptions(ampx::OptLevel::O2));  // masters: opt's
-//   ampx::dist::synchronize_found_inf(amp.scaler(), pg);   // all ranks skip together
-//   for (...) {
-//     opt.zero_grad();
-//     amp.scaler().scale(loss_fn(model->forward(x_shard), y_shard)).backward();
-//     amp.scaler().step(opt);   // reduce-scatter grads, step the shard, all-gather params
-//     amp.scaler().update();
-//   }
-//
-// The parameters are laid end to end, one flat space per param group and
-// dtype (fixed at the first step: bf16 weights and fp32 norms under O2 make
-// two), each padded to a multiple of the world size and cut into equal
-// shards. A step: the gradients are packed into fp32 and reduce-scattered
-// (summed; Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there),
-// averaged, clipped by their global norm if asked (max_grad_norm), the
-// local optimizer updates this rank's fp32 shard (the masters), and the
-// shards are all-gathered into the parameters in their own dtype. The model
-// is not wrapped: use it without DistributedDataParallel.
+/// \file
+/// ZeRO stage 1 (Rajbhandari et al., 2020) on ampx::dist: every rank keeps
+/// the fp32 master weights and optimizer state of only its 1/world_size
+/// share of the parameters, so optimizer memory per rank falls by the world
+/// size, and training gives the parameters of unsharded data parallelism.
+///
+/// ```
+///   auto pg = ampx::dist::init_process_group();
+///   ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg,   // model still fp32
+///       [](std::vector<torch::Tensor> shard) {
+///         return std::make_unique<ampx::optim::AdamW>(shard, ampx::optim::AdamWOptions(3e-4));
+///       });
+///   auto amp = ampx::initialize(model, {}, ampx::AmpOptions(ampx::OptLevel::O2));  // masters:
+///   opt's ampx::dist::synchronize_found_inf(amp.scaler(), pg);   // all ranks skip together for
+///   (...) {
+///     opt.zero_grad();
+///     amp.scaler().scale(loss_fn(model->forward(x_shard), y_shard)).backward();
+///     amp.scaler().step(opt);   // reduce-scatter grads, step the shard, all-gather params
+///     amp.scaler().update();
+///   }
+/// ```
+///
+/// The parameters are laid end to end, one flat space per param group and
+/// dtype (fixed at the first step: bf16 weights and fp32 norms under O2 make
+/// two), each padded to a multiple of the world size and cut into equal
+/// shards. A step: the gradients are packed into fp32 and reduce-scattered
+/// (summed; Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there),
+/// averaged, clipped by their global norm if asked (max_grad_norm), the
+/// local optimizer updates this rank's fp32 shard (the masters), and the
+/// shards are all-gathered into the parameters in their own dtype. The model
+/// is not wrapped: use it without DistributedDataParallel.
 
 #include "ampx/dist.h"
 #include "ampx/grad_scaler.h"
@@ -41,6 +44,7 @@
 namespace ampx {
 namespace dist {
 
+/// ZeroRedundancyOptimizer's own settings (the local optimizer has its own).
 struct ZeroRedundancyOptimizerOptions
     : public torch::optim::OptimizerCloneableOptions<ZeroRedundancyOptimizerOptions> {
   /// Broadcast rank 0's parameters at construction, so every rank's shard of
@@ -54,6 +58,9 @@ struct ZeroRedundancyOptimizerOptions
   TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
 };
 
+/// ZeRO stage 1 over a process group: each rank keeps the fp32 masters and the
+/// optimizer state of its shard of the parameters (the top of this header).
+/// Its param_groups() are the model's parameters, as given.
 class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwareOptimizer {
  public:
   /// Builds the optimizer that updates this rank's shard: one fp32 tensor per
@@ -107,6 +114,7 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// "local". Every rank saves its own; load() checks the rank, world size
   /// and layout first, and throws naming a mismatch without changing anything.
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads what save() wrote on this rank (see save()).
   void load(torch::serialize::InputArchive& archive) override;
 
  private:

@@ -1,25 +1,28 @@
 #pragma once
 
-// Names for regions of a model, so that ampx's numerics diagnostics
-// (NonFiniteGuard, RangeStatsCollector) can say where an op ran. LibTorch has
-// no forward hooks; two cheap mechanisms stand in for them:
-//
-//   ampx::debug::name_modules(*model);        // every submodule by its path:
-//                                             // ops that take a parameter of
-//                                             // "blocks.2.mlp.fc1" run in that scope
-//   struct BlockImpl : torch::nn::Module {
-//     torch::Tensor forward(torch::Tensor x) {
-//       ampx::debug::ModuleScopeGuard scope(*this);  // "blocks.2" once named
-//       ...                                     // gelu, softmax, adds: here
-//     }
-//   };
-//   { ampx::debug::NamedScopeGuard scope("loss"); loss = criterion(logits, y); }
-//   ampx::debug::current_scope();              // "loss"
-//
-// The innermost scope wins. A scope costs a push and a pop on a thread-local
-// stack when no diagnostic is alive, and nothing else. Scopes belong to the
-// thread that opened them; ops that autograd runs in backward are attributed
-// to the scope their forward op ran in.
+/// \file
+/// Names for regions of a model, so that ampx's numerics diagnostics
+/// (NonFiniteGuard, RangeStatsCollector) can say where an op ran. LibTorch has
+/// no forward hooks; two cheap mechanisms stand in for them:
+///
+/// ```
+///   ampx::debug::name_modules(*model);        // every submodule by its path:
+///                                             // ops that take a parameter of
+///                                             // "blocks.2.mlp.fc1" run in that scope
+///   struct BlockImpl : torch::nn::Module {
+///     torch::Tensor forward(torch::Tensor x) {
+///       ampx::debug::ModuleScopeGuard scope(*this);  // "blocks.2" once named
+///       ...                                     // gelu, softmax, adds: here
+///     }
+///   };
+///   { ampx::debug::NamedScopeGuard scope("loss"); loss = criterion(logits, y); }
+///   ampx::debug::current_scope();              // "loss"
+/// ```
+///
+/// The innermost scope wins. A scope costs a push and a pop on a thread-local
+/// stack when no diagnostic is alive, and nothing else. Scopes belong to the
+/// thread that opened them; ops that autograd runs in backward are attributed
+/// to the scope their forward op ran in.
 
 #include <cstdint>
 #include <string>
@@ -50,6 +53,7 @@ std::string module_path(const torch::nn::Module& module);
 /// Opens a named region for the current thread until destroyed.
 class NamedScopeGuard {
  public:
+  /// Opens the scope `name`; the destructor closes it.
   explicit NamedScopeGuard(std::string name);
   ~NamedScopeGuard();
   NamedScopeGuard(const NamedScopeGuard&) = delete;
@@ -59,26 +63,34 @@ class NamedScopeGuard {
 /// A NamedScopeGuard named by module_path(module).
 class ModuleScopeGuard {
  public:
+  /// Opens the scope module_path(module); the destructor closes it.
   explicit ModuleScopeGuard(const torch::nn::Module& module);
   ~ModuleScopeGuard();
   ModuleScopeGuard(const ModuleScopeGuard&) = delete;
   ModuleScopeGuard& operator=(const ModuleScopeGuard&) = delete;
 };
 
-/// Deprecated names (to be removed after the next release; CHANGELOG.md).
+/// NamedScopeGuard's old name.
+/// \deprecated Use NamedScopeGuard; removed after the next release (CHANGELOG.md).
 using ScopeGuard [[deprecated("renamed ampx::debug::NamedScopeGuard")]] = NamedScopeGuard;
+/// ModuleScopeGuard's old name.
+/// \deprecated Use ModuleScopeGuard; removed after the next release (CHANGELOG.md).
 using ModuleScope [[deprecated("renamed ampx::debug::ModuleScopeGuard")]] = ModuleScopeGuard;
 
 /// The innermost open scope of this thread, "" outside any.
 std::string current_scope();
 
-/// Deprecated (to be removed after the next release; CHANGELOG.md): a process-wide
-/// step that NonFiniteGuard reports quoted when it was given none. Pass the
-/// step to the guard instead: NonFiniteOptions().step(step), or
-/// NonFiniteGuard::set_step() for a guard that lives across steps.
+/// Sets a process-wide step that NonFiniteGuard reports quote when their
+/// guard was given none.
+/// \deprecated Pass the step to the guard instead: NonFiniteOptions().step(step),
+/// or NonFiniteGuard::set_step() for a guard that lives across steps; removed
+/// after the next release (CHANGELOG.md).
 [[deprecated(
     "pass the step to NonFiniteGuard: NonFiniteOptions::step or NonFiniteGuard::set_step")]] void
 set_step(int64_t step);
+/// The step set_step() set; -1 before any.
+/// \deprecated Reports carry their guard's step (NonFiniteReport::step, from
+/// NonFiniteOptions::step); removed after the next release (CHANGELOG.md).
 [[deprecated("the step is NonFiniteOptions::step of the guard that reports it")]] int64_t
 current_step();
 

@@ -1,32 +1,35 @@
 #pragma once
 
-// The region that turns FP8 on, after Transformer Engine's fp8_autocast, and
-// the amax reduction across data-parallel ranks that ends it:
-//
-//   ampx::fp8::Fp8AutocastOptions region;
-//   region.amax_reduction_group(&pg);            // TE's fp8_group (optional)
-//   {
-//     ampx::fp8::Fp8AutocastGuard fp8(region);   // TE's fp8_autocast(enabled=True)
-//     auto y = fc->forward(x);                   // an FP8 product
-//     fp8.finish();                              // TE's exit: one all-reduce of the amaxes
-//   }
-//   ampx::fp8::is_fp8_enabled();                 // false again
-//
-// Ending a region is two things: this thread's FP8 state goes back to what it
-// was (local, cannot fail), and, with an amax_reduction_group, the forward
-// amaxes of the region are max-reduced over the group's ranks (a collective:
-// every rank must get there, and it can throw). The first is the
-// destructor's; the second is finish()'s, an explicit call, so that a
-// collective and its errors happen where the code says so rather than in a
-// destructor (which would turn a failed all-reduce inside a container, an
-// std::optional or a unique_ptr into std::terminate). A region without a
-// group has nothing to reduce: finish() is optional there.
-//
-// A region with a group that ends without finish() (an exception, or a
-// forgotten call) records none of its forward amaxes: no rank updates its
-// delayed-scaling histories from that region, so the ranks stay the same
-// (as they do when an exception leaves the region on every rank). Outside
-// an exception it warns once.
+/// \file
+/// The region that turns FP8 on, after Transformer Engine's fp8_autocast, and
+/// the amax reduction across data-parallel ranks that ends it:
+///
+/// ```
+///   ampx::fp8::Fp8AutocastOptions region;
+///   region.amax_reduction_group(&pg);            // TE's fp8_group (optional)
+///   {
+///     ampx::fp8::Fp8AutocastGuard fp8(region);   // TE's fp8_autocast(enabled=True)
+///     auto y = fc->forward(x);                   // an FP8 product
+///     fp8.finish();                              // TE's exit: one all-reduce of the amaxes
+///   }
+///   ampx::fp8::is_fp8_enabled();                 // false again
+/// ```
+///
+/// Ending a region is two things: this thread's FP8 state goes back to what it
+/// was (local, cannot fail), and, with an amax_reduction_group, the forward
+/// amaxes of the region are max-reduced over the group's ranks (a collective:
+/// every rank must get there, and it can throw). The first is the
+/// destructor's; the second is finish()'s, an explicit call, so that a
+/// collective and its errors happen where the code says so rather than in a
+/// destructor (which would turn a failed all-reduce inside a container, an
+/// std::optional or a unique_ptr into std::terminate). A region without a
+/// group has nothing to reduce: finish() is optional there.
+///
+/// A region with a group that ends without finish() (an exception, or a
+/// forgotten call) records none of its forward amaxes: no rank updates its
+/// delayed-scaling histories from that region, so the ranks stay the same
+/// (as they do when an exception leaves the region on every rank). Outside
+/// an exception it warns once.
 
 #include <torch/arg.h>
 
@@ -41,7 +44,9 @@ namespace fp8 {
 
 /// What a region carries besides being on.
 struct Fp8AutocastOptions {
+  /// A process group the caller owns (the region only points to it).
   using GroupPtr = const dist::ProcessGroup*;
+  /// False: a region with FP8 off (inside an enabled one, say).
   TORCH_ARG(bool, enabled) = true;
   /// TE's reduce_amax over fp8_group: every FP8 cast's amax is max-reduced
   /// over this group's ranks before it updates a delayed-scaling history, so
@@ -59,7 +64,9 @@ struct Fp8AutocastOptions {
 /// the recipe belongs to each layer (see docs/fp8.md).
 class Fp8AutocastGuard {
  public:
+  /// A region with FP8 on (or off) and no amax reduction group.
   explicit Fp8AutocastGuard(bool enabled = true);
+  /// A region as `options` say.
   explicit Fp8AutocastGuard(const Fp8AutocastOptions& options);
   /// Restores this thread's FP8 state if finish() has not; never reduces,
   /// never throws (see the top of this header).

@@ -1,31 +1,34 @@
 #pragma once
 
-// FP8 formats and casts: round-to-nearest-even with saturation, exact on every
-// CPU and on every LibTorch (1.13 has no float8 dtypes, so codes are uint8).
-//
-//   auto x = torch::tensor({1.0f, 300.0f, 1000.0f, -0.0f});
-//   auto scale = torch::ones({}, torch::kFloat);
-//   auto codes = ampx::fp8::quantize(x, ampx::fp8::Fp8Format::kE4M3, scale);
-//   // uint8 {0x38, 0x79, 0x7E, 0x80}: 300 rounds to 288, 1000 saturates to 448
-//   ampx::fp8::dequantize(codes, ampx::fp8::Fp8Format::kE4M3, scale);  // {1, 288, 448, -0}
-//   ampx::fp8::round_to_fp8(x, ampx::fp8::Fp8Format::kE4M3);          // same, in x's dtype
-//
-// The cast is TE's saturating one: x * scale is computed in float32, clamped to
-// [-max, max] (so +-inf becomes +-max in both formats), then rounded to nearest,
-// ties to even; NaN stays NaN (code 0x7F, 0xFF with the sign bit, in both
-// formats, as PyTorch writes it). Over the clamped range this is bit for bit
-// what PyTorch 2.1+'s `.to(torch.float8_e4m3fn)` / `.to(torch.float8_e5m2)`
-// gives (tests/fp8_cast_test.cpp checks it against PyTorch 2.6).
-//
-// E4M3 here is the "fn" variant: bias 7, no inf, NaN only at S.1111.111,
-// max 448, smallest subnormal 2^-9. E5M2 is IEEE-like: bias 15, inf at
-// S.11111.00, max 57344, smallest subnormal 2^-16.
-//
-// CPU: our own kernel, integer bit manipulation on float32 (bf16/fp16 inputs
-// are widened to float32 first, which is exact), parallel over elements.
-// CUDA: with LibTorch 2.1+, clamp and ATen's own float8 cast on the device (the
-// same rounding, no host sync); with older LibTorch the tensor is copied to the
-// host, cast there and copied back (slow, synchronizing: meant for checks).
+/// \file
+/// FP8 formats and casts: round-to-nearest-even with saturation, exact on every
+/// CPU and on every LibTorch (1.13 has no float8 dtypes, so codes are uint8).
+///
+/// ```
+///   auto x = torch::tensor({1.0f, 300.0f, 1000.0f, -0.0f});
+///   auto scale = torch::ones({}, torch::kFloat);
+///   auto codes = ampx::fp8::quantize(x, ampx::fp8::Fp8Format::kE4M3, scale);
+///   // uint8 {0x38, 0x79, 0x7E, 0x80}: 300 rounds to 288, 1000 saturates to 448
+///   ampx::fp8::dequantize(codes, ampx::fp8::Fp8Format::kE4M3, scale);  // {1, 288, 448, -0}
+///   ampx::fp8::round_to_fp8(x, ampx::fp8::Fp8Format::kE4M3);          // same, in x's dtype
+/// ```
+///
+/// The cast is TE's saturating one: x * scale is computed in float32, clamped to
+/// [-max, max] (so +-inf becomes +-max in both formats), then rounded to nearest,
+/// ties to even; NaN stays NaN (code 0x7F, 0xFF with the sign bit, in both
+/// formats, as PyTorch writes it). Over the clamped range this is bit for bit
+/// what PyTorch 2.1+'s `.to(torch.float8_e4m3fn)` / `.to(torch.float8_e5m2)`
+/// gives (tests/fp8_cast_test.cpp checks it against PyTorch 2.6).
+///
+/// E4M3 here is the "fn" variant: bias 7, no inf, NaN only at S.1111.111,
+/// max 448, smallest subnormal 2^-9. E5M2 is IEEE-like: bias 15, inf at
+/// S.11111.00, max 57344, smallest subnormal 2^-16.
+///
+/// CPU: our own kernel, integer bit manipulation on float32 (bf16/fp16 inputs
+/// are widened to float32 first, which is exact), parallel over elements.
+/// CUDA: with LibTorch 2.1+, clamp and ATen's own float8 cast on the device (the
+/// same rounding, no host sync); with older LibTorch the tensor is copied to the
+/// host, cast there and copied back (slow, synchronizing: meant for checks).
 
 #include "ampx/detail/compat.h"
 
@@ -87,14 +90,16 @@ uint8_t encode(float value, Fp8Format format);
 /// give, and what its products take; quantize() and dequantize() above are
 /// its two halves, for callers that hold the pieces.
 ///
+/// ```
 ///   auto t = ampx::fp8::Fp8Tensor::quantize(x, Fp8Format::kE4M3, scale);
 ///   t.codes;         // uint8, x's shape: quantize(x, kE4M3, scale)
 ///   t.scale_inv;     // float32, one element: 1 / scale
 ///   t.dequantize();  // float32: x * scale on the E4M3 grid, times 1 / scale
+/// ```
 struct Fp8Tensor {
   at::Tensor codes;      ///< uint8
   at::Tensor scale_inv;  ///< float32, one element: multiplies the codes' values back
-  Fp8Format format = Fp8Format::kE4M3;
+  Fp8Format format = Fp8Format::kE4M3;  ///< the codes' format
 
   /// The codes of x * scale (see quantize()) and scale_inv = 1 / scale,
   /// computed in float32 on scale's device.

@@ -1,17 +1,20 @@
 #pragma once
 
-// FP8 for a model's existing torch::nn::Linear layers, in place: after
-// convert_linears, an Fp8AutocastGuard region runs them as ampx::fp8::Linear
-// runs (see ampx/fp8/linear.h), through a dispatcher kernel that catches
-// at::linear (and the addmm/matmul that torch::nn::Linear's forward calls)
-// when the weight is a converted layer's:
-//
-//   auto paths = ampx::fp8::convert_linears(*model);   // {"fc1", "fc2"}
-//   {
-//     ampx::fp8::Fp8AutocastGuard fp8;
-//     model->forward(x);                                // fc1, fc2 in FP8
-//   }
-//   ampx::fp8::scaling_of(*model->fc1);                 // its LinearScaling
+/// \file
+/// FP8 for a model's existing torch::nn::Linear layers, in place: after
+/// convert_linears, an Fp8AutocastGuard region runs them as ampx::fp8::Linear
+/// runs (see ampx/fp8/linear.h), through a dispatcher kernel that catches
+/// at::linear (and the addmm/matmul that torch::nn::Linear's forward calls)
+/// when the weight is a converted layer's:
+///
+/// ```
+///   auto paths = ampx::fp8::convert_linears(*model);   // {"fc1", "fc2"}
+///   {
+///     ampx::fp8::Fp8AutocastGuard fp8;
+///     model->forward(x);                                // fc1, fc2 in FP8
+///   }
+///   ampx::fp8::scaling_of(*model->fc1);                 // its LinearScaling
+/// ```
 
 #include "ampx/fp8/scaling.h"
 
@@ -36,6 +39,7 @@ namespace fp8 {
 
 /// Which torch::nn::Linear layers convert_linears() turns to FP8.
 struct ConvertOptions {
+  /// The scaling recipe of every converted layer, as LinearOptions::recipe.
   TORCH_ARG(Recipe, recipe) = Recipe();
   /// Output dtype in a region, as LinearOptions::output_dtype.
   TORCH_ARG(c10::optional<c10::ScalarType>, output_dtype) = c10::nullopt;

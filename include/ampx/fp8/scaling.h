@@ -1,34 +1,40 @@
 #pragma once
 
-// FP8 scaling recipes with Transformer Engine's semantics: delayed scaling
-// (the scale for this step comes from the amax history of the steps before)
-// and current scaling (the scale comes from the tensor being cast).
-//
-//   auto recipe = ampx::fp8::DelayedScaling().amax_history_len(16).margin(0);
-//   ampx::fp8::DelayedScalingState input(recipe, ampx::Direction::kForward);
-//   input.scale();                         // 1.0 before any step
-//   auto codes = ampx::fp8::quantize(x, input.format(), input.scale());
-//   input.update(ampx::fp8::compute_amax(x));      // x's amax 2.0 -> scale 448 / 2 = 224
-//
-// Delayed scaling, as TE's amax_and_scale_update does it (history length L):
-//   - the step's amax enters the history and the window is the last L amaxes,
-//     this step's included; amax_compute_algo picks max over the window
-//     (NaN entries ignored, as CUDA's fmaxf does) or the most recent one;
-//   - scale = (fp8_max * 2^-margin) / amax in float32, only when that amax is
-//     finite and > 0; otherwise the previous scale stays; a scale that
-//     overflows float32 (tiny amax) becomes FLT_MAX; scale_inv = 1 / scale;
-//   - a step whose amax is exactly 0 (the tensor was all zeros or not seen)
-//     changes nothing, neither history nor scale, as TE's fused update after
-//     amax reduction (the one its PyTorch modules run) skips it.
-// The history is stored in TE's layout: [L] float32, the oldest kept amax at
-// index 1, the newest at index L - 1, index 0 the zeroed slot TE writes the
-// next step's amax into.
-//
-// Everything is ATen ops on the state's device: update() never syncs with the
-// host on CUDA.
-//
-// TensorScaling and LinearScaling (at the end) are the states an FP8 layer
-// keeps per role (input, weight, output gradient) under either recipe.
+/// \file
+/// FP8 scaling recipes with Transformer Engine's semantics: delayed scaling
+/// (the scale for this step comes from the amax history of the steps before)
+/// and current scaling (the scale comes from the tensor being cast).
+///
+/// ```
+///   auto recipe = ampx::fp8::DelayedScaling().amax_history_len(16).margin(0);
+///   ampx::fp8::DelayedScalingState input(recipe, ampx::Direction::kForward);
+///   input.scale();                         // 1.0 before any step
+///   auto codes = ampx::fp8::quantize(x, input.format(), input.scale());
+///   input.update(ampx::fp8::compute_amax(x));      // x's amax 2.0 -> scale 448 / 2 = 224
+/// ```
+///
+/// Delayed scaling, as TE's amax_and_scale_update does it (history length L):
+///
+/// ```
+///   - the step's amax enters the history and the window is the last L amaxes,
+///     this step's included; amax_compute_algo picks max over the window
+///     (NaN entries ignored, as CUDA's fmaxf does) or the most recent one;
+///   - scale = (fp8_max * 2^-margin) / amax in float32, only when that amax is
+///     finite and > 0; otherwise the previous scale stays; a scale that
+///     overflows float32 (tiny amax) becomes FLT_MAX; scale_inv = 1 / scale;
+///   - a step whose amax is exactly 0 (the tensor was all zeros or not seen)
+///     changes nothing, neither history nor scale, as TE's fused update after
+///     amax reduction (the one its PyTorch modules run) skips it.
+/// ```
+/// The history is stored in TE's layout: [L] float32, the oldest kept amax at
+/// index 1, the newest at index L - 1, index 0 the zeroed slot TE writes the
+/// next step's amax into.
+///
+/// Everything is ATen ops on the state's device: update() never syncs with the
+/// host on CUDA.
+///
+/// TensorScaling and LinearScaling (at the end) are the states an FP8 layer
+/// keeps per role (input, weight, output gradient) under either recipe.
 
 #include "ampx/direction.h"
 #include "ampx/fp8/cast.h"
@@ -69,6 +75,7 @@ enum class RecipeFormat {
 
 /// Forward tensors (activations, weights) or backward ones (gradients): the
 /// library's one enum for it, ampx::Direction (ampx/direction.h).
+/// \deprecated Use ampx::Direction; removed after the next release (CHANGELOG.md).
 using Pass [[deprecated("ampx::fp8::Pass is ampx::Direction (ampx/direction.h)")]] =
     ampx::Direction;
 
@@ -106,6 +113,8 @@ struct DelayedScaling {
 /// `device`. Starts with scale 1 and an all-zero history, as TE does.
 class DelayedScalingState {
  public:
+  /// The state of a role of `pass` under `recipe` (checked: see
+  /// DelayedScaling::validate()), on `device`.
   DelayedScalingState(const DelayedScaling& recipe, Direction pass,
                       c10::Device device = c10::Device(c10::DeviceType::CPU));
 
@@ -113,9 +122,11 @@ class DelayedScalingState {
   /// state's device) and computes the scale the next step casts with.
   void update(const at::Tensor& amax);
 
+  /// The element format: the recipe's for this state's pass.
   Fp8Format format() const { return format_; }
   /// fp8_max / 2^margin: what the amax is mapped to.
   float scaled_max() const { return scaled_max_; }
+  /// The recipe the state was made with.
   const DelayedScaling& recipe() const { return recipe_; }
   /// [amax_history_len] float32, TE's layout (see the top of this header).
   const at::Tensor& amax_history() const { return amax_history_; }
@@ -164,7 +175,7 @@ struct CurrentScaling {
 /// A tensor cast with its own scale: an Fp8Tensor (codes, scale_inv, format)
 /// and the scale it was cast with ([1] float32, like scale_inv).
 struct CurrentScaled : Fp8Tensor {
-  at::Tensor scale;
+  at::Tensor scale;  ///< [1] float32: what x was multiplied by before the cast
 };
 
 /// Current scaling of x for `pass`: compute_amax(x) -> current_scale -> quantize.
@@ -175,15 +186,19 @@ struct CurrentScaled : Fp8Tensor {
 /// either, so `LinearOptions(768, 768).recipe(CurrentScaling())` works.
 class Recipe {
  public:
-  Recipe() = default;                     // DelayedScaling's defaults
+  Recipe() = default;  ///< DelayedScaling's defaults
+  /// Delayed scaling with `delayed`'s options.
   Recipe(const DelayedScaling& delayed);  // NOLINT(google-explicit-constructor)
+  /// Current scaling with `current`'s options.
   Recipe(const CurrentScaling& current);  // NOLINT(google-explicit-constructor)
 
+  /// Whether this is delayed scaling (else current scaling).
   bool is_delayed() const { return delayed_; }
   /// The delayed-scaling options; throws c10::Error for a current-scaling recipe.
   const DelayedScaling& delayed() const;
   /// The current-scaling options; throws c10::Error for a delayed-scaling recipe.
   const CurrentScaling& current() const;
+  /// The fp8_format of whichever recipe this is.
   RecipeFormat fp8_format() const;
   /// Throws c10::Error on invalid options (see the recipes' validate()).
   void validate() const;
@@ -203,14 +218,18 @@ class Recipe {
 /// tensors below then hold the last cast's amax, scale and scale_inv.
 class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
  public:
+  /// The scaling of a role of `pass` under `recipe`, its tensors on `device`.
   TensorScaling(const Recipe& recipe, Direction pass, c10::Device device);
 
+  /// The recipe the role was made with.
   const Recipe& recipe() const { return recipe_; }
+  /// The element format: the recipe's for this role's pass.
   Fp8Format format() const { return format_; }
   /// The delayed-scaling state; throws c10::Error under current scaling.
   DelayedScalingState& delayed_state();
   /// float32 [1]. Delayed: the scale the next cast uses. Current: the last cast's.
   const at::Tensor& scale() const;
+  /// float32 [1]: 1 / scale().
   const at::Tensor& scale_inv() const;
   /// float32 [1]: the amax of the last recorded cast (after the amax
   /// reduction, where there is one); 0 before the first.
@@ -225,6 +244,8 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   /// reduction (see Fp8AutocastOptions::amax_reduction_group in
   /// ampx/fp8/autocast.h).
   Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group);
+  /// cast()'s result type, by its old name.
+  /// \deprecated Use ampx::fp8::Fp8Tensor; removed after the next release (CHANGELOG.md).
   using Cast [[deprecated("TensorScaling::Cast is ampx::fp8::Fp8Tensor")]] = Fp8Tensor;
   /// Records an amax: delayed scaling updates the history and the next scale.
   void record(const at::Tensor& amax);
@@ -238,9 +259,13 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
 
 /// The three roles of an FP8 linear layer, all under one recipe.
 struct LinearScaling {
+  /// The three roles under `recipe`, their tensors on `device`.
   LinearScaling(const Recipe& recipe, c10::Device device);
-  Recipe recipe;
+  Recipe recipe;  ///< the layer's recipe
+  ///@{
+  /// The roles: input and weight (forward), output gradient (backward).
   std::shared_ptr<TensorScaling> input, weight, grad_output;
+  ///@}
   /// Registers every state tensor as a buffer of `module`, named
   /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"), so that
   /// torch::save/load and .to(device) carry them.

@@ -1,11 +1,14 @@
 #pragma once
 
-// ampx::optim::AdamW: torch::optim::AdamW's update (decoupled weight decay
-// p *= 1 - lr * wd, then Adam with bias correction) as one fused pass, with
-// fp32 master weights for bf16/fp16 params. See optimizer.h.
-//
-//   ampx::optim::AdamW opt(model->parameters(),
-//                          ampx::optim::AdamWOptions(3e-4).weight_decay(0.1).max_grad_norm(1.0));
+/// \file
+/// ampx::optim::AdamW: torch::optim::AdamW's update (decoupled weight decay
+/// p *= 1 - lr * wd, then Adam with bias correction) as one fused pass, with
+/// fp32 master weights for bf16/fp16 params. See optimizer.h.
+///
+/// ```
+///   ampx::optim::AdamW opt(model->parameters(),
+///                          ampx::optim::AdamWOptions(3e-4).weight_decay(0.1).max_grad_norm(1.0));
+/// ```
 
 #include "ampx/optim/optimizer.h"
 
@@ -16,8 +19,11 @@
 namespace ampx {
 namespace optim {
 
+/// AdamW's options, set by chained calls as LibTorch's.
 struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOptions> {
+  /// (beta1, beta2): the decay rates of the first and second moments.
   using betas_t = std::tuple<double, double>;
+  /// Learning rate `lr`, the rest as below.
   AdamWOptions(double lr = 1e-3);  // NOLINT: implicit, as torch::optim::AdamWOptions
   /// Learning rate (>= 0).
   TORCH_ARG(double, lr) = 1e-3;
@@ -38,14 +44,19 @@ struct AdamWOptions : public torch::optim::OptimizerCloneableOptions<AdamWOption
   /// update (optimizer-wide; clip_grad_norm_'s formula). None: no clipping.
   TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
 
+  /// lr(), for LibTorch's learning-rate schedulers.
   double get_lr() const override { return lr(); }
+  /// Sets lr(), for LibTorch's learning-rate schedulers.
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
+/// torch::optim::AdamW's update, fused, with fp32 master weights (the top of this header).
 class AdamW : public MixedPrecisionOptimizer {
  public:
+  /// Optimizes `param_groups`, each with its own options or else `defaults`.
   explicit AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                  AdamWOptions defaults = {});
+  /// One group of `params` with `defaults`.
   explicit AdamW(std::vector<at::Tensor> params, AdamWOptions defaults = {});
   const char* name() const override { return "AdamW"; }
 

@@ -1,27 +1,33 @@
 #pragma once
 
-// MixedPrecisionOptimizer: what ampx's optimizers (AdamW, SGD, LAMB) share.
-// FP32 master weights for low-precision params, FP32 states, one fused pass
-// per parameter, scaler-aware steps and position-keyed state files.
-//
-//   auto opt = ampx::optim::AdamW(model->parameters(), ampx::optim::AdamWOptions(3e-4));
-//   opt.capture_master_weights();   // while the params are still fp32 (initialize() does it)
-//   for (auto& p : model->parameters()) p.set_data(p.to(torch::kBFloat16));
-//   ... scaler.step(opt);            // grads unscaled and checked inside the step
-//
-// Params may be float32, bfloat16 or float16, their grads of the same dtype:
-//   fp32 param:           updated in place; states fp32.
-//   bf16/fp16 param:      fp32 master (captured or made from the param at its
-//                         first step) updated, then rounded to nearest even
-//                         into the param; states fp32.
-//   bf16 param, master_weights(false): updated in fp32 from the bf16 value and
-//                         written back rounded to nearest (updates below half
-//                         an ulp vanish) or, with stochastic_rounding(true),
-//                         rounded up with probability equal to the fraction of
-//                         the gap (unbiased), from a counter-based hash of
-//                         (seed, step, param position, element index).
-// State (masters, moments, step counts) is keyed by (group, index) position,
-// never by tensor identity, and save/load round-trips it bitwise.
+/// \file
+/// MixedPrecisionOptimizer: what ampx's optimizers (AdamW, SGD, LAMB) share.
+/// FP32 master weights for low-precision params, FP32 states, one fused pass
+/// per parameter, scaler-aware steps and position-keyed state files.
+///
+/// ```
+///   auto opt = ampx::optim::AdamW(model->parameters(), ampx::optim::AdamWOptions(3e-4));
+///   opt.capture_master_weights();   // while the params are still fp32 (initialize() does it)
+///   for (auto& p : model->parameters()) p.set_data(p.to(torch::kBFloat16));
+///   ... scaler.step(opt);            // grads unscaled and checked inside the step
+/// ```
+///
+/// Params may be float32, bfloat16 or float16, their grads of the same dtype:
+///
+/// ```
+///   fp32 param:           updated in place; states fp32.
+///   bf16/fp16 param:      fp32 master (captured or made from the param at its
+///                         first step) updated, then rounded to nearest even
+///                         into the param; states fp32.
+///   bf16 param, master_weights(false): updated in fp32 from the bf16 value and
+///                         written back rounded to nearest (updates below half
+///                         an ulp vanish) or, with stochastic_rounding(true),
+///                         rounded up with probability equal to the fraction of
+///                         the gap (unbiased), from a counter-based hash of
+///                         (seed, step, param position, element index).
+/// ```
+/// State (masters, moments, step counts) is keyed by (group, index) position,
+/// never by tensor identity, and save/load round-trips it bitwise.
 
 #include "ampx/grad_scaler.h"
 
@@ -40,9 +46,10 @@ namespace optim {
 /// Settings every ampx optimizer takes from the options it was constructed
 /// with (per-group copies of them are ignored).
 struct MixedPrecisionConfig {
-  bool master_weights = true;
-  bool stochastic_rounding = false;
-  uint64_t seed = 0;
+  bool master_weights = true;        ///< fp32 masters for bf16/fp16 params
+  bool stochastic_rounding = false;  ///< bf16 params without masters: round stochastically
+  uint64_t seed = 0;                 ///< seed of stochastic rounding's hash
+  /// Clip the grads' global 2-norm to this; none: no clipping.
   c10::optional<double> max_grad_norm;
 };
 
@@ -85,6 +92,9 @@ struct ParamWork {
 
 }  // namespace detail
 
+/// The base of ampx's optimizers (the top of this header): a
+/// torch::optim::Optimizer whose steps keep fp32 masters and states and that
+/// GradScaler hands the scale to (ScalerAwareOptimizer).
 class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwareOptimizer {
  public:
   /// torch::optim interface: gradients taken as they are (unscaled), no skip.
@@ -111,6 +121,7 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// Steps `param` has taken.
   int64_t step_count(const at::Tensor& param) const;
 
+  /// The optimizer-wide settings, from the options given at construction.
   const MixedPrecisionConfig& config() const { return config_; }
 
   /// Writes masters, moments, step counts, captured masters, per-group lr and
@@ -125,12 +136,15 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   virtual const char* name() const = 0;
 
  protected:
+  /// For subclasses: `defaults` are their options, `config` the
+  /// optimizer-wide settings taken from them.
   MixedPrecisionOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                           std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                           MixedPrecisionConfig config);
 
-  /// Whether this optimizer keeps exp_avg / exp_avg_sq for a param of `group`.
+  /// Whether this optimizer keeps exp_avg for a param of `group`.
   virtual bool uses_exp_avg(const torch::optim::OptimizerOptions& group) const = 0;
+  /// Whether this optimizer keeps exp_avg_sq.
   virtual bool uses_exp_avg_sq() const = 0;
   /// Fused CPU update of dense CPU params (step counts already incremented).
   /// Grads are multiplied by `grad_mul` (1/scale * clip coefficient) on the fly.

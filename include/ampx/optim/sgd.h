@@ -1,10 +1,13 @@
 #pragma once
 
-// ampx::optim::SGD: torch::optim::SGD's update (L2 weight decay added to the
-// gradient, momentum buffer started from the first gradient, dampening,
-// Nesterov) as one fused pass, with fp32 master weights. See optimizer.h.
-//
-//   ampx::optim::SGD opt(model->parameters(), ampx::optim::SGDOptions(0.1).momentum(0.9));
+/// \file
+/// ampx::optim::SGD: torch::optim::SGD's update (L2 weight decay added to the
+/// gradient, momentum buffer started from the first gradient, dampening,
+/// Nesterov) as one fused pass, with fp32 master weights. See optimizer.h.
+///
+/// ```
+///   ampx::optim::SGD opt(model->parameters(), ampx::optim::SGDOptions(0.1).momentum(0.9));
+/// ```
 
 #include "ampx/optim/optimizer.h"
 
@@ -13,7 +16,9 @@
 namespace ampx {
 namespace optim {
 
+/// SGD's options, set by chained calls as LibTorch's.
 struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
+  /// Learning rate `lr`, the rest as below.
   SGDOptions(double lr);  // NOLINT: implicit, as torch::optim::SGDOptions
   /// Learning rate (>= 0).
   TORCH_ARG(double, lr);
@@ -27,17 +32,25 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, nesterov) = false;
   /// See AdamWOptions: optimizer-wide mixed-precision settings.
   TORCH_ARG(bool, master_weights) = true;
+  /// bf16 params without masters: round the update stochastically.
   TORCH_ARG(bool, stochastic_rounding) = false;
+  /// Seed of stochastic rounding's counter-based hash.
   TORCH_ARG(uint64_t, seed) = 0;
+  /// Clip the global 2-norm of the (unscaled) grads to this, in the update.
   TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
 
+  /// lr(), for LibTorch's learning-rate schedulers.
   double get_lr() const override { return lr(); }
+  /// Sets lr(), for LibTorch's learning-rate schedulers.
   void set_lr(const double lr) override { this->lr(lr); }
 };
 
+/// torch::optim::SGD's update, fused, with fp32 master weights (the top of this header).
 class SGD : public MixedPrecisionOptimizer {
  public:
+  /// Optimizes `param_groups`, each with its own options or else `defaults`.
   explicit SGD(std::vector<torch::optim::OptimizerParamGroup> param_groups, SGDOptions defaults);
+  /// One group of `params` with `defaults`.
   explicit SGD(std::vector<at::Tensor> params, SGDOptions defaults);
   const char* name() const override { return "SGD"; }
   /// The momentum buffer of `param` (undefined before its first step or without momentum).
