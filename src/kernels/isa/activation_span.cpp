@@ -54,7 +54,7 @@ FVec normal_cdf(const FVec& v, FVec* gauss) {
   const FVec poly = ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t;
   *gauss = exp_of(v * v * FVec(-0.5f));
   const FVec q = FVec(0.5f) * poly * *gauss;  // Phi(-|v|)
-  return FVec::blendv(one - q, q, v < FVec(0.f));
+  return where_less(v, FVec(0.f), q, one - q);
 }
 
 }  // namespace
