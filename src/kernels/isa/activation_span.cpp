@@ -1,10 +1,11 @@
 // The span kernels of ampx's mixed-precision GELU, compiled once per
-// instruction set (see activation_kernels.h). Blocks of the 16-bit input are
-// widened into float32 buffers, computed there in float32 vectors (one exp
-// per element forward and backward, vec_math.h's: erf's approximation and the
-// normal density share it), and narrowed once. A block's tail is padded to
-// whole vectors, so every element goes through the same vector code wherever
-// it lies.
+// instruction set (see activation_kernels.h). The 16-bit input is widened to
+// float32, computed in float32 vectors (one exp per element forward and
+// backward, vec_math.h's: erf's approximation and the normal density share
+// it), and narrowed once: bf16 a vector pair at a time in registers, float16
+// and a bf16 span's last partial pair in blocks through a float32 buffer,
+// whose tail is padded to whole vectors, so every element goes through the
+// same vector code wherever it lies.
 
 #include "activation_kernels.h"
 #include "span_convert.h"
