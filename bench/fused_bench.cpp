@@ -19,12 +19,17 @@
 //                           causal self-attention on the main job's shapes
 //                           (see BM_Attention), ampx's fused kernel against
 //                           gpt's explicit ops and LibTorch 2.1+'s SDPA
+//   BM_Attention_bf16_ampx_avx512
+//                           (CPUs with AVX512-BF16) ampx's kernel on its plain
+//                           AVX-512 build: float32 products, no vdpbf16ps
 // Each iteration runs forward and backward through autograd, as training
 // does. The closing table gives each family's times against ampx's.
 
 #include "bench_util.h"
 
 #include "ampx/detail/compat.h"
+#include "ampx/detail/cpu_isa.h"
+#include "ampx/detail/kernels.h"
 #include "ampx/kernels.h"
 #include "ampx/memory.h"
 #include "ampx/policy.h"
@@ -104,7 +109,7 @@ void BM_Gelu(benchmark::State& state, Gelu which) {
   ampx::bench::set_traffic(state, n * 2 * 5, n, at::get_num_threads());
 }
 
-enum class Attention { kAmpx, kExplicit, kSdpa };
+enum class Attention { kAmpx, kAmpxAvx512, kExplicit, kSdpa };
 
 // Causal self-attention as gpt's forward makes it: q, k, v views of one
 // [B, T, 3, H, E] projection (B 32, T 128, H 4, E 64: the main job's), the
@@ -128,6 +133,9 @@ void BM_Attention(benchmark::State& state, Attention which, torch::ScalarType dt
     torch::Tensor y;
     if (which == Attention::kAmpx) {
       y = ampx::scaled_dot_product_attention(q, k, v, /*is_causal=*/true);
+    } else if (which == Attention::kAmpxAvx512) {
+      y = ampx::detail::cpu::scaled_dot_product_attention(q, k, v, /*is_causal=*/true, {},
+                                                          ampx::detail::cpu::Isa::kAvx512);
     } else if (which == Attention::kExplicit) {
       auto att = torch::matmul(q, k.transpose(-2, -1)) * scale;
       att = torch::softmax(att.masked_fill(hidden, -INFINITY), -1);
@@ -183,6 +191,11 @@ int main(int argc, char** argv) {
         std::string("BM_Attention_") + (dtype == torch::kFloat ? "fp32" : "bf16");
     timed(benchmark::RegisterBenchmark((family + "_ampx").c_str(), BM_Attention, Attention::kAmpx,
                                        dtype));
+    if (dtype == torch::kBFloat16 &&
+        ampx::detail::cpu::best_isa() == ampx::detail::cpu::Isa::kAvx512Bf16) {
+      timed(benchmark::RegisterBenchmark((family + "_ampx_avx512").c_str(), BM_Attention,
+                                         Attention::kAmpxAvx512, dtype));
+    }
     timed(benchmark::RegisterBenchmark((family + "_explicit").c_str(), BM_Attention,
                                        Attention::kExplicit, dtype));
 #if AMPX_TORCH_AT_LEAST(2, 1)

@@ -113,6 +113,8 @@ int main(int argc, char** argv) {
   bandwidth(benchmark::RegisterBenchmark("BM_UnscaleComposite", BM_UnscaleComposite));
   // ampx's kernel once per instruction set this CPU runs (the best is default).
   for (auto isa : ampx::detail::cpu::supported_isas()) {
+    // (unscaling's build on AVX512-BF16 CPUs is the avx512 one)
+    if (isa == ampx::detail::cpu::Isa::kAvx512Bf16) continue;
     const std::string name = "BM_UnscaleAmpx_" + ampx::detail::cpu::isa_name(isa);
     bandwidth(benchmark::RegisterBenchmark(name.c_str(), BM_UnscaleAmpxCpu, isa));
   }

@@ -16,6 +16,8 @@
 #include <torch/version.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <vector>
 
@@ -72,11 +74,15 @@ struct Case {
 
 const std::vector<Case> kCases = {
     {{2, 3}, 70, 70, 40, 40, true},  // partial blocks, a width of no whole vector pair
-    {{2, 3}, 70, 70, 40, 40, false},  {{3}, 45, 77, 16, 24, false},  // L != S, Ev != E, 3-D
+    {{2, 3}, 70, 70, 40, 40, false},
+    {{3}, 45, 77, 16, 24, false},      // L != S, Ev != E, 3-D
     {{3}, 77, 45, 16, 24, true},       // more queries than keys: late rows see every key
     {{3}, 45, 77, 16, 24, true},       // fewer queries than keys: the last keys unseen
     {{1, 2}, 1, 1, 8, 8, true},        // one query, one key
     {{2, 2}, 128, 128, 64, 64, true},  // gpt's head shape
+    // Odd widths: the bf16 dot build's last pair of elements ends in padding.
+    {{2}, 50, 41, 33, 17, true},
+    {{2}, 9, 40, 5, 3, false},
 };
 
 torch::Tensor randn(const std::vector<int64_t>& lead, int64_t rows, int64_t width, double sd) {
@@ -133,7 +139,8 @@ TEST(AttentionTest, TakesAScale) {
   EXPECT_TRUE(within_one_ulp("dq", q.grad(), ref.dq, torch::kBFloat16));
 }
 
-// Heads split across 1 or 2 threads: the same bits forward and backward.
+// Heads split across 1 or 2 threads: the same bits forward and backward, in
+// every build (the bf16 dot-product one included, where the CPU has it).
 TEST(AttentionTest, SameBitsOnOneAndTwoThreads) {
   const int threads = at::get_num_threads();
   torch::manual_seed(51);
@@ -141,18 +148,61 @@ TEST(AttentionTest, SameBitsOnOneAndTwoThreads) {
   const auto k0 = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
   const auto v0 = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
   const auto dy = torch::randn({4, 3, 100, 32}).to(torch::kBFloat16);
-  std::vector<torch::Tensor> runs[2];
-  for (int n : {1, 2}) {
-    at::set_num_threads(n);
-    ASSERT_EQ(at::get_num_threads(), n);
-    auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
-         v = v0.clone().requires_grad_(true);
-    auto y = ampx::scaled_dot_product_attention(q, k, v, true);
-    y.backward(dy);
-    runs[n - 1] = {y.detach(), q.grad(), k.grad(), v.grad()};
+  for (const auto isa : ampx::detail::cpu::supported_isas()) {
+    SCOPED_TRACE(ampx::detail::cpu::isa_name(isa));
+    std::vector<torch::Tensor> runs[2];
+    for (int n : {1, 2}) {
+      at::set_num_threads(n);
+      ASSERT_EQ(at::get_num_threads(), n);
+      auto q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+           v = v0.clone().requires_grad_(true);
+      auto y = ampx::detail::cpu::scaled_dot_product_attention(q, k, v, true, {}, isa);
+      y.backward(dy);
+      runs[n - 1] = {y.detach(), q.grad(), k.grad(), v.grad()};
+    }
+    for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << i;
   }
   at::set_num_threads(threads);
-  for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i])) << i;
+}
+
+// The AVX512_BF16 build multiplies bf16 Q K^T and dO V^T with vdpbf16ps
+// (other sums, other bits: within the float64 test's bound) and runs every
+// other dtype as the AVX512 build does, bit for bit. The public function
+// runs it wherever the CPU has it, unless ATEN_CPU_CAPABILITY asks lower
+// (ctest's kernels.isa_avx512 reruns these tests on the plain build).
+TEST(AttentionTest, Bf16DotBuildKeepsFloat16AndFloat32OnTheWideKernel) {
+  using ampx::detail::cpu::Isa;
+  const auto isas = ampx::detail::cpu::supported_isas();
+  if (isas.back() != Isa::kAvx512Bf16) {
+    std::cout << "no AVX512-BF16 on this CPU: the bf16 dot build is not run\n";
+    return;
+  }
+  torch::manual_seed(56);
+  const auto q0 = torch::randn({2, 3, 70, 40}), k0 = torch::randn({2, 3, 70, 40}),
+             v0 = torch::randn({2, 3, 70, 24}), dy0 = torch::randn({2, 3, 70, 24});
+  const auto run = [&](torch::ScalarType dtype, Isa isa) {
+    // (clones: q0.to(kFloat) is q0 itself)
+    auto q = q0.to(dtype).clone().requires_grad_(true),
+         k = k0.to(dtype).clone().requires_grad_(true),
+         v = v0.to(dtype).clone().requires_grad_(true);
+    auto y = ampx::detail::cpu::scaled_dot_product_attention(q, k, v, true, {}, isa);
+    y.backward(dy0.to(dtype));
+    return std::vector<torch::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+  };
+  for (const auto dtype : {torch::kHalf, torch::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto wide = run(dtype, Isa::kAvx512), dot_build = run(dtype, Isa::kAvx512Bf16);
+    for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(torch::equal(wide[i], dot_build[i])) << i;
+  }
+  // bf16: the products' sums differ in order, so some bits do.
+  const auto wide = run(torch::kBFloat16, Isa::kAvx512),
+             dot = run(torch::kBFloat16, Isa::kAvx512Bf16);
+  EXPECT_FALSE(torch::equal(wide[1], dot[1]));
+  const std::string want = std::getenv("ATEN_CPU_CAPABILITY") != nullptr &&
+                                   std::string(std::getenv("ATEN_CPU_CAPABILITY")) == "avx512"
+                               ? "avx512"
+                               : "avx512_bf16";
+  EXPECT_EQ(ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()), want);
 }
 
 // q, k, v as a model makes them (views of one [B, T, 3, H, E] projection, so

@@ -90,7 +90,10 @@ TEST(CpuIsaTest, RunsTheBuildAtenCpuCapabilityAsks) {
   Isa want = hardware;
   if (const char* asked = std::getenv("ATEN_CPU_CAPABILITY")) {
     const std::string a = asked;
-    const Isa named = a == "default" ? Isa::kDefault : a == "avx2" ? Isa::kAvx2 : Isa::kAvx512;
+    const Isa named = a == "default"  ? Isa::kDefault
+                      : a == "avx2"   ? Isa::kAvx2
+                      : a == "avx512" ? Isa::kAvx512
+                                      : Isa::kAvx512Bf16;
     if (static_cast<int>(named) < static_cast<int>(want)) want = named;
   }
   EXPECT_EQ(ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()),

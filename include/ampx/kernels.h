@@ -104,8 +104,9 @@ bool mixed_gelu_is_fused(const at::Tensor& x);
 /// [..., L, Ev] in query's dtype.
 ///
 /// On the CPU, for float32, bfloat16 and float16, one fused kernel each way
-/// (flash-attention style): the scores are made in float32 tiles and never
-/// stored whole, the causal mask is applied by index (tiles above the
+/// (flash-attention style): the scores are made in float32 tiles (bf16 Q K^T
+/// and dO V^T with AVX512-BF16's exact bf16 dot product where the CPU has
+/// it, float32 sums) and never stored whole, the causal mask is applied by index (tiles above the
 /// diagonal are skipped), the softmax statistics are float32, and each
 /// output and gradient element is rounded once: within one 16-bit ulp of a
 /// float64 reference, the same bits on any thread count. It saves the

@@ -15,7 +15,7 @@ Isa hardware_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return Isa::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? Isa::kAvx512Bf16 : Isa::kAvx512;
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     return Isa::kAvx2;
@@ -28,6 +28,8 @@ Isa hardware_isa() {
 
 std::string isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16:
+      return "avx512_bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "default";
@@ -39,8 +41,11 @@ Isa best_isa() {
     Isa hw = hardware_isa();
     if (const char* env = std::getenv("ATEN_CPU_CAPABILITY")) {
       const std::string want = env;
-      const Isa asked = want == "avx512" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2
-                        : want == "default" ? Isa::kDefault : hw;
+      const Isa asked = want == "avx512_bf16" ? Isa::kAvx512Bf16
+                        : want == "avx512"    ? Isa::kAvx512
+                        : want == "avx2"      ? Isa::kAvx2
+                        : want == "default"   ? Isa::kDefault
+                                              : hw;
       if (static_cast<int>(asked) < static_cast<int>(hw)) hw = asked;
     }
     return hw;

@@ -9,7 +9,9 @@
 // Every operand is a set of rows: head h's row r of tensor X starts
 // `X.head[h] + r * X.row` elements after `X.data`, and its elements are
 // contiguous. The math is float32 throughout (inputs widened once per head,
-// products and softmax statistics in float32, one rounding per output).
+// products and softmax statistics in float32, one rounding per output); the
+// AVX512_BF16 build multiplies bf16 Q K^T and dO V^T with vdpbf16ps, whose
+// products of two bf16 values are exact and whose sums are float32.
 
 #include "isa_dispatch.h"
 
@@ -58,6 +60,7 @@ struct AttentionProblem {
 AMPX_DECLARE_ISA_KERNELS(DEFAULT)
 AMPX_DECLARE_ISA_KERNELS(AVX2)
 AMPX_DECLARE_ISA_KERNELS(AVX512)
+AMPX_DECLARE_ISA_KERNELS(AVX512_BF16)
 #undef AMPX_DECLARE_ISA_KERNELS
 
 /// The attention kernels of one ISA.
@@ -70,7 +73,19 @@ struct AttentionKernels {
   AttentionKernels {                                            \
     &ns::attention_forward_heads, &ns::attention_backward_heads \
   }
-AMPX_ISA_DISPATCH(AttentionKernels, attention_kernels_for, AMPX_ATTENTION_BUILD)
+// (by hand, not AMPX_ISA_DISPATCH: this family has an AVX512_BF16 build)
+inline AttentionKernels attention_kernels_for(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return AMPX_ATTENTION_BUILD(AVX512_BF16);
+    case Isa::kAvx512:
+      return AMPX_ATTENTION_BUILD(AVX512);
+    case Isa::kAvx2:
+      return AMPX_ATTENTION_BUILD(AVX2);
+    default:
+      return AMPX_ATTENTION_BUILD(DEFAULT);
+  }
+}
 #undef AMPX_ATTENTION_BUILD
 
 }  // namespace cpu

@@ -11,13 +11,17 @@
 //   gelu_kernels_for(best_isa()).forward(...);
 //
 // The build runs as best_isa() says (the CPU's best, or a lower one that
-// ATEN_CPU_CAPABILITY asks for: ctest's kernels.isa_* runs test each).
+// ATEN_CPU_CAPABILITY asks for: ctest's kernels.isa_* runs test each). On
+// AVX-512 CPUs with the bf16 dot product a family runs its AVX512 build; the
+// one family with a build of its own there (attention) writes its chooser by
+// hand.
 
 #include "ampx/detail/cpu_isa.h"
 
 #define AMPX_ISA_DISPATCH(Type, name, BUILD)       \
   inline Type name(::ampx::detail::cpu::Isa isa) { \
     switch (isa) {                                 \
+      case ::ampx::detail::cpu::Isa::kAvx512Bf16:  \
       case ::ampx::detail::cpu::Isa::kAvx512:      \
         return BUILD(AVX512);                      \
       case ::ampx::detail::cpu::Isa::kAvx2:        \
