@@ -59,7 +59,10 @@ constexpr Fp8DtypeName kFp8Dtypes[] = {
 };
 
 const char* fp8_dtype_name(fp8::Fp8Format format) {
-  return format == fp8::Fp8Format::kE4M3 ? "F8_E4M3" : "F8_E5M2";
+  for (const auto& d : kFp8Dtypes) {
+    if (d.format == format) return d.name;
+  }
+  TORCH_CHECK(false, "save_safetensors: unknown FP8 format ", static_cast<int>(format));
 }
 
 const char* dtype_name(c10::ScalarType type, const std::string& tensor) {
@@ -67,8 +70,9 @@ const char* dtype_name(c10::ScalarType type, const std::string& tensor) {
     if (d.type == type) return d.name;
   }
 #if AMPX_HAS_TORCH_FLOAT8
-  if (type == fp8::torch_dtype(fp8::Fp8Format::kE4M3)) return "F8_E4M3";
-  if (type == fp8::torch_dtype(fp8::Fp8Format::kE5M2)) return "F8_E5M2";
+  for (const auto& d : kFp8Dtypes) {
+    if (type == fp8::torch_dtype(d.format)) return d.name;
+  }
 #endif
   TORCH_CHECK(false, "save_safetensors: tensor '", tensor, "' is ", type,
               "; safetensors files take F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"
