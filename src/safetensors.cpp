@@ -7,6 +7,8 @@
 
 #include "ampx/safetensors.h"
 
+#include "ampx/detail/compat.h"
+#include "ampx/fp8/cast.h"
 #include "atomic_file.h"
 #include "debug/json_writer.h"
 
@@ -21,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -45,13 +48,54 @@ constexpr DtypeName kDtypes[] = {
     {"U8", c10::kByte},    {"BOOL", c10::kBool},
 };
 
+// The FP8 dtypes: one byte per element, read as uint8 codes with their format.
+struct Fp8DtypeName {
+  const char* name;
+  fp8::Fp8Format format;
+};
+constexpr Fp8DtypeName kFp8Dtypes[] = {
+    {"F8_E4M3", fp8::Fp8Format::kE4M3},
+    {"F8_E5M2", fp8::Fp8Format::kE5M2},
+};
+
+const char* fp8_dtype_name(fp8::Fp8Format format) {
+  for (const auto& d : kFp8Dtypes) {
+    if (d.format == format) return d.name;
+  }
+  TORCH_CHECK(false, "save_safetensors: unknown FP8 format ", static_cast<int>(format));
+}
+
 const char* dtype_name(c10::ScalarType type, const std::string& tensor) {
   for (const auto& d : kDtypes) {
     if (d.type == type) return d.name;
   }
+#if AMPX_HAS_TORCH_FLOAT8
+  for (const auto& d : kFp8Dtypes) {
+    if (type == fp8::torch_dtype(d.format)) return d.name;
+  }
+#endif
   TORCH_CHECK(false, "save_safetensors: tensor '", tensor, "' is ", type,
-              "; safetensors files take F64, F32, F16, BF16, I64, I32, I16, I8, U8 or BOOL");
+              "; safetensors files take F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"
+#if AMPX_HAS_TORCH_FLOAT8
+              ", Float8_e4m3fn or Float8_e5m2"
+#endif
+              " (FP8 codes with their scale: SafetensorsContents::fp8)");
 }
+
+// An entry to write: its dtype's name in the header and its tensor.
+struct OutEntry {
+  const char* dtype;
+  at::Tensor tensor;
+};
+
+// An entry read: its bytes as a tensor of the dtype's element type (uint8
+// for the FP8 dtypes, whose format is then set).
+struct InEntry {
+  std::string name;
+  std::string dtype;
+  at::Tensor tensor;
+  std::optional<fp8::Fp8Format> fp8;
+};
 
 // The header's subset of JSON, parsed with every failure an error that names
 // the file and the byte offset in the header.
@@ -284,10 +328,8 @@ std::map<std::string, at::Tensor> named_tensors(const torch::nn::Module& module)
   return out;
 }
 
-}  // namespace
-
-void save_safetensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path,
-                      const std::map<std::string, std::string>& metadata) {
+void write_entries(const std::map<std::string, OutEntry>& entries, const std::string& path,
+                   const std::map<std::string, std::string>& metadata) {
   using debug::detail::json_string;
   std::string header = "{";
   if (!metadata.empty()) {
@@ -301,14 +343,11 @@ void save_safetensors(const std::map<std::string, at::Tensor>& tensors, const st
   }
   std::vector<at::Tensor> bytes_of;
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    TORCH_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
-    TORCH_CHECK(name != "__metadata__", "save_safetensors: a tensor cannot be named __metadata__");
-    const char* dtype = dtype_name(t.scalar_type(), name);
-    const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  for (const auto& [name, entry] : entries) {
+    const at::Tensor c = entry.tensor.detach().to(at::kCPU).contiguous();
     const uint64_t n = static_cast<uint64_t>(c.numel()) * c.element_size();
     header += std::string(header.size() > 1 ? "," : "") + json_string(name) + ":{\"dtype\":\"" +
-              dtype + "\",\"shape\":[";
+              entry.dtype + "\",\"shape\":[";
     for (int64_t d = 0; d < c.dim(); ++d) header += (d ? "," : "") + std::to_string(c.size(d));
     header +=
         "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + n) + "]}";
@@ -331,13 +370,26 @@ void save_safetensors(const std::map<std::string, at::Tensor>& tensors, const st
   detail::write_file_atomically(path, file.data(), file.size(), "save_safetensors");
 }
 
-void save_safetensors(const torch::nn::Module& module, const std::string& path,
-                      const std::map<std::string, std::string>& metadata) {
-  save_safetensors(named_tensors(module), path, metadata);
+// Adds `tensor` as entry `name` of `entries`; `what` says what it is, for the
+// error when the name is taken.
+void add_entry(std::map<std::string, OutEntry>& entries, const std::string& name,
+               const at::Tensor& tensor, const char* dtype, const std::string& what) {
+  TORCH_CHECK(name != "__metadata__", "save_safetensors: a tensor cannot be named __metadata__");
+  TORCH_CHECK(entries.emplace(name, OutEntry{dtype, tensor}).second,
+              "save_safetensors: two entries are named '", name, "' (one of them ", what, ")");
 }
 
-std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
-                                                   std::map<std::string, std::string>* metadata) {
+void add_tensor(std::map<std::string, OutEntry>& entries, const std::string& name,
+                const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
+  add_entry(entries, name, t, dtype_name(t.scalar_type(), name), "a tensor");
+}
+
+// The file's entries, every one and the byte ranges checked before any
+// tensor is made (overlapping entries could otherwise each allocate the
+// whole data).
+std::vector<InEntry> read_entries(const std::string& path,
+                                  std::map<std::string, std::string>& metadata) {
   const std::string where = "read_safetensors: '" + path + "'";
   const auto read = detail::read_file(path);
   TORCH_CHECK(read, "read_safetensors: cannot open '", path, "': ", std::strerror(errno));
@@ -351,22 +403,28 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
   TORCH_CHECK(header_bytes <= file.size() - 8, where, " is truncated: its header needs ",
               header_bytes, " bytes, the file holds ", file.size() - 8, " after the length");
   std::vector<std::pair<std::string, HeaderParser::Entry>> entries;
-  std::map<std::string, std::string> meta;
-  HeaderParser(std::string_view(file).substr(8, header_bytes), where).parse(entries, meta);
+  HeaderParser(std::string_view(file).substr(8, header_bytes), where).parse(entries, metadata);
 
   const uint64_t data_bytes = file.size() - 8 - header_bytes;
   const char* data = file.data() + 8 + header_bytes;
-  // Every entry and the byte ranges are checked before any tensor is made:
-  // overlapping entries could otherwise each allocate the whole data.
   std::vector<c10::ScalarType> types;
+  std::vector<std::optional<fp8::Fp8Format>> formats;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const auto& [name, e] : entries) {
-    const DtypeName* d = nullptr;
+    std::optional<c10::ScalarType> type;
+    std::optional<fp8::Fp8Format> format;
     for (const auto& k : kDtypes) {
-      if (e.dtype == k.name) d = &k;
+      if (e.dtype == k.name) type = k.type;
     }
-    TORCH_CHECK(d != nullptr, where, ": tensor '", name, "' has dtype '", e.dtype,
-                "', which ampx does not read (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL)");
+    for (const auto& k : kFp8Dtypes) {
+      if (e.dtype == k.name) {
+        type = c10::kByte;  // the codes
+        format = k.format;
+      }
+    }
+    TORCH_CHECK(type.has_value(), where, ": tensor '", name, "' has dtype '", e.dtype,
+                "', which ampx does not read (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, "
+                "F8_E4M3, F8_E5M2)");
     TORCH_CHECK(e.begin <= e.end && e.end <= data_bytes, where, ": tensor '", name,
                 "' has data_offsets [", e.begin, ", ", e.end, "] outside the ", data_bytes,
                 " bytes of data");
@@ -376,11 +434,12 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
                   name, "' has a shape larger than the file");
       count *= static_cast<uint64_t>(s);
     }
-    const uint64_t element = c10::elementSize(d->type);
+    const uint64_t element = c10::elementSize(*type);
     TORCH_CHECK(count * element == e.end - e.begin, where, ": tensor '", name, "' of shape ",
                 c10::IntArrayRef(e.shape), " and dtype ", e.dtype, " needs ", count * element,
                 " bytes, its data_offsets give ", e.end - e.begin);
-    types.push_back(d->type);
+    types.push_back(*type);
+    formats.push_back(format);
     ranges.emplace_back(e.begin, e.end);
   }
   std::vector<std::pair<uint64_t, uint64_t>> sorted = ranges;
@@ -394,20 +453,121 @@ std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
   }
   TORCH_CHECK(covered == data_bytes, where, ": ", data_bytes - covered,
               " bytes after the last tensor's data belong to no tensor");
-  std::map<std::string, at::Tensor> out;
+  std::vector<InEntry> out;
+  out.reserve(entries.size());
   for (size_t i = 0; i < entries.size(); ++i) {
-    const auto& [name, e] = entries[i];
+    auto& [name, e] = entries[i];
     at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(types[i]));
     if (e.end > e.begin) std::memcpy(t.data_ptr(), data + e.begin, e.end - e.begin);
-    out.emplace(name, std::move(t));
+    out.push_back({std::move(name), std::move(e.dtype), std::move(t), formats[i]});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string fp8_scale_name(const std::string& name) {
+  return name + "_scale";
+}
+
+void save_safetensors(const std::map<std::string, at::Tensor>& tensors, const std::string& path,
+                      const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, OutEntry> entries;
+  for (const auto& [name, t] : tensors) add_tensor(entries, name, t);
+  write_entries(entries, path, metadata);
+}
+
+void save_safetensors(const SafetensorsContents& contents, const std::string& path) {
+  std::map<std::string, OutEntry> entries;
+  for (const auto& [name, t] : contents.tensors) add_tensor(entries, name, t);
+  for (const auto& [name, t] : contents.fp8) {
+    TORCH_CHECK(t.codes.defined() && t.codes.scalar_type() == at::kByte,
+                "save_safetensors: FP8 tensor '", name, "' has codes of dtype ",
+                t.codes.defined() ? c10::toString(t.codes.scalar_type()) : "(undefined)",
+                "; an Fp8Tensor's codes are uint8");
+    TORCH_CHECK(t.scale_inv.defined() && t.scale_inv.scalar_type() == at::kFloat &&
+                    t.scale_inv.numel() == 1,
+                "save_safetensors: FP8 tensor '", name, "' has a scale_inv of ",
+                t.scale_inv.defined() ? c10::toString(t.scale_inv.scalar_type()) : "(undefined)",
+                t.scale_inv.defined() ? " with " + std::to_string(t.scale_inv.numel()) : "",
+                t.scale_inv.defined() ? " elements" : "", "; it must be one float32 element");
+    add_entry(entries, name, t.codes, fp8_dtype_name(t.format), "an FP8 tensor");
+    add_entry(entries, fp8_scale_name(name), t.scale_inv, "F32",
+              "the scale of FP8 tensor '" + name + "'");
+  }
+  write_entries(entries, path, contents.metadata);
+}
+
+void save_safetensors(const torch::nn::Module& module, const std::string& path,
+                      const std::map<std::string, std::string>& metadata) {
+  save_safetensors(named_tensors(module), path, metadata);
+}
+
+std::map<std::string, at::Tensor> read_safetensors(const std::string& path,
+                                                   std::map<std::string, std::string>* metadata) {
+  std::map<std::string, std::string> meta;
+  auto entries = read_entries(path, meta);
+  std::map<std::string, at::Tensor> out;
+  for (auto& e : entries) {
+    if (e.fp8) {
+#if AMPX_HAS_TORCH_FLOAT8
+      e.tensor = fp8::codes_to_torch_float8(e.tensor, *e.fp8);
+#else
+      TORCH_CHECK(false, "read_safetensors: '", path, "': tensor '", e.name, "' is ", e.dtype,
+                  ", and LibTorch ", detail::compat::torch_version(),
+                  " has no float8 dtype (2.1 added them); ampx::read_safetensors_contents() "
+                  "reads it as an ampx::fp8::Fp8Tensor (uint8 codes, format, scale)");
+#endif
+    }
+    out.emplace(std::move(e.name), std::move(e.tensor));
   }
   if (metadata != nullptr) *metadata = std::move(meta);
   return out;
 }
 
+SafetensorsContents read_safetensors_contents(const std::string& path) {
+  const std::string where = "read_safetensors: '" + path + "'";
+  SafetensorsContents out;
+  auto entries = read_entries(path, out.metadata);
+  std::map<std::string, const InEntry*> by_name;
+  for (const auto& e : entries) by_name.emplace(e.name, &e);
+  std::set<std::string> scales;  // the entries that are an FP8 tensor's scale
+  for (const auto& e : entries) {
+    if (!e.fp8) continue;
+    const InEntry* scale = nullptr;
+    for (const std::string& name : {fp8_scale_name(e.name), e.name + "_scale_inv"}) {
+      const auto it = by_name.find(name);
+      if (it == by_name.end()) continue;
+      TORCH_CHECK(scale == nullptr, where, ": FP8 tensor '", e.name, "' has two scales, '",
+                  scale ? scale->name : "", "' and '", name, "'");
+      scale = it->second;
+    }
+    at::Tensor scale_inv = at::ones({}, at::kFloat);  // no scale: the codes are the values
+    if (scale != nullptr) {
+      const auto type = scale->tensor.scalar_type();
+      TORCH_CHECK(!scale->fp8 && (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+                  where, ": '", scale->name, "', the scale of FP8 tensor '", e.name, "', is ",
+                  scale->dtype, "; a scale is F32, BF16 or F16");
+      TORCH_CHECK(scale->tensor.numel() == 1, where, ": '", scale->name,
+                  "', the scale of FP8 tensor '", e.name, "', has shape ", scale->tensor.sizes(),
+                  "; ampx reads per-tensor scales (one element), not per-channel or per-block "
+                  "ones");
+      scale_inv = scale->tensor.to(at::kFloat);  // exact: float32 holds every bf16 and fp16
+      scales.insert(scale->name);
+    }
+    out.fp8.emplace(e.name, fp8::Fp8Tensor{e.tensor, scale_inv, *e.fp8});
+  }
+  for (auto& e : entries) {
+    if (!e.fp8 && !scales.count(e.name)) out.tensors.emplace(e.name, std::move(e.tensor));
+  }
+  return out;
+}
+
 void load_safetensors(torch::nn::Module& module, const std::string& path) {
   const std::string where = "load_safetensors: '" + path + "'";
-  const auto file = read_safetensors(path);
+  auto contents = read_safetensors_contents(path);
+  std::map<std::string, at::Tensor>& file = contents.tensors;
+  for (const auto& [name, t] : contents.fp8) file.emplace(name, t.dequantize());  // float32 values
   const auto mine = named_tensors(module);
   std::string missing, unexpected;
   for (const auto& [name, t] : mine) {
@@ -423,6 +583,8 @@ void load_safetensors(torch::nn::Module& module, const std::string& path) {
     const auto& src = file.at(name);
     TORCH_CHECK(src.sizes() == t.sizes(), where, ": tensor '", name, "' has shape ", src.sizes(),
                 " in the file and ", t.sizes(), " in the module");
+    TORCH_CHECK(!contents.fp8.count(name) || t.is_floating_point(), where, ": FP8 tensor '", name,
+                "' goes into a floating-point tensor; the module's is ", t.scalar_type());
   }
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : mine) {

@@ -4,6 +4,7 @@
 #include "gpt_nn.h"
 #include "machine.h"
 #include "models.h"
+#include "weights_export.h"
 
 #include <ampx/detail/compat.h>
 #include <ampx/dist.h>
@@ -180,6 +181,13 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--save-every", c.save_every, "write a checkpoint every N steps (0: never)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint-dir");
+  auto* export_weights =
+      app.add_option("--export-weights", c.export_weights,
+                     "after training, write the model's weights to this safetensors file "
+                     "(Python: safetensors.torch.load_model): the fp32 master weights where the "
+                     "mode keeps them (O2), the weights as trained otherwise (fp32, O1, fp8: "
+                     "fp32; O3: bf16/fp16), and the model's buffers; with --compare, one file "
+                     "per mode: PATH-<mode>.safetensors");
   app.add_option("--eval-every", c.eval_every,
                  "evaluate on the held-out split every N steps (0: at the end only)")
       ->check(CLI::NonNegativeNumber);
@@ -211,7 +219,11 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                                 "train --diagnose-steps fp32 steps under range statistics and "
                                 "print which precision fits each layer: <out-dir>/diagnose.md, "
                                 ".json and .png (gnuplot)");
-  diagnose->excludes("--compare")->excludes("--resume")->excludes("--save-every")->excludes(detect);
+  diagnose->excludes("--compare")
+      ->excludes("--resume")
+      ->excludes("--save-every")
+      ->excludes(detect)
+      ->excludes(export_weights);
   app.add_option("--diagnose-steps", c.diagnose_steps, "fp32 steps --diagnose watches")
       ->check(kPositive)
       ->needs(diagnose);
@@ -385,6 +397,9 @@ std::string settings_table(const TrainConfig& c) {
             (c.save_every > 0 ? " (every " + std::to_string(c.save_every) + ")" : std::string()));
   }
   if (c.resume) add("resume", "yes");
+  if (!c.export_weights.empty()) {
+    add("export weights", export_path_for(c, c.compare.empty() ? modes_of(c).front() : "<mode>"));
+  }
   add("LibTorch", ampx::torch_version());
   add("BLAS (fp32)", blas_setting());
   if (c.device == "cpu") {

@@ -51,6 +51,7 @@ struct TrainConfig {
   std::string checkpoint_dir;  // default <out-dir>/checkpoints
   int64_t save_every = 0;      // steps between checkpoints; 0: none
   bool resume = false;
+  std::string export_weights;  // --export-weights PATH: the trained weights as safetensors
   // reporting
   int64_t eval_every = 0;                // steps between held-out evaluations; 0: at the end only
   int64_t eval_batches = 0;              // gpt: held-out batches per evaluation

@@ -179,6 +179,9 @@ void print_done(const Workload& workload, const RunResult& r) {
   if (!r.checkpoint_path.empty()) {
     std::printf("[%s] checkpoint: %s\n", r.mode.c_str(), r.checkpoint_path.c_str());
   }
+  if (!r.weights_path.empty()) {
+    std::printf("[%s] weights (safetensors): %s\n", r.mode.c_str(), r.weights_path.c_str());
+  }
   if (!r.nonfinite_summary.empty()) {
     std::printf("[%s] %s\n", r.mode.c_str(), r.nonfinite_summary.c_str());
   }

@@ -25,6 +25,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("metrics_path", r.metrics_path);
   visit("fp8_trace_path", r.fp8_trace_path);
   visit("checkpoint_path", r.checkpoint_path);
+  visit("weights_path", r.weights_path);
 }
 
 template <typename T>

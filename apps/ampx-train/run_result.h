@@ -34,6 +34,7 @@ struct RunResult {
   std::vector<std::pair<int64_t, EvalResult>> evals;  // (step, result) of --eval-every
   std::string metrics_path;
   std::string checkpoint_path;    // empty when no checkpoint was written
+  std::string weights_path;       // --export-weights: the safetensors file written
   std::string profile_summary;    // --profile: the trace's path and top ops
   std::string nonfinite_summary;  // --detect-nonfinite=warn: what it saw ("" if nothing)
   std::string range_stats_path;   // --range-stats: the statistics' JSON
@@ -45,7 +46,7 @@ struct RunResult {
   int64_t preempted_after = 0;
 };
 
-/// A RunResult as JSON and back (the fields from `mode` to `checkpoint_path`;
+/// A RunResult as JSON and back (the fields from `mode` to `weights_path`;
 /// the console-only ones stay behind). NaN losses travel as null.
 nlohmann::json to_json(const RunResult& result);
 RunResult run_result_from_json(const nlohmann::json& json);

@@ -11,6 +11,7 @@
 #include "progress.h"
 #include "rank_agreement.h"
 #include "report.h"
+#include "weights_export.h"
 
 #include <ampx/ampx.h>
 #include <ampx/debug/nonfinite.h>
@@ -450,6 +451,11 @@ RunResult ModeRun::finish() {
   result.final_scale = setup_.amp->scaler().is_enabled() ? setup_.amp->scaler().get_scale() : 1.0;
   if (lead_) result.eval = evaluate();
   result.weights_checksum = weights_checksum(*setup_.model);
+  if (lead_ && !config_.export_weights.empty()) {
+    result.weights_path = export_path_for(config_, mode_.name);
+    export_weights(result.weights_path, *setup_.model, *setup_.optimizer, setup_.fp8_layers,
+                   identity_);
+  }
   return result;
 }
 

@@ -107,19 +107,32 @@ void state_dict(const uint8_t* data, size_t size) {
   check_scale(scaler);
 }
 
-// ampx::read_safetensors (weights from Hugging Face and other frameworks),
-// then the tensors into a module: whatever it accepts is backed by the file
-// (no tensor bytes beyond its size).
+// ampx::read_safetensors_contents and read_safetensors (weights from Hugging
+// Face and other frameworks, FP8 ones with their scales), then the tensors
+// into a module: whatever they accept is backed by the file (no tensor bytes
+// beyond its size).
 void safetensors(const uint8_t* data, size_t size) {
   const std::string path = scratch_file("weights.safetensors");
   write_file(path, data, size);
-  const auto tensors = ampx::read_safetensors(path);
+  const auto contents = ampx::read_safetensors_contents(path);
   size_t bytes = 0;
-  for (const auto& [name, t] : tensors) bytes += static_cast<size_t>(t.nbytes());
+  for (const auto& [name, t] : contents.tensors) bytes += static_cast<size_t>(t.nbytes());
+  for (const auto& [name, t] : contents.fp8) {
+    bytes += static_cast<size_t>(t.codes.nbytes());
+    (void)t.dequantize();  // whatever codes and scale: values, no crash
+  }
   if (bytes > size) {
-    std::fprintf(stderr, "fuzz: read_safetensors made %zu tensor bytes from a %zu-byte file\n",
+    std::fprintf(stderr,
+                 "fuzz: read_safetensors_contents made %zu tensor bytes from a %zu-byte file\n",
                  bytes, size);
     std::abort();
+  }
+  // The plain reader accepts the same files, but FP8 ones where LibTorch has
+  // no float8 dtype (1.13), which it refuses.
+  try {
+    ampx::read_safetensors(path);
+  } catch (const c10::Error&) {
+    if (AMPX_HAS_TORCH_FLOAT8 || contents.fp8.empty()) throw;
   }
   torch::nn::Linear model(4, 3);
   try {
@@ -233,7 +246,8 @@ const std::vector<NamedTarget>& targets() {
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
-      {"safetensors", safetensors, "ampx::read_safetensors and load_safetensors"},
+      {"safetensors", safetensors,
+       "ampx::read_safetensors_contents, read_safetensors and load_safetensors"},
   };
   return all;
 }
@@ -293,6 +307,14 @@ void write_seeds(const std::string& dir) {
     const std::string path = scratch_file("seed.safetensors");
     ampx::save_safetensors(*model, path, {{"format", "pt"}});
     out("safetensors", "seed-1.safetensors", read_whole(path));
+    // The same Linear with its weight in E4M3 and its scale ("weight_scale").
+    ampx::SafetensorsContents fp8;
+    fp8.fp8["weight"] = ampx::fp8::Fp8Tensor::quantize(
+        model->weight.detach(), ampx::fp8::Fp8Format::kE4M3, torch::full({1}, 300.0f));
+    fp8.tensors["bias"] = model->bias.detach();
+    fp8.metadata["format"] = "pt";
+    ampx::save_safetensors(fp8, path);
+    out("safetensors", "seed-fp8.safetensors", read_whole(path));
   }
   {  // a ZeroRedundancyOptimizer shard after one AdamW step (the target's model and group)
     torch::manual_seed(0);

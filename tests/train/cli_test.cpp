@@ -215,6 +215,9 @@ TEST_F(TrainCliTest, RejectsBadFlagsWithUsageErrors) {
       {{"--gpt-shape", "gpt2-small", "--layers", "2"},
        CLI::ExitCodes::ExcludesError,
        {"--gpt-shape", " excludes ", "--layers"}},
+      {{"--diagnose", "--export-weights", "w.safetensors"},
+       CLI::ExitCodes::ExcludesError,
+       {"--diagnose", " excludes ", "--export-weights"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(join(c.args));
