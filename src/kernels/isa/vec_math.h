@@ -59,6 +59,24 @@ inline VecF where_less(const VecF& x, const VecF& y, const VecF& a, const VecF& 
 #endif
 }
 
+#if !defined(CPU_CAPABILITY_DEFAULT)
+// exp(xc) for an argument already clamped to exp_of's range: Cody-Waite
+// reduction by ln 2, a degree-6 polynomial, scaling by 2^n. exp_of and
+// exp_of_nonpositive differ only in their clamps and range checks.
+inline VecF exp_of_clamped(const VecF& xc) {
+  const VecF n = (xc * VecF(1.44269504f)).round();
+  const VecF r = (xc - n * VecF(0.693359375f)) - n * VecF(-2.12194440e-4f);
+  VecF p(1.f / 720);
+  p = p * r + VecF(1.f / 120);
+  p = p * r + VecF(1.f / 24);
+  p = p * r + VecF(1.f / 6);
+  p = p * r + VecF(0.5f);
+  p = p * r + VecF(1.f);
+  p = p * r + VecF(1.f);
+  return times_pow2(p, n);
+}
+#endif
+
 // exp(x) for every float32 x: relative error below 3e-7 where the result is
 // a normal float, 0 below exp's normal range (x < -87.3, -inf included),
 // inf above it, NaN for NaN. Cody and Waite's reduction x = n ln 2 + r with
@@ -79,16 +97,7 @@ inline VecF exp_of(const VecF& x) {
 #else
   const VecF xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
 #endif
-  const VecF n = (xc * VecF(1.44269504f)).round();
-  const VecF r = (xc - n * VecF(0.693359375f)) - n * VecF(-2.12194440e-4f);
-  VecF p(1.f / 720);
-  p = p * r + VecF(1.f / 120);
-  p = p * r + VecF(1.f / 24);
-  p = p * r + VecF(1.f / 6);
-  p = p * r + VecF(0.5f);
-  p = p * r + VecF(1.f);
-  p = p * r + VecF(1.f);
-  const VecF e = where_less(x, lo, VecF(0.f), times_pow2(p, n));
+  const VecF e = where_less(x, lo, VecF(0.f), exp_of_clamped(xc));
   return where_less(hi, x, VecF(std::numeric_limits<float>::infinity()), e);
 #endif
 }
@@ -107,16 +116,7 @@ inline VecF exp_of_nonpositive(const VecF& x) {
 #else
   const VecF xc = _mm256_max_ps(VecF(-104.f), x);
 #endif
-  const VecF n = (xc * VecF(1.44269504f)).round();
-  const VecF r = (xc - n * VecF(0.693359375f)) - n * VecF(-2.12194440e-4f);
-  VecF p(1.f / 720);
-  p = p * r + VecF(1.f / 120);
-  p = p * r + VecF(1.f / 24);
-  p = p * r + VecF(1.f / 6);
-  p = p * r + VecF(0.5f);
-  p = p * r + VecF(1.f);
-  p = p * r + VecF(1.f);
-  return times_pow2(p, n);
+  return exp_of_clamped(xc);
 #endif
 }
 
