@@ -58,7 +58,7 @@ HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON
 # The datasets, on the host; the chroot legs see them at the same path.
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
-.PHONY: all deps data docs build run run-host test test-host test-forky test-cuda \
+.PHONY: all deps data docs build run run-host test test-host test-forky test-wheel test-cuda \
 	sanitize sanitize-forky tsan soak fuzz bench clean
 
 all: build
@@ -122,6 +122,28 @@ test-forky: deps
 	$(call leg_test,forky,$(FORKY_BUILD))
 	@scripts/check-skips.py tests/skips/forky-2.14.txt $(FORKY_BUILD)/ctest-junit.xml --gtest-xml $(FORKY_BUILD)/gtest-xml
 
+# The wheel leg: PyTorch's own wheel (PyPI torch 2.15.0, the CUDA 13.2 build)
+# in a virtual environment of Debian's Python (scripts/wheel-env.sh: made on
+# the first run, about 3 GB to download, then reused), on this machine.
+# Configured by the wheel's own CMake config (torch.utils.cmake_prefix_path),
+# with the environment's CMake 3.31 (Debian 12's 3.25 has no C++20 for nvcc)
+# and nvcc 13.2 from NVIDIA's wheels: every .cu source compiled, everything
+# linked against libtorch_cuda and NCCL's wheel, the tests run on the CPU (the
+# CUDA ones skip: no GPU) with the wheel's Python for the reference values.
+WHEEL_BUILD := build/wheel
+WHEEL_CMAKE_FLAGS := -DAMPX_NCCL=ON
+test-wheel: deps
+	@echo "== ampx tests, LibTorch 2.15 (PyTorch's wheel, CUDA 13.2 build; no GPU) =="
+	@scripts/wheel-env.sh --ensure
+	@mkdir -p build && bin=$$(scripts/wheel-env.sh --bin) && \
+	  $$bin/cmake -S . -B $(WHEEL_BUILD) $(CMAKE_FLAGS) $(WHEEL_CMAKE_FLAGS) $$(scripts/wheel-env.sh --cmake-args) \
+	    > $(WHEEL_BUILD).configure.log 2>&1 || { cat $(WHEEL_BUILD).configure.log; exit 1; }; \
+	  $$bin/cmake --build $(WHEEL_BUILD) -j$(JOBS)
+	@rm -rf $(WHEEL_BUILD)/ctest-junit.xml $(WHEEL_BUILD)/gtest-xml
+	cd $(WHEEL_BUILD) && $$($(CURDIR)/scripts/wheel-env.sh --bin)/ctest --output-on-failure -j$(JOBS) \
+	  --output-junit $(CURDIR)/$(WHEEL_BUILD)/ctest-junit.xml
+	@scripts/check-skips.py tests/skips/wheel-2.15.txt $(WHEEL_BUILD)/ctest-junit.xml --gtest-xml $(WHEEL_BUILD)/gtest-xml
+
 test-cuda: deps
 	@echo "== ampx tests, LibTorch 2.6 with CUDA (Debian 13 chroot, no GPU) =="
 	$(call leg_build,cuda,$(CUDA_BUILD),$(CUDA_CMAKE_FLAGS))
@@ -134,9 +156,9 @@ test-cuda: deps
 # background run have failed, make them again, saying why.
 test: deps
 	@mkdir -p build
-	@echo "ampx: making or checking the forky and cuda chroots in the background (build/chroots.log)"
-	@(scripts/chroot.sh forky --ensure && scripts/chroot.sh cuda --ensure) > build/chroots.log 2>&1 &
-	@$(MAKE) --no-print-directory test-host test-forky test-cuda
+	@echo "ampx: making or checking the forky chroot and the wheel environment in the background (build/chroots.log)"
+	@(scripts/chroot.sh forky --ensure && scripts/wheel-env.sh --ensure) > build/chroots.log 2>&1 &
+	@$(MAKE) --no-print-directory test-host test-forky test-wheel
 
 # Sanitizers (scripts/sanitize.sh; docs/reliability.md, "Sanitizers"): ampx's
 # code instrumented, LibTorch not. A run fails on a failing test, on a

@@ -20,7 +20,9 @@
 #          from the internet; they are unpacked (dpkg -x) instead of installed,
 #          their dependencies from Debian installed by apt, and cuDNN's loader
 #          library (libcudnn.so.9, which needs nothing but the C library) is
-#          copied from the host's CUDA toolkit ($CUDA_HOME, /usr/local/cuda).
+#          copied from the host's CUDA toolkit ($CUDA_HOME, /usr/local/cuda)
+#          or, without one, from NVIDIA's cuDNN 9 wheel in the wheel leg's
+#          environment (scripts/wheel-env.sh).
 #
 # A chroot lives outside the repository, in
 #   ${AMPX_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ampx}/<leg>-root
@@ -361,14 +363,20 @@ apt_install() {
 
 # Unpacks packages $2... into chroot $1 without installing them (dpkg -x:
 # no maintainer scripts, no dependencies, unknown to dpkg; see the cuda leg),
-# then copies in cuDNN's loader library from the host's CUDA toolkit. The
+# then copies in cuDNN's loader library (a CUDA toolkit's or the wheel's). The
 # .debs are downloaded into the chroot's /var/cache/ampx-debs and removed.
 unpack_packages() {
   local r=$1 log=$1/var/log/ampx-unpack.log; shift
   local cuda=${CUDA_HOME:-/usr/local/cuda} cudnn
   cudnn=$(ls "$cuda"/lib64/libcudnn.so.9* "$cuda"/lib/libcudnn.so.9* 2>/dev/null | head -n 1 || true)
-  [ -n "$cudnn" ] ||
-    die "the $LEG leg needs cuDNN 9's libcudnn.so.9 from a CUDA toolkit on the host ($cuda/lib64; set CUDA_HOME)"
+  if [ -z "$cudnn" ]; then
+    # No CUDA toolkit on the host: NVIDIA's cuDNN 9 wheel, from the wheel
+    # leg's environment (scripts/wheel-env.sh, pinned and hashed).
+    "$REPO/scripts/wheel-env.sh" --ensure ||
+      die "the $LEG leg needs cuDNN 9's libcudnn.so.9: none in a CUDA toolkit ($cuda; set CUDA_HOME) and scripts/wheel-env.sh failed"
+    cudnn=$(ls "${CACHE_DIR}"/wheel-venv/lib/python3*/site-packages/nvidia/cudnn/lib/libcudnn.so.9 2>/dev/null | head -n 1 || true)
+    [ -n "$cudnn" ] || die "the $LEG leg needs cuDNN 9's libcudnn.so.9: not found in $cuda or in the wheel environment"
+  fi
   log "unpacking $*"
   # shellcheck disable=SC2016  # expanded in the chroot's shell
   if ! in_chroot "$r" /bin/sh -c '

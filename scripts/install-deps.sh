@@ -7,7 +7,7 @@ set -euo pipefail
 
 PACKAGES=(
   build-essential cmake make pkg-config
-  libtorch-dev python3-torch python3-numpy
+  libtorch-dev python3-torch python3-numpy python3-venv python3-dev
   libopenblas0-pthread libopenblas0-openmp libsleef-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev

@@ -6,6 +6,7 @@
 #
 #   scripts/wheel-env.sh --ensure     make or update the environment
 #   scripts/wheel-env.sh --python     ensure, then print its Python's path
+#   scripts/wheel-env.sh --bin        ensure, then print its bin/ (python, cmake, ctest)
 #   scripts/wheel-env.sh --cmake-args ensure, then print the CMake arguments that
 #                                     configure ampx against the wheel (one a line)
 #   scripts/wheel-env.sh --lock       rewrite scripts/wheel-requirements.txt from
@@ -40,10 +41,10 @@ STAMP_NAME=.ampx-requirements-sha256
 log() { echo "wheel-env: $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-usage() { sed -n '7,12p' "$0" >&2; exit 2; }
+usage() { sed -n '7,13p' "$0" >&2; exit 2; }
 [ $# -eq 1 ] || usage
 mode=$1
-case $mode in --ensure|--python|--cmake-args|--lock) ;; *) usage ;; esac
+case $mode in --ensure|--python|--bin|--cmake-args|--lock) ;; *) usage ;; esac
 
 need_base_python() {
   [ -x "$BASE_PYTHON" ] || die "$BASE_PYTHON not found (Debian package python3; scripts/install-deps.sh installs it)"
@@ -124,6 +125,7 @@ ensure_venv
 case $mode in
   --ensure) ;;
   --python) echo "$VENV/bin/python" ;;
+  --bin) echo "$VENV/bin" ;;
   --cmake-args)
     py=$VENV/bin/python
     torch_dir=$("$py" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
@@ -135,5 +137,9 @@ case $mode in
     echo "-DAMPX_PYTHON=$py"
     echo "-DCUDA_TOOLKIT_ROOT_DIR=$VENV/cuda"
     echo "-DCMAKE_CUDA_COMPILER=$VENV/cuda/bin/nvcc"
+    # Without a GPU to detect, LibTorch's config compiles for its "Common"
+    # list, which falls back to compute_50, gone from CUDA 13 (sm_75 and up):
+    # Hopper's 9.0 instead, the GPU machines' H100 and H200.
+    echo "-DTORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}"
     ;;
 esac
