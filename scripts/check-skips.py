@@ -7,7 +7,8 @@ A feature probe that breaks (fp16 CPU autocast, ATen's CPU unscale kernel,
 the trainer binary...) turns its tests into skips, and a run that only counts
 failures stays green while coverage shrinks. Each leg of `make test` keeps the
 exact list of tests that may skip on it (tests/skips/<leg>.txt, one ctest name
-per line, `#` comments giving the reason); this script compares the list with
+per line, `#` comments giving the reason; `NAME if-cpu-lacks FLAG` for a test
+that skips only on CPUs without a feature); this script compares the list with
 the skips ctest recorded (`ctest --output-junit FILE`) and exits 1 on any
 difference in either direction: a test skipped that is not listed, or a
 listed test that ran (the list is stale: remove the line). Several lists are
@@ -26,13 +27,36 @@ import sys
 import xml.etree.ElementTree as ET
 
 
+def cpu_flags():
+    """The CPU's feature flags (/proc/cpuinfo's first 'flags' line), empty where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def expected_skips(path):
+    """The names a list expects to skip. A line `NAME if-cpu-lacks FLAG` expects NAME to
+    skip exactly where the CPU lacks FLAG (/proc/cpuinfo), and to run elsewhere: the
+    machines of one kind differ (AMD Zen 3 without AVX-512, Intel with AVX512-BF16)."""
     names = set()
     with open(path) as f:
-        for line in f:
-            name = line.split("#", 1)[0].strip()
-            if name:
-                names.add(name)
+        for number, line in enumerate(f, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) == 1:
+                names.add(words[0])
+            elif len(words) == 3 and words[1] == "if-cpu-lacks":
+                if words[2] not in cpu_flags():
+                    names.add(words[0])
+            else:
+                sys.exit("check-skips: %s:%d: expected 'NAME' or 'NAME if-cpu-lacks FLAG', got %r"
+                         % (path, number, line.strip()))
     return names
 
 
