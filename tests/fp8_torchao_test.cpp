@@ -38,8 +38,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <iomanip>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -116,6 +118,14 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
   return torch::equal(as_integers(a), as_integers(b));
 }
 
+// "1.00000012e-12 (0x2b8cbccd)": a float32 to 9 digits and its bits.
+std::string described(float f) {
+  std::ostringstream s;
+  s << std::setprecision(9) << f << " (0x" << std::hex << std::setw(8) << std::setfill('0')
+    << test::to_bits(f) << ")";
+  return s.str();
+}
+
 // The exact values of FP8 codes (scale 1: no rounding).
 at::Tensor decoded(const at::Tensor& codes, Fp8Format format) {
   return dequantize(codes, format, torch::ones({1}));
@@ -149,6 +159,7 @@ TEST_F(Fp8TorchaoTest, TorchaoHasNoDelayedScalingToCompareWith) {
 TEST_F(Fp8TorchaoTest, ScaleIsTorchaosForEveryAmaxFromItsEpsilonUp) {
   const auto amax = ref_["scales.amax"];
   int64_t compared = 0;
+  std::vector<std::string> differing;
   for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     const std::string fmt = to_string(format);
     const float fp8_max = limits(format).max;
@@ -157,11 +168,14 @@ TEST_F(Fp8TorchaoTest, ScaleIsTorchaosForEveryAmaxFromItsEpsilonUp) {
       const float torchao = ref_["scales." + fmt][i].item<float>();
       const auto at = torch::full({1}, a);
       const float ampx = current_scale(at, format, CurrentScaling()).item<float>();
-      SCOPED_TRACE(fmt + " amax " + std::to_string(a));
+      SCOPED_TRACE(fmt + " amax " + described(a));
       if (std::isfinite(a) && static_cast<double>(a) >= 1e-12) {
         // fp8_max / amax: torchao in float64 rounded to float32, ampx in
         // float32; one rounding either way (53 >= 2 * 24 + 2 bits).
-        EXPECT_EQ(test::to_bits(ampx), test::to_bits(torchao));
+        if (test::to_bits(ampx) != test::to_bits(torchao)) {
+          differing.push_back(fmt + " amax " + described(a) + ": ampx's scale " + described(ampx) +
+                              ", torchao's " + described(torchao));
+        }
         ++compared;
       } else if (std::isfinite(a)) {
         // Difference 2: below 1e-12 torchao divides by 1e-12; ampx by the
@@ -185,6 +199,10 @@ TEST_F(Fp8TorchaoTest, ScaleIsTorchaosForEveryAmaxFromItsEpsilonUp) {
       }
     }
   }
+  EXPECT_TRUE(differing.empty()) << differing.size() << " of " << compared
+                                 << " scales differ from torchao's, e.g.\n"
+                                 << differing.front() << "\n"
+                                 << differing.back();
   // 10^U(-40, 40): about 5/8 of the 400 random amaxes in [1e-12, FLT_MAX], twice.
   EXPECT_GE(compared, 400);
 }
@@ -200,7 +218,7 @@ TEST_F(Fp8TorchaoTest, PowerOfTwoScalesDifferOnlyWhereTorchaosLog2RoundsUp) {
       const float scale = ref_["scales." + fmt][i].item<float>();
       const float torchao = ref_["scales." + fmt + "_pow2"][i].item<float>();
       const float ampx = current_scale(torch::full({1}, a), format, kPow2.recipe).item<float>();
-      SCOPED_TRACE(fmt + " amax " + std::to_string(a) + " scale " + std::to_string(scale));
+      SCOPED_TRACE(fmt + " amax " + described(a) + ", scale " + described(scale));
       EXPECT_LE(ampx, scale);
       if (torchao == ampx) continue;
       // Difference 3: torchao's float32 log2 of a scale just below 2^k is k,
