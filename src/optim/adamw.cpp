@@ -2,6 +2,7 @@
 
 #include "cpu_driver.h"
 #include "options_checks.h"
+#include "sqrt_rounded.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -59,7 +60,7 @@ void AdamW::update_generic(detail::ParamWork& w, const at::Tensor& grad, const a
   auto weight = weight_f32(w) * (1 - o.lr() * o.weight_decay());
   const auto m = st.exp_avg * b1 + grad * (1 - b1);
   const auto v = st.exp_avg_sq * b2 + grad * (1 - b2) * grad;  // as the kernels: (1-b2)*g*g
-  weight = weight - step_size * m / (v.sqrt() / bc2_sqrt + o.eps());
+  weight = weight - step_size * m / (detail::sqrt_rounded_once(v) / bc2_sqrt + o.eps());
   commit(st.exp_avg, m, skip);
   commit(st.exp_avg_sq, v, skip);
   write_weight(w, weight, skip);
