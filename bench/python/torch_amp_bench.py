@@ -55,7 +55,8 @@ impl, lr, betas, eps, weight_decay, zero_grad_set_to_none}, unit ("tokens" or
 same under tokens_per_s or samples_per_s), train_loss, wall_s, parameters,
 ld_library_path, losses (every step), step_ms (every step), model (gpt: vocab,
 block_size, layers, heads, d_model), attention (gpt workloads), attention_ops,
-runtime {fp32_blas, onednn, aten_cpu_capability, bf16_matmuls}, compile
+runtime {fp32_blas, onednn, aten_cpu_capability, bf16_matmuls}, op_self_ms
+(the profiled step's 20 ops with the most self CPU time: [name, calls, ms]), compile
 {backend, first_step_ms, compile_s, graph_breaks} (--compile only).
 """
 import argparse
@@ -318,7 +319,7 @@ def train(args):
                   f"{step_ms[-1]:.1f} ms", flush=True)
     wall_s = time.perf_counter() - run_start
     # One more step, profiled: which kernels ran (not timed, not in the losses).
-    op_names, op_table = profile_step(lambda: one_step(args.steps))
+    op_names, op_table, op_self_ms = profile_step(lambda: one_step(args.steps))
     if args.op_profile:
         os.makedirs(os.path.dirname(os.path.abspath(args.op_profile)), exist_ok=True)
         with open(args.op_profile, "w") as f:
@@ -372,6 +373,7 @@ def train(args):
     result["attention_ops"] = sorted(n for n in op_names if "attention" in n or "bmm" in n
                                      or ("softmax" in n and "log_softmax" not in n))
     result["runtime"] = runtime()
+    result["op_self_ms"] = op_self_ms[:20]  # the profiled step's ops, most self time first
     if args.precision == "autocast-bf16" and args.device == "cpu":
         result["matmuls"] = result["runtime"]["bf16_matmuls"]
     if args.compile:

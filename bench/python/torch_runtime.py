@@ -5,7 +5,7 @@ torch_amp_bench.py records these beside its timings, so that a comparison names 
 side ran rather than assuming it. Works under Debian's torch 1.13 and the wheel's 2.x alike.
 
     blas = fp32_blas()                      # "MKL 2024.2 (in LibTorch)" / "OpenBLAS (openmp)"
-    ops, table = profile_step(run_step)     # aten op names of one step, key_averages table
+    ops, table, top = profile_step(run_step)  # op names of one step, its table, top self times
     attention_path(ops, compiled=False)     # "SDPA: _scaled_dot_product_flash_attention_for_cpu"
 
 The oneDNN ISA its products ran is not knowable from inside the process without
@@ -102,7 +102,8 @@ def runtime():
 
 def profile_step(run_step, row_limit=60):
     """Runs run_step() once under LibTorch's profiler (CPU only). Returns the set of op
-    names it recorded and the key_averages table by self CPU time (text)."""
+    names it recorded, the key_averages table by self CPU time (text) and the ops with the
+    most self time as [name, calls, self ms] (the first row_limit)."""
     try:
         from torch.profiler import ProfilerActivity, profile
         ctx = profile(activities=[ProfilerActivity.CPU])
@@ -111,8 +112,11 @@ def profile_step(run_step, row_limit=60):
     with ctx as prof:
         run_step()
     names = {e.name for e in prof.events()}
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
-    return names, table
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=row_limit)
+    top = sorted(([a.key, a.count, a.self_cpu_time_total / 1000.0] for a in averages),
+                 key=lambda r: -r[2])[:row_limit]
+    return names, table, top
 
 
 def attention_path(op_names, compiled=False):
