@@ -187,7 +187,7 @@ def workload_table(workload, settings, rows, peaks):
             comp = ("–".join(f"{x:.0f}" for x in (cs[0], cs[-1])) if cs and len(cs) > 1
                     else f"{cs[0]:.0f}" if cs else "-") + " | "
         w(f"| {r['label']} | {fmt(ms)} | {spread(r)} | {fmt(items / (ms / 1e3), 0)} | "
-          f"{base['ms'] / ms:.2f}x | {mem} | {fmt(None if mfu is None else 100 * mfu)}% | "
+          f"{base['ms'] / ms:.2f}x | {mem} | {'-' if mfu is None else fmt(100 * mfu) + '%'} | "
           f"{comp}{r['loss']:.4f} |")
     w("")
     return lines

@@ -49,7 +49,7 @@ import harness  # noqa: E402
 import kernel_probe  # noqa: E402
 import step_profile  # noqa: E402
 import wheel  # noqa: E402
-from e2e import FLOPS, GPT_WORKLOADS, MODES, WORKLOADS, gpt_flops_per_step, step_of  # noqa: E402
+from e2e import GPT_WORKLOADS, MODES, WORKLOADS, gpt_flops_per_step  # noqa: E402
 from harness import (FOREIGN, MAX_FOREIGN_CORES, ROOT, combine_e2e, combine_python, fmt,  # noqa: E402
                      log, run, target_row)
 
@@ -287,8 +287,7 @@ def build_report(args, data):
         w("| --- | --- | --- | --- | --- |")
         for t in data["targets"]:
             if t["group"] == g:
-                w(f"| {t['what']} | {t['target']} | {t['measured']} | "
-                  f"{'met' if t['met'] else '**missed**'} | {t['note']} |")
+                w(f"| {t['what']} | {t['target']} | {t['measured']} | {status(t)} | {t['note']} |")
         w("")
 
     lines += wheel.report(data)
@@ -392,6 +391,15 @@ def build_report(args, data):
 # Sections from other machines (scripts/device-run.sh on the GPU machine) are
 # written by hand below this line of docs/PERFORMANCE.md; `make bench` keeps them.
 KEPT_MARK = "<!-- make bench keeps what follows: runs on other machines -->"
+
+
+def status(target, plain=False):
+    """'met', 'missed' (bold in the report) or, where nothing was measured, 'not measured'."""
+    if target["value"] is None:
+        return "not measured"
+    if target["met"]:
+        return "met"
+    return "MISSED" if plain else "**missed**"
 
 
 def compiled_attention(wh):
@@ -647,7 +655,7 @@ def main():
         os.replace(tmp, path)
     log(f"wrote {args.doc} and {args.json}")
     for t in data["targets"]:
-        log(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['measured']} (target {t['target']})")
+        log(f"{status(t, plain=True):<12} {t['what']}: {t['measured']} (target {t['target']})")
 
 
 if __name__ == "__main__":

@@ -161,13 +161,17 @@ def targets(data):
         f32 = step_of(c, "fp32")
         best_mode = min((m for m in MODES if m != "fp32"), key=lambda m: step_of(c, m))
         best = step_of(c, best_mode)
-        attention = attention_note(wh, w)
+        runs = wh["python_runs"].get(w, {})
+        kernel = lambda key: (runs.get(key) or {}).get("attention_kernel")
         for what, key, mine, want, note in (
-                ("ampx fp32 vs the wheel's eager fp32", "eager fp32", f32, 1.0, attention),
+                ("ampx fp32 vs the wheel's eager fp32", "eager fp32", f32, 1.0,
+                 f"attention: ampx {c['settings'].get('attention')}; Python "
+                 f"{kernel('eager autocast-bf16')}"),
                 (f"ampx best mixed ({best_mode}) vs eager torch.autocast bf16",
-                 "eager autocast-bf16", best, 1.3, attention),
+                 "eager autocast-bf16", best, 1.3, ""),
                 (f"ampx best mixed ({best_mode}) vs torch.compile'd autocast bf16",
-                 "compiled autocast-bf16", best, 1.0, "")):
+                 "compiled autocast-bf16", best, 1.0,
+                 f"compiled attention: {kernel('compiled autocast-bf16')}")):
             theirs = py(w, key)
             out.append(target_row(
                 f"{w}, {what} (step time)", f">= {want:g}x", theirs / mine if theirs else None,
@@ -203,16 +207,6 @@ def targets(data):
             ratios[worst] if worst else None, 1.0,
             note=", ".join(f"{m} {r:.2f}x" for m, r in ratios.items()), group=GROUP))
     return out
-
-
-def attention_note(wh, workload):
-    """'attention: ampx <path>; Python eager <kernel>, compiled <kernel>' from the runs."""
-    c = wh["e2e"].get(workload, {})
-    runs = wh["python_runs"].get(workload, {})
-    eager = (runs.get("eager autocast-bf16") or {}).get("attention_kernel")
-    comp = (runs.get("compiled autocast-bf16") or {}).get("attention_kernel")
-    return (f"attention: ampx {c.get('settings', {}).get('attention')}; Python eager {eager}, "
-            f"compiled {comp}")
 
 
 # --------------------------------------------------------------------- report
