@@ -1,50 +1,59 @@
 #!/usr/bin/env python3
 """Runs every ampx benchmark in one go and writes docs/PERFORMANCE.md and docs/performance.json.
 
-  make bench                        # = bench/run_all.py --build build/host (with the OpenMP BLAS)
+  make bench                        # bench/run_all.py --build build/host --wheel-build ... (Makefile)
   bench/run_all.py --quick          # small sizes and few steps: checks the harness, not the machine
 
 In one run, on one machine, with the same threads everywhere:
-  1. matrix-product peaks (ampx_gemm_peak): fp32 and bf16 GFLOP/s, MFU's denominators;
+  1. matrix-product peaks (ampx_gemm_peak, on each LibTorch): fp32 and bf16 GFLOP/s, MFU's
+     denominators;
   2. micro-benchmarks (Google Benchmark programs, --benchmark_out JSON): non-finite check +
      unscale, scale update, fused AdamW / SGD against torch::optim's, casts, each next to a copy;
-  3. end to end: ampx-train --compare fp32,O1,O2,O3 on gpt, mnist-cnn and fashion-mlp (O3 is
-     pure bf16 with stochastic rounding): median step, throughput, peak allocated memory, MFU;
-  4. the same models in Python with torch.autocast and torch.optim.AdamW (bench/python, Debian's
-     python3-torch: the same LibTorch underneath), fp32 and autocast bf16;
-  5. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes;
-  6. numerics diagnostics (ampx::debug): ampx-train gpt fp32 plain, with --detect-nonfinite
+  3. end to end against PyTorch's wheel, the main anchor (wheel.py; --wheel-build, --wheel-python):
+     ampx-train built against the wheel's LibTorch in every mode (fp32, O1, O2, O3: pure bf16
+     with stochastic rounding) and the wheel's Python on the same models (bench/python), eager
+     and torch.compile'd, fp32 and torch.autocast bf16; ampx-train on LibTorch 2.14 (the forky
+     chroot, --forky-train) beside them when built;
+  4. end to end against Debian's 1.13, the second anchor: ampx-train built against it, and
+     Debian's python3-torch with torch.autocast and torch.optim.AdamW, fp32 and bf16;
+     parts 3 and 4 interleaved, round after round; median step, throughput, peak allocated
+     memory, MFU;
+  5. what each side ran (kernel_probe.py): a one-step bf16 run of each with oneDNN's verbose
+     mode: oneDNN's ISA and bf16 kernels, the fp32 BLAS, the attention path;
+  6. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes;
+  7. numerics diagnostics (ampx::debug): ampx-train gpt fp32 plain, with --detect-nonfinite
      (NonFiniteGuard) and with --range-stats (RangeStatsCollector), step time and ratio to plain;
      with --baseline-train, also the plain step of another build (nothing active vs before);
-  7. causal attention by shape (ampx_attention_bench): ampx's fused kernel against the explicit
+  8. causal attention by shape (ampx_attention_bench): ampx's fused kernel against the explicit
      ops on this LibTorch, and on 2.14 (--forky-build, the forky chroot) against LibTorch's own
      at::scaled_dot_product_attention too.
-Then the targets of the benchmark issue, each as a ratio measured in this run, met or not.
+Then the targets, each as a ratio measured in this run, met or not: the wheel's (issue 39)
+first.
 
-Only the standard library: the orchestration runs under any python3.
+Only the standard library: the orchestration (this file and bench/'s harness.py, e2e.py,
+wheel.py, kernel_probe.py) runs under any python3.
 """
 import argparse
-import copy
 import datetime
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+import e2e  # noqa: E402 - bench/'s modules, beside this file
+import harness  # noqa: E402
+import kernel_probe  # noqa: E402
+import step_profile  # noqa: E402
+import wheel  # noqa: E402
+from e2e import GPT_WORKLOADS, MODES, WORKLOADS, gpt_flops_per_step  # noqa: E402
+from harness import (FOREIGN, MAX_FOREIGN_CORES, ROOT, combine_e2e, combine_python, fmt,  # noqa: E402
+                     log, run, target_row)
+
 TORCH_PYTHON = "/usr/bin/python3"  # Debian's python3-torch
-MODES = ["fp32", "O1", "O2", "O3"]
-# gpt-nn: the GPT built from torch.nn's stock modules (nn.MultiheadAttention,
-# nn.GELU, nn.Sequential) on both sides, the comparison's second model.
-WORKLOADS = ["gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"]
-GPT_WORKLOADS = ("gpt", "gpt-nn")
-UNITS = {"gpt": "tokens/s", "gpt-nn": "tokens/s", "mnist-cnn": "images/s",
-         "fashion-mlp": "images/s"}
 # (name in the results, program, its flags): the optimizer benchmark is one
 # program run once per optimizer, under the names its runs had when they were
 # separate programs (ampx_optim_bench was AdamW's).
@@ -57,53 +66,6 @@ MICRO = [("ampx_bench", "ampx_bench", []),
          ("ampx_scale_update_bench", "ampx_scale_update_bench", [])]
 
 
-def log(*a):
-    print("[bench]", *a, file=sys.stderr, flush=True)
-
-
-FOREIGN = []  # (program, foreign load in cores) of every run, for the report
-MAX_FOREIGN_CORES = 0.15  # more than this much other work on the machine spoils a timing
-RETRIES = 2
-
-
-def busy_jiffies():
-    """System-wide CPU time spent busy (user+nice+system+irq+softirq+steal), in seconds."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    busy = v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu():
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
-def run(cmd, **kw):
-    """Runs a benchmark program; reruns it (up to RETRIES times) when other processes took more
-    than MAX_FOREIGN_CORES of the machine meanwhile (busy time not spent by our own children)."""
-    for attempt in range(RETRIES + 1):
-        log(" ".join(cmd))
-        t0, b0, c0 = time.time(), busy_jiffies(), children_cpu()
-        p = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True, **kw)
-        wall = time.time() - t0
-        foreign = max(0.0, (busy_jiffies() - b0) - (children_cpu() - c0)) / max(wall, 1e-3)
-        if p.returncode != 0:
-            sys.stderr.write(p.stdout[-4000:] + p.stderr[-4000:])
-            raise SystemExit(f"bench: {cmd[0]} failed with exit code {p.returncode}")
-        log(f"  {wall:.0f} s, foreign load {foreign:.2f} cores")
-        if foreign <= MAX_FOREIGN_CORES or attempt == RETRIES:
-            break
-        log(f"  other processes loaded the machine; running it again")
-    label = os.path.basename(cmd[1] if cmd[0] == TORCH_PYTHON else cmd[0])
-    for flag in ("--workload", "--precision", "--benchmark_filter"):
-        if flag in cmd:
-            label += " " + cmd[cmd.index(flag) + 1]
-    label += "".join(" " + a for a in cmd if a.startswith("--optimizer="))
-    FOREIGN.append((label, foreign))
-    return p.stdout
-
-
 def git_commit():
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
@@ -113,30 +75,6 @@ def git_commit():
         return head + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
-
-
-# --------------------------------------------------------------------- model FLOPs
-def gpt_flops_per_step(batch, block=128, layers=4, d=256, vocab=96):
-    """Matrix-product FLOPs of one training step (forward + backward = 3x forward).
-
-    Per token and layer: qkv 3d^2, proj d^2, MLP 8d^2 multiply-adds; attention's two
-    batched products T*d each (the full T x T scores are computed, mask or not).
-    Plus the vocabulary head d*vocab. A multiply-add is 2 FLOPs."""
-    per_token = layers * (12 * d * d + 2 * block * d) + d * vocab
-    return 3 * 2 * per_token * batch * block
-
-
-def cnn_flops_per_step(batch):
-    macs = 1 * 32 * 9 * 28 * 28 + 32 * 64 * 9 * 14 * 14 + 64 * 7 * 7 * 128 + 128 * 10
-    return 3 * 2 * macs * batch
-
-
-def mlp_flops_per_step(batch):
-    return 3 * 2 * (784 * 512 + 512 * 256 + 256 * 10) * batch
-
-
-FLOPS = {"gpt": gpt_flops_per_step, "gpt-nn": gpt_flops_per_step, "mnist-cnn": cnn_flops_per_step,
-         "fashion-mlp": mlp_flops_per_step}
 
 
 # --------------------------------------------------------------------- parts
@@ -199,70 +137,6 @@ def attention(args, out):
         with open(os.path.join(ROOT, path)) as f:
             results.append(json.load(f))
     return results
-
-
-def ampx_train(args, out, workload, rnd=0):
-    d = os.path.join(out, "e2e", workload if rnd == 0 else f"{workload}-r{rnd}")
-    shutil.rmtree(d, ignore_errors=True)
-    steps = args.gpt_steps if workload in GPT_WORKLOADS else args.image_steps
-    cmd = [os.path.join(args.build, "apps", "ampx-train", "ampx-train"), "--workload", workload,
-           "--compare", ",".join(MODES), "--steps", str(steps), "--threads", str(args.threads),
-           "--out-dir", d, "--progress", "none"]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    if workload in GPT_WORKLOADS:
-        cmd += ["--eval-batches", "4"]
-    run(cmd)
-    with open(os.path.join(d, "compare.json")) as f:
-        return json.load(f)
-
-
-def python_amp(args, out, workload, precision, rnd=0):
-    path = os.path.join(out, "python", f"{workload}-{precision}" + (f"-r{rnd}" if rnd else "")
-                        + ".json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    steps = args.gpt_steps if workload in GPT_WORKLOADS else args.image_steps
-    cmd = [TORCH_PYTHON, os.path.join(ROOT, "bench", "python", "torch_amp_bench.py"),
-           "--workload", workload, "--precision", precision, "--threads", str(args.threads),
-           "--steps", str(steps), "--json", path]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    run(cmd)
-    with open(path) as f:
-        return json.load(f)
-
-
-def rescale(result, ms):
-    """`result` with its median step set to `ms` (throughputs follow)."""
-    old = result["median_step_ms"]
-    for k in list(result):
-        if k.endswith("_per_s") and isinstance(result[k], (int, float)):
-            result[k] = result[k] * old / ms
-    result["median_step_ms"] = ms
-
-
-def combine_e2e(rounds):
-    """One ampx-train --compare result from several rounds: each mode's median step is the
-    median of its rounds' (kept in round_ms); the rest is the first round's."""
-    out = copy.deepcopy(rounds[0])
-    for m in out["modes"]:
-        ms = [next(x for x in r["modes"] if x["mode"] == m["mode"])["median_step_ms"]
-              for r in rounds]
-        rescale(m, statistics.median(ms))
-        m["round_ms"] = ms
-    base = next((x for x in out["modes"] if x["mode"] == out.get("baseline", "fp32")), None)
-    for m in out["modes"]:
-        if base and "speedup" in m:
-            m["speedup"] = base["median_step_ms"] / m["median_step_ms"]
-    return out
-
-
-def combine_python(rounds):
-    out = copy.deepcopy(rounds[0])
-    ms = [r["median_step_ms"] for r in rounds]
-    rescale(out, statistics.median(ms))
-    out["round_ms"] = ms
-    return out
 
 
 def dist(args, out):
@@ -331,10 +205,6 @@ def debug_cost(args, out, workload):
 
 
 # --------------------------------------------------------------------- report
-def fmt(x, digits=1):
-    return "-" if x is None else f"{x:,.{digits}f}"
-
-
 def bench_by_name(micro_results, prog):
     return {b["name"]: b for b in micro_results.get(prog, {}).get("benchmarks", [])
             if b.get("run_type", "iteration") == "iteration"}
@@ -354,9 +224,10 @@ def worst_ratio(benchmarks, numerator, denominator, key):
 
 
 def build_report(args, data):
-    gemm, micro_r, e2e, py, dist_r = (data["gemm"], data["micro"], data["e2e"], data["python"],
-                                      data["dist"])
+    gemm, micro_r, e2e_r, py, dist_r = (data["gemm"], data["micro"], data["e2e"], data["python"],
+                                        data["dist"])
     peaks = {"fp32": gemm.get("fp32_peak_gflops"), "bf16": gemm.get("bf16_peak_gflops")}
+    wh = data.get("wheel")
     lines = []
     w = lines.append
     w("# ampx performance")
@@ -366,24 +237,34 @@ def build_report(args, data):
       "not absolute numbers across runs. Machine-readable: `docs/performance.json`.")
     w("")
     m = data["machine"]
-    w(f"- Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads used everywhere; "
-      f"LibTorch {m['libtorch']}; fp32 BLAS: {m['blas']}.")
+    w(f"- Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads used everywhere.")
+    if wh:
+        w(f"- Main anchor: PyTorch's wheel, torch {wh['torch_version']} (`{wh['python']}`), and "
+          f"ampx built against its LibTorch (`{wh['build']}`).")
+    w(f"- Second anchor: Debian's LibTorch {m['libtorch']} (fp32 BLAS: {m['blas']}) under ampx "
+      f"(`{args.build}`) and Debian's Python torch (`{TORCH_PYTHON}`).")
     w(f"- Code: commit {data['commit']}.")
     fl = data.get("foreign_load", [])
     worst = max(fl, key=lambda x: x[1]) if fl else None
     if worst:
         w(f"- Other load on the machine, measured around every program (system busy time not "
-          f"spent by the benchmark): at most {worst[1]:.2f} cores ({worst[0]}); a program is run "
-          f"again, up to {RETRIES} times, when it exceeds {MAX_FOREIGN_CORES} cores."
+          f"spent by the benchmark): at most {worst[1]:.2f} cores ({worst[0]}); "
+          + (f"a program is run again, up to {harness.RETRIES} times, when it exceeds "
+             f"{MAX_FOREIGN_CORES} cores." if harness.RETRIES else "no program was rerun (quick "
+                                                                     "mode).")
           + (" **Some timings were taken under load; treat them with care.**"
              if worst[1] > MAX_FOREIGN_CORES else ""))
     w(f"- Command: `{data['command']}`"
       + (" (quick mode: small sizes, for checking the harness only)" if args.quick else ""))
-    w(f"- Matrix-product peaks measured in this run: fp32 {fmt(peaks['fp32'])} GFLOP/s, "
-      f"bf16 {fmt(peaks['bf16'])} GFLOP/s (`ampx_gemm_peak`, best of square sizes)"
+    w(f"- Matrix-product peaks measured in this run on Debian's 1.13: fp32 {fmt(peaks['fp32'])} "
+      f"GFLOP/s, bf16 {fmt(peaks['bf16'])} GFLOP/s (`ampx_gemm_peak`, best of square sizes)"
       + (f": a model bound by its matrix products can run at most "
-         f"{peaks['bf16'] / peaks['fp32']:.2f}x faster in bf16 than in fp32 on this machine."
+         f"{peaks['bf16'] / peaks['fp32']:.2f}x faster in bf16 than in fp32 there."
          if peaks['fp32'] and peaks['bf16'] else "."))
+    if wh and wh.get("gemm"):
+        wp = wh["gemm"]
+        w(f"- The same on the wheel's LibTorch: fp32 {fmt(wp.get('fp32_peak_gflops'))} GFLOP/s, "
+          f"bf16 {fmt(wp.get('bf16_peak_gflops'))} GFLOP/s.")
     if data.get("rounds", 1) > 1:
         w(f"- End to end: {data['rounds']} rounds, ampx and PyTorch interleaved (every "
           "configuration once per round); a run's step time is the median of its rounds' median "
@@ -392,57 +273,44 @@ def build_report(args, data):
       "otherwise), for ampx and PyTorch alike.")
     w("")
 
-    # targets first
+    # targets first: the wheel's, then the rest
     w("## Targets")
     w("")
-    w("| what | target | measured | | note |")
-    w("| --- | --- | --- | --- | --- |")
+    groups = []
     for t in data["targets"]:
-        w(f"| {t['what']} | {t['target']} | {t['measured']} | "
-          f"{'met' if t['met'] else '**missed**'} | {t['note']} |")
-    w("")
+        if t["group"] not in groups:
+            groups.append(t["group"])
+    for g in groups:
+        w(f"### {g}")
+        w("")
+        w("| what | target | measured | | note |")
+        w("| --- | --- | --- | --- | --- |")
+        for t in data["targets"]:
+            if t["group"] == g:
+                w(f"| {t['what']} | {t['target']} | {t['measured']} | {status(t)} | {t['note']} |")
+        w("")
 
+    lines += wheel.report(data)
+    if e2e_r:
+        w(f"## Against Debian's Python torch {m['libtorch']}")
+        w("")
+        w(f"ampx-train built against Debian's LibTorch (`{args.build}`) next to Debian's own "
+          f"Python torch on the same models and data, fp32 and `torch.autocast` bf16 (eager: "
+          "no `torch.compile` before 2.0).")
+        w("")
     for workload in WORKLOADS:
-        if workload not in e2e:
+        if workload not in e2e_r:
             continue
-        c = e2e[workload]
-        unit = UNITS[workload]
-        flops = FLOPS[workload](c["settings"]["batch_size"])
-        # per step: tokens for gpt (block 128), images otherwise
-        items = c["settings"]["batch_size"] * (128 if workload in GPT_WORKLOADS else 1)
-        w(f"## {workload}")
-        w("")
-        s = c["settings"]
-        w(f"Batch {s['batch_size']}, {s['steps']} steps, AdamW lr {s['lr']}, median over the steps "
-          f"after warm-up; {flops / 1e9:.2f} GFLOP of matrix products per step (forward + "
-          "backward). MFU: achieved matrix-product FLOP/s over the measured peak of the mode's "
-          "compute dtype.")
-        w("")
-        w(f"| run | median step ms | rounds ms | {unit} | vs ampx fp32 | peak MiB | vs fp32 | MFU | "
-          "final train loss |")
-        w("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        spread = lambda r: (f"{min(r['round_ms']):.1f}–{max(r['round_ms']):.1f}"
-                            if len(r.get("round_ms", [])) > 1 else "-")
-        base = next(x for x in c["modes"] if x["mode"] == "fp32")
-        for x in c["modes"]:
-            ms = x["median_step_ms"]
-            peak = peaks["fp32" if x["mode"] == "fp32" else "bf16"]
-            mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
-            thr = items / (ms / 1e3)
-            w(f"| ampx {x['mode']} | {fmt(ms)} | {spread(x)} | {fmt(thr, 0)} | {base['median_step_ms'] / ms:.2f}x "
-              f"| {x['peak_allocated_bytes'] / 2**20:.1f} | {x['peak_allocated_bytes'] / base['peak_allocated_bytes']:.2f}x "
-              f"| {fmt(None if mfu is None else 100 * mfu)}% | {x['train_loss']:.4f} |")
+        c = e2e_r[workload]
+        rows = e2e.ampx_rows(c)
         for prec in ("fp32", "autocast-bf16"):
-            p = py.get(workload, {}).get(prec)
-            if not p:
-                continue
-            ms = p["median_step_ms"]
-            peak = peaks["fp32" if prec == "fp32" else "bf16"]
-            mfu = flops / (ms / 1e3) / (peak * 1e9) if peak else None
-            w(f"| PyTorch {prec} | {fmt(ms)} | {spread(p)} | {fmt(items / (ms / 1e3), 0)} | "
-              f"{base['median_step_ms'] / ms:.2f}x | - | - | "
-              f"{fmt(None if mfu is None else 100 * mfu)}% | {p['train_loss']:.4f} |")
+            if py.get(workload, {}).get(prec):
+                rows.append(e2e.python_row(f"PyTorch {prec}", py[workload][prec]))
+        w(f"### {workload} (Debian {m['libtorch']})")
         w("")
+        lines += e2e.workload_table(workload, c["settings"], rows, peaks)
+    lines += kernel_probe.report(data.get("what_ran") or [], compiled_attention(wh))
+    lines += step_profile.report((wh or {}).get("profiles"))
 
     if micro_r:
         w("## Micro-benchmarks")
@@ -525,6 +393,24 @@ def build_report(args, data):
 KEPT_MARK = "<!-- make bench keeps what follows: runs on other machines -->"
 
 
+def status(target, plain=False):
+    """'met', 'missed' (bold in the report) or, where nothing was measured, 'not measured'."""
+    if target["value"] is None:
+        return "not measured"
+    if target["met"]:
+        return "met"
+    return "MISSED" if plain else "**missed**"
+
+
+def compiled_attention(wh):
+    """{workload: attention kernel} of the wheel's compiled autocast runs, or None."""
+    if not wh:
+        return None
+    return {w: r["compiled autocast-bf16"].get("attention_kernel")
+            for w, r in wh["python_runs"].items()
+            if w in GPT_WORKLOADS and r.get("compiled autocast-bf16")} or None
+
+
 def kept_sections(path):
     """The text from KEPT_MARK to the end of the existing doc, if it has the mark."""
     try:
@@ -536,20 +422,19 @@ def kept_sections(path):
     return "" if at < 0 else "\n" + text[at:]
 
 
+# The targets' groups in the report, after the wheel's (wheel.GROUP).
+DEBIAN_GROUP = "Debian's LibTorch 1.13 (the earlier issues' anchor)"
+OWN_GROUP = "ampx's kernels and diagnostics"
+
+
 def targets(data):
-    out = []
+    """Every target measured in this run: the wheel's (issue 39) first."""
+    out = wheel.targets(data) if "wheel" in data["parts"] else []
     peaks = {"fp32": data["gemm"].get("fp32_peak_gflops"),
              "bf16": data["gemm"].get("bf16_peak_gflops")}
 
-    def add(what, target, value, threshold, higher_is_better=True, unit="x", note=""):
-        if value is None:
-            out.append({"what": what, "target": target, "measured": "not measured", "met": False,
-                        "value": None, "note": note})
-            return
-        met = value >= threshold if higher_is_better else value <= threshold
-        shown = f"{100 * value:.1f}%" if unit == "%" else f"{value:.2f}x"
-        out.append({"what": what, "target": target, "measured": shown, "met": met,
-                    "value": value, "note": note})
+    def add(*a, group=DEBIAN_GROUP, **kw):
+        out.append(target_row(*a, group=group, **kw))
 
     e2e = data["e2e"]
     step = lambda w, m: next((x["median_step_ms"] for x in e2e.get(w, {}).get("modes", [])
@@ -606,22 +491,22 @@ def targets(data):
         runs = dbg["runs"]
         add(f"{w} fp32 step with range statistics (--range-stats) vs plain", "<= 2x",
             runs["range-stats"]["vs_plain"] if "range-stats" in runs else None, 2.0,
-            higher_is_better=False, note=dbg["failed"].get("range-stats", ""))
+            higher_is_better=False, note=dbg["failed"].get("range-stats", ""), group=OWN_GROUP)
         if "baseline" in runs:
             add(f"{w} fp32 step, diagnostics off, vs the baseline build", "<= 1.02x",
                 1 / runs["baseline"]["vs_plain"], 1.02, higher_is_better=False,
-                note=dbg["baseline_train"])
+                note=dbg["baseline_train"], group=OWN_GROUP)
     optim = bench_by_name(data["micro"], "ampx_optim_bench")
     adamw = worst_ratio(optim, "BM_AdamWTorchFp32", "BM_AdamWAmpxBf16", "real_time") if optim else None
     add("fused AdamW vs torch::optim::AdamW (step time)", ">= 3x", adamw, 3.0,
-        note="the lower of 1 and 2 threads")
+        note="the lower of 1 and 2 threads", group=OWN_GROUP)
     unscale = bench_by_name(data["micro"], "ampx_bench")
     ratio = None
     if unscale:
         ratio = worst_ratio(unscale, "BM_UnscaleAmpx_avx512", "BM_Copy", "bytes_per_second") or \
             worst_ratio(unscale, "BM_UnscaleAmpx_avx2", "BM_Copy", "bytes_per_second")
     add("unscale + inf check vs copy bandwidth", ">= 0.7x", ratio, 0.7,
-        note="the lower of 1 and 2 threads")
+        note="the lower of 1 and 2 threads", group=OWN_GROUP)
     return out
 
 
@@ -634,6 +519,50 @@ def machine(args, gemm, e2e):
             "python": platform.python_version()}
 
 
+def end_to_end(args, parts, data):
+    """The end-to-end parts into data: Debian's ampx and Python ('e2e', 'python') and the
+    wheel's side ('wheel'), every configuration once per round, rounds in turn (the machine's
+    speed drifts over minutes, and each configuration samples it alike); then what each side
+    ran ('kernels': short probes, untimed)."""
+    on_wheel = "wheel" in parts and wheel.enabled(args)
+    host_train = os.path.join(args.build, "apps", "ampx-train", "ampx-train")
+    if on_wheel:
+        data["wheel_gemm"] = wheel.gemm_peaks(args, args.out, args.quick) if "gemm" in parts else {}
+        wheel_rounds = wheel.start(args, args.out)
+        forky_exe = wheel.forky_train(args)
+    e2e_rounds = {w: [] for w in WORKLOADS}
+    py_rounds = {w: {"fp32": [], "autocast-bf16": []} for w in WORKLOADS}
+    for rnd in range(args.rounds):
+        for w in args.workloads:
+            if "e2e" in parts:
+                e2e_rounds[w].append(e2e.ampx_train(host_train, args, args.out, w, rnd))
+            if "python" in parts:
+                for prec in py_rounds[w]:
+                    py_rounds[w][prec].append(
+                        e2e.python_amp(TORCH_PYTHON, args, args.out, w, prec, rnd))
+            if on_wheel:
+                wheel.run_round(args, args.out, w, rnd, wheel_rounds, forky_exe)
+    for w in args.workloads:
+        if e2e_rounds[w]:
+            data["e2e"][w] = combine_e2e(e2e_rounds[w])
+        if "python" in parts:
+            data["python"][w] = {prec: combine_python(r) for prec, r in py_rounds[w].items()}
+    if on_wheel:
+        data["wheel"] = wheel.combine(args, args.out, wheel_rounds, data.pop("wheel_gemm"))
+    if "kernels" in parts:
+        sides = []
+        if wheel.enabled(args):
+            sides += [{"name": "ampx on the wheel", "kind": "ampx", "tag": "wheel",
+                       "exe": wheel.ampx_train_of(args.wheel_build)},
+                      {"name": "PyTorch's wheel, eager", "kind": "python", "tag": "wheel",
+                       "python": args.wheel_python}]
+        sides += [{"name": "ampx on Debian's 1.13", "kind": "ampx", "tag": "host",
+                   "exe": host_train},
+                  {"name": "Debian's Python 1.13", "kind": "python", "tag": "host",
+                   "python": TORCH_PYTHON}]
+        data["what_ran"] = kernel_probe.what_ran(args, args.out, sides)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--build", default=os.path.join(ROOT, "build", "host"))
@@ -642,14 +571,19 @@ def main():
     p.add_argument("--doc", default=os.path.join(ROOT, "docs", "PERFORMANCE.md"))
     p.add_argument("--json", default=os.path.join(ROOT, "docs", "performance.json"))
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--gpt-steps", type=int, default=40)
-    p.add_argument("--image-steps", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--gpt-steps", type=int, default=None, help="[default: 40; --quick 8]")
+    p.add_argument("--image-steps", type=int, default=None, help="[default: 100; --quick 12]")
+    p.add_argument("--gpt-batch", type=int, default=None,
+                   help="the GPTs' batch on every side [default: the programs' own, 32; --quick 4]")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help="comma-separated end-to-end workloads [default: all]")
+    p.add_argument("--rounds", type=int, default=None,
                    help="end-to-end runs (ampx and PyTorch interleaved) per configuration; "
-                        "the report takes the median")
+                        "the report takes the median [default: 3; --quick 1]")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--debug-steps", type=int, default=20,
-                   help="steps of each numerics-diagnostics run (part 'debug')")
+    p.add_argument("--debug-steps", type=int, default=None,
+                   help="steps of each numerics-diagnostics run (part 'debug') [default: 20; "
+                        "--quick 6]")
     p.add_argument("--debug-batch-size", type=int, default=0,
                    help="gpt's batch in the numerics-diagnostics runs [default: gpt's, 32]")
     p.add_argument("--debug-workloads", default="gpt",
@@ -659,13 +593,33 @@ def main():
                         "fp32 step (diagnostics off here vs that build)")
     p.add_argument("--forky-build", default=os.path.join(ROOT, "build", "forky-bench"),
                    help="the forky chroot's build of ampx_attention_bench (LibTorch 2.14)")
-    p.add_argument("--only", default="gemm,micro,e2e,python,dist,debug,attention",
+    p.add_argument("--wheel-build", default=None,
+                   help="ampx built against PyTorch's wheel (targets ampx-train, ampx_gemm_peak): "
+                        "the main anchor's C++ side (part 'wheel')")
+    p.add_argument("--wheel-python", default=None,
+                   help="the wheel's Python (scripts/wheel-env.sh --python): eager and "
+                        "torch.compile'd runs of the same models (part 'wheel')")
+    p.add_argument("--forky-train", default=os.path.join(ROOT, "build", "forky", "apps",
+                                                         "ampx-train", "ampx-train"),
+                   help="the forky chroot's ampx-train (LibTorch 2.14), run beside the wheel's "
+                        "when built: ampx on the wheel vs on 2.14")
+    p.add_argument("--only", default="gemm,micro,e2e,python,wheel,kernels,dist,debug,attention",
                    help="comma-separated parts to run (the report covers what ran)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
     args = p.parse_args()
+    wheel.check_args(args, p)
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    for w in args.workloads:
+        if w not in WORKLOADS:
+            p.error(f"--workloads: unknown '{w}'; expected some of {', '.join(WORKLOADS)}")
+    # --quick's sizes where no flag gave one (a quick run on a slow machine may want fewer)
+    for name, full, quick in (("gpt_steps", 40, 8), ("image_steps", 100, 12), ("rounds", 3, 1),
+                              ("debug_steps", 20, 6), ("gpt_batch", None, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
     if args.quick:
-        args.gpt_steps, args.image_steps, args.rounds, args.debug_steps = 8, 12, 1, 6
+        harness.RETRIES = 0
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
     parts = set(args.only.split(","))
@@ -674,27 +628,12 @@ def main():
             "command": "bench/run_all.py " + " ".join(sys.argv[1:]) if sys.argv[1:] else
             "make bench",
             "gemm": {}, "micro": {}, "e2e": {}, "python": {}, "dist": None, "debug": None,
-            "attention": None}
+            "attention": None, "wheel": None, "what_ran": None, "parts": sorted(parts)}
     if "gemm" in parts:
         data["gemm"] = gemm_peaks(args, args.out)
     if "micro" in parts:
         data["micro"] = micro(args, args.out)
-    # ampx and PyTorch interleaved, round after round: the machine's speed
-    # drifts over minutes, and each configuration samples it alike.
-    e2e_rounds = {w: [] for w in WORKLOADS}
-    py_rounds = {w: {"fp32": [], "autocast-bf16": []} for w in WORKLOADS}
-    for rnd in range(args.rounds):
-        for w in WORKLOADS:
-            if "e2e" in parts:
-                e2e_rounds[w].append(ampx_train(args, args.out, w, rnd))
-            if "python" in parts:
-                for prec in py_rounds[w]:
-                    py_rounds[w][prec].append(python_amp(args, args.out, w, prec, rnd))
-    for w in WORKLOADS:
-        if e2e_rounds[w]:
-            data["e2e"][w] = combine_e2e(e2e_rounds[w])
-        if "python" in parts:
-            data["python"][w] = {prec: combine_python(r) for prec, r in py_rounds[w].items()}
+    end_to_end(args, parts, data)
     data["rounds"] = args.rounds
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
@@ -716,7 +655,7 @@ def main():
         os.replace(tmp, path)
     log(f"wrote {args.doc} and {args.json}")
     for t in data["targets"]:
-        log(f"{'met   ' if t['met'] else 'MISSED'} {t['what']}: {t['measured']} (target {t['target']})")
+        log(f"{status(t, plain=True):<12} {t['what']}: {t['measured']} (target {t['target']})")
 
 
 if __name__ == "__main__":

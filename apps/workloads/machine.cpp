@@ -2,6 +2,9 @@
 
 #include "ampx/kernels.h"
 
+#include <ATen/Context.h>
+#include <ATen/Version.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -24,6 +27,19 @@ std::string mapped_openblas() {
   return {};
 }
 
+/// "MKL 2024.2" when LibTorch was built with MKL as its BLAS (PyTorch's
+/// wheels link it in: no library of its own is mapped), else "".
+std::string builtin_mkl() {
+  if (!at::hasMKL()) return {};
+  const std::string config = at::show_config();
+  const std::string key = "Math Kernel Library Version ";
+  const auto pos = config.find(key);
+  if (pos == std::string::npos) return "MKL";
+  const auto begin = pos + key.size();
+  const auto end = config.find_first_not_of("0123456789.", begin);
+  return "MKL " + config.substr(begin, end - begin);
+}
+
 bool env_is(const char* name, const std::string& value) {
   const char* v = std::getenv(name);
   return v != nullptr && value == v;
@@ -41,7 +57,10 @@ std::string cpu_model() {
 
 std::string blas_library() {
   const std::string lib = mapped_openblas();
-  if (lib.empty()) return "other BLAS";
+  if (lib.empty()) {
+    const std::string mkl = builtin_mkl();
+    return mkl.empty() ? "other BLAS" : mkl + " (in LibTorch)";
+  }
   if (lib.find("openblas-openmp/") != std::string::npos) return "OpenBLAS (openmp)";
   if (lib.find("openblas-pthread/") != std::string::npos) return "OpenBLAS (pthread)";
   return "OpenBLAS";

@@ -21,8 +21,10 @@ inline constexpr char kBlasSwitchedEnv[] = "AMPX_TRAIN_BLAS_SWITCHED";
 /// /proc/cpuinfo's "model name", or "unknown CPU".
 std::string cpu_model();
 
-/// The OpenBLAS build mapped into this process: "OpenBLAS (openmp)",
-/// "OpenBLAS (pthread)", "OpenBLAS", or "other BLAS".
+/// The BLAS of this process's fp32 products: the OpenBLAS build mapped into
+/// it, "OpenBLAS (openmp)", "OpenBLAS (pthread)" or "OpenBLAS"; else the MKL
+/// that LibTorch links in (PyTorch's wheels), "MKL 2024.2 (in LibTorch)";
+/// else "other BLAS".
 std::string blas_library();
 
 /// The folder of OpenBLAS's OpenMP build installed beside the OpenBLAS this

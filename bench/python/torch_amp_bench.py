@@ -26,6 +26,18 @@ items_per_s are over the steps after --warmup (default: ampx-train's rule,
 min(10, max(1, steps // 10))); train_loss is the mean of the last tenth of the
 steps' losses, as in ampx-train's report.
 
+--compile runs forward and loss through torch.compile (inductor; torch >= 2.0): the
+backward is compiled with it (AOTAutograd), the optimizer step stays eager, as in
+PyTorch's own tutorial. Compilation happens in the first step, which the timing
+leaves out with the warm-up; compile_s reports it (the first step's time less the
+median step's), graph_breaks what dynamo could not trace.
+
+After the timed steps one more step runs under LibTorch's profiler (not timed,
+not in the losses): attention names the kernel it called (nn.MultiheadAttention
+calls the fused SDPA on torch 2.x), and --op-profile PATH writes its per-op table
+(key_averages by self CPU time). runtime names the fp32 BLAS, oneDNN's version,
+ATen's vector ISA and where bf16 products go (torch_runtime.py).
+
 --linear torch (default) runs nn.Linear, what Python users write; --linear
 libtorch runs the ops of LibTorch's C++ torch::nn::Linear (see ampx_models.py),
 which makes the bf16 forward bit-identical to ampx-train's O1.
@@ -36,13 +48,16 @@ which makes the bf16 forward bit-identical to ampx-train's O1.
   /usr/bin/python3 bench/python/torch_amp_bench.py --workload gpt --precision autocast-bf16 \\
       --threads 2 --steps 30 --json runs/python/gpt-bf16.json
 
-JSON keys: tool, workload, precision, dtype, torch_version, python_version,
+JSON keys: tool, workload, precision, compiled, dtype, torch_version, python_version,
 threads, batch_size, steps, warmup, timed_steps, seed, linear, optimizer {name,
 impl, lr, betas, eps, weight_decay, zero_grad_set_to_none}, unit ("tokens" or
 "samples", as ampx-train), items_per_step, median_step_ms, items_per_s (and the
 same under tokens_per_s or samples_per_s), train_loss, wall_s, parameters,
 ld_library_path, losses (every step), step_ms (every step), model (gpt: vocab,
-block_size, layers, heads, d_model).
+block_size, layers, heads, d_model), attention (gpt workloads), attention_ops,
+runtime {fp32_blas, onednn, aten_cpu_capability, bf16_matmuls}, op_self_ms
+(the profiled step's 20 ops with the most self CPU time: [name, calls, ms]), compile
+{backend, first_step_ms, compile_s, graph_breaks} (--compile only).
 """
 import argparse
 import gzip
@@ -60,6 +75,7 @@ import torch
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 from ampx_models import (GPT_DEFAULTS, GPT_WORKLOADS, LINEARS, WORKLOADS, attention_on, build_model,
                          cross_entropy)
+from torch_runtime import attention_path, bf16_matmuls, profile_step, runtime
 
 PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16")
 
@@ -274,14 +290,14 @@ def train(args):
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    losses, step_ms = [], []
-    run_start = time.perf_counter()
-    for step in range(args.steps):
-        t0 = time.perf_counter()
+    step_fn = make_forward_loss(model, args.precision, args.device, args.compile)
+
+    def one_step(step):
+        """One training step on batch `step`, as trainer.cpp's; returns the loss's value."""
         inputs, target = batches(step)
         inputs, target = inputs.to(device, non_blocking=True), target.to(device, non_blocking=True)
         opt.zero_grad()
-        loss, _ = forward_loss(model, inputs, target, args.precision, args.device)
+        loss, _ = step_fn(inputs, target)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -289,13 +305,27 @@ def train(args):
         else:
             loss.backward()
             opt.step()
-        loss_value = loss.item()
+        return loss.item()
+
+    losses, step_ms = [], []
+    run_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        loss_value = one_step(step)
         step_ms.append((time.perf_counter() - t0) * 1000.0)
         losses.append(loss_value)
         if args.log_every and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             print(f"[{args.precision}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
                   f"{step_ms[-1]:.1f} ms", flush=True)
     wall_s = time.perf_counter() - run_start
+    # One more step, profiled: which kernels ran (not timed, not in the losses).
+    op_names, op_table, op_self_ms = profile_step(lambda: one_step(args.steps))
+    if args.op_profile:
+        os.makedirs(os.path.dirname(os.path.abspath(args.op_profile)), exist_ok=True)
+        with open(args.op_profile, "w") as f:
+            f.write(f"torch_amp_bench {args.workload} {args.precision}"
+                    f"{' compiled' if args.compile else ''}, torch {torch.__version__}, "
+                    f"{args.threads} threads: one training step (batch {args.steps}, after the timed ones)\n{op_table}\n")
 
     warm = default_warmup(args.steps) if args.warmup is None else args.warmup
     timed = step_ms[warm:]
@@ -304,6 +334,7 @@ def train(args):
         "tool": "bench/python/torch_amp_bench.py",
         "workload": args.workload,
         "precision": args.precision,
+        "compiled": args.compile,
         "dtype": {"autocast-bf16": "bf16", "autocast-fp16": "fp16"}.get(args.precision, "fp32"),
         "device": args.device,
         "tf32": bool(args.tf32 and args.device == "cuda"),
@@ -338,27 +369,39 @@ def train(args):
         result["model"] = {"vocab": vocab, "block_size": args.block_size, "layers": args.layers,
                            "heads": args.heads, "d_model": args.d_model}
         result["attention"] = attention_on(args.device, args.workload)
+        result["attention_kernel"] = attention_path(op_names, args.compile)
+    result["attention_ops"] = sorted(n for n in op_names if "attention" in n or "bmm" in n
+                                     or ("softmax" in n and "log_softmax" not in n))
+    result["runtime"] = runtime()
+    result["op_self_ms"] = op_self_ms[:20]  # the profiled step's ops, most self time first
     if args.precision == "autocast-bf16" and args.device == "cpu":
-        result["matmuls"] = bf16_matmuls()
+        result["matmuls"] = result["runtime"]["bf16_matmuls"]
+    if args.compile:
+        median = result["median_step_ms"]
+        result["compile"] = {
+            "backend": "inductor", "scope": "forward and loss (backward via AOTAutograd); "
+                                            "the optimizer step eager",
+            "first_step_ms": step_ms[0],
+            "compile_s": (step_ms[0] - median) / 1000.0 if median is not None else None,
+            "graph_breaks": graph_breaks()}
     return result
 
 
-def bf16_matmuls():
-    """Which kernels torch.autocast's bf16 matrix products run here: LibTorch
-    calls oneDNN for them only on CPUs with AVX-512 (F, BW, VL, DQ), and runs
-    a scalar loop elsewhere (ampx-train's settings name its own path)."""
-    flags = set()
+def make_forward_loss(model, precision, device, compile_):
+    """forward_loss for this model and precision as a function of (inputs, target), through
+    torch.compile (inductor, default mode) when compile_ is set."""
+    def fn(inputs, target):
+        return forward_loss(model, inputs, target, precision, device)
+    return torch.compile(fn) if compile_ else fn
+
+
+def graph_breaks():
+    """How often dynamo broke the compiled graph (its counters), or None if unknown."""
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        return "unknown (no /proc/cpuinfo)"
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "LibTorch's (oneDNN, AVX-512)"
-    return "LibTorch's scalar loop (no AVX-512)"
+        from torch._dynamo.utils import counters
+        return sum(counters["graph_break"].values())
+    except (ImportError, KeyError, AttributeError):
+        return None
 
 
 def parse_args(argv=None):
@@ -368,6 +411,11 @@ def parse_args(argv=None):
     p.add_argument("--workload", choices=WORKLOADS, default="gpt")
     p.add_argument("--precision", choices=PRECISIONS, default="autocast-bf16")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile forward and loss (inductor; torch >= 2.0); compile time "
+                        "is excluded from the step timing and reported")
+    p.add_argument("--op-profile", default=None,
+                   help="write the per-op table of one profiled extra step to this file")
     p.add_argument("--tf32", action="store_true", help="cuda: TF32 in fp32 products and convolutions")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="intra-op threads (torch.set_num_threads) [default: all cores]")
@@ -410,6 +458,10 @@ def parse_args(argv=None):
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device")
+    if args.compile and not hasattr(torch, "compile"):
+        p.error(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
+    if args.compile and args.warmup == 0:
+        p.error("--compile compiles in the first step: --warmup must be >= 1")
     if args.tf32 and args.device != "cuda":
         p.error("--tf32 is for --device cuda")
     if args.precision == "autocast-fp16" and args.device != "cuda" and not torch.__version__.startswith("2."):
@@ -419,7 +471,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    settings = [("workload", args.workload), ("precision", args.precision), ("threads", args.threads),
+    settings = [("workload", args.workload),
+                ("precision", args.precision + (", torch.compile (inductor)" if args.compile else "")),
+                ("threads", args.threads),
                 ("batch size", args.batch_size), ("steps", args.steps), ("lr (AdamW)", args.lr),
                 ("seed", args.seed), ("data", args.data_dir), ("torch", torch.__version__)]
     if args.workload in GPT_WORKLOADS:
@@ -437,6 +491,13 @@ def main(argv=None):
               f"{r['median_step_ms']:.1f} ms, train loss {r['train_loss']:.4f} (AdamW {r['optimizer']['impl']})")
     else:
         print(f"[{r['precision']}] done: no step after warm-up was timed; train loss {r['train_loss']:.4f}")
+    if r.get("compile"):
+        c = r["compile"]
+        print(f"[{r['precision']}] torch.compile: first step {c['first_step_ms']:.0f} ms"
+              + (f", compile ~{c['compile_s']:.1f} s" if c["compile_s"] is not None else "")
+              + f", graph breaks {c['graph_breaks']}")
+    if r.get("attention_kernel"):
+        print(f"[{r['precision']}] attention ran: {r['attention_kernel']}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
