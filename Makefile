@@ -132,13 +132,17 @@ test-forky: deps
 # CUDA ones skip: no GPU) with the wheel's Python for the reference values.
 WHEEL_BUILD := build/wheel
 WHEEL_CMAKE_FLAGS := -DAMPX_NCCL=ON
-test-wheel: deps
-	@echo "== ampx tests, LibTorch 2.15 (PyTorch's wheel, CUDA 13.2 build; no GPU) =="
+# Configures and builds the wheel leg: $(call wheel_build,TARGETS) (empty: everything).
+define wheel_build
 	@scripts/wheel-env.sh --ensure
 	@mkdir -p build && bin=$$(scripts/wheel-env.sh --bin) && \
 	  $$bin/cmake -S . -B $(WHEEL_BUILD) $(CMAKE_FLAGS) $(WHEEL_CMAKE_FLAGS) $$(scripts/wheel-env.sh --cmake-args) \
 	    > $(WHEEL_BUILD).configure.log 2>&1 || { cat $(WHEEL_BUILD).configure.log; exit 1; }; \
-	  $$bin/cmake --build $(WHEEL_BUILD) -j$(JOBS)
+	  $$bin/cmake --build $(WHEEL_BUILD) -j$(JOBS) $(if $(1),--target $(1))
+endef
+test-wheel: deps
+	@echo "== ampx tests, LibTorch 2.15 (PyTorch's wheel, CUDA 13.2 build; no GPU) =="
+	$(call wheel_build)
 	@rm -rf $(WHEEL_BUILD)/ctest-junit.xml $(WHEEL_BUILD)/gtest-xml
 	cd $(WHEEL_BUILD) && $$($(CURDIR)/scripts/wheel-env.sh --bin)/ctest --output-on-failure -j$(JOBS) \
 	  --output-junit $(CURDIR)/$(WHEEL_BUILD)/ctest-junit.xml
@@ -212,12 +216,18 @@ FORKY_BENCH_BUILD := build/forky-bench
 FORKY_BENCH_CMAKE_FLAGS := -DAMPX_BUILD_TESTS=OFF -DAMPX_BUILD_EXAMPLES=OFF -DAMPX_BUILD_TRAIN=OFF \
 	-DAMPX_BUILD_BENCHMARKS=ON
 
+# The main anchor is PyTorch's wheel (issue 39): ampx-train built against it
+# (the wheel leg's build) beside its Python, eager and torch.compile'd; and
+# ampx-train on LibTorch 2.14 (the forky leg's build) for the 2.14 target.
 bench: build data
 	$(call leg_build,forky,$(FORKY_BENCH_BUILD),$(FORKY_BENCH_CMAKE_FLAGS),ampx_attention_bench)
+	$(call leg_build,forky,$(FORKY_BUILD),$(FORKY_CMAKE_FLAGS),ampx-train)
+	$(call wheel_build,ampx-train ampx_gemm_peak)
 	@omp=$$(ls /usr/lib/*/openblas-openmp/libopenblas.so.0 2>/dev/null | head -n 1); \
 	if [ -n "$$omp" ]; then export LD_LIBRARY_PATH="$$(dirname "$$omp")$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \
-	echo "LD_LIBRARY_PATH=$$LD_LIBRARY_PATH bench/run_all.py $(BENCH_ARGS)"; \
-	bench/run_all.py $(BENCH_ARGS)
+	args="--wheel-build $(WHEEL_BUILD) --wheel-python $$(scripts/wheel-env.sh --python) $(BENCH_ARGS)"; \
+	echo "LD_LIBRARY_PATH=$$LD_LIBRARY_PATH bench/run_all.py $$args"; \
+	bench/run_all.py $$args
 
 clean:
 	rm -rf build
