@@ -17,9 +17,12 @@
 #                   in ampx's code fails the build (AMPX_WARNINGS_AS_ERRORS)
 #   make test-host  LibTorch 1.13 (Debian 12, this machine), GCC 12
 #   make test-forky LibTorch 2.14 (Debian testing chroot), GCC 16
-#   make test-cuda  LibTorch 2.6 built with CUDA (Debian 13 chroot), nvcc 12.4:
-#                   everything compiled and linked against libtorch_cuda, the
-#                   tests run on the CPU, the CUDA ones skip (no GPU)
+#   make test-wheel LibTorch 2.15 from PyTorch's own wheel (PyPI, CUDA 13.2
+#                   build; scripts/wheel-env.sh), nvcc 13.2: everything
+#                   compiled and linked against libtorch_cuda, the tests run on
+#                   the CPU, the CUDA ones skip (no GPU)
+#   make test-cuda  (not in make test) LibTorch 2.6 built with CUDA (Debian 13
+#                   chroot), nvcc 12.4, as test-wheel
 #   make sanitize   the whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer
 #                   (host leg; build/asan); make sanitize-forky: the same on the 2.14 leg
 #   make tsan       the GradScaler and data-parallel tests under ThreadSanitizer (host leg)
@@ -27,9 +30,12 @@
 #                   make test's 4 (host leg; about 15 minutes)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
-#   make bench      every benchmark in one run (host leg, about 25 minutes): GEMM
-#                   peaks, micro-benchmarks, ampx-train's workloads in every mode next to
-#                   PyTorch's torch.autocast, data parallel, causal attention by shape
+#   make bench      every benchmark in one run: GEMM peaks, micro-benchmarks,
+#                   ampx-train's workloads in every mode (on the wheel, on 1.13, on
+#                   2.14) next to the wheel's Python, eager and torch.compile'd, and
+#                   Debian's Python 1.13, data parallel, causal attention by shape
+#                   (about an hour on 2 cores with AVX512-BF16; many hours on a CPU
+#                   without AVX-512, where Python's bf16 products are a scalar loop)
 #                   (also on 2.14, against LibTorch's SDPA); writes docs/PERFORMANCE.md
 #                   and docs/performance.json (bench/run_all.py; BENCH_ARGS adds flags)
 

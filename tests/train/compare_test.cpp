@@ -328,8 +328,12 @@ TEST_F(CompareTest, Fp8OverTwoProcessesReducesTheAmaxesToTheGlobalBatchs) {
 
 TEST_F(CompareTest, TorchrunNoPythonStartsRanksThatTrainAsNprocDoes) {
   if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
-  const fs::path torchrun = "/usr/bin/torchrun";  // Debian's python3-torch
-  if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (python3-torch)";
+  // The leg's own torchrun, beside its Python: Debian's /usr/bin/torchrun
+  // (python3-torch) on the Debian legs, the wheel's on the wheel leg, whose
+  // ranks' TCPStore client must speak its agent's protocol (1.13's agent
+  // and 2.15's ranks never agree: "failed to connect/validate").
+  const fs::path torchrun = fs::path(AMPX_PYTHON).parent_path() / "torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " beside " << AMPX_PYTHON;
   ASSERT_EQ(run("--steps 6 --precision fp32 --save-every 6 --nproc 2", "nproc"), 0) << output_;
   // The real launcher: its agent serves the TCPStore on MASTER_PORT and the
   // ranks join it (TORCHELASTIC_USE_AGENT_STORE). Underscored flags are the
