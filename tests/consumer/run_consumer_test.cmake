@@ -12,9 +12,12 @@ endif()
 ampx_write_readme_project(${AMPX_SOURCE_DIR} 0 ${WORK_DIR}/src "")
 # The consumer is built as ampx was: same compiler, build type and flags
 # (sanitizer builds need the runtime their instrumented libampx.a calls).
+# LibTorch is found as the README says, through CMAKE_PREFIX_PATH (the folder
+# holding its Torch/ and Caffe2/ configs: torch.utils.cmake_prefix_path).
 string(REPLACE "|" ";" torch_args "${CONSUMER_TORCH_ARGS}")
+get_filename_component(torch_prefix "${Torch_DIR}/.." ABSOLUTE)
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/src -B ${WORK_DIR}/build
-  -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DTorch_DIR=${Torch_DIR} ${torch_args}
+  "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix;${torch_prefix}" ${torch_args}
   -DCMAKE_CXX_COMPILER=${CONSUMER_CXX_COMPILER} -DCMAKE_BUILD_TYPE=${CONSUMER_BUILD_TYPE}
   "-DCMAKE_CXX_FLAGS=${CONSUMER_CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${CONSUMER_LINKER_FLAGS}"
   RESULT_VARIABLE rc)
