@@ -31,7 +31,7 @@ Then the targets, each as a ratio measured in this run, met or not: the wheel's 
 first.
 
 Only the standard library: the orchestration (this file and bench/'s harness.py, e2e.py,
-wheel.py, kernel_probe.py) runs under any python3.
+wheel.py, kernel_probe.py, step_profile.py, attention.py) runs under any python3.
 """
 import argparse
 import datetime
@@ -44,7 +44,8 @@ import subprocess
 import sys
 
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-import e2e  # noqa: E402 - bench/'s modules, beside this file
+import attention  # noqa: E402 - bench/'s modules, beside this file
+import e2e  # noqa: E402
 import harness  # noqa: E402
 import kernel_probe  # noqa: E402
 import step_profile  # noqa: E402
@@ -106,36 +107,6 @@ def micro(args, out):
         with open(path) as f:
             results[prog] = {"benchmarks": json.load(f)["benchmarks"], "summary": text,
                              "command": " ".join([program] + flags)}
-    return results
-
-
-def attention(args, out):
-    """ampx_attention_bench on this build, and in the forky chroot on --forky-build's (LibTorch
-    2.14: its SDPA as a third path), when that build has it."""
-    results = []
-    flags = ["--threads", str(args.threads)] + (["--rounds", "1", "--reps", "1"] if args.quick
-                                                 else [])
-    host = os.path.join(args.build, "bench", "ampx_attention_bench")
-    if os.path.exists(host):
-        path = os.path.join(out, "attention-host.json")
-        run([host] + flags + ["--json", path])
-        with open(path) as f:
-            results.append(json.load(f))
-    else:
-        log("ampx_attention_bench not built, skipped")
-    forky = os.path.join(args.forky_build, "bench", "ampx_attention_bench")
-    rel_out, rel_exe = os.path.relpath(out, ROOT), os.path.relpath(forky, ROOT)
-    if not os.path.exists(forky):
-        log(f"{forky} not built (make bench builds it), attention on 2.14 skipped")
-    elif rel_out.startswith("..") or rel_exe.startswith(".."):
-        log("--out or --forky-build outside the repository (the chroot sees only it): "
-            "attention on 2.14 skipped")
-    else:
-        path = os.path.join(rel_out, "attention-forky.json")
-        run([os.path.join(ROOT, "scripts", "chroot.sh"), "forky", "/src/" + rel_exe] + flags +
-            ["--json", "/src/" + path])
-        with open(os.path.join(ROOT, path)) as f:
-            results.append(json.load(f))
     return results
 
 
@@ -357,30 +328,7 @@ def build_report(args, data):
         for name, why in dbg.get("failed", {}).items():
             w(f"| {name} | failed: {why} | | |")
         w("")
-    for a in data.get("attention") or []:
-        paths = [p for p in ("ampx", "sdpa", "explicit") if p in a["cases"][0]]
-        w(f"## Causal attention by shape (`ampx_attention_bench`, LibTorch {a['libtorch']})")
-        w("")
-        w(f"Forward and backward to the projection's gradient, {a['threads']} threads, median of "
-          f"{a['rounds']} interleaved rounds of {a['reps']}; 4096 tokens (B x T) and width 256 "
-          "(H x E) in every row. `sdpa`: LibTorch's `at::scaled_dot_product_attention` "
-          "(the backend it picked in `via`); `explicit`: matmul, masked_fill, softmax, matmul. "
-          "Ratios above 1: ampx is faster.")
-        w("")
-        head = " | ".join(f"{p} ms" for p in paths)
-        ratios = [p for p in paths if p != "ampx"]
-        w(f"| dtype | B | T | H | E | {head} | "
-          + " | ".join(f"{p} / ampx" for p in ratios) + (" | sdpa via |" if "sdpa" in paths
-                                                         else " |"))
-        w("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in paths + ratios)
-          + (" | --- |" if "sdpa" in paths else " |"))
-        for c in a["cases"]:
-            ms = {p: c[p]["ms"] for p in paths}
-            w(f"| {c['dtype']} | {c['batch']} | {c['context']} | {c['heads']} | {c['head_size']} | "
-              + " | ".join(fmt(ms[p], 2) for p in paths) + " | "
-              + " | ".join(f"{ms[p] / ms['ampx']:.2f}x" for p in ratios)
-              + (f" | {c['sdpa_backend']} |" if "sdpa" in paths else " |"))
-        w("")
+    lines += attention.report(data.get("attention") or [])
     w("## Notes")
     w("")
     w("The analysis behind these numbers (where the time goes, what is outside ampx) is in "
@@ -640,7 +588,7 @@ def main():
     if "debug" in parts:
         data["debug"] = {w: debug_cost(args, args.out, w) for w in args.debug_workloads.split(",")}
     if "attention" in parts:
-        data["attention"] = attention(args, args.out)
+        data["attention"] = attention.measure(args, args.out)
     data["machine"] = machine(args, data["gemm"], data["e2e"])
     data["commit"] = git_commit()
     data["foreign_load"] = [[name, round(load, 3)] for name, load in FOREIGN]
