@@ -229,7 +229,7 @@ FORKY_BENCH_CMAKE_FLAGS := -DAMPX_BUILD_TESTS=OFF -DAMPX_BUILD_EXAMPLES=OFF -DAM
 bench: build data
 	$(call leg_build,forky,$(FORKY_BENCH_BUILD),$(FORKY_BENCH_CMAKE_FLAGS),ampx_attention_bench)
 	$(call leg_build,forky,$(FORKY_BUILD),$(FORKY_CMAKE_FLAGS),ampx-train)
-	$(call wheel_build,ampx-train ampx_gemm_peak)
+	$(call wheel_build,ampx-train ampx_gemm_peak ampx_fp8_bench)
 	@omp=$$(ls /usr/lib/*/openblas-openmp/libopenblas.so.0 2>/dev/null | head -n 1); \
 	if [ -n "$$omp" ]; then export LD_LIBRARY_PATH="$$(dirname "$$omp")$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"; fi; \
 	args="--wheel-build $(WHEEL_BUILD) --wheel-python $$(scripts/wheel-env.sh --python) $(BENCH_ARGS)"; \

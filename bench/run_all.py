@@ -26,12 +26,14 @@ In one run, on one machine, with the same threads everywhere:
      with --baseline-train, also the plain step of another build (nothing active vs before);
   8. causal attention by shape (ampx_attention_bench): ampx's fused kernel against the explicit
      ops on this LibTorch, and on 2.14 (--forky-build, the forky chroot) against LibTorch's own
-     at::scaled_dot_product_attention too.
+     at::scaled_dot_product_attention too;
+  9. FP8 against torchao (fp8.py; --wheel-build, --wheel-python): ampx_fp8_bench and torchao's
+     Float8Linear on a GPT-2-small block's shapes, both emulated on the CPU.
 Then the targets, each as a ratio measured in this run, met or not: the wheel's (issue 39)
 first.
 
 Only the standard library: the orchestration (this file and bench/'s harness.py, e2e.py,
-wheel.py, kernel_probe.py, step_profile.py, attention.py) runs under any python3.
+wheel.py, kernel_probe.py, step_profile.py, attention.py, fp8.py) runs under any python3.
 """
 import argparse
 import datetime
@@ -46,6 +48,7 @@ import sys
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 import attention  # noqa: E402 - bench/'s modules, beside this file
 import e2e  # noqa: E402
+import fp8  # noqa: E402
 import harness  # noqa: E402
 import kernel_probe  # noqa: E402
 import step_profile  # noqa: E402
@@ -262,6 +265,7 @@ def build_report(args, data):
         w("")
 
     lines += wheel.report(data)
+    lines += fp8.report(data.get("fp8"))
     if e2e_r:
         w(f"## Against Debian's Python torch {m['libtorch']}")
         w("")
@@ -542,21 +546,25 @@ def main():
     p.add_argument("--forky-build", default=os.path.join(ROOT, "build", "forky-bench"),
                    help="the forky chroot's build of ampx_attention_bench (LibTorch 2.14)")
     p.add_argument("--wheel-build", default=None,
-                   help="ampx built against PyTorch's wheel (targets ampx-train, ampx_gemm_peak): "
-                        "the main anchor's C++ side (part 'wheel')")
+                   help="ampx built against PyTorch's wheel (targets ampx-train, ampx_gemm_peak, "
+                        "ampx_fp8_bench): the main anchor's C++ side (parts 'wheel', 'fp8')")
     p.add_argument("--wheel-python", default=None,
                    help="the wheel's Python (scripts/wheel-env.sh --python): eager and "
-                        "torch.compile'd runs of the same models (part 'wheel')")
+                        "torch.compile'd runs of the same models (part 'wheel'), torchao's FP8 "
+                        "Linear (part 'fp8')")
     p.add_argument("--forky-train", default=os.path.join(ROOT, "build", "forky", "apps",
                                                          "ampx-train", "ampx-train"),
                    help="the forky chroot's ampx-train (LibTorch 2.14), run beside the wheel's "
                         "when built: ampx on the wheel vs on 2.14")
-    p.add_argument("--only", default="gemm,micro,e2e,python,wheel,kernels,dist,debug,attention",
+    p.add_argument("--only",
+                   default="gemm,micro,fp8,e2e,python,wheel,kernels,dist,debug,attention",
                    help="comma-separated parts to run (the report covers what ran)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
+    fp8.add_args(p)
     args = p.parse_args()
     wheel.check_args(args, p)
+    fp8.check_args(args, p)
     args.workloads = [w for w in args.workloads.split(",") if w]
     for w in args.workloads:
         if w not in WORKLOADS:
@@ -581,6 +589,7 @@ def main():
         data["gemm"] = gemm_peaks(args, args.out)
     if "micro" in parts:
         data["micro"] = micro(args, args.out)
+    data["fp8"] = fp8.measure(args, args.out) if "fp8" in parts else None  # minutes: before e2e
     end_to_end(args, parts, data)
     data["rounds"] = args.rounds
     if "dist" in parts:
