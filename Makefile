@@ -34,11 +34,24 @@
 #   make bench      every benchmark in one run: GEMM peaks, micro-benchmarks,
 #                   ampx-train's workloads in every mode (on the wheel, on 1.13, on
 #                   2.14) next to the wheel's Python, eager and torch.compile'd, and
-#                   Debian's Python 1.13, data parallel, causal attention by shape
-#                   (about an hour on 2 cores with AVX512-BF16; many hours on a CPU
-#                   without AVX-512, where Python's bf16 products are a scalar loop)
-#                   (also on 2.14, against LibTorch's SDPA); writes docs/PERFORMANCE.md
-#                   and docs/performance.json (bench/run_all.py; BENCH_ARGS adds flags)
+#                   Debian's Python 1.13, FP8 against torchao, data parallel, causal
+#                   attention by shape (on 1.13 and on 2.14, against LibTorch's
+#                   SDPA); writes docs/PERFORMANCE.md and docs/performance.json
+#                   (bench/run_all.py; BENCH_ARGS adds flags). About an hour on 2
+#                   cores with AVX512-BF16; many hours on a CPU without AVX-512,
+#                   where Python's bf16 products are a scalar loop
+#   make help       this list
+#
+# The scripts behind them, and the ones for the lent GPU machine:
+#   scripts/install-deps.sh, install-data.sh   Debian packages; the datasets
+#   scripts/chroot.sh LEG [CMD]                a leg's Debian chroot (forky, cuda)
+#   scripts/wheel-env.sh                       PyTorch's wheel, pinned, in a venv
+#   scripts/check-skips.py                     a leg's skipped tests against its list
+#   scripts/sanitize.sh, check-sanitizer-logs.py   the sanitizer builds and their reports
+#   scripts/docs.sh                            the API reference (Doxygen)
+#   scripts/device-call.sh                     the GPU proof in one device call:
+#     device-run.sh (build, test, bench), device-test.sh (tests only),
+#     device_report.py (its summary)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 HOST_BUILD := build/host
@@ -70,10 +83,14 @@ HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON
 # The datasets, on the host; the chroot legs see them at the same path.
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
-.PHONY: all deps data docs build run run-host test test-host test-forky test-wheel test-cuda \
+.PHONY: all help deps data docs build run run-host test test-host test-forky test-wheel test-cuda \
 	sanitize sanitize-forky tsan soak fuzz bench clean
 
 all: build
+
+# The header above, as written: one list of targets and scripts.
+help:
+	@sed -n '/^#   make run /,/^$$/p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 deps:
 	@scripts/install-deps.sh
