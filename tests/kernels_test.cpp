@@ -353,11 +353,39 @@ torch::Tensor ulp(const torch::Tensor& v, torch::ScalarType dtype) {
   return torch::pow(2.0, e - mantissa);
 }
 
+// Rows or channels whose variance is at or below eps, where eps decides a
+// norm's result (padding, a saturated activation, a zero-initialised layer's
+// output): kind 1 zeros, 2 a constant, 3 and 4 nearly constant with variance
+// about eps / 4 and eps (around 2 sqrt(eps)). A norm that adds eps in the
+// wrong place (1 / (sqrt(var) + eps)) is off there by thousands of ulps.
+constexpr int kFlatKinds = 5;  // kind 0: no change (random values)
+torch::Tensor flat_values(int kind, at::IntArrayRef shape, double eps) {
+  const double sd = std::sqrt(eps);
+  switch (kind) {
+    case 1:
+      return torch::zeros(shape);
+    case 2:
+      return torch::full(shape, 0.75);
+    case 3:
+      return sd * (2 + 0.5 * torch::randn(shape));
+    default:
+      return sd * (2 + torch::randn(shape));
+  }
+}
+
+// Each row's largest |v| at every element of the row: the scale of a sum
+// over the row, whose rounding a tolerance may allow for.
+torch::Tensor row_scale(const torch::Tensor& v, int64_t n) {
+  const auto rows = v.reshape({-1, n});
+  return rows.abs().amax(1, /*keepdim=*/true).expand_as(rows).reshape(v.sizes());
+}
+
 struct LnCase {
   std::vector<int64_t> x_shape;
   std::vector<int64_t> normalized;
   torch::ScalarType dtype;
   bool affine;
+  double eps = 1e-5;  // the default
 };
 
 // The float64 LayerNorm of x's exact values, and its gradients for dy.
@@ -366,12 +394,12 @@ struct LnReference {
 };
 LnReference reference_layer_norm(const torch::Tensor& x, const std::vector<int64_t>& shape,
                                  const torch::Tensor& w, const torch::Tensor& b,
-                                 const torch::Tensor& dy) {
+                                 const torch::Tensor& dy, double eps) {
   auto xd = x.to(torch::kDouble).detach().requires_grad_(true);
   torch::Tensor wd, bd;
   if (w.defined()) wd = w.to(torch::kDouble).detach().requires_grad_(true);
   if (b.defined()) bd = b.to(torch::kDouble).detach().requires_grad_(true);
-  auto y = torch::layer_norm(xd, shape, wd, bd, 1e-5);
+  auto y = torch::layer_norm(xd, shape, wd, bd, eps);
   y.backward(dy.to(torch::kDouble));
   return {y.detach(), xd.grad(), wd.defined() ? wd.grad() : torch::Tensor(),
           bd.defined() ? bd.grad() : torch::Tensor()};
@@ -380,37 +408,51 @@ LnReference reference_layer_norm(const torch::Tensor& x, const std::vector<int64
 }  // namespace
 
 // Forward and all gradients against float64: y and dx within one ulp of the
-// 16-bit format (plus what float32 statistics add), dweight and dbias within
-// float32 rounding of sums over the rows. Shapes with a vector tail, several
-// normalized dims, no affine parameters; bf16 and fp16.
+// 16-bit format (plus what float32 statistics add, relative to the row's
+// largest dx), dweight and dbias within float32 rounding of sums over the
+// rows. Shapes with a vector tail, several normalized dims, no affine
+// parameters; bf16 and fp16; the default eps and others; every fifth row
+// random and the others at or below eps in variance (flat_values).
 TEST(MixedLayerNormTest, ForwardAndGradientsMatchFloat64WithinOneUlp) {
   const std::vector<LnCase> cases = {{{4, 7, 256}, {256}, torch::kBFloat16, true},
                                      {{3, 37}, {37}, torch::kBFloat16, true},
                                      {{2, 3, 4, 5}, {4, 5}, torch::kBFloat16, true},
                                      {{5, 48}, {48}, torch::kBFloat16, false},
-                                     {{6, 64}, {64}, torch::kHalf, true}};
+                                     {{6, 64}, {64}, torch::kHalf, true},
+                                     {{10, 40}, {40}, torch::kBFloat16, true, 1e-3},
+                                     {{5, 2, 24}, {24}, torch::kHalf, false, 1e-6},
+                                     {{2, 5, 3, 7}, {3, 7}, torch::kHalf, true, 1e-2}};
   for (const auto& c : cases) {
-    SCOPED_TRACE(::testing::PrintToString(c.x_shape) + " " + std::string(c10::toString(c.dtype)));
+    SCOPED_TRACE(::testing::PrintToString(c.x_shape) + " " + std::string(c10::toString(c.dtype)) +
+                 " eps " + std::to_string(c.eps));
     torch::manual_seed(11);
-    const auto x = (torch::randn(c.x_shape) * 3 + 1.5).to(c.dtype).requires_grad_(true);
+    auto x0 = torch::randn(c.x_shape) * 3 + 1.5;
+    int64_t n = 1;
+    for (const int64_t d : c.normalized) n *= d;
+    const auto rows = x0.view({-1, n});
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      if (r % kFlatKinds != 0) rows[r].copy_(flat_values(r % kFlatKinds, {n}, c.eps));
+    }
+    const auto x = x0.to(c.dtype).requires_grad_(true);
     torch::Tensor w, b;
     if (c.affine) {
       w = (torch::randn(c.normalized) * 0.5 + 1).requires_grad_(true);
       b = (torch::randn(c.normalized) * 0.1).requires_grad_(true);
     }
     ASSERT_TRUE(ampx::mixed_layer_norm_is_fused(x, c.normalized, w, b));
-    const auto y = ampx::mixed_layer_norm(x, c.normalized, w, b);
+    // The default eps as a caller gets it: by leaving it out.
+    const auto y = c.eps == 1e-5 ? ampx::mixed_layer_norm(x, c.normalized, w, b)
+                                 : ampx::mixed_layer_norm(x, c.normalized, w, b, c.eps);
     ASSERT_EQ(y.scalar_type(), c.dtype);
     const auto dy = torch::randn(c.x_shape).to(c.dtype);
     y.backward(dy);
     ASSERT_EQ(x.grad().scalar_type(), c.dtype);
-    const auto ref = reference_layer_norm(x.detach(), c.normalized, w, b, dy);
+    const auto ref = reference_layer_norm(x.detach(), c.normalized, w, b, dy, c.eps);
     const auto y_err = (y.to(torch::kDouble) - ref.y).abs();
     EXPECT_TRUE((y_err <= ulp(ref.y, c.dtype) + 1e-6).all().item<bool>())
         << "y off by up to " << (y_err / ulp(ref.y, c.dtype)).max().item<double>() << " ulp";
     const auto dx_err = (x.grad().to(torch::kDouble) - ref.dx).abs();
-    const double dx_scale = ref.dx.abs().max().item<double>();
-    EXPECT_TRUE((dx_err <= ulp(ref.dx, c.dtype) + 1e-5 * dx_scale).all().item<bool>())
+    EXPECT_TRUE((dx_err <= ulp(ref.dx, c.dtype) + 1e-5 * row_scale(ref.dx, n)).all().item<bool>())
         << "dx off by up to " << (dx_err / ulp(ref.dx, c.dtype)).max().item<double>() << " ulp";
     if (c.affine) {
       ASSERT_EQ(w.grad().scalar_type(), torch::kFloat);
@@ -492,46 +534,63 @@ TEST(MixedLayerNormTest, O2NormsRunTheFusedKernel) {
 
 // Training and evaluation, forward and gradients, against float64 batch norm
 // of the same values; the running statistics as ATen's float32 batch norm
-// updates them (momentum, unbiased variance).
+// updates them (momentum, unbiased variance). The default eps and another;
+// channel 0 random, channels 1 to 4 at or below eps in variance
+// (flat_values), and in evaluation their running variances 0, eps / 10, eps
+// and 0.
 TEST(MixedBatchNormTest, MatchesFloat64AndUpdatesRunningStatisticsAsAtenDoes) {
-  for (const bool training : {true, false}) {
-    for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
-      SCOPED_TRACE(std::string(training ? "training " : "eval ") + c10::toString(dtype));
-      torch::manual_seed(21);
-      const auto x = (torch::randn({6, 5, 7, 9}) * 2 + 0.5).to(dtype).requires_grad_(true);
-      const auto w = (torch::randn({5}) * 0.3 + 1).requires_grad_(true);
-      const auto b = (torch::randn({5}) * 0.2).requires_grad_(true);
-      const auto rm0 = torch::randn({5}) * 0.1, rv0 = torch::rand({5}) + 0.5;
-      auto rm = rm0.clone(), rv = rv0.clone();
-      ASSERT_TRUE(ampx::mixed_batch_norm_is_fused(x, w, b, rm, rv, training));
-      const auto y = ampx::mixed_batch_norm(x, w, b, rm, rv, training, 0.1, 1e-5);
-      ASSERT_EQ(y.scalar_type(), dtype);
-      const auto dy = torch::randn(x.sizes()).to(dtype);
-      y.backward(dy);
+  for (const double eps : {1e-5, 1e-3}) {
+    for (const bool training : {true, false}) {
+      for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+        SCOPED_TRACE(std::string(training ? "training " : "eval ") + c10::toString(dtype) +
+                     " eps " + std::to_string(eps));
+        torch::manual_seed(21);
+        auto x0 = torch::randn({6, 5, 7, 9}) * 2 + 0.5;
+        for (int c = 1; c < kFlatKinds; ++c) {
+          x0.select(1, c).copy_(flat_values(c, {6, 7, 9}, eps));
+        }
+        const auto x = x0.to(dtype).requires_grad_(true);
+        const auto w = (torch::randn({5}) * 0.3 + 1).requires_grad_(true);
+        const auto b = (torch::randn({5}) * 0.2).requires_grad_(true);
+        const auto rm0 = torch::randn({5}) * 0.1;
+        auto rv0 = torch::rand({5}) + 0.5;
+        rv0.slice(0, 1).copy_(torch::tensor({0.0, eps / 10, eps, 0.0}));
+        auto rm = rm0.clone(), rv = rv0.clone();
+        ASSERT_TRUE(ampx::mixed_batch_norm_is_fused(x, w, b, rm, rv, training));
+        // The default eps as a caller gets it: by leaving it out.
+        const auto y = eps == 1e-5 ? ampx::mixed_batch_norm(x, w, b, rm, rv, training)
+                                   : ampx::mixed_batch_norm(x, w, b, rm, rv, training, 0.1, eps);
+        ASSERT_EQ(y.scalar_type(), dtype);
+        const auto dy = torch::randn(x.sizes()).to(dtype);
+        y.backward(dy);
 
-      auto xd = x.detach().to(torch::kDouble).requires_grad_(true);
-      auto wd = w.detach().to(torch::kDouble).requires_grad_(true);
-      auto bd = b.detach().to(torch::kDouble).requires_grad_(true);
-      auto rmd = rm0.to(torch::kDouble), rvd = rv0.to(torch::kDouble);
-      const auto yd = torch::batch_norm(xd, wd, bd, rmd, rvd, training, 0.1, 1e-5, false);
-      yd.backward(dy.to(torch::kDouble));
-      const auto y_err = (y.to(torch::kDouble) - yd).abs();
-      EXPECT_TRUE((y_err <= ulp(yd, dtype) + 1e-5).all().item<bool>())
-          << "y off by up to " << (y_err / ulp(yd, dtype)).max().item<double>() << " ulp";
-      const auto dx_err = (x.grad().to(torch::kDouble) - xd.grad()).abs();
-      const double dx_scale = xd.grad().abs().max().item<double>();
-      EXPECT_TRUE((dx_err <= ulp(xd.grad(), dtype) + 1e-4 * dx_scale).all().item<bool>())
-          << "dx off by up to " << (dx_err / ulp(xd.grad(), dtype)).max().item<double>() << " ulp";
-      EXPECT_TRUE(torch::allclose(w.grad().to(torch::kDouble), wd.grad(), 1e-5, 1e-3));
-      EXPECT_TRUE(torch::allclose(b.grad().to(torch::kDouble), bd.grad(), 1e-5, 1e-3));
-      // Running statistics: as ATen's float32 batch norm of the same values.
-      auto rm32 = rm0.clone(), rv32 = rv0.clone();
-      (void)torch::batch_norm(x.detach().to(torch::kFloat), w.detach(), b.detach(), rm32, rv32,
-                              training, 0.1, 1e-5, false);
-      EXPECT_TRUE(torch::allclose(rm, rm32, 1e-5, 1e-6)) << rm << rm32;
-      EXPECT_TRUE(torch::allclose(rv, rv32, 1e-5, 1e-6)) << rv << rv32;
-      if (!training) {
-        EXPECT_TRUE(torch::equal(rm, rm0));
+        auto xd = x.detach().to(torch::kDouble).requires_grad_(true);
+        auto wd = w.detach().to(torch::kDouble).requires_grad_(true);
+        auto bd = b.detach().to(torch::kDouble).requires_grad_(true);
+        auto rmd = rm0.to(torch::kDouble), rvd = rv0.to(torch::kDouble);
+        const auto yd = torch::batch_norm(xd, wd, bd, rmd, rvd, training, 0.1, eps, false);
+        yd.backward(dy.to(torch::kDouble));
+        const auto y_err = (y.to(torch::kDouble) - yd).abs();
+        EXPECT_TRUE((y_err <= ulp(yd, dtype) + 1e-5).all().item<bool>())
+            << "y off by up to " << (y_err / ulp(yd, dtype)).max().item<double>() << " ulp";
+        // Float32 rounding relative to the channel's largest dx.
+        const auto dx_err = (x.grad().to(torch::kDouble) - xd.grad()).abs();
+        const auto dx_scale = row_scale(xd.grad().transpose(0, 1).contiguous(), 6 * 7 * 9);
+        EXPECT_TRUE(
+            (dx_err <= ulp(xd.grad(), dtype) + 1e-4 * dx_scale.transpose(0, 1)).all().item<bool>())
+            << "dx off by up to " << (dx_err / ulp(xd.grad(), dtype)).max().item<double>()
+            << " ulp";
+        EXPECT_TRUE(torch::allclose(w.grad().to(torch::kDouble), wd.grad(), 1e-5, 1e-3));
+        EXPECT_TRUE(torch::allclose(b.grad().to(torch::kDouble), bd.grad(), 1e-5, 1e-3));
+        // Running statistics: as ATen's float32 batch norm of the same values.
+        auto rm32 = rm0.clone(), rv32 = rv0.clone();
+        (void)torch::batch_norm(x.detach().to(torch::kFloat), w.detach(), b.detach(), rm32, rv32,
+                                training, 0.1, eps, false);
+        EXPECT_TRUE(torch::allclose(rm, rm32, 1e-5, 1e-6)) << rm << rm32;
+        EXPECT_TRUE(torch::allclose(rv, rv32, 1e-5, 1e-6)) << rv << rv32;
+        if (!training) {
+          EXPECT_TRUE(torch::equal(rm, rm0));
+        }
       }
     }
   }

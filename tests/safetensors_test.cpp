@@ -206,10 +206,21 @@ TEST_F(SafetensorsTest, BadFilesGetAnErrorSayingWhatIsWrong) {
       HasSubstr("outside the 8 bytes of data"));
   EXPECT_THAT(error_of(file_with(ok, eight + "xx")),
               HasSubstr("2 bytes after the last tensor's data belong to no tensor"));
+  // Spaces pad the header (as ampx and the reference writer pad it); anything
+  // else after its object is an error, a second object too.
+  EXPECT_EQ(error_of(file_with(ok + " \t\r\n ", eight)), "");
+  EXPECT_THAT(error_of(file_with(ok + "  x", eight)),
+              HasSubstr("text after the header's object at byte 56"));
+  EXPECT_THAT(error_of(file_with(ok + ok, eight)),
+              HasSubstr("text after the header's object at byte 54"));
   EXPECT_THAT(error_of(file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                                  R"("b":{"dtype":"F32","shape":[2],"data_offsets":[2,10]}})",
                                  eight + "xx")),
               HasSubstr("its tensors' data overlap at byte 2"));
+  EXPECT_THAT(error_of(file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                 R"("b":{"dtype":"F32","shape":[1],"data_offsets":[6,10]}})",
+                                 eight + "xx")),
+              HasSubstr("its tensors' data leave a gap at byte 4"));
   EXPECT_THAT(error_of(file_with(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                                  R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                                  eight)),
@@ -225,6 +236,39 @@ TEST_F(SafetensorsTest, BadFilesGetAnErrorSayingWhatIsWrong) {
   EXPECT_THAT(error_of(file_with(R"({"w\ud800":{}})", eight)),
               HasSubstr("a lone high surrogate at byte 9"));
   EXPECT_THAT(error_of(path("missing")), HasSubstr("cannot open"));
+}
+
+// Each way the header's JSON can be wrong: the fault and the byte of the
+// header where the parser found it.
+TEST_F(SafetensorsTest, BadHeaderTextGetsAnErrorNamingItsByte) {
+  const std::string entry = R"("dtype":"F32","shape":[2],"data_offsets":[0,8])";
+  std::string dims65 = "[1";  // 65 dimensions of size 1
+  for (int k = 0; k < 64; ++k) dims65 += ",1";
+  dims65 += "]";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"w":)", "expected '{' at byte 5"},
+      {R"({"w)", "a string without its closing quote at byte 3"},
+      {"{\"w\\", "a string without its closing quote at byte 4"},
+      {"{\"w\nx\":{}}", "a control character in a string at byte 4"},
+      {R"({"\q":{}})", "an unknown escape \\q at byte 4"},
+      {R"({"\u12)", "a \\u escape cut short at byte 4"},
+      {R"({"\u12g4":{}})", "a \\u escape with a non-hex digit at byte 7"},
+      {R"({"\ud800\u0041":{}})", "a high surrogate without its low one at byte 14"},
+      {R"({"\udc00":{}})", "a lone low surrogate at byte 8"},
+      {R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})",
+       "expected a non-negative integer at byte 29"},
+      {R"({"w":{"dtype":"F32","shape":)" + dims65 + R"(,"data_offsets":[0,8]}})",
+       "more than 64 dimensions at byte 157"},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})",
+       "data_offsets that are not [begin, end] at byte 54"},
+      {R"({"w":{)" + entry + R"(,"dtype":"F32"}})",
+       "an unexpected or repeated key 'dtype' in a tensor entry at byte 61"},
+      {R"({"w":{)" + entry + R"(,"offsets":[0,8]}})",
+       "an unexpected or repeated key 'offsets' in a tensor entry at byte 63"},
+  };
+  for (const auto& [header, want] : cases) {
+    EXPECT_THAT(error_of(file_with(header, std::string(8, '\x01'))), HasSubstr(want)) << header;
+  }
 }
 
 using ampx::fp8::Fp8Format;
@@ -401,6 +445,19 @@ TEST_F(SafetensorsTest, LoadsFp8EntriesIntoAModuleAsTheirValues) {
   EXPECT_TRUE(torch::equal(dst->weight, c.fp8.at("weight").dequantize()));
   EXPECT_TRUE(torch::equal(dst->bias, src->bias));
   EXPECT_FALSE(torch::equal(dst->weight, src->weight));  // on the E4M3 grid now
+
+  // An FP8 entry for an integer tensor of the module (a BatchNorm's
+  // num_batches_tracked) is refused, not truncated into it.
+  torch::nn::BatchNorm1d bn(2);
+  ampx::save_safetensors(*bn, path("bn.safetensors"));
+  auto bn_file = ampx::read_safetensors_contents(path("bn.safetensors"));
+  bn_file.tensors.erase("num_batches_tracked");
+  bn_file.fp8["num_batches_tracked"] =
+      Fp8Tensor{torch::full({}, 0x38, torch::kByte), torch::ones({}), Fp8Format::kE4M3};
+  ampx::save_safetensors(bn_file, path("bn_fp8.safetensors"));
+  EXPECT_THAT(error_in([&] { ampx::load_safetensors(*bn, path("bn_fp8.safetensors")); }),
+              HasSubstr("FP8 tensor 'num_batches_tracked' goes into a floating-point tensor; the "
+                        "module's is Long"));
 }
 
 // ampx::fp8::Linear keeps its master weight in fp32 and its scaling state
