@@ -34,11 +34,6 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
-/// A scope as tables and tics show it.
-std::string shown(const std::string& scope) {
-  return scope.empty() ? "(top level)" : scope;
-}
-
 /// [log2 min non-zero, log2 max] of a record; false when it holds no
 /// non-zero finite value.
 bool log2_range(const debug::RangeRecord& r, double& lo, double& hi) {
@@ -66,7 +61,7 @@ void write_plot(const fs::path& out, const std::string& title, const debug::Rang
     std::ostringstream f;
     f << "# row scope act_log2_lo act_log2_hi grad_log2_lo grad_log2_hi ('?': none)\n";
     for (int i = 0; i < n; ++i) {
-      f << n - 1 - i << " \"" << shown(scopes[i]) << "\"";
+      f << n - 1 - i << " \"" << ampx::debug::scope_label(scopes[i]) << "\"";
       for (auto dir : {debug::Direction::kForward, debug::Direction::kBackward}) {
         double lo = 0, hi = 0;
         if (log2_range(stats.merged(scopes[i], dir), lo, hi)) {
@@ -129,7 +124,7 @@ std::string range_table(const debug::RangeStats& stats) {
   t << "| scope | activations: min non-zero .. max | gradients: min non-zero .. max |\n"
     << "| --- | --- | --- |\n";
   for (const auto& scope : stats.scopes()) {
-    t << "| " << shown(scope) << " | "
+    t << "| " << ampx::debug::scope_label(scope) << " | "
       << range_cell(stats.merged(scope, debug::Direction::kForward)) << " | "
       << range_cell(stats.merged(scope, debug::Direction::kBackward)) << " |\n";
   }

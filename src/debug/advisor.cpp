@@ -1,5 +1,6 @@
 #include "ampx/debug/advisor.h"
 
+#include "ampx/debug/scope.h"
 #include "fraction.h"
 #include "json_writer.h"
 
@@ -26,10 +27,6 @@ std::string percent(double f) {
   std::ostringstream s;
   s << std::setprecision(3) << 100.0 * f << "%";
   return s.str();
-}
-
-std::string scope_name(const std::string& scope) {
-  return scope.empty() ? "(top level)" : scope;
 }
 
 // Values of `r` that fall at or below 2^limit_exp, read from whole histogram
@@ -76,7 +73,7 @@ std::string list_scopes(const std::vector<ScopeFinding>& v, bool with_max) {
   std::ostringstream s;
   const size_t shown = std::min<size_t>(v.size(), 3);
   for (size_t i = 0; i < shown; ++i) {
-    s << (i ? ", " : "") << scope_name(v[i].scope)
+    s << (i ? ", " : "") << scope_label(v[i].scope)
       << (with_max ? " max " + three_digits(v[i].abs_max)
                    : " " + percent(v[i].fraction_to_zero) + " to zero");
   }

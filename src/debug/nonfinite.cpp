@@ -54,7 +54,7 @@ std::string NonFiniteReport::message() const {
   std::ostringstream m;
   m << "non-finite values from " << op << " in " << to_string(direction);
   if (!backward_node.empty()) m << " (" << backward_node << ")";
-  m << ", scope " << (scope.empty() ? std::string("(top level)") : "'" + scope + "'");
+  m << ", scope " << (scope.empty() ? scope_label(scope) : "'" + scope + "'");
   if (step >= 0) m << ", step " << step;
   m << ": output " << output_index << " (" << c10::toString(dtype) << " " << shape_string(shape)
     << ") has " << nan_count << " NaN and " << inf_count << " inf of " << numel

@@ -227,6 +227,10 @@ std::string current_scope() {
   return detail::innermost_scope();
 }
 
+std::string scope_label(const std::string& scope) {
+  return scope.empty() ? "(top level)" : scope;
+}
+
 void set_step(int64_t step) {
   g_step.store(step, std::memory_order_relaxed);
 }

@@ -80,6 +80,10 @@ using ModuleScope [[deprecated("renamed ampx::debug::ModuleScopeGuard")]] = Modu
 /// The innermost open scope of this thread, "" outside any.
 std::string current_scope();
 
+/// A scope as reports and tables show it: `scope`, or "(top level)" for ""
+/// (outside any scope).
+std::string scope_label(const std::string& scope);
+
 /// Sets a process-wide step that NonFiniteGuard reports quote when their
 /// guard was given none.
 /// \deprecated Pass the step to the guard instead: NonFiniteOptions().step(step),
