@@ -3,12 +3,9 @@
 # README.md's usage section as written (its find_package block and its
 # training loop; readme_usage.cmake), so a stale README line fails here.
 include(${CMAKE_CURRENT_LIST_DIR}/readme_usage.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/consumer_steps.cmake)
 file(REMOVE_RECURSE ${WORK_DIR})
-execute_process(COMMAND ${CMAKE_COMMAND} --install ${AMPX_BINARY_DIR} --prefix ${WORK_DIR}/prefix
-  RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "cmake --install failed: ${rc}")
-endif()
+ampx_install_into(${AMPX_BINARY_DIR} ${WORK_DIR}/prefix)
 ampx_write_readme_project(${AMPX_SOURCE_DIR} 0 ${WORK_DIR}/src "")
 # The consumer is built as ampx was: same compiler, build type and flags
 # (sanitizer builds need the runtime their instrumented libampx.a calls).

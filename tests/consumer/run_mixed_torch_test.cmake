@@ -6,12 +6,9 @@
 # must refuse at configure time, saying what to put in CMAKE_PREFIX_PATH
 # (cmake/AmpxOneTorch.cmake). Registered only where both exist.
 include(${CMAKE_CURRENT_LIST_DIR}/readme_usage.cmake)
+include(${CMAKE_CURRENT_LIST_DIR}/consumer_steps.cmake)
 file(REMOVE_RECURSE ${WORK_DIR})
-execute_process(COMMAND ${CMAKE_COMMAND} --install ${AMPX_BINARY_DIR} --prefix ${WORK_DIR}/prefix
-  OUTPUT_QUIET RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "cmake --install failed: ${rc}")
-endif()
+ampx_install_into(${AMPX_BINARY_DIR} ${WORK_DIR}/prefix)
 ampx_write_readme_project(${AMPX_SOURCE_DIR} 0 ${WORK_DIR}/src "")
 string(REPLACE "|" ";" torch_args "${CONSUMER_TORCH_ARGS}")
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/src -B ${WORK_DIR}/build
@@ -20,14 +17,6 @@ execute_process(COMMAND ${CMAKE_COMMAND} -S ${WORK_DIR}/src -B ${WORK_DIR}/build
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 get_filename_component(torch_prefix "${Torch_DIR}/.." ABSOLUTE)
 set(want "another LibTorch is installed in a system folder, and a program would compile against one and link the other. Put ${torch_prefix} in CMAKE_PREFIX_PATH")
-string(REPLACE "\n" " " text "${out} ${err}")
-string(REGEX REPLACE " +" " " text "${text}")
-if(rc EQUAL 0)
-  message(FATAL_ERROR "the consumer configured with the wheel's headers and the system's "
-    "LibTorch; expected ampx to refuse:\n${out}${err}")
-endif()
-string(FIND "${text}" "${want}" at)
-if(at EQUAL -1)
-  message(FATAL_ERROR "configuring failed, but without ampx's message\n  \"${want}\"\n${out}${err}")
-endif()
+ampx_expect_refusal("${rc}" "${out}" "${err}" "${want}"
+  "with the wheel's headers and the system's LibTorch")
 message(STATUS "ampx refused the mixed LibTorch, naming the fix")
