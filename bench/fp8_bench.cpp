@@ -3,6 +3,12 @@
 // forward and backward per iteration, median of the timed iterations:
 //
 //   build/host/bench/ampx_fp8_bench [--device cuda|cpu] [--tokens N] [--iters N]
+//                                   [--profile TRACE.json]
+//
+// --profile: after the timing, three more forward + backward passes of the
+// FP8 block (each layer once) under LibTorch's Kineto profiler, CPU ops and,
+// on CUDA, the GPU's kernels and runtime calls: a Chrome trace for
+// scripts/fp8_profile.py (where an FP8 layer's time goes).
 //
 // On CUDA with LibTorch 2.5+ on Hopper/Ada the FP8 products run on tensor
 // cores (at::_scaled_mm; the JSON says how many did); elsewhere they are the
@@ -11,6 +17,7 @@
 
 #include <ampx/ampx.h>
 
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -18,6 +25,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -51,16 +59,42 @@ double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, 
   return ms[ms.size() / 2];
 }
 
+// `passes` forward + backward passes of every layer of `block` in FP8 under
+// the Kineto profiler, written as a Chrome trace to `path`.
+void profile_block(std::vector<torch::nn::Linear>& block, const std::vector<torch::Tensor>& inputs,
+                   int passes, const torch::Device& device, const std::string& path) {
+  namespace prof = torch::autograd::profiler;
+  namespace impl = torch::profiler::impl;
+  std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
+  if (device.is_cuda()) activities.insert(impl::ActivityType::CUDA);
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO, /*report_input_shapes=*/true);
+  prof::prepareProfiler(config, activities);
+  sync(device);
+  prof::enableProfiler(config, activities);
+  for (int p = 0; p < passes; ++p) {
+    for (size_t s = 0; s < block.size(); ++s) {
+      ampx::AutocastGuard autocast(device.type(), torch::kBFloat16);
+      ampx::fp8::Fp8AutocastGuard region(true);
+      auto y = block[s]->forward(inputs[s]);
+      y.backward(torch::ones_like(y));
+    }
+  }
+  sync(device);
+  prof::disableProfiler()->save(path);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   int64_t tokens = 0;
   int iters = 20;
+  std::string profile;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--device")) device_name = argv[i + 1];
     if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--profile")) profile = argv[i + 1];
   }
   const torch::Device device(device_name == "cuda" ? torch::kCUDA : torch::kCPU);
   if (tokens == 0) tokens = device.is_cuda() ? 8 * 1024 : 512;  // batch 8 x context 1024
@@ -74,6 +108,8 @@ int main(int argc, char** argv) {
               device_name.c_str(), ampx::torch_version(), static_cast<long long>(tokens));
   double total_bf16 = 0, total_fp8 = 0;
   const int64_t calls_before = ampx::fp8::detail::scaled_mm_calls();
+  std::vector<torch::nn::Linear> fp8_block;
+  std::vector<torch::Tensor> fp8_inputs;
   for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); ++s) {
     torch::manual_seed(0);
     torch::nn::Linear bf16(shapes[s].in, shapes[s].out), fp8(shapes[s].in, shapes[s].out);
@@ -87,6 +123,8 @@ int main(int argc, char** argv) {
     const double b = time_linear(fp8, x, true, iters, device);
     total_bf16 += a;
     total_fp8 += b;
+    fp8_block.push_back(fp8);
+    fp8_inputs.push_back(x);
     const double flops = 6.0 * tokens * shapes[s].in * shapes[s].out;  // fwd + 2 bwd products
     std::printf(
         "%s{\"name\": \"%s\", \"bf16_ms\": %.4f, \"fp8_ms\": %.4f, \"speedup\": %.3f, "
@@ -95,5 +133,15 @@ int main(int argc, char** argv) {
   }
   std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld}\n", total_bf16 / total_fp8,
               static_cast<long long>(ampx::fp8::detail::scaled_mm_calls() - calls_before));
+  std::fflush(stdout);
+  if (!profile.empty()) {
+    try {
+      profile_block(fp8_block, fp8_inputs, 3, device, profile);
+    } catch (const c10::Error& e) {  // a LibTorch built without Kineto (Debian's 1.13)
+      std::fprintf(stderr, "ampx_fp8_bench: --profile '%s' failed: %s\n", profile.c_str(),
+                   e.what_without_backtrace());
+      return 1;
+    }
+  }
   return 0;
 }

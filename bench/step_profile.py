@@ -27,9 +27,15 @@ def trace_self_times(path, top=20):
     except (OSError, ValueError):
         return []
     events = trace if isinstance(trace, list) else trace.get("traceEvents", [])
+    return self_times([e for e in events if e.get("ph") == "X"], top)
+
+
+def self_times(events, top=20):
+    """The `top` names with the most self time among complete events (each with ts, dur, pid,
+    tid): an event's time less that of the events nested in it on its thread."""
     by_thread = {}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e and "ts" in e:
+        if "dur" in e and "ts" in e:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     totals = {}  # name: [calls, self us]
     for evs in by_thread.values():

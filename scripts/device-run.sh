@@ -11,15 +11,19 @@
 #          CLI11 (and Gloo's, where the wheel lacks them) from .device/
 #          (scripts/device-call.sh --prepare fills it)
 #   test   every test, the CUDA ones included: OUT/tests.log, OUT/ctest-junit.xml
+#          (none started after $STOP_AT, a time of day, where it is set)
 #   bench  interleaved in rounds: ampx_gpu_bench (matrix-product peaks; ampx's
 #          fused AdamW against PyTorch's _fused_adamw_ plus the bf16 copy and
-#          against a copy), ampx_fp8_bench, then per round and mode ampx-train
-#          and the same model in Python (torch.autocast + GradScaler +
-#          AdamW(fused=True)): GPT-2 small's shape on Moby Dick
+#          against a copy), ampx_fp8_bench (on the GPU with its Kineto
+#          profile, OUT/fp8-profile.json), then per round and mode (fp32; O1
+#          and O2 in fp16 with GradScaler; O2 in bf16) ampx-train and the same
+#          model in Python (torch.autocast + GradScaler + AdamW(fused=True)):
+#          GPT-2 small's shape on Moby Dick
 #   cpu    (not in all) the CPU comparison against the LibTorch of a pip wheel:
 #          ampx-train built against the wheel and the wheel's Python
-#          torch.autocast, gpt and gpt-nn on the CPU (bf16), fp32/O1/O2 against
-#          fp32/autocast-bf16, interleaved, at each thread count of --threads
+#          torch.autocast, gpt and gpt-nn ($CPU_WORKLOADS) on the CPU (bf16),
+#          fp32/O1/O2 against fp32/autocast-bf16 (and torch.compile'd autocast
+#          where CPU_COMPILE=1), interleaved, at each thread count of --threads
 #          (default: 2 and all cores): OUT/cpu-tN/
 #   then   scripts/device_report.py: OUT/summary.md (a section for
 #          docs/PERFORMANCE.md) and OUT/summary.json, naming what was skipped
@@ -105,7 +109,9 @@ data=${AMPX_DATA_DIR:-}
 if [ "$part" = all ] || [ "$part" = test ]; then
   start=$(date +%s)
   status=0
-  (cd "$build" && ctest --output-on-failure -j"$(nproc)" --output-junit "$out/ctest-junit.xml") \
+  # STOP_AT (a time of day, HH:MM:SS): ctest starts no test after it and ends the running ones.
+  (cd "$build" && ctest --output-on-failure -j"$(nproc)" --output-junit "$out/ctest-junit.xml" \
+    ${STOP_AT:+--stop-time "$STOP_AT"}) \
     > "$out/tests.log" 2>&1 || status=$?
   log "tests: exit $status in $(($(date +%s) - start)) s ($(grep -E 'tests passed|tests failed' "$out/tests.log" | tail -n 1))"
 fi
@@ -120,20 +126,25 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   fi
   if [ "$cuda" = 1 ]; then
     device=cuda shape=(--gpt-shape gpt2-small) pyshape=(--block-size 1024 --layers 12 --d-model 768 --heads 12)
-    modes="fp32 O1 O2" pyprecisions="fp32 autocast-fp16 autocast-bf16" dtype=fp16
+    modes="fp32 O1 O2 O2-bf16" pyprecisions="fp32 autocast-fp16 autocast-bf16" half=fp16
   else
     device=cpu shape=(--layers 1 --d-model 32 --heads 2 --block-size 16) pyshape=(--layers 1 --d-model 32 --heads 2 --block-size 16)
-    modes="fp32 O1" pyprecisions="fp32 autocast-bf16" dtype=bf16
+    modes="fp32 O1" pyprecisions="fp32 autocast-bf16" half=bf16
   fi
   batch=(--batch-size "${BATCH:-$([ "$cuda" = 1 ] && echo 16 || echo 4)}")
 
   run_json gpu-bench "$build/bench/ampx_gpu_bench" --out "$out/gpu-bench.json" --iters "$([ "$quick" = 1 ] && echo 3 || echo 20)"
   if [ -x "$build/bench/ampx_fp8_bench" ]; then
-    run_json fp8-bench sh -c "'$build/bench/ampx_fp8_bench' --iters $([ "$quick" = 1 ] && echo 2 || echo 20) > '$out/fp8-bench.json'"
+    profile=""  # the Kineto trace, on the GPU (Debian's LibTorch has no Kineto)
+    [ "$cuda" = 0 ] || profile="--profile '$out/fp8-profile.json'"
+    run_json fp8-bench sh -c "'$build/bench/ampx_fp8_bench' --iters $([ "$quick" = 1 ] && echo 2 || echo 20) \
+      $profile > '$out/fp8-bench.json'"
   fi
   for r in $(seq 1 "$rounds"); do
-    for m in $modes; do
-      run_json "train/ampx-$m-r$r" "$build/apps/ampx-train/ampx-train" --workload gpt --precision "$m" \
+    for m in $modes; do  # a mode's dtype: bf16 where it says so, else $half (fp16: GradScaler)
+      dtype=$half
+      [ "${m%-bf16}" = "$m" ] || dtype=bf16
+      run_json "train/ampx-$m-r$r" "$build/apps/ampx-train/ampx-train" --workload gpt --precision "${m%-bf16}" \
         --dtype "$dtype" --device "$device" "${shape[@]}" "${batch[@]}" --steps "$steps" \
         --data-dir "$data" --out-dir "$out/train/ampx-$m-r$r" --progress none
     done
@@ -155,7 +166,7 @@ if [ "$part" = cpu ]; then
   fi
   for t in $threads; do
     for r in $(seq 1 "$rounds"); do
-      for w in gpt gpt-nn; do
+      for w in ${CPU_WORKLOADS:-gpt gpt-nn}; do
         dir=cpu-t$t/$w
         mkdir -p "$out/$dir"
         for m in fp32 O1 O2; do
@@ -163,9 +174,10 @@ if [ "$part" = cpu ]; then
             --precision "$m" --dtype bf16 --device cpu --threads "$t" --steps "$steps" "${small[@]}" \
             --data-dir "$data" --out-dir "$out/$dir/ampx-$m-r$r" --progress none
         done
-        for p in fp32 autocast-bf16; do
+        for p in fp32 autocast-bf16 ${CPU_COMPILE:+autocast-bf16-compiled}; do
           run_json "$dir/python-$p-r$r" "$PY" bench/python/torch_amp_bench.py --workload "$w" \
-            --precision "$p" --device cpu --threads "$t" --steps "$steps" "${small[@]}" \
+            --precision "${p%-compiled}" $([ "${p%-compiled}" = "$p" ] || echo --compile) \
+            --device cpu --threads "$t" --steps "$steps" "${small[@]}" \
             --data-dir "$data" --json "$out/$dir/python-$p-r$r.json"
         done
       done

@@ -18,7 +18,8 @@ import sys
 import xml.etree.ElementTree as ET
 
 # ampx-train mode -> the Python precision it is compared with (same dtype).
-PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16"}
+PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16",
+         "O1-bf16": "autocast-bf16", "O2-bf16": "autocast-bf16"}
 CPU_PAIRS = {"fp32": "fp32", "O1": "autocast-bf16", "O2": "autocast-bf16", "O3": "autocast-bf16"}
 
 
@@ -30,15 +31,20 @@ def load(path):
         return None
 
 
-def tests_summary(out, skipped):
-    path = os.path.join(out, "ctest-junit.xml")
+def tests_summary(out, skipped, name="ctest-junit.xml"):
+    """The test cases of a JUnit file (ctest's, or a gtest binary's XML)."""
+    path = os.path.join(out, name)
     if not os.path.exists(path):
-        skipped.append("tests: not run in this call (no ctest-junit.xml)")
+        skipped.append(f"tests: not run in this call (no {name})")
         return None
     root = ET.parse(path).getroot()
     cases = list(root.iter("testcase"))
-    failed = [c.get("name") for c in cases if c.find("failure") is not None]
-    skips = [c.get("name") for c in cases
+
+    def label(c):  # gtest's cases name their suite in classname, ctest's repeat the name
+        suite = c.get("classname")
+        return c.get("name") if suite in (None, "", c.get("name")) else f"{suite}.{c.get('name')}"
+    failed = [label(c) for c in cases if c.find("failure") is not None]
+    skips = [label(c) for c in cases
              if c.get("status") == "notrun" or c.find("skipped") is not None]
     return {"tests": len(cases), "failed": failed, "skipped": skips}
 
@@ -158,15 +164,21 @@ def main():
     w(f"## On a GPU: {gpu or 'no GPU (CPU rehearsal)'}\n")
     w(f"PyTorch {torch_version}, CUDA {cuda_version}, ampx {commit}; `scripts/device-run.sh`.\n")
 
-    tests = tests_summary(out, skipped)
-    summary["tests"] = tests
-    if tests:
-        w(f"### Tests\n\n{tests['tests']} tests, {len(tests['failed'])} failed, "
-          f"{len(tests['skipped'])} skipped.\n")
-        for name in tests["failed"]:
-            w(f"- failed: `{name}`")
-        if tests["failed"]:
-            w("")
+    for key, name, title in (
+            ("focus_tests", "focus-tests.xml",
+             "GPU tests and tests that write files (`ampx_tests`, gtest cases)"),
+            ("tests", "ctest-junit.xml", "Tests (ctest)")):
+        if key == "focus_tests" and not os.path.exists(os.path.join(out, name)):
+            continue  # only scripts/device-call.sh runs them
+        tests = tests_summary(out, skipped, name)
+        summary[key] = tests
+        if tests:
+            w(f"### {title}\n\n{tests['tests']} tests, {len(tests['failed'])} failed, "
+              f"{len(tests['skipped'])} skipped.\n")
+            for failed in tests["failed"]:
+                w(f"- failed: `{failed}`")
+            if tests["failed"]:
+                w("")
 
     bench = load(os.path.join(out, "gpu-bench.json"))
     bf16_peak = None
@@ -210,6 +222,13 @@ def main():
         skipped.append("FP8 on tensor cores: no CUDA device (the CPU emulation ran)")
     else:
         skipped.append("ampx_fp8_bench: no output")
+    trace = os.path.join(out, "fp8-profile.json")
+    if fp8 and fp8.get("device") == "cuda" and os.path.exists(trace):
+        import fp8_profile  # beside this script
+        profile = fp8_profile.summarize(trace)
+        summary["fp8_profile"] = profile
+        w("### Where an FP8 block's time goes (`ampx_fp8_bench --profile`, Kineto)\n")
+        fp8_profile.markdown(profile, w)
 
     ampx, python, model, params, _ = training(out, skipped)
     if ampx or python:
