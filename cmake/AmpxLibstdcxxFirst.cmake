@@ -4,13 +4,23 @@
 # lists libtorch before libstdc++ (every CMake program does: the compiler adds
 # libstdc++ last) resolves its own std::filesystem calls to those and crashes
 # in the first one, where the layouts differ (seen with LibTorch 2.11 and
-# GCC 13: every test that made a temporary folder segfaulted). Naming
-# libstdc++ first among the libraries a program needs makes the system's
-# definitions win, for the program and for libtorch alike.
+# GCC 13: every test that made a temporary folder segfaulted). Two link
+# items keep the program's calls off LibTorch's copy:
+#   - a link option, before everything: a shared libstdc++ becomes the first
+#     library the program needs, so its definitions win at run time, for the
+#     program and for libtorch alike, whatever order the libraries come in;
+#   - a link library, right after ampx and before LibTorch: where the
+#     toolchain has libstdc++ only as a static archive (a link option before
+#     the objects pulls nothing from it), the linker takes the functions into
+#     the program before it meets libtorch_cpu.so's exports. (On the GPU
+#     machine's GCC 13 the first item alone left the programs crashing.)
+# tests/link_libstdcxx_first.sh checks the bindings themselves.
 #
 #   include(AmpxLibstdcxxFirst)
-#   ampx_libstdcxx_first(ampx)   # after find_package(Torch): INTERFACE, so
-#                                # every program linking ampx (consumers' too)
+#   add_library(ampx ...)
+#   ampx_libstdcxx_first(ampx)   # after find_package(Torch), before ampx links
+#                                # LibTorch: INTERFACE, so every program
+#                                # linking ampx (consumers' too)
 #
 # Only where the LibTorch found exports such symbols (never Debian's), with
 # GCC on Linux, and not under sanitizers (whose runtime must come first).
@@ -37,5 +47,7 @@ function(ampx_libstdcxx_first target)
                    "libstdc++ first (pytorch/pytorch#133437)")
     target_link_options(${target} INTERFACE
                         "SHELL:-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
+    target_link_libraries(${target} INTERFACE "-Wl,--push-state,--no-as-needed" stdc++
+                          "-Wl,--pop-state")
   endif()
 endfunction()

@@ -830,12 +830,19 @@ TEST(OptimTest, CudaFusedStepMatchesTheCpuKernels) {
         EXPECT_TRUE(torch::equal(cpu[i], gpu[i])) << "tensor " << i;  // step counts
         continue;
       }
-      // The same expressions in the same order: equal, but for the rounding
-      // of LAMB's norms (a tree on the GPU, lanes on the CPU) and the odd
-      // libm difference in a bias correction, which can move a value by an
-      // ulp of its dtype (fp32: master and states; the param's own dtype).
+      // The same expressions in the same order: equal, but for the odd libm
+      // difference in a bias correction, which can move a value by an ulp of
+      // its dtype (fp32: master and states; the param's own dtype), and for
+      // LAMB's norms: fp32 sums of up to 70000 squares in another order (a
+      // 512-thread tree per chunk on the GPU, 8 or 16 lanes on the CPU),
+      // whose trust ratios differ in the sixth digit; over five steps that
+      // moved fp32 masters by 4.8e-7 on 0.49 on the H100 machine's AVX-512
+      // CPU. LAMB's fp32 tensors get 8 times the bound; a wrong term in its
+      // update is off by far more.
+      const bool lamb = std::string(c.optimizer) == "lamb";
       const double ulp = cpu[i].scalar_type() == torch::kBFloat16 ? 0x1p-7
                          : cpu[i].scalar_type() == torch::kHalf   ? 0x1p-10
+                         : lamb                                   ? 0x1p-17
                                                                   : 0x1p-20;
       const auto a = cpu[i].to(torch::kDouble), b = gpu[i].to(torch::kDouble);
       const auto excess = ((a - b).abs() - ulp * a.abs().clamp_min(1e-3)).max().item<double>();

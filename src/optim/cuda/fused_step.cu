@@ -25,9 +25,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 namespace ampx {
 namespace optim {
@@ -84,91 +82,13 @@ struct Narrow {
   }
 };
 
-/// `Narrow` for elements held in registers: element j of the group that
-/// starts at `base` rounds as element base + j of the param.
-template <class T>
-struct NarrowAt {
-  const Narrow<T>& n;
-  int64_t base;
-  __device__ __forceinline__ T operator()(float w, int64_t j) const { return n(w, base + j); }
-};
-
-/// What math::update_element reads and writes, for 4 elements in registers:
-/// each pointer is a local array, or null where the param's is.
-template <class T>
-struct Group {
-  static constexpr int kSize = 4;
-  T param_v[kSize], grad_v[kSize];
-  float master_v[kSize], m_v[kSize], v_v[kSize];
-  void* param;
-  float* master;
-  const void* grad;
-  float* exp_avg;
-  float* exp_avg_sq;
-};
-
-/// Moves `Group<T>::kSize` elements of a T or float array with one vector load or store.
-template <class T>
-__device__ __forceinline__ void copy_group(T* dst, const T* src) {
-  using Vec = typename std::conditional<sizeof(T) == 4, float4, uint2>::type;
-  static_assert(sizeof(Vec) == 4 * sizeof(T), "a group is one vector");
-  *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(src);
-}
-
-__device__ __forceinline__ bool aligned(const void* p, size_t bytes) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
 /// Elements [begin, end) of one param through `op` (math::AdamWOp, ...),
-/// each by the shared math::update_element, as the CPU kernels' tails. Where
-/// every array of the param is aligned to a group (chunks start at multiples
-/// of 64K elements), each thread moves 4 elements per array with one vector
-/// load and store: the same arithmetic on each element, in fewer, wider
-/// memory transactions.
+/// each by the shared math::update_element, as the CPU kernels' tails.
 template <class T, class Op>
 __device__ __forceinline__ void run_span(const TensorArgs& a, int64_t begin, int64_t end, float gm,
                                          const Op& op, uint64_t key) {
-  using O = typename std::decay<Op>::type;
-  constexpr int kG = Group<T>::kSize;
   const Narrow<T> n{a, key};
-  int64_t tail = begin;
-  if (aligned(a.param, kG * sizeof(T)) && aligned(a.grad, kG * sizeof(T)) &&
-      aligned(a.master, kG * sizeof(float)) && aligned(a.exp_avg, kG * sizeof(float)) &&
-      aligned(a.exp_avg_sq, kG * sizeof(float))) {
-    const int64_t groups = (end - begin) / kG;
-    T* param = static_cast<T*>(a.param);
-    const T* grad = static_cast<const T*>(a.grad);
-    for (int64_t k = threadIdx.x; k < groups; k += blockDim.x) {
-      const int64_t i = begin + k * kG;
-      Group<T> g;
-      g.param = g.param_v;
-      g.master = a.master ? g.master_v : nullptr;
-      g.grad = g.grad_v;
-      g.exp_avg = a.exp_avg ? g.m_v : nullptr;
-      g.exp_avg_sq = a.exp_avg_sq ? g.v_v : nullptr;
-      if (O::kGrad) copy_group(g.grad_v, grad + i);
-      if (a.master) {
-        copy_group(g.master_v, a.master + i);
-      } else {
-        copy_group(g.param_v, param + i);
-      }
-      if (O::kM) copy_group(g.m_v, a.exp_avg + i);
-      if (O::kV) copy_group(g.v_v, a.exp_avg_sq + i);
-      const NarrowAt<T> at{n, i};
-#pragma unroll
-      for (int j = 0; j < kG; ++j) math::update_element<T>(g, j, gm, op, at);
-      if (O::kWriteState) {
-        if (O::kM) copy_group(a.exp_avg + i, g.m_v);
-        if (O::kV) copy_group(a.exp_avg_sq + i, g.v_v);
-      }
-      if (O::kWriteW) {
-        if (a.master) copy_group(a.master + i, g.master_v);
-        copy_group(param + i, g.param_v);
-      }
-    }
-    tail = begin + groups * kG;
-  }
-  for (int64_t i = tail + threadIdx.x; i < end; i += blockDim.x) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
     math::update_element<T>(a, i, gm, op, n);
   }
 }
