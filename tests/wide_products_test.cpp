@@ -76,30 +76,46 @@ std::string grad_fn_name(const torch::Tensor& t) {
 
 class WideProductsTest : public ::testing::TestWithParam<torch::ScalarType> {};
 
-TEST_P(WideProductsTest, LinearIsWithinOneRoundingOfFloat64ForwardAndBackward) {
-  torch::manual_seed(1);
-  const auto dtype = GetParam();
-  auto x = random16({3, 5, 96}, dtype), w = random16({40, 96}, dtype), b = random16({40}, dtype);
+// wide_linear on x [batch, rows, k], w [n, k], b [n]: forward and the three
+// gradients each within one rounding of float64.
+void expect_linear_within_one_rounding(torch::ScalarType dtype, int64_t batch, int64_t rows,
+                                       int64_t k, int64_t n) {
+  auto x = random16({batch, rows, k}, dtype), w = random16({n, k}, dtype),
+       b = random16({n}, dtype);
   auto y = ampx::wide_linear(x, w, b);
   ASSERT_EQ(y.scalar_type(), dtype);
-  ASSERT_EQ(y.sizes(), torch::IntArrayRef({3, 5, 40}));
+  ASSERT_EQ(y.sizes(), torch::IntArrayRef({batch, rows, n}));
   const auto x64 = x.detach().to(torch::kDouble), w64 = w.detach().to(torch::kDouble),
              b64 = b.detach().to(torch::kDouble);
   expect_within_one_rounding(y, torch::matmul(x64, w64.t()) + b64,
-                             torch::matmul(x64.abs(), w64.abs().t()) + b64.abs(), 97, "y");
+                             torch::matmul(x64.abs(), w64.abs().t()) + b64.abs(), k + 1, "y");
 
-  const auto g = torch::randn({3, 5, 40}).to(dtype);
+  const auto g = torch::randn({batch, rows, n}).to(dtype);
   y.backward(g);
-  const auto g64 = g.to(torch::kDouble).reshape({-1, 40});
+  const auto g64 = g.to(torch::kDouble).reshape({-1, n});
   ASSERT_EQ(x.grad().scalar_type(), dtype);
   ASSERT_EQ(w.grad().scalar_type(), dtype);
   ASSERT_EQ(b.grad().scalar_type(), dtype);
-  const auto x2 = x64.reshape({-1, 96});
-  expect_within_one_rounding(x.grad(), torch::mm(g64, w64).view({3, 5, 96}),
-                             torch::mm(g64.abs(), w64.abs()).view({3, 5, 96}), 40, "dx");
+  const auto x2 = x64.reshape({-1, k});
+  expect_within_one_rounding(x.grad(), torch::mm(g64, w64).view({batch, rows, k}),
+                             torch::mm(g64.abs(), w64.abs()).view({batch, rows, k}), n, "dx");
   expect_within_one_rounding(w.grad(), torch::mm(g64.t(), x2), torch::mm(g64.abs().t(), x2.abs()),
-                             15, "dweight");
-  expect_within_one_rounding(b.grad(), g64.sum(0), g64.abs().sum(0), 15, "dbias");
+                             batch * rows, "dweight");
+  expect_within_one_rounding(b.grad(), g64.sum(0), g64.abs().sum(0), batch * rows, "dbias");
+}
+
+TEST_P(WideProductsTest, LinearIsWithinOneRoundingOfFloat64ForwardAndBackward) {
+  torch::manual_seed(1);
+  expect_linear_within_one_rounding(GetParam(), 3, 5, 96, 40);
+}
+
+// 2100 rows of k 512 and n 1536 run as four blocks of 512 rows and one of
+// 52 (float32 copies of about 4 MiB a block): every row of the output and
+// of the input's gradient comes from its block, the weight's and bias's
+// gradients are the sums over all five.
+TEST_P(WideProductsTest, LinearOverBlocksOfRowsIsWithinOneRoundingOfFloat64) {
+  torch::manual_seed(11);
+  expect_linear_within_one_rounding(GetParam(), 3, 700, 512, 1536);
 }
 
 TEST_P(WideProductsTest, BiasIsAddedBeforeTheOneRounding) {
