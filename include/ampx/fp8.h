@@ -4,6 +4,8 @@
 /// FP8 (8-bit floating point) training support, after NVIDIA Transformer Engine:
 ///
 /// ```
+///   ampx/fp8/block.h    block-scaled (MX) formats: MXFP8, MXFP6, MXFP4 codes and
+///                       their E8M0 scales by each rule in use (MxTensor)
 ///   ampx/fp8/cast.h     E4M3 / E5M2 codes: quantize, dequantize, round_to_fp8
 ///   ampx/fp8/scaling.h  DelayedScaling and CurrentScaling recipes, the per-role
 ///                       scaling states of a layer (TensorScaling, LinearScaling)
@@ -18,6 +20,7 @@
 /// region and FP8 linear layers.
 
 #include "ampx/fp8/autocast.h"
+#include "ampx/fp8/block.h"
 #include "ampx/fp8/cast.h"
 #include "ampx/fp8/convert.h"
 #include "ampx/fp8/linear.h"
