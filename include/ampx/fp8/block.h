@@ -115,9 +115,9 @@ float scale_value(uint8_t byte);
 struct MxTensor {
   at::Tensor codes;   ///< uint8, the input's shape: one element code a byte
   at::Tensor scales;  ///< uint8 [..., last / block_size]: E8M0 bytes
-  ElementFormat format = ElementFormat::kE4M3;
-  ScaleRule rule = ScaleRule::kFloor;
-  int64_t block_size = 32;
+  ElementFormat format = ElementFormat::kE4M3;  ///< the elements' format
+  ScaleRule rule = ScaleRule::kFloor;           ///< how the scales were chosen
+  int64_t block_size = 32;                      ///< elements a scale covers
 
   /// x (float32, bfloat16 or float16, on the CPU) in blocks of block_size
   /// along its last dimension, which block_size must divide.
