@@ -1,7 +1,7 @@
 #pragma once
 
 // The one table of floating-point formats: every exact constant of float32,
-// float16, bfloat16 and the two FP8 formats, written once and derived from
+// float16, bfloat16, the two FP8 formats and the FP6/FP4 elements, written once and derived from
 // the bit layout where it follows from it, for ampx::debug's limits
 // (debug/formats.cpp) and ampx::fp8's (fp8/cast.cpp). After CUTLASS's
 // float8.h: the constants once, the precision in the type that carries them.
@@ -65,12 +65,23 @@ inline constexpr FloatFormatSpec kFloat16{"float16", 5, 10, 15, 65504.0f, true};
 inline constexpr FloatFormatSpec kBFloat16{"bfloat16", 8, 7, 127, 255.0f * pow2f(120), true};
 inline constexpr FloatFormatSpec kE4M3{"float8_e4m3fn", 4, 3, 7, 448.0f, false};
 inline constexpr FloatFormatSpec kE5M2{"float8_e5m2", 5, 2, 15, 57344.0f, true};
+// The block-scaled formats' FP6 and FP4 elements (OCP MX 1.0): finite only,
+// no NaN, max at the all-ones code.
+inline constexpr FloatFormatSpec kE3M2{"float6_e3m2fn", 3, 2, 3, 28.0f, false};
+inline constexpr FloatFormatSpec kE2M3{"float6_e2m3fn", 2, 3, 1, 7.5f, false};
+inline constexpr FloatFormatSpec kE2M1{"float4_e2m1fn", 2, 1, 1, 6.0f, false};
 
 static_assert(kFloat16.overflow_from() == 65520.0f, "fp16: 65504 + 16 rounds to inf");
 static_assert(kBFloat16.overflow_from() == 511.0f * pow2f(119), "bf16: max + 2^119");
 static_assert(kE4M3.overflow_from() == 464.0f, "e4m3fn: 448 + 16 stays 448 (ties to even)");
 static_assert(kE5M2.overflow_from() == 61440.0f, "e5m2: 57344 + 4096 rounds to inf");
 static_assert(kE4M3.max_bits() == 0x7E && kE5M2.max_bits() == 0x7B, "the codes of +max");
+static_assert(kE3M2.max_bits() == 0x1F && kE2M3.max_bits() == 0x1F && kE2M1.max_bits() == 0x7,
+              "FP6's and FP4's +max: every magnitude bit set");
+static_assert(kE4M3.max_exponent() == 8 && kE5M2.max_exponent() == 15 &&
+                  kE3M2.max_exponent() == 4 && kE2M3.max_exponent() == 2 &&
+                  kE2M1.max_exponent() == 2,
+              "emax_elem of OCP MX 1.0");
 static_assert(kFloat16.max_bits() == 0x7BFF, "fp16's +max");
 static_assert(kE4M3.min_normal() == 0.015625f && kE4M3.min_subnormal() == 0.001953125f,
               "e4m3: 2^-6 and 2^-9");

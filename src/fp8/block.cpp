@@ -5,6 +5,9 @@
 
 #include "ampx/fp8/cast.h"
 
+#include "../float_formats.h"
+#include "element_code.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -20,11 +23,17 @@ namespace {
 constexpr int kScaleBias = 127;
 constexpr uint8_t kScaleNan = 0xFF;
 
-// name, exponent bits, mantissa bits, bias, max, emax_elem, code of +max, bits
+// The constants are the shared table's (src/float_formats.h).
+constexpr ElementLimits element_limits(const char* name, const ampx::detail::FloatFormatSpec& s) {
+  return {name,           s.exponent_bits,   s.mantissa_bits,
+          s.bias,         s.max,             s.max_exponent(),
+          static_cast<uint8_t>(s.max_bits()), 1 + s.exponent_bits + s.mantissa_bits};
+}
+
 constexpr ElementLimits kLimits[] = {
-    {"e4m3", 4, 3, 7, 448.0f, 8, 0x7E, 8},   {"e5m2", 5, 2, 15, 57344.0f, 15, 0x7B, 8},
-    {"e3m2", 3, 2, 3, 28.0f, 4, 0x1F, 6},    {"e2m3", 2, 3, 1, 7.5f, 2, 0x1F, 6},
-    {"e2m1", 2, 1, 1, 6.0f, 2, 0x07, 4},
+    element_limits("e4m3", ampx::detail::kE4M3), element_limits("e5m2", ampx::detail::kE5M2),
+    element_limits("e3m2", ampx::detail::kE3M2), element_limits("e2m3", ampx::detail::kE2M3),
+    element_limits("e2m1", ampx::detail::kE2M1),
 };
 
 bool is_fp8(ElementFormat f) { return f == ElementFormat::kE4M3 || f == ElementFormat::kE5M2; }
@@ -34,39 +43,20 @@ Fp8Format fp8_format(ElementFormat f) {
 }
 
 // FP6 and FP4 (no inf, no NaN): |value| >= max saturates, everything else
-// rounds to nearest even on the format's grid. A subnormal's code is its
-// count of the smallest step, and a normal's (biased exponent, mantissa)
-// read as one integer continues that count, so a carry out of the mantissa
-// lands on the next exponent by itself.
+// rounds to nearest even on the format's grid (element_code.h).
 uint8_t encode_small(float value, const ElementLimits& l) {
   const uint8_t sign = std::signbit(value) ? static_cast<uint8_t>(1u << (l.bits - 1)) : 0;
   const float a = std::fabs(value);
   if (std::isnan(a)) return sign;  // no NaN code: the block's NaN scale carries it
   if (a >= l.max) return sign | l.max_code;
-  if (a == 0.0f) return sign;  // frexp gives zero the exponent 0, not a subnormal's
-  int e = 0;
-  std::frexp(a, &e);  // a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
-  const int emin = 1 - l.bias;  // exponent of the smallest normal
-  const int exponent = std::max(e - 1, emin);
-  const float step = std::ldexp(1.0f, exponent - l.mantissa_bits);
-  const auto q = static_cast<uint32_t>(std::nearbyint(a / step));  // exact quotient, then RNE
-  uint32_t code = q;
-  if (e - 1 >= emin) {
-    code = (static_cast<uint32_t>(exponent - emin) << l.mantissa_bits) + q;
-  }
-  return sign | static_cast<uint8_t>(std::min<uint32_t>(code, l.max_code));
+  return sign | static_cast<uint8_t>(
+                    detail::magnitude_code(std::bit_cast<uint32_t>(a), l.bias, l.mantissa_bits));
 }
 
 float decode_small(uint8_t code, const ElementLimits& l) {
-  const bool negative = (code >> (l.bits - 1)) & 1;
-  const uint32_t magnitude = code & ((1u << (l.bits - 1)) - 1);
-  const uint32_t field = magnitude >> l.mantissa_bits;
-  const uint32_t mantissa = magnitude & ((1u << l.mantissa_bits) - 1);
-  const float value =
-      field == 0 ? std::ldexp(static_cast<float>(mantissa), 1 - l.bias - l.mantissa_bits)
-                 : std::ldexp(static_cast<float>((1u << l.mantissa_bits) + mantissa),
-                              static_cast<int>(field) - l.bias - l.mantissa_bits);
-  return negative ? -value : value;
+  const float value = detail::magnitude_value(code & ((1u << (l.bits - 1)) - 1), l.bias,
+                                              l.mantissa_bits);
+  return (code >> (l.bits - 1)) & 1 ? -value : value;
 }
 
 // The biased exponent field of a float32 (0 for zeros and subnormals, 255

@@ -1,5 +1,6 @@
 #include "ampx/fp8/cast.h"
 #include "../float_formats.h"
+#include "element_code.h"
 #include "../kernels/function_args.h"
 
 #include <ATen/Parallel.h>
@@ -32,39 +33,14 @@ uint32_t bits_of(float f) {
   return u;
 }
 
-// v / 2^shift rounded to nearest, ties to even (v < 2^24, so shift >= 25 gives 0).
-uint32_t shift_round_even(uint32_t v, int shift) {
-  if (shift <= 0) return v << -shift;
-  if (shift > 31) return 0;
-  const uint32_t q = v >> shift;
-  const uint32_t rest = v & ((uint32_t(1) << shift) - 1);
-  const uint32_t half = uint32_t(1) << (shift - 1);
-  return q + ((rest > half || (rest == half && (q & 1))) ? 1 : 0);
-}
-
-// The code of float32 bits `u`: saturate to +-max, round to nearest even.
-// Codes are contiguous in magnitude, so one rounding of the significand to the
-// format's quantum at x's exponent covers subnormals, normals and the carry
-// into the next binade alike.
+// The code of float32 bits `u`: saturate to +-max, round to nearest even
+// (element_code.h), NaN to nan_code.
 uint8_t encode_bits(uint32_t u, const Fp8Limits& f) {
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
   uint32_t a = u & 0x7FFFFFFF;
   if (a > 0x7F800000) return static_cast<uint8_t>(f.nan_code | sign);
   if (a >= bits_of(f.max)) return static_cast<uint8_t>(f.max_code | sign);  // saturation
-  const int biased = static_cast<int>(a >> 23);
-  // x = sig * 2^(e - 23), sig with its hidden bit (float32 subnormals: e = -126)
-  const uint32_t sig = biased ? ((a & 0x7FFFFF) | 0x800000) : (a & 0x7FFFFF);
-  const int e = biased ? biased - 127 : -126;
-  // The quantum (spacing of codes) at x: 2^(max(e, emin) - M).
-  const int emin = 1 - f.bias;
-  const int quantum_exp = (e > emin ? e : emin) - f.mantissa_bits;
-  // The magnitude's code counted in quanta from 0 is sig rounded to that
-  // quantum, plus the codes below x's binade: (e - emin) << M for normals.
-  const uint32_t steps = shift_round_even(sig, quantum_exp - (e - 23));
-  const uint32_t below = e > emin ? static_cast<uint32_t>(e - emin) << f.mantissa_bits : 0;
-  // Normal: steps counts the hidden bit (1 << M) too; that is one binade's
-  // codes, exactly the offset from the subnormals (exponent field 1).
-  return static_cast<uint8_t>((below + steps) | sign);
+  return static_cast<uint8_t>(detail::magnitude_code(a, f.bias, f.mantissa_bits) | sign);
 }
 
 std::array<float, 256> make_decode_table(const Fp8Limits& f) {
@@ -79,11 +55,8 @@ std::array<float, 256> make_decode_table(const Fp8Limits& f) {
     } else if (f.exponent_bits == 5 && exp_field == exp_all_ones) {
       v = mant == 0 ? std::numeric_limits<float>::infinity()
                     : std::numeric_limits<float>::quiet_NaN();
-    } else if (exp_field == 0) {
-      v = std::ldexp(static_cast<float>(mant), 1 - f.bias - f.mantissa_bits);
     } else {
-      v = std::ldexp(static_cast<float>((1 << f.mantissa_bits) + mant),
-                     exp_field - f.bias - f.mantissa_bits);
+      v = detail::magnitude_value(static_cast<uint32_t>(c & 0x7F), f.bias, f.mantissa_bits);
     }
     table[c] = (c & 0x80) ? -v : v;
   }
