@@ -55,6 +55,8 @@ import sys
 
 import torch
 
+import torchao_available
+
 SEED = 39
 THREADS = 2  # the C++ test runs its products on as many
 STEPS = 16
@@ -66,17 +68,7 @@ FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 
 def unavailable():
     """Why this interpreter cannot give the reference, or None."""
-    if not hasattr(torch, "float8_e4m3fn"):
-        return "torch %s has no float8 dtypes" % torch.__version__
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        return "no safetensors package for %s" % sys.executable
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as e:
-        return "no torchao for %s (%s)" % (sys.executable, e)
-    return None
+    return torchao_available.why_not("torchao.float8", ["float8_e4m3fn"], "float8")
 
 
 @contextlib.contextmanager

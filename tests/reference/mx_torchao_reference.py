@@ -28,12 +28,13 @@ Files, in OUT_DIR:
   largest, ties, maxima, inf, NaN), bf16 (a bfloat16 input).
 """
 import json
-import math
 import os
 import struct
 import sys
 
 import torch
+
+import torchao_available
 
 SEED = 43
 BLOCK = 32
@@ -43,17 +44,8 @@ RULES = ("floor", "ceil", "even", "rceil")
 
 def unavailable():
     """Why this interpreter cannot give the reference, or None."""
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "float4_e2m1fn_x2"):
-        return "torch %s has no float8 or float4 dtypes" % torch.__version__
-    try:
-        import safetensors.torch  # noqa: F401
-    except ImportError:
-        return "no safetensors package for %s" % sys.executable
-    try:
-        import torchao.prototype.mx_formats.mx_tensor  # noqa: F401
-    except ImportError as e:
-        return "no torchao mx_formats for %s (%s)" % (sys.executable, e)
-    return None
+    return torchao_available.why_not("torchao.prototype.mx_formats.mx_tensor",
+                                     ["float8_e4m3fn", "float4_e2m1fn_x2"], "float8 or float4")
 
 
 def f32(bits):
