@@ -112,7 +112,7 @@ TEST(BlockScaledTest, ZeroScaleByteIsASubnormalNeverFlushed) {
   auto x = torch::zeros({1, 32});
   x[0][0] = std::ldexp(1.0f, -125);
   x[0][1] = -std::ldexp(1.0f, -126);
-  const auto mx = MxTensor::quantize(x, ElementFormat::kE2M1, ScaleRule::kFloor);
+  const auto mx = BlockTensor::quantize(x, BlockFormat(ElementFormat::kE2M1, ScaleRule::kFloor));
   EXPECT_EQ(mx.scales.item<uint8_t>(), 0);
   EXPECT_EQ(mx.codes[0][0].item<uint8_t>(), 0x6);  // 4.0
   EXPECT_EQ(mx.codes[0][1].item<uint8_t>(), 0xC);  // -2.0
@@ -131,7 +131,7 @@ TEST(BlockScaledTest, ANanBlockIsNanAndOthersAreUntouched) {
   auto x = torch::randn({2, 64});
   x[0][5] = NAN;
   for (const ElementFormat f : kFormats) {
-    const auto mx = MxTensor::quantize(x, f, ScaleRule::kFloor);
+    const auto mx = BlockTensor::quantize(x, BlockFormat(f, ScaleRule::kFloor));
     EXPECT_EQ(mx.scales[0][0].item<uint8_t>(), 0xFF) << to_string(f);
     const auto back = mx.dequantize();
     EXPECT_TRUE(back[0].slice(0, 0, 32).isnan().all().item<bool>()) << to_string(f);
@@ -141,18 +141,35 @@ TEST(BlockScaledTest, ANanBlockIsNanAndOthersAreUntouched) {
 
 TEST(BlockScaledTest, QuantizeAndDequantizeNameWhatIsWrong) {
   const auto error = [](auto fn) { return test::error_text(fn); };
-  EXPECT_THAT(error([] { (void)MxTensor::quantize(torch::ones({4, 30}), ElementFormat::kE4M3,
-                                                  ScaleRule::kFloor); }),
-              HasSubstr("must be a multiple of block_size 32"));
-  EXPECT_THAT(error([] { (void)MxTensor::quantize(torch::ones({4, 32}, torch::kDouble),
-                                                  ElementFormat::kE4M3, ScaleRule::kFloor); }),
+  EXPECT_THAT(error([] {
+                (void)BlockTensor::quantize(torch::ones({4, 32}, torch::kDouble),
+                                            BlockFormat::mxfp8());
+              }),
               HasSubstr("float32, bfloat16 or float16, got Double"));
-  EXPECT_THAT(error([] { (void)MxTensor::quantize(torch::ones({32}), ElementFormat::kE4M3,
-                                                  ScaleRule::kFloor, 0); }),
-              HasSubstr("block_size must be > 0, got 0"));
+  EXPECT_THAT(error([] {
+                (void)BlockTensor::quantize(torch::ones({32}), BlockFormat::mxfp8().block_cols(0));
+              }),
+              HasSubstr("block_rows and block_cols must be >= 1, got 1 x 0"));
+  EXPECT_THAT(error([] {
+                (void)BlockTensor::quantize(torch::ones({2, 32, 32}),
+                                            BlockFormat::mxfp8().block_rows(32));
+              }),
+              HasSubstr("blocks of 32 x 32 take a 2-D tensor, got [2, 32, 32]"));
+  EXPECT_THAT(error([] {
+                (void)BlockTensor::quantize(torch::ones({32}),
+                                            BlockFormat(ElementFormat::kE4M3, ScaleRule::kNvfp4));
+              }),
+              HasSubstr("the nvfp4 rule takes e2m1 elements, got e4m3"));
+  EXPECT_THAT(error([] {
+                (void)BlockTensor::quantize(
+                    torch::ones({32}), BlockFormat(ElementFormat::kE2M1, ScaleRule::kFloat32));
+              }),
+              HasSubstr("float32 block scales take e4m3 or e5m2 elements, got e2m1"));
+  EXPECT_THAT(error([] { (void)scale_byte(1.0f, ElementFormat::kE4M3, ScaleRule::kNvfp4); }),
+              HasSubstr("rule nvfp4 has no E8M0 scale"));
   EXPECT_THAT(error([] { (void)pack_fp4(torch::ones({3}, torch::kByte)); }),
               HasSubstr("even last dimension"));
-  const auto mx = MxTensor::quantize(torch::ones({32}), ElementFormat::kE2M1, ScaleRule::kRceil);
+  const auto mx = BlockTensor::quantize(torch::ones({32}), BlockFormat::mxfp4());
   EXPECT_THAT(error([&] { (void)mx.dequantize(torch::kDouble); }),
               HasSubstr("out_dtype must be float32, bfloat16 or float16, got Double"));
 }
@@ -195,7 +212,7 @@ TEST_F(MxTorchaoTest, ScalesCodesAndValuesAreTorchaosForEveryFormatAndRule) {
       for (const ScaleRule r : kRules) {
         const std::string key = input.get<std::string>() + "." + to_string(f) + "." + to_string(r);
         SCOPED_TRACE(key);
-        const auto mx = MxTensor::quantize(x, f, r);
+        const auto mx = BlockTensor::quantize(x, BlockFormat(f, r));
         const auto& want_scales = ref(key + ".scales");
         ASSERT_TRUE(torch::equal(mx.scales, want_scales))
             << "scale bytes differ at "

@@ -4,8 +4,8 @@
 /// FP8 (8-bit floating point) training support, after NVIDIA Transformer Engine:
 ///
 /// ```
-///   ampx/fp8/block.h    block-scaled (MX) formats: MXFP8, MXFP6, MXFP4 codes and
-///                       their E8M0 scales by each rule in use (MxTensor)
+///   ampx/fp8/block.h    block-scaled formats: MXFP8, MXFP6, MXFP4, NVFP4, FP8 blockwise:
+///                       codes and scales by each rule in use (BlockTensor)
 ///   ampx/fp8/cast.h     E4M3 / E5M2 codes: quantize, dequantize, round_to_fp8
 ///   ampx/fp8/scaling.h  DelayedScaling and CurrentScaling recipes, the per-role
 ///                       scaling states of a layer (TensorScaling, LinearScaling)

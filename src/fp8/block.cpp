@@ -1,5 +1,6 @@
-// Block-scaled formats (ampx/fp8/block.h): element codes, E8M0 scale rules,
-// MxTensor's casts and FP4 packing, on the CPU.
+// Block-scaled formats (ampx/fp8/block.h): element codes, the scale rules
+// (E8M0, NVFP4's E4M3 under a tensor scale, float32), BlockTensor's casts and
+// products, the Hadamard transform and FP4 packing, on the CPU.
 
 #include "ampx/fp8/block.h"
 
@@ -12,9 +13,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <array>
 #include <bit>
+#include <cfloat>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace ampx {
 namespace fp8 {
@@ -82,12 +87,37 @@ std::string to_string(ScaleRule rule) {
     case ScaleRule::kCeil: return "ceil";
     case ScaleRule::kEven: return "even";
     case ScaleRule::kRceil: return "rceil";
+    case ScaleRule::kNvfp4: return "nvfp4";
+    case ScaleRule::kFloat32: return "float32";
+    case ScaleRule::kFloat32Pow2: return "float32-pow2";
   }
   return "?";
 }
 
+bool is_e8m0(ScaleRule rule) {
+  return rule == ScaleRule::kFloor || rule == ScaleRule::kCeil || rule == ScaleRule::kEven ||
+         rule == ScaleRule::kRceil;
+}
+
 uint8_t encode_element(float value, ElementFormat format) {
   return is_fp8(format) ? encode(value, fp8_format(format)) : encode_small(value, limits(format));
+}
+
+uint8_t encode_element_stochastic(float value, ElementFormat format, uint32_t random) {
+  const ElementLimits& l = limits(format);
+  const float a = std::fabs(value);
+  if (std::isnan(a) || a >= l.max) return encode_element(value, format);
+  const uint8_t sign = std::signbit(value) ? static_cast<uint8_t>(1u << (l.bits - 1)) : 0;
+  // The codes are contiguous in magnitude: the lower neighbour is the
+  // nearest code or the one below it.
+  uint8_t lower = encode_element(a, format);
+  if (decode_element(lower, format) > a) --lower;
+  const float low = decode_element(lower, format);
+  if (low == a) return sign | lower;
+  const float high = decode_element(static_cast<uint8_t>(lower + 1), format);
+  const double up = static_cast<double>(a - low) / static_cast<double>(high - low);
+  return sign | static_cast<uint8_t>(static_cast<double>(random) < up * 4294967296.0 ? lower + 1
+                                                                                      : lower);
 }
 
 float decode_element(uint8_t code, ElementFormat format) {
@@ -95,6 +125,8 @@ float decode_element(uint8_t code, ElementFormat format) {
 }
 
 uint8_t scale_byte(float amax, ElementFormat format, ScaleRule rule) {
+  TORCH_CHECK_VALUE(is_e8m0(rule), "ampx::fp8::scale_byte: rule ", to_string(rule),
+                    " has no E8M0 scale (floor, ceil, even or rceil)");
   const ElementLimits& l = limits(format);
   if (std::isnan(amax)) return kScaleNan;
   if (rule == ScaleRule::kRceil) {
@@ -125,83 +157,293 @@ float scale_value(uint8_t byte) {
                    : std::bit_cast<float>(static_cast<uint32_t>(byte) << 23);
 }
 
-MxTensor MxTensor::quantize(const at::Tensor& x, ElementFormat format, ScaleRule rule,
-                            int64_t block_size) {
-  TORCH_CHECK_VALUE(x.defined() && x.device().is_cpu(),
-                    "ampx::fp8::MxTensor::quantize: x must be a CPU tensor, got ",
-                    x.defined() ? x.device().str() : std::string("an undefined tensor"));
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                        x.scalar_type() == at::kHalf,
-                    "ampx::fp8::MxTensor::quantize: x must be float32, bfloat16 or float16, got ",
-                    x.scalar_type());
-  TORCH_CHECK_VALUE(block_size > 0, "ampx::fp8::MxTensor::quantize: block_size must be > 0, got ",
-                    block_size);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % block_size == 0,
-                    "ampx::fp8::MxTensor::quantize: the last dimension of x ", x.sizes(),
-                    " must be a multiple of block_size ", block_size);
-  const at::Tensor values = x.to(at::kFloat).contiguous();
-  auto scale_sizes = x.sizes().vec();
-  scale_sizes.back() /= block_size;
-  MxTensor out;
-  out.codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
-  out.scales = at::empty(scale_sizes, x.options().dtype(at::kByte));
-  out.format = format;
-  out.rule = rule;
-  out.block_size = block_size;
-  const float* v = values.data_ptr<float>();
-  uint8_t* codes = out.codes.data_ptr<uint8_t>();
-  uint8_t* scales = out.scales.data_ptr<uint8_t>();
-  const int64_t blocks = out.scales.numel();
-  at::parallel_for(0, blocks, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float* block = v + b * block_size;
-      float amax = 0.0f;
-      bool nan = false;
-      for (int64_t i = 0; i < block_size; ++i) {
-        const float a = std::fabs(block[i]);
-        nan = nan || std::isnan(a);
-        amax = std::max(amax, a);
+float nvfp4_encode_scale(float global_amax) {
+  // TE's compute_global_encode_scaling_factor_FP4: 448 * 6 / amax, at most
+  // FLT_MAX, 1 where that is 0 (a zero tensor) or the amax is 0.
+  const float s = std::min(448.0f * 6.0f / global_amax, FLT_MAX);
+  return global_amax == 0.0f || s == 0.0f ? 1.0f : s;
+}
+
+BlockFormat BlockFormat::mxfp8(ElementFormat element, ScaleRule rule) {
+  return BlockFormat(element, rule);
+}
+BlockFormat BlockFormat::mxfp6(ElementFormat element, ScaleRule rule) {
+  return BlockFormat(element, rule);
+}
+BlockFormat BlockFormat::mxfp4(ScaleRule rule) { return BlockFormat(ElementFormat::kE2M1, rule); }
+BlockFormat BlockFormat::nvfp4() {
+  return BlockFormat(ElementFormat::kE2M1, ScaleRule::kNvfp4).block_cols(16);
+}
+BlockFormat BlockFormat::fp8_blockwise() {
+  return BlockFormat(ElementFormat::kE4M3, ScaleRule::kFloat32Pow2).block_cols(128);
+}
+
+void BlockFormat::validate() const {
+  TORCH_CHECK_VALUE(block_rows_ >= 1 && block_cols_ >= 1,
+                    "ampx::fp8::BlockFormat: block_rows and block_cols must be >= 1, got ",
+                    block_rows_, " x ", block_cols_);
+  TORCH_CHECK_VALUE(rule_ != ScaleRule::kNvfp4 || element_ == ElementFormat::kE2M1,
+                    "ampx::fp8::BlockFormat: the nvfp4 rule takes e2m1 elements, got ",
+                    fp8::to_string(element_));
+  const bool fp32_scales = rule_ == ScaleRule::kFloat32 || rule_ == ScaleRule::kFloat32Pow2;
+  TORCH_CHECK_VALUE(!fp32_scales || element_ == ElementFormat::kE4M3 ||
+                        element_ == ElementFormat::kE5M2,
+                    "ampx::fp8::BlockFormat: float32 block scales take e4m3 or e5m2 elements, got ",
+                    fp8::to_string(element_));
+  TORCH_CHECK_VALUE(amax_epsilon_ >= 0.0 && std::isfinite(amax_epsilon_),
+                    "ampx::fp8::BlockFormat: amax_epsilon must be finite and >= 0, got ",
+                    amax_epsilon_);
+}
+
+std::string BlockFormat::to_string() const {
+  return fp8::to_string(element_) + "/" + fp8::to_string(rule_) + "/" +
+         std::to_string(block_rows_) + "x" + std::to_string(block_cols_);
+}
+
+namespace {
+
+// The stream's 32 random bits for element `index` (splitmix64's finaliser,
+// twice): a counter-based stream, the same on any number of threads.
+uint64_t mix_bits64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+uint32_t stream_bits(uint64_t seed, uint64_t index) {
+  return static_cast<uint32_t>(mix_bits64(mix_bits64(seed + 0x9E3779B97F4A7C15ull) + index) >> 32);
+}
+
+// Every code's value, for the decoding loops.
+std::array<float, 256> decode_table(ElementFormat format) {
+  std::array<float, 256> t{};
+  const int codes = 1 << limits(format).bits;
+  for (int c = 0; c < 256; ++c) t[c] = c < codes ? decode_element(static_cast<uint8_t>(c), format) : 0;
+  return t;
+}
+
+// A block's decoding scale and what its elements are multiplied by (or, for
+// the E8M0 rules but rceil, divided by) before the cast.
+struct BlockScale {
+  float decode;  // what the codes are multiplied by
+  float encode;  // the elements' factor
+  bool divide;   // x / encode rather than x * encode
+};
+
+BlockScale scale_of_block(float amax, const BlockFormat& f, float s_enc, void* stored) {
+  const ElementLimits& l = limits(f.element());
+  switch (f.rule()) {
+    case ScaleRule::kNvfp4: {
+      // One rounding of block_amax * (S_enc / 6) to E4M3; no lower clamp.
+      const uint8_t byte = encode(amax * (s_enc * (1.0f / 6.0f)), Fp8Format::kE4M3);
+      *static_cast<uint8_t*>(stored) = byte;
+      const float scale = decode(byte, Fp8Format::kE4M3);
+      const float inv = 1.0f / (scale * (1.0f / s_enc));
+      return {scale, std::isnan(inv) ? inv : std::min(inv, FLT_MAX), false};
+    }
+    case ScaleRule::kFloat32:
+    case ScaleRule::kFloat32Pow2: {
+      const float a = std::max(amax, static_cast<float>(f.amax_epsilon()));
+      float scale = std::isnan(amax) ? amax : a == 0.0f ? 1.0f : l.max / a;
+      if (std::isinf(scale)) scale = FLT_MAX;
+      if (f.rule() == ScaleRule::kFloat32Pow2 && std::isfinite(scale) && scale > 0.0f) {
+        int e = 0;
+        std::frexp(scale, &e);  // scale = m 2^e, m in [0.5, 1): down to 2^(e - 1)
+        scale = std::ldexp(1.0f, e - 1);
       }
-      const uint8_t byte = scale_byte(nan ? std::numeric_limits<float>::quiet_NaN() : amax,
-                                      format, rule);
-      scales[b] = byte;
+      const float inv = 1.0f / scale;
+      *static_cast<float*>(stored) = inv;
+      return {inv, scale, false};
+    }
+    default: {
+      const uint8_t byte = scale_byte(amax, f.element(), f.rule());
+      *static_cast<uint8_t*>(stored) = byte;
       // x / 2^s: the same float32 as x * 2^-s (torchao's RCEIL and TE
       // multiply by the reciprocal, its other rules divide); byte 0's 2^-127
       // is a subnormal, divided by as it is.
       const float scale = scale_value(byte);
-      for (int64_t i = 0; i < block_size; ++i) {
-        codes[b * block_size + i] = encode_element(block[i] / scale, format);
+      return {scale, scale, true};
+    }
+  }
+}
+
+void check_block_input(const at::Tensor& x, const BlockFormat& format, const char* what) {
+  TORCH_CHECK_VALUE(x.defined() && x.device().is_cpu(), "ampx::fp8::", what,
+                    ": x must be a CPU tensor, got ",
+                    x.defined() ? x.device().str() : std::string("an undefined tensor"));
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                        x.scalar_type() == at::kHalf,
+                    "ampx::fp8::", what, ": x must be float32, bfloat16 or float16, got ",
+                    x.scalar_type());
+  format.validate();
+  TORCH_CHECK_VALUE(x.dim() >= 1, "ampx::fp8::", what, ": x must have a dimension, got a scalar");
+  TORCH_CHECK_VALUE(format.block_rows() == 1 || x.dim() == 2, "ampx::fp8::", what,
+                    ": blocks of ", format.block_rows(), " x ", format.block_cols(),
+                    " take a 2-D tensor, got ", x.sizes());
+}
+
+int64_t blocks_over(int64_t n, int64_t block) { return (n + block - 1) / block; }
+
+}  // namespace
+
+BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format,
+                                  const c10::optional<StochasticRounding>& stochastic) {
+  check_block_input(x, format, "BlockTensor::quantize");
+  const at::Tensor values = x.to(at::kFloat).contiguous();
+  const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
+  const int64_t br = format.block_rows(), bc = format.block_cols();
+  auto scale_sizes = x.sizes().vec();
+  scale_sizes.back() = blocks_over(cols, bc);
+  if (br > 1) scale_sizes.front() = blocks_over(rows, br);
+  const bool fp32_scales =
+      format.rule() == ScaleRule::kFloat32 || format.rule() == ScaleRule::kFloat32Pow2;
+  BlockTensor out;
+  out.format = format;
+  out.codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
+  out.scales = at::empty(scale_sizes, x.options().dtype(fp32_scales ? at::kFloat : at::kByte));
+  float s_enc = 1.0f;
+  if (format.rule() == ScaleRule::kNvfp4) {
+    out.global_amax = values.numel() ? values.abs().max().item<float>() : 0.0f;  // NaN wins
+    s_enc = nvfp4_encode_scale(out.global_amax);
+  }
+  const float* v = values.data_ptr<float>();
+  uint8_t* codes = out.codes.data_ptr<uint8_t>();
+  char* scales = static_cast<char*>(out.scales.data_ptr());
+  const size_t scale_bytes = out.scales.element_size();
+  const int64_t nbr = blocks_over(rows, br), nbc = blocks_over(cols, bc);
+  const ElementFormat element = format.element();
+  at::parallel_for(0, nbr, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bi = begin; bi < end; ++bi) {
+      const int64_t r0 = bi * br, r1 = std::min(rows, r0 + br);
+      for (int64_t bj = 0; bj < nbc; ++bj) {
+        const int64_t c0 = bj * bc, c1 = std::min(cols, c0 + bc);
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const float a = std::fabs(v[r * cols + c]);
+            nan = nan || std::isnan(a);
+            amax = std::max(amax, a);
+          }
+        }
+        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+        const BlockScale s =
+            scale_of_block(amax, format, s_enc, scales + (bi * nbc + bj) * scale_bytes);
+        for (int64_t r = r0; r < r1; ++r) {
+          for (int64_t c = c0; c < c1; ++c) {
+            const int64_t i = r * cols + c;
+            const float scaled = s.divide ? v[i] / s.encode : v[i] * s.encode;
+            codes[i] = stochastic ? encode_element_stochastic(
+                                        scaled, element,
+                                        stream_bits(stochastic->seed,
+                                                    stochastic->offset + static_cast<uint64_t>(i)))
+                                  : encode_element(scaled, element);
+          }
+        }
       }
     }
   });
   return out;
 }
 
-at::Tensor MxTensor::dequantize(c10::ScalarType out_dtype) const {
-  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
-                        out_dtype == at::kHalf,
-                    "ampx::fp8::MxTensor::dequantize: out_dtype must be float32, bfloat16 or "
-                    "float16, got ",
-                    out_dtype);
+at::Tensor BlockTensor::block_values() const {
+  const bool fp32_scales =
+      format.rule() == ScaleRule::kFloat32 || format.rule() == ScaleRule::kFloat32Pow2;
   TORCH_CHECK_VALUE(codes.defined() && scales.defined() && codes.scalar_type() == at::kByte &&
-                        scales.scalar_type() == at::kByte && codes.device().is_cpu() &&
-                        codes.numel() == scales.numel() * block_size,
-                    "ampx::fp8::MxTensor::dequantize: codes and scales must be uint8 CPU "
-                    "tensors with block_size (", block_size, ") codes per scale");
+                        codes.device().is_cpu() && codes.dim() >= 1 &&
+                        scales.scalar_type() == (fp32_scales ? at::kFloat : at::kByte),
+                    "ampx::fp8::BlockTensor: codes must be uint8 CPU tensors and scales ",
+                    fp32_scales ? "float32" : "uint8", " for ", format.to_string());
+  const int64_t cols = codes.size(-1), rows = cols == 0 ? 0 : codes.numel() / cols;
+  const int64_t br = format.block_rows(), bc = format.block_cols();
+  const int64_t nbr = blocks_over(rows, br), nbc = blocks_over(cols, bc);
+  TORCH_CHECK_VALUE(scales.numel() == nbr * nbc, "ampx::fp8::BlockTensor: ", scales.numel(),
+                    " scales for codes ", codes.sizes(), " in blocks of ", br, " x ", bc,
+                    " (want ", nbr * nbc, ")");
   const at::Tensor c = codes.contiguous(), s = scales.contiguous();
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  const std::array<float, 256> table = decode_table(format.element());
   const uint8_t* cp = c.data_ptr<uint8_t>();
-  const uint8_t* sp = s.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  const int64_t bs = block_size;
-  const ElementFormat f = format;
-  at::parallel_for(0, s.numel(), 64, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const float scale = scale_value(sp[b]);
-      for (int64_t i = 0; i < bs; ++i) op[b * bs + i] = decode_element(cp[b * bs + i], f) * scale;
+  std::vector<float> block_scale(static_cast<size_t>(nbr * nbc));
+  for (int64_t b = 0; b < nbr * nbc; ++b) {
+    if (fp32_scales) {
+      block_scale[b] = s.data_ptr<float>()[b];
+    } else {
+      const uint8_t byte = s.data_ptr<uint8_t>()[b];
+      block_scale[b] = format.rule() == ScaleRule::kNvfp4 ? decode(byte, Fp8Format::kE4M3)
+                                                          : scale_value(byte);
+    }
+  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row_scales = block_scale.data() + (r / br) * nbc;
+      for (int64_t col = 0; col < cols; ++col) {
+        op[r * cols + col] = table[cp[r * cols + col]] * row_scales[col / bc];
+      }
     }
   });
-  return out.to(out_dtype);
+  return out;
+}
+
+float BlockTensor::tensor_scale() const {
+  return format.rule() == ScaleRule::kNvfp4 ? global_amax / (6.0f * 448.0f) : 1.0f;
+}
+
+at::Tensor BlockTensor::dequantize(c10::ScalarType out_dtype) const {
+  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
+                        out_dtype == at::kHalf,
+                    "ampx::fp8::BlockTensor::dequantize: out_dtype must be float32, bfloat16 or "
+                    "float16, got ",
+                    out_dtype);
+  at::Tensor values = block_values();
+  if (format.rule() == ScaleRule::kNvfp4) values.mul_(tensor_scale());
+  return values.to(out_dtype);
+}
+
+BlockTensor BlockTensor::transposed() const {
+  TORCH_CHECK_VALUE(codes.dim() == 2 && format.block_rows() > 1,
+                    "ampx::fp8::BlockTensor::transposed: takes a 2-D tensor in 2-D blocks, got ",
+                    codes.sizes(), " in blocks of ", format.block_rows(), " x ",
+                    format.block_cols());
+  BlockTensor t = *this;
+  t.codes = codes.t().contiguous();
+  t.scales = scales.t().contiguous();
+  t.format.block_rows(format.block_cols()).block_cols(format.block_rows());
+  return t;
+}
+
+at::Tensor block_scaled_mm(const BlockTensor& a, const BlockTensor& b) {
+  TORCH_CHECK_VALUE(a.codes.dim() == 2 && b.codes.dim() == 2 && a.codes.size(1) == b.codes.size(1),
+                    "ampx::fp8::block_scaled_mm: a [M, K] and b [N, K], got ", a.codes.sizes(),
+                    " and ", b.codes.sizes());
+  at::Tensor y = at::mm(a.block_values(), b.block_values().t());
+  if (a.format.rule() == ScaleRule::kNvfp4 && b.format.rule() == ScaleRule::kNvfp4) {
+    // TE's alpha: amax_A * amax_B / (6 * 6 * 448 * 448), in float32.
+    const float alpha = a.global_amax * b.global_amax * (1.0f / (6.0f * 6.0f * 448.0f * 448.0f));
+    y.mul_(alpha);
+  } else if (a.tensor_scale() != 1.0f || b.tensor_scale() != 1.0f) {
+    y.mul_(a.tensor_scale() * b.tensor_scale());
+  }
+  return y;
+}
+
+at::Tensor hadamard16(const at::Tensor& x, bool inverse) {
+  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1 && x.size(-1) % 16 == 0,
+                    "ampx::fp8::hadamard16: the last dimension must be a multiple of 16, got ",
+                    x.defined() ? x.sizes() : at::IntArrayRef{});
+  // TE's get_wgrad_sign_vector (torchao's DEFAULT_SIGN_VECTOR).
+  static const float kSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
+  at::Tensor h = at::empty({16, 16}, at::kFloat);
+  auto ha = h.accessor<float, 2>();
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      // Sylvester: H16[i][j] = (-1)^popcount(i & j); H = S H16 / 4.
+      ha[i][j] = kSigns[i] * (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -0.25f : 0.25f);
+    }
+  }
+  const at::Tensor tiles = x.to(at::kFloat).reshape({-1, 16});
+  h = h.to(x.device());
+  return at::mm(tiles, inverse ? h.t() : h).view(x.sizes());
 }
 
 at::Tensor pack_fp4(const at::Tensor& codes) {

@@ -153,7 +153,7 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
     const at::Tensor& w = linear->weight;
     TORCH_CHECK(!lookup(w), "ampx::fp8::convert_linears: '", item.key(),
                 "' is already an FP8 layer");
-    auto scaling = std::make_shared<LinearScaling>(options.recipe(), w.device());
+    auto scaling = std::make_shared<LinearScaling>(options.recipe(), w.device(), w);
     scaling->register_buffers(*linear, "fp8_");
     {
       auto& r = converted_registry();

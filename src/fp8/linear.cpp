@@ -1,5 +1,6 @@
 #include "ampx/fp8/linear.h"
 #include "autocast_internal.h"
+#include "block_internal.h"
 #include "linear_internal.h"
 
 #include "../kernels/function_args.h"
@@ -174,7 +175,7 @@ void LinearImpl::reset() {
     const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
     torch::nn::init::uniform_(bias, -bound, bound);
   }
-  scaling_ = std::make_shared<LinearScaling>(options.recipe(), weight.device());
+  scaling_ = std::make_shared<LinearScaling>(options.recipe(), weight.device(), weight);
   // The states' tensors are the module's buffers (updated in place), so that
   // checkpoints and .to(device) carry them.
   scaling_->register_buffers(*this, "");
@@ -186,6 +187,24 @@ at::Tensor LinearImpl::forward(const at::Tensor& x) {
               "ampx::fp8::Linear: input must be floating with last dimension ",
               options.in_features(), ", got ", x.scalar_type(), " ", x.sizes());
   return detail::fp8_linear(x, weight, bias, scaling_, options.output_dtype());
+}
+
+namespace {
+TensorScaling& tensor_role(const std::shared_ptr<TensorScaling>& role, const Recipe& recipe) {
+  TORCH_CHECK(role, "ampx::fp8::Linear: ", recipe.to_string(),
+              " scales blocks: the layer has no delayed-scaling states");
+  return *role;
+}
+}  // namespace
+
+DelayedScalingState& LinearImpl::input_state() {
+  return tensor_role(scaling_->input, scaling_->recipe).delayed_state();
+}
+DelayedScalingState& LinearImpl::weight_state() {
+  return tensor_role(scaling_->weight, scaling_->recipe).delayed_state();
+}
+DelayedScalingState& LinearImpl::grad_output_state() {
+  return tensor_role(scaling_->grad_output, scaling_->recipe).delayed_state();
 }
 
 namespace detail {
@@ -200,6 +219,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   TORCH_CHECK(x.is_floating_point() && x.dim() >= 1 && x.size(-1) == weight.size(1),
               "ampx::fp8: the input of an FP8 linear must be floating with last dimension ",
               weight.size(1), ", got ", x.scalar_type(), " ", x.sizes());
+  if (scaling->recipe.is_block()) {
+    return block_linear(x, weight, bias, scaling, output_dtype_for(x, output_dtype));
+  }
   // Inference (no grad) casts with the current scales and leaves them be.
   const bool record = at::GradMode::is_enabled();
   return Fp8LinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias), scaling,

@@ -1,5 +1,6 @@
 #include "ampx/fp8/scaling.h"
 #include "autocast_internal.h"
+#include "block_internal.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
@@ -187,38 +188,74 @@ CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe
   return {{quantize(x, format, scale), scale_inv, format}, scale};
 }
 
-Recipe::Recipe(const DelayedScaling& delayed) : delayed_(true), delayed_options_(delayed) {}
-Recipe::Recipe(const CurrentScaling& current) : delayed_(false), current_options_(current) {}
+Recipe::Recipe(const DelayedScaling& delayed)
+    : kind_(Kind::kDelayed), delayed_options_(delayed) {}
+Recipe::Recipe(const CurrentScaling& current) : kind_(Kind::kCurrent), current_options_(current) {}
+Recipe::Recipe(const MXFP8BlockScaling& mxfp8) : kind_(Kind::kMxfp8), mxfp8_options_(mxfp8) {}
+Recipe::Recipe(const NVFP4BlockScaling& nvfp4) : kind_(Kind::kNvfp4), nvfp4_options_(nvfp4) {}
+Recipe::Recipe(const Float8BlockScaling& block)
+    : kind_(Kind::kFloat8Block), float8_block_options_(block) {}
 
 const DelayedScaling& Recipe::delayed() const {
-  TORCH_CHECK(delayed_, "ampx::fp8::Recipe: ", to_string(), " is not a delayed-scaling recipe");
+  TORCH_CHECK(kind_ == Kind::kDelayed, "ampx::fp8::Recipe: ", to_string(),
+              " is not a delayed-scaling recipe");
   return delayed_options_;
 }
 
 const CurrentScaling& Recipe::current() const {
-  TORCH_CHECK(!delayed_, "ampx::fp8::Recipe: ", to_string(), " is not a current-scaling recipe");
+  TORCH_CHECK(kind_ == Kind::kCurrent, "ampx::fp8::Recipe: ", to_string(),
+              " is not a current-scaling recipe");
   return current_options_;
 }
 
+const MXFP8BlockScaling& Recipe::mxfp8() const {
+  TORCH_CHECK(kind_ == Kind::kMxfp8, "ampx::fp8::Recipe: ", to_string(), " is not MXFP8");
+  return mxfp8_options_;
+}
+
+const NVFP4BlockScaling& Recipe::nvfp4() const {
+  TORCH_CHECK(kind_ == Kind::kNvfp4, "ampx::fp8::Recipe: ", to_string(), " is not NVFP4");
+  return nvfp4_options_;
+}
+
+const Float8BlockScaling& Recipe::float8_block() const {
+  TORCH_CHECK(kind_ == Kind::kFloat8Block, "ampx::fp8::Recipe: ", to_string(),
+              " is not FP8 block scaling");
+  return float8_block_options_;
+}
+
 RecipeFormat Recipe::fp8_format() const {
-  return delayed_ ? delayed_options_.fp8_format() : current_options_.fp8_format();
+  switch (kind_) {
+    case Kind::kDelayed: return delayed_options_.fp8_format();
+    case Kind::kCurrent: return current_options_.fp8_format();
+    case Kind::kMxfp8: return mxfp8_options_.fp8_format();
+    case Kind::kFloat8Block: return RecipeFormat::kE4M3;
+    case Kind::kNvfp4: break;
+  }
+  TORCH_CHECK(false, "ampx::fp8::Recipe: ", to_string(), " has no FP8 format (E2M1 elements)");
 }
 
 void Recipe::validate() const {
-  if (delayed_) {
-    delayed_options_.validate();
-  } else {
-    current_options_.validate();
+  switch (kind_) {
+    case Kind::kDelayed: delayed_options_.validate(); break;
+    case Kind::kCurrent: current_options_.validate(); break;
+    case Kind::kMxfp8: mxfp8_options_.validate(); break;
+    case Kind::kNvfp4: nvfp4_options_.validate(); break;
+    case Kind::kFloat8Block: float8_block_options_.validate(); break;
   }
 }
 
 std::string Recipe::to_string() const {
-  const RecipeFormat f = fp8_format();
-  const char* format = f == RecipeFormat::kHybrid ? "hybrid"
-                       : f == RecipeFormat::kE4M3 ? "e4m3"
-                                                  : "e5m2";
+  switch (kind_) {
+    case Kind::kMxfp8: return mxfp8_options_.to_string();
+    case Kind::kNvfp4: return nvfp4_options_.to_string();
+    case Kind::kFloat8Block: return float8_block_options_.to_string();
+    case Kind::kDelayed:
+    case Kind::kCurrent: break;
+  }
+  const char* format = detail::recipe_format_name(fp8_format());
   std::ostringstream s;
-  if (delayed_) {
+  if (kind_ == Kind::kDelayed) {
     s << "delayed(" << format << ", history " << delayed_options_.amax_history_len() << ", "
       << (delayed_options_.amax_compute_algo() == AmaxComputeAlgo::kMax ? "max" : "most_recent")
       << ", margin " << delayed_options_.margin() << ")";
@@ -233,8 +270,16 @@ std::string Recipe::to_string() const {
 
 // ---- TensorScaling -------------------------------------------------------------
 
+namespace {
+const Recipe& tensorwise(const Recipe& recipe) {
+  TORCH_CHECK_VALUE(!recipe.is_block(), "ampx::fp8::TensorScaling: ", recipe.to_string(),
+                    " scales blocks, not whole tensors: it has no tensor roles");
+  return recipe;
+}
+}  // namespace
+
 TensorScaling::TensorScaling(const Recipe& recipe, Direction pass, c10::Device device)
-    : recipe_(recipe), format_(format_for(recipe.fp8_format(), pass)) {
+    : recipe_(tensorwise(recipe)), format_(format_for(recipe.fp8_format(), pass)) {
   recipe_.validate();
   const auto options = at::TensorOptions().dtype(at::kFloat).device(device);
   last_amax_ = at::zeros({1}, options);
@@ -311,13 +356,22 @@ void TensorScaling::record(const at::Tensor& amax) {
   if (delayed_) delayed_->update(last_amax_);
 }
 
-LinearScaling::LinearScaling(const Recipe& recipe_, c10::Device device)
-    : recipe(recipe_),
-      input(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
-      weight(std::make_shared<TensorScaling>(recipe_, Direction::kForward, device)),
-      grad_output(std::make_shared<TensorScaling>(recipe_, Direction::kBackward, device)) {}
+LinearScaling::LinearScaling(const Recipe& recipe_, c10::Device device, const at::Tensor& weight_)
+    : recipe(recipe_) {
+  recipe.validate();
+  if (!recipe.is_block()) {
+    input = std::make_shared<TensorScaling>(recipe, Direction::kForward, device);
+    weight = std::make_shared<TensorScaling>(recipe, Direction::kForward, device);
+    grad_output = std::make_shared<TensorScaling>(recipe, Direction::kBackward, device);
+  } else if (recipe.kind() == Recipe::Kind::kNvfp4 && recipe.nvfp4().stochastic_rounding()) {
+    rounding = at::zeros({2}, at::TensorOptions().dtype(at::kLong).device(device));
+    rounding[0] = detail::rounding_stream(recipe.nvfp4().seed(), weight_);
+  }
+}
 
 void LinearScaling::register_buffers(torch::nn::Module& module, const std::string& prefix) const {
+  if (rounding.defined()) module.register_buffer(prefix + "rounding", rounding);
+  if (recipe.is_block()) return;
   const TensorScaling* roles[] = {input.get(), weight.get(), grad_output.get()};
   for (int i = 0; i < 3; ++i) {
     for (const auto& [suffix, tensor] : roles[i]->state_tensors()) {

@@ -48,6 +48,15 @@ enum class Fp8Format {
   kE5M2,  ///< 5 exponent bits, 2 mantissa bits, has inf, max 57344
 };
 
+/// TE's `recipe.Format`: which element format each pass of a recipe uses
+/// (ampx/fp8/scaling.h, ampx/fp8/block_recipe.h).
+enum class RecipeFormat {
+  kE4M3,    ///< E4M3 in both passes
+  kHybrid,  ///< E4M3 forward (inputs, weights), E5M2 backward (gradients)
+  kE5M2,    ///< E5M2 in both: refused by the recipes, as TE refuses it
+};
+
+
 /// The exact constants of a format.
 struct Fp8Limits {
   const char* name;     ///< "e4m3" or "e5m2"

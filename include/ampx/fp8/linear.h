@@ -67,8 +67,8 @@ struct LinearOptions {
   TORCH_ARG(int64_t, out_features);
   /// Whether the layer adds a learned bias.
   TORCH_ARG(bool, bias) = true;
-  /// The scaling recipe of the three roles: DelayedScaling (default, TE's
-  /// defaults) or CurrentScaling.
+  /// The scaling recipe: DelayedScaling (default, TE's defaults),
+  /// CurrentScaling, or a block-scaled one (ampx/fp8/block_recipe.h).
   TORCH_ARG(Recipe, recipe) = Recipe();
   /// Output dtype in a region; unset: the autocast dtype of the input's device
   /// when autocast is on there, else bfloat16.
@@ -98,12 +98,12 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 
   /// The scaling of the three roles (input, weight, output gradient).
   LinearScaling& scaling() { return *scaling_; }
-  /// The delayed-scaling states (throw c10::Error under current scaling).
-  DelayedScalingState& input_state() { return scaling_->input->delayed_state(); }
+  /// The delayed-scaling states (throw c10::Error under another recipe).
+  DelayedScalingState& input_state();
   /// The weight's delayed-scaling state (as input_state()).
-  DelayedScalingState& weight_state() { return scaling_->weight->delayed_state(); }
+  DelayedScalingState& weight_state();
   /// The output gradient's delayed-scaling state (as input_state()).
-  DelayedScalingState& grad_output_state() { return scaling_->grad_output->delayed_state(); }
+  DelayedScalingState& grad_output_state();
 
  private:
   friend std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module);

@@ -37,6 +37,7 @@
 /// keeps per role (input, weight, output gradient) under either recipe.
 
 #include "ampx/direction.h"
+#include "ampx/fp8/block_recipe.h"
 #include "ampx/fp8/cast.h"
 
 #include <ATen/core/Tensor.h>
@@ -65,13 +66,6 @@ class ProcessGroup;
 }  // namespace dist
 
 namespace fp8 {
-
-/// TE's `recipe.Format`: which element format each pass uses.
-enum class RecipeFormat {
-  kE4M3,    ///< E4M3 in both passes
-  kHybrid,  ///< E4M3 forward (inputs, weights), E5M2 backward (gradients)
-  kE5M2,    ///< E5M2 in both: refused by the recipes, as TE refuses it
-};
 
 /// Forward tensors (activations, weights) or backward ones (gradients): the
 /// library's one enum for it, ampx::Direction (ampx/direction.h).
@@ -182,33 +176,61 @@ struct CurrentScaled : Fp8Tensor {
 [[nodiscard]] CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe,
                                              Direction pass);
 
-/// One of the two recipes, as a layer takes it: converts implicitly from
-/// either, so `LinearOptions(768, 768).recipe(CurrentScaling())` works.
+/// One of the recipes, as a layer takes it: converts implicitly from each,
+/// so `LinearOptions(768, 768).recipe(CurrentScaling())` works. Delayed and
+/// current scaling scale whole tensors (the roles below); the block-scaled
+/// recipes (ampx/fp8/block_recipe.h) scale blocks.
 class Recipe {
  public:
+  /// Which recipe a Recipe holds.
+  enum class Kind { kDelayed, kCurrent, kMxfp8, kNvfp4, kFloat8Block };
+
   Recipe() = default;  ///< DelayedScaling's defaults
   /// Delayed scaling with `delayed`'s options.
   Recipe(const DelayedScaling& delayed);  // NOLINT(google-explicit-constructor)
   /// Current scaling with `current`'s options.
   Recipe(const CurrentScaling& current);  // NOLINT(google-explicit-constructor)
+  /// MXFP8 block scaling with `mxfp8`'s options.
+  Recipe(const MXFP8BlockScaling& mxfp8);  // NOLINT(google-explicit-constructor)
+  /// NVFP4 block scaling with `nvfp4`'s options.
+  Recipe(const NVFP4BlockScaling& nvfp4);  // NOLINT(google-explicit-constructor)
+  /// FP8 block scaling (1 x 128, 128 x 128) with `block`'s options.
+  Recipe(const Float8BlockScaling& block);  // NOLINT(google-explicit-constructor)
 
-  /// Whether this is delayed scaling (else current scaling).
-  bool is_delayed() const { return delayed_; }
-  /// The delayed-scaling options; throws c10::Error for a current-scaling recipe.
+  /// Which recipe this is.
+  Kind kind() const { return kind_; }
+  /// Whether this is delayed scaling.
+  bool is_delayed() const { return kind_ == Kind::kDelayed; }
+  /// Whether this is one of the block-scaled recipes.
+  bool is_block() const {
+    return kind_ == Kind::kMxfp8 || kind_ == Kind::kNvfp4 || kind_ == Kind::kFloat8Block;
+  }
+  /// The delayed-scaling options; throws c10::Error for another recipe.
   const DelayedScaling& delayed() const;
-  /// The current-scaling options; throws c10::Error for a delayed-scaling recipe.
+  /// The current-scaling options; throws c10::Error for another recipe.
   const CurrentScaling& current() const;
-  /// The fp8_format of whichever recipe this is.
+  /// The MXFP8 options; throws c10::Error for another recipe.
+  const MXFP8BlockScaling& mxfp8() const;
+  /// The NVFP4 options; throws c10::Error for another recipe.
+  const NVFP4BlockScaling& nvfp4() const;
+  /// The FP8 block-scaling options; throws c10::Error for another recipe.
+  const Float8BlockScaling& float8_block() const;
+  /// The fp8_format of a tensorwise or MXFP8 recipe (kE4M3 for FP8 block
+  /// scaling); throws c10::Error for NVFP4, which has none.
   RecipeFormat fp8_format() const;
   /// Throws c10::Error on invalid options (see the recipes' validate()).
   void validate() const;
-  /// e.g. "delayed(hybrid, history 1024, max, margin 0)", "current(e4m3)".
+  /// e.g. "delayed(hybrid, history 1024, max, margin 0)", "current(e4m3)",
+  /// "mxfp8(e4m3, rceil)".
   std::string to_string() const;
 
  private:
-  bool delayed_ = true;
+  Kind kind_ = Kind::kDelayed;
   DelayedScaling delayed_options_;
   CurrentScaling current_options_;
+  MXFP8BlockScaling mxfp8_options_;
+  NVFP4BlockScaling nvfp4_options_;
+  Float8BlockScaling float8_block_options_;
 };
 
 /// The scaling of one tensor role of an FP8 layer (its input, its weight or
@@ -259,16 +281,24 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
 
 /// The three roles of an FP8 linear layer, all under one recipe.
 struct LinearScaling {
-  /// The three roles under `recipe`, their tensors on `device`.
-  LinearScaling(const Recipe& recipe, c10::Device device);
+  /// The three roles under `recipe`, their tensors on `device`; a
+  /// block-scaled recipe has no roles (null), and NVFP4 with stochastic
+  /// rounding a stream picked by the recipe's seed and the bits of
+  /// `weight`, the layer's initial weight (the same layer, the same stream).
+  LinearScaling(const Recipe& recipe, c10::Device device, const at::Tensor& weight = {});
   Recipe recipe;  ///< the layer's recipe
   ///@{
-  /// The roles: input and weight (forward), output gradient (backward).
+  /// The roles: input and weight (forward), output gradient (backward);
+  /// null under a block-scaled recipe.
   std::shared_ptr<TensorScaling> input, weight, grad_output;
   ///@}
+  /// NVFP4's stochastic rounding: int64 [2], the layer's stream (drawn from
+  /// its first weights by the layer) and how many numbers it has used;
+  /// undefined otherwise.
+  at::Tensor rounding;
   /// Registers every state tensor as a buffer of `module`, named
-  /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"), so that
-  /// torch::save/load and .to(device) carry them.
+  /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"; NVFP4's
+  /// `<prefix>rounding`), so that torch::save/load and .to(device) carry them.
   void register_buffers(torch::nn::Module& module, const std::string& prefix) const;
 };
 

@@ -1,0 +1,192 @@
+// An FP8 layer under a block-scaled recipe (ampx/fp8/block_recipe.h): each
+// product's operands quantized in blocks along its inner dimension, from the
+// unquantized tensors, and multiplied as block-scaled products are.
+
+#include "block_internal.h"
+
+#include "../kernels/function_args.h"
+#include "ampx/fp8/block.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace ampx {
+namespace fp8 {
+namespace {
+
+// The formats of a layer's tensors under its recipe, each in blocks along
+// its last dimension (the weight's rows grouped too when 2-D).
+struct BlockRoles {
+  BlockFormat input = BlockFormat::mxfp8();
+  BlockFormat weight = BlockFormat::mxfp8();
+  BlockFormat grad = BlockFormat::mxfp8();
+  bool stochastic_grads = false;  // NVFP4's stochastic rounding of gradients
+  bool hadamard = false;          // NVFP4's transform of the weight gradient's operands
+};
+
+BlockRoles block_roles(const Recipe& recipe) {
+  BlockRoles r;
+  switch (recipe.kind()) {
+    case Recipe::Kind::kMxfp8: {
+      const MXFP8BlockScaling& m = recipe.mxfp8();
+      r.input = r.weight = BlockFormat::mxfp8(ElementFormat::kE4M3, m.scale_rule());
+      r.grad = BlockFormat::mxfp8(m.fp8_format() == RecipeFormat::kHybrid ? ElementFormat::kE5M2
+                                                                          : ElementFormat::kE4M3,
+                                  m.scale_rule());
+      if (m.weight_2d()) r.weight.block_rows(32);
+      break;
+    }
+    case Recipe::Kind::kNvfp4: {
+      const NVFP4BlockScaling& n = recipe.nvfp4();
+      r.input = r.weight = r.grad = BlockFormat::nvfp4();
+      if (n.weight_2d()) r.weight.block_rows(16);
+      r.stochastic_grads = n.stochastic_rounding();
+      r.hadamard = n.random_hadamard();
+      break;
+    }
+    case Recipe::Kind::kFloat8Block: {
+      const Float8BlockScaling& f = recipe.float8_block();
+      r.input = BlockFormat(ElementFormat::kE4M3,
+                            f.power_2_scale() ? ScaleRule::kFloat32Pow2 : ScaleRule::kFloat32)
+                    .block_cols(f.block())
+                    .amax_epsilon(f.amax_epsilon());
+      r.grad = r.input;
+      r.weight = BlockFormat(r.input).block_rows(f.block());
+      break;
+    }
+    default:
+      TORCH_CHECK(false, "ampx::fp8: ", recipe.to_string(), " is not a block-scaled recipe");
+  }
+  return r;
+}
+
+// The column-wise copy of a [rows, cols] operand: its transpose, through
+// NVFP4's Hadamard transform and bfloat16 (as TE's kernel writes it) when
+// asked; the transform runs along the tokens, which must then be a
+// multiple of 16.
+at::Tensor columnwise(const at::Tensor& t, bool hadamard) {
+  const at::Tensor tt = t.t().contiguous();
+  if (!hadamard) return tt;
+  TORCH_CHECK_VALUE(tt.size(1) % 16 == 0,
+                    "ampx::fp8: NVFP4's random Hadamard transform runs over the tokens in tiles "
+                    "of 16, got ",
+                    tt.size(1),
+                    " tokens (make them a multiple of 16, or turn the transform off: "
+                    "NVFP4BlockScaling().random_hadamard(false))");
+  return hadamard16(tt).to(at::kBFloat16);
+}
+
+struct SavedOperands : torch::CustomClassHolder {
+  BlockTensor x_columns;  // x^T [in, N], in blocks along N
+  BlockTensor w_columns;  // w^T [in, out], in blocks along out
+  BlockRoles roles;
+  std::shared_ptr<LinearScaling> scaling;
+};
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunction> {
+  // bias as an optional (kernels/function_args.h).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias_arg,
+                            std::shared_ptr<LinearScaling> scaling, c10::ScalarType out_dtype) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
+    const BlockRoles roles = block_roles(scaling->recipe);
+    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    const BlockTensor wq = BlockTensor::quantize(weight.detach(), roles.weight);
+    at::Tensor y = block_scaled_mm(BlockTensor::quantize(x2, roles.input), wq);
+    if (bias.defined()) y.add_(bias.to(at::kFloat));
+    if (at::GradMode::is_enabled() || x.requires_grad() || weight.requires_grad()) {
+      auto saved = c10::make_intrusive<SavedOperands>();
+      saved->x_columns = BlockTensor::quantize(columnwise(x2, roles.hadamard), roles.input);
+      saved->w_columns = roles.weight.block_rows() > 1
+                             ? wq.transposed()
+                             : BlockTensor::quantize(columnwise(weight.detach(), false),
+                                                     roles.weight);
+      saved->roles = roles;
+      saved->scaling = std::move(scaling);
+      ctx->saved_data["operands"] = c10::IValue::make_capsule(std::move(saved));
+    }
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    auto out_sizes = x.sizes().vec();
+    out_sizes.back() = weight.size(0);
+    return y.to(out_dtype).view(out_sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    auto* saved = static_cast<SavedOperands*>(ctx->saved_data["operands"].toCapsule().get());
+    const BlockRoles& roles = saved->roles;
+    const at::Tensor g = grads[0].reshape({-1, saved->w_columns.codes.size(1)}).to(at::kFloat);
+    // NVFP4's stochastic rounding: this layer's stream, from where it stopped.
+    c10::optional<StochasticRounding> rows_rounding, columns_rounding;
+    const at::Tensor& rounding = saved->scaling->rounding;
+    if (roles.stochastic_grads && rounding.defined()) {
+      const at::Tensor state = rounding.cpu();
+      const auto stream = static_cast<uint64_t>(state[0].item<int64_t>());
+      const auto offset = static_cast<uint64_t>(state[1].item<int64_t>());
+      rows_rounding = StochasticRounding{stream, offset};
+      columns_rounding = StochasticRounding{stream, offset + static_cast<uint64_t>(g.numel())};
+      rounding[1].fill_(static_cast<int64_t>(offset + 2 * static_cast<uint64_t>(g.numel())));
+    }
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const BlockTensor g_rows = BlockTensor::quantize(g, roles.grad, rows_rounding);
+    at::Tensor grad_x = block_scaled_mm(g_rows, saved->w_columns).view(x_sizes).to(x_dtype);
+    const BlockTensor g_columns =
+        BlockTensor::quantize(columnwise(g, roles.hadamard), roles.grad, columns_rounding);
+    at::Tensor grad_w = block_scaled_mm(g_columns, saved->x_columns).to(w_dtype);
+    at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype) : at::Tensor();
+    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+int64_t detail::rounding_stream(uint64_t seed, const at::Tensor& weight) {
+  uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a over the seed and the weight's bits
+  const auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
+  };
+  mix(&seed, sizeof seed);
+  if (weight.defined() && weight.numel() > 0) {
+    const at::Tensor head =
+        weight.detach().reshape({-1}).slice(0, 0, 64).to(at::kCPU, at::kFloat).contiguous();
+    mix(head.data_ptr<float>(), static_cast<size_t>(head.numel()) * sizeof(float));
+  }
+  // FNV-1a moves differences upward only; murmur's finaliser spreads them
+  // down before the sign bit is dropped (else seeds 0 and 1 could differ
+  // there alone).
+  h = (h ^ (h >> 33)) * 0xFF51AFD7ED558CCDull;
+  h = (h ^ (h >> 33)) * 0xC4CEB9FE1A85EC53ull;
+  h ^= h >> 33;
+  return static_cast<int64_t>(h & 0x7FFFFFFFFFFFFFFFull);
+}
+
+at::Tensor detail::block_linear(const at::Tensor& x, const at::Tensor& weight,
+                                const at::Tensor& bias,
+                                const std::shared_ptr<LinearScaling>& scaling,
+                                c10::ScalarType output_dtype) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "ampx::fp8: ",
+                    scaling->recipe.to_string(),
+                    " runs on the CPU only for now (no block-scaled CUDA kernel yet), got x on ",
+                    x.device(), " and the weight on ", weight.device());
+  return BlockLinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias), scaling,
+                                    output_dtype);
+}
+
+}  // namespace fp8
+}  // namespace ampx
