@@ -27,7 +27,8 @@ namespace ampx::train {
 namespace {
 
 const std::vector<std::string> kWorkloads = {"gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"};
-const std::vector<std::string> kModes = {"fp32", "O1", "O2", "O3", "fp8"};
+const std::vector<std::string> kModes = {"fp32", "O1",    "O2",   "O3",
+                                         "fp8",  "mxfp8", "nvfp4", "fp8-block"};
 
 struct WorkloadDefaults {
   int64_t batch_size;
@@ -96,7 +97,9 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   auto* precision = app.add_option("--precision", c.precision,
                                    "precision mode of a single run: fp32, O1 (autocast), O2 (low-"
                                    "precision weights, fp32 masters and norms), O3 (pure low "
-                                   "precision, stochastic rounding)")
+                                   "precision, stochastic rounding), fp8 (O1 with FP8 Linears, "
+                                   "tensorwise scales), mxfp8, nvfp4, fp8-block (O1 with "
+                                   "block-scaled Linears: TE's recipes, emulated on the CPU)")
                         ->check(CLI::IsMember(kModes));
   app.add_option("--compare", c.compare,
                  "train once per listed mode from the same seed and compare, e.g. fp32,O1,O2")
@@ -241,6 +244,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->check(CLI::IsMember({"hybrid", "e4m3"}));
   app.add_option("--amax-history", c.amax_history, "fp8 delayed scaling: amax history length")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  app.add_option("--bf16-layers", c.bf16_layers,
+                 "mxfp8, nvfp4, fp8-block, fp8: the Linears kept in bf16, comma-separated paths "
+                 "or prefixes (blocks.0 keeps blocks.0.*), 'none', or 'auto': nvfp4 keeps the "
+                 "first and last blocks and the head (the published choice), the others the head");
   app.add_option("--fp8-trace-layer", c.fp8_trace_layer,
                  "fp8: the layer whose amax and scale the report plots, e.g. blocks.0.fc "
                  "[default: the first FP8 layer]");
@@ -313,17 +320,26 @@ std::string Mode::dtype_name() const {
 
 Mode parse_mode(const std::string& name, const TrainConfig& config) {
   TORCH_CHECK(std::find(kModes.begin(), kModes.end(), name) != kModes.end(),
-              "ampx-train: unknown precision mode '", name, "' (fp32, O1, O2, O3, fp8)");
+              "ampx-train: unknown precision mode '", name,
+              "' (fp32, O1, O2, O3, fp8, mxfp8, nvfp4, fp8-block)");
   Mode mode;
   mode.name = name;
   if (name == "fp32") return mode;
-  mode.fp8 = name == "fp8";
+  mode.fp8 = is_fp8_mode(name);
   mode.level = mode.fp8 ? ampx::OptLevel::O1 : ampx::parse_opt_level(name);
   mode.dtype = config.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
   return mode;
 }
 
-ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c) {
+bool is_fp8_mode(const std::string& name) {
+  return name == "fp8" || name == "mxfp8" || name == "nvfp4" || name == "fp8-block";
+}
+
+ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c, const std::string& mode) {
+  // The block recipes with TE's defaults; NVFP4's stochastic rounding from the run's seed.
+  if (mode == "mxfp8") return ampx::fp8::MXFP8BlockScaling();
+  if (mode == "nvfp4") return ampx::fp8::NVFP4BlockScaling().seed(static_cast<uint64_t>(c.seed));
+  if (mode == "fp8-block") return ampx::fp8::Float8BlockScaling();
   const auto format =
       c.fp8_format == "e4m3" ? ampx::fp8::RecipeFormat::kE4M3 : ampx::fp8::RecipeFormat::kHybrid;
   if (c.fp8_recipe == "current") return ampx::fp8::CurrentScaling().fp8_format(format);
@@ -385,9 +401,13 @@ std::string settings_table(const TrainConfig& c) {
                                   ? " (stop at the first inf/NaN of forward or backward)"
                                   : " (report inf/NaN of forward and backward, go on)"));
   }
-  const auto all_modes = modes_of(c);
-  if (std::find(all_modes.begin(), all_modes.end(), "fp8") != all_modes.end()) {
-    add("fp8 recipe", fp8_recipe_of(c).to_string() + (c.device == "cpu" ? ", emulated" : ""));
+  for (const auto& mode : modes_of(c)) {
+    if (!is_fp8_mode(mode)) continue;
+    const auto recipe = fp8_recipe_of(c, mode);
+    add(mode + " recipe", recipe.to_string() + (c.device == "cpu" ? ", emulated" : "") +
+                              (recipe.is_block() || c.bf16_layers != "auto"
+                                   ? "; bf16 layers: " + c.bf16_layers
+                                   : ""));
   }
   if (c.range_stats)
     add("range statistics", "collected (slower), " + c.out_dir + "/range-stats-<mode>.json");

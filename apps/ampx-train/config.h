@@ -23,7 +23,7 @@ namespace ampx::train {
 /// filled in by resolve_defaults().
 struct TrainConfig {
   std::string workload = "gpt";      // gpt | gpt-nn | mnist-cnn | fashion-mlp
-  std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 (one run)
+  std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 | mxfp8 | nvfp4 | fp8-block
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
   std::string device = "cpu";        // cpu | cuda
@@ -69,6 +69,7 @@ struct TrainConfig {
   std::string fp8_format = "hybrid";   // hybrid | e4m3
   int64_t amax_history = 1024;         // delayed scaling's history length
   std::string fp8_trace_layer;         // the layer whose amax/scale the report plots; "": first
+  std::string bf16_layers = "auto";    // FP8 modes: Linears kept in bf16 (paths, prefixes, none, auto)
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare
@@ -107,22 +108,27 @@ std::vector<std::string> modes_of(const TrainConfig& config);
 ///
 ///   Mode m = parse_mode("O2", config);  // {"O2", OptLevel::O2, kBFloat16} on CPU
 struct Mode {
-  std::string name = "fp32";  // fp32 | O1 | O2 | O3 | fp8: file names, tables, checkpoints
+  std::string name = "fp32";  // fp32 | O1 | O2 | O3 | an FP8 mode: file names, tables, checkpoints
   ampx::OptLevel level = ampx::OptLevel::O0;
   c10::ScalarType dtype = c10::kFloat;  // the low precision (fp32: kFloat)
-  bool fp8 = false;                     // fp8: O1 with the Linears in FP8
+  bool fp8 = false;  // fp8, mxfp8, nvfp4, fp8-block: O1 with the Linears in FP8 (or FP4)
 
   bool mixed() const { return level != ampx::OptLevel::O0; }
   /// "fp32", "bf16" or "fp16".
   std::string dtype_name() const;
 };
 
-/// The mode `name` (fp32, O1, O2, O3 or fp8) in config.dtype. Throws c10::Error
+/// The mode `name` (fp32, O1, O2, O3 or an FP8 mode) in config.dtype. Throws c10::Error
 /// naming the modes for any other name.
 Mode parse_mode(const std::string& name, const TrainConfig& config);
 
-/// The FP8 recipe --fp8-recipe, --fp8-format and --amax-history ask for.
-ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& config);
+/// Whether `name` is an FP8 mode: fp8 (tensorwise scales), mxfp8, nvfp4 or fp8-block.
+bool is_fp8_mode(const std::string& name);
+
+/// The recipe of FP8 mode `mode`: for fp8 the one --fp8-recipe, --fp8-format
+/// and --amax-history ask for; TE's block recipes for the others (NVFP4's
+/// stochastic rounding seeded by --seed).
+ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& config, const std::string& mode);
 
 /// Two columns, one setting a line, for the start of a run.
 std::string settings_table(const TrainConfig& config);

@@ -2,6 +2,7 @@
 
 #include "checkpoint.h"
 #include "device_memory.h"
+#include "fp8_layers.h"
 #include "fp8_trace.h"
 #include "machine.h"
 #include "metrics_writer.h"
@@ -94,13 +95,23 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   // parameters it cast are the ones the forward takes).
   ampx::debug::name_modules(*setup.model);
   if (mode.fp8) {
-    // O1 plus FP8 Linears: every Linear FP8 tensor cores take (dimensions
-    // multiples of 16; the gpt's vocabulary head is not), as torchao does.
+    // O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
+    // (dimensions multiples of 16), as torchao does, but those kept in bf16.
     setup.fp8 = true;
+    setup.bf16_layers = bf16_layers_of(config, mode.name, *setup.model);
+    const auto& keep = setup.bf16_layers;
     setup.fp8_layers = ampx::fp8::convert_linears(
-        *setup.model, ampx::fp8::ConvertOptions().recipe(fp8_recipe_of(config)));
-    TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision fp8, but ", workload.name(),
-                " has no Linear layer whose dimensions are multiples of 16");
+        *setup.model,
+        ampx::fp8::ConvertOptions()
+            .recipe(fp8_recipe_of(config, mode.name))
+            .filter([&keep](const std::string& path, const torch::nn::LinearImpl& linear) {
+              const auto& o = linear.options;
+              return o.in_features() % 16 == 0 && o.out_features() % 16 == 0 &&
+                     std::find(keep.begin(), keep.end(), path) == keep.end();
+            }));
+    TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision ", mode.name, ", but ",
+                workload.name(),
+                " has no Linear layer whose dimensions are multiples of 16 outside --bf16-layers");
   }
   return setup;
 }
@@ -298,7 +309,7 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   identity_["dtype"] = result_.dtype;
   identity_["device"] = config.device;
   identity_["steps_per_epoch"] = workload.steps_per_epoch();
-  if (mode_.fp8) identity_["fp8_recipe"] = fp8_recipe_of(config).to_string();
+  if (mode_.fp8) identity_["fp8_recipe"] = fp8_recipe_of(config, mode_.name).to_string();
 
   checkpoint_path_ = checkpoint_path_for(config, mode_.name);
   from_rank0(group, [&] {  // rank 0 alone writes and reads checkpoints
@@ -317,8 +328,11 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   // After the cast: the broadcast and the buckets see the training dtypes.
   if (group) ddp_.emplace(setup_.model, *group);
   // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.
-  if (group && setup_.fp8 && fp8_recipe_of(config).is_delayed()) setup_.fp8_group = group;
-  if (setup_.fp8 && lead_) {
+  const bool tensorwise = setup_.fp8 && !fp8_recipe_of(config, mode_.name).is_block();
+  if (group && tensorwise && fp8_recipe_of(config, mode_.name).is_delayed()) {
+    setup_.fp8_group = group;
+  }
+  if (tensorwise && lead_) {
     fp8_trace_.emplace(config.fp8_trace_layer, *setup_.model, setup_.fp8_layers);
   }
 

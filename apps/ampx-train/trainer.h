@@ -41,6 +41,8 @@ struct ModeSetUp {
   /// max-reduced over (data-parallel runs with delayed scaling).
   bool fp8 = false;
   std::vector<std::string> fp8_layers;
+  /// FP8 modes: the Linears --bf16-layers kept in bf16 (paths).
+  std::vector<std::string> bf16_layers;
   const ampx::dist::ProcessGroup* fp8_group = nullptr;
 
   /// The model's output for `input` (cast to the model's dtype), in the

@@ -10,6 +10,7 @@
 #include "workloads.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <ampx/version.h>
 
@@ -137,5 +138,54 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModeTest,
                                          ModeCase{"O3", "bf16"}, ModeCase{"O1", "fp16"},
                                          ModeCase{"O2", "fp16"}, ModeCase{"O3", "fp16"}),
                          case_name);
+
+// The block-scaled modes: O1 with the Linears outside --bf16-layers under
+// TE's recipes. gpt of 3 blocks: nvfp4 keeps the first and last blocks and
+// the head in bf16 (auto), mxfp8 and fp8-block the head; one step trains.
+TEST(BlockModeTest, ConvertsTheLinearsOutsideTheBf16Layers) {
+  TempDir tmp("ampx-block-mode");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto set_up = [&](const std::string& mode, const std::string& bf16_layers) {
+    std::vector<std::string> args = {"ampx-train"};
+    for (auto& a : tiny_gpt({{"--precision", mode},
+                             {"--layers", "3"},
+                             {"--bf16-layers", bf16_layers},
+                             {"--data-dir", (tmp.path() / "data").string()},
+                             {"--out-dir", (tmp.path() / "out").string()},
+                             {"--steps", "2"}})) {
+      args.push_back(std::move(a));
+    }
+    std::vector<const char*> argv;
+    for (const auto& a : args) argv.push_back(a.c_str());
+    TrainConfig config;
+    EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
+    resolve_defaults(config);
+    auto workload = make_workload(config);
+    ModeSetUp setup =
+        set_up_mode(config, *workload, parse_mode(mode, config), torch::Device(torch::kCPU));
+    EXPECT_TRUE(setup.fp8) << mode;
+    for (const auto& name : setup.fp8_layers) {
+      auto scaling = ampx::fp8::scaling_of(*setup.model->named_modules()[name]);
+      EXPECT_EQ(scaling->recipe.to_string(), fp8_recipe_of(config, mode).to_string()) << name;
+    }
+    const StepOutcome step = train_step(setup, *workload, workload->batch(0, torch::kCPU));
+    EXPECT_TRUE(step.stepped && std::isfinite(step.loss.item<double>())) << mode;
+    return std::make_pair(setup.fp8_layers, setup.bf16_layers);
+  };
+  const std::vector<std::string> middle = {"blocks.1.attn.qkv", "blocks.1.attn.proj",
+                                           "blocks.1.fc", "blocks.1.out"};
+  const auto [nvfp4, nvfp4_kept] = set_up("nvfp4", "auto");
+  EXPECT_EQ(nvfp4, middle);
+  EXPECT_EQ(nvfp4_kept.size(), 9u);  // blocks 0 and 2, the head
+  for (const std::string mode : {"mxfp8", "fp8-block"}) {
+    const auto [converted, kept] = set_up(mode, "auto");
+    EXPECT_EQ(converted.size(), 12u) << mode;
+    EXPECT_EQ(kept, std::vector<std::string>{"head"}) << mode;
+  }
+  const auto [listed, listed_kept] = set_up("mxfp8", "blocks.0,blocks.2,head");
+  EXPECT_EQ(listed, middle);
+  EXPECT_TRUE(expect_error_contains([&] { (void)set_up("nvfp4", "blocks.7"); },
+                                    {"--bf16-layers 'blocks.7' names no Linear of this model"}));
+}
 
 }  // namespace
