@@ -28,6 +28,40 @@ using ::testing::HasSubstr;
 
 // ---- the formats on values their definitions give ------------------------------
 
+// quantize's vectorised element loop against encode_element, the one
+// scalar rounding, on random float32 bit patterns of every binade, ties
+// among them, in blocks of scale 1 (the first element 2^emax_elem).
+TEST(BlockFormatTest, QuantizeRoundsEveryElementAsEncodeElement) {
+  torch::manual_seed(8);
+  const int64_t n = 1 << 18;
+  for (const ElementFormat f : {ElementFormat::kE4M3, ElementFormat::kE5M2, ElementFormat::kE3M2,
+                                ElementFormat::kE2M3, ElementFormat::kE2M1}) {
+    SCOPED_TRACE(to_string(f));
+    const ElementLimits& l = limits(f);
+    auto bits = torch::randint(0, int64_t{1} << 31, {n}, torch::kLong);
+    auto x = bits.to(torch::kInt).view(torch::kFloat).clone();
+    // Ties: codes' midpoints, below and above.
+    for (int64_t code = 0; code + 1 < (1 << (l.bits - 1)) && code + 1 <= l.max_code; ++code) {
+      const float mid = 0.5f * (decode_element(code, f) + decode_element(code + 1, f));
+      x[code * 3] = mid;
+      x[code * 3 + 1] = std::nextafter(mid, 0.0f);
+      x[code * 3 + 2] = -std::nextafter(mid, 100.0f);
+    }
+    const float top = std::min(l.max * 1.1f, std::ldexp(1.99f, l.max_pow2));  // scale stays 1
+    x = x.clamp(-top, top);  // saturation too, and no inf or NaN
+    x = torch::where(x.isnan(), torch::zeros_like(x), x);
+    x.view({-1, 64}).select(1, 0).fill_(std::ldexp(1.0f, l.max_pow2));
+    const auto t = BlockTensor::quantize(x.view({-1, 64}), BlockFormat(f, ScaleRule::kFloor).block_cols(64));
+    ASSERT_TRUE(t.scales.eq(127).all().item<bool>());
+    const auto* xs = x.data_ptr<float>();
+    const auto codes = t.codes.reshape({-1});
+    const auto* cs = codes.data_ptr<uint8_t>();
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n; ++i) differ += cs[i] != encode_element(xs[i], f);
+    EXPECT_EQ(differ, 0);
+  }
+}
+
 TEST(BlockFormatTest, Nvfp4ScalesFollowTransformerEnginesFormula) {
   // Global amax 6: S_enc = 2688 / 6 = 448; the first block's amax 6 gives
   // e4m3(6 * 448 / 6) = 448, encode 1: its elements are their own codes.
@@ -141,6 +175,17 @@ TEST(BlockFormatTest, StochasticRoundingIsUnbiasedAndDeterministicForASeed) {
   // Exact values stay, saturation holds.
   EXPECT_EQ(encode_element_stochastic(3.0f, ElementFormat::kE2M1, 0xFFFFFFFFu), 0x5);
   EXPECT_EQ(encode_element_stochastic(-7.0f, ElementFormat::kE2M1, 0u), 0xF);
+  EXPECT_EQ(encode_element_stochastic(6.0f, ElementFormat::kE2M1, 0u), 0x7);
+  EXPECT_EQ(encode_element_stochastic(INFINITY, ElementFormat::kE2M1, 0u), 0x7);
+  EXPECT_EQ(encode_element_stochastic(-NAN, ElementFormat::kE2M1, 0u), 0x8);
+  EXPECT_EQ(encode_element_stochastic(NAN, ElementFormat::kE4M3, 0u), 0x7F);
+  EXPECT_EQ(encode_element_stochastic(500.0f, ElementFormat::kE4M3, 0u), 0x7E);
+  // Subnormals: E4M3's 2^-9 quanta; 1.25 quanta goes up one time in four.
+  int ups = 0;
+  for (uint32_t r = 0; r < 4096; ++r) {
+    ups += encode_element_stochastic(std::ldexp(1.25f, -9), ElementFormat::kE4M3, r << 20) == 2;
+  }
+  EXPECT_EQ(ups, 1024);
   EXPECT_EQ(encode_element_stochastic(2.5f, ElementFormat::kE4M3, 0u), 0x42);
 }
 

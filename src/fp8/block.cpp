@@ -8,6 +8,7 @@
 
 #include "../float_formats.h"
 #include "element_code.h"
+#include "../kernels/function_args.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -73,6 +74,70 @@ uint8_t biased(int exponent) {
   return static_cast<uint8_t>(std::clamp(exponent, -kScaleBias, kScaleBias + 1) + kScaleBias);
 }
 
+// Calls fn with the element format's branchless encoder (element_code.h):
+// fn(encode) where encode(float) gives the code.
+template <class Fn>
+void with_encoder(ElementFormat format, Fn&& fn) {
+  const ElementLimits& l = limits(format);
+  const float max = l.max;
+  const uint32_t max_code = l.max_code;
+  switch (format) {
+    case ElementFormat::kE4M3:
+      return fn([=](float y) { return detail::encode_branchless<3, 7, 8, true>(y, max, max_code); });
+    case ElementFormat::kE5M2:
+      return fn([=](float y) { return detail::encode_branchless<2, 15, 8, true>(y, max, max_code); });
+    case ElementFormat::kE3M2:
+      return fn([=](float y) { return detail::encode_branchless<2, 3, 6, false>(y, max, max_code); });
+    case ElementFormat::kE2M3:
+      return fn([=](float y) { return detail::encode_branchless<3, 1, 6, false>(y, max, max_code); });
+    case ElementFormat::kE2M1:
+      return fn([=](float y) { return detail::encode_branchless<1, 1, 4, false>(y, max, max_code); });
+  }
+}
+
+// Calls fn with the element format's stochastic encoder: fn(encode) where
+// encode(float, uint32_t random) gives the code.
+template <class Fn>
+void with_stochastic_encoder(ElementFormat format, Fn&& fn) {
+  const ElementLimits& l = limits(format);
+  const float max = l.max;
+  const uint32_t max_code = l.max_code;
+  static const auto tables = [] {
+    std::array<std::array<float, 256>, 5> t{};
+    for (int f = 0; f < 5; ++f) {
+      for (int c = 0; c < 256; ++c) {
+        t[f][c] = c <= limits(static_cast<ElementFormat>(f)).max_code
+                      ? decode_element(static_cast<uint8_t>(c), static_cast<ElementFormat>(f))
+                      : 0.0f;
+      }
+    }
+    return t;
+  }();
+  const float* values = tables[static_cast<int>(format)].data();
+  switch (format) {
+    case ElementFormat::kE4M3:
+      return fn([=](float y, uint32_t r) {
+        return detail::encode_stochastic_branchless<3, 7, 8, true>(y, max, max_code, values, r);
+      });
+    case ElementFormat::kE5M2:
+      return fn([=](float y, uint32_t r) {
+        return detail::encode_stochastic_branchless<2, 15, 8, true>(y, max, max_code, values, r);
+      });
+    case ElementFormat::kE3M2:
+      return fn([=](float y, uint32_t r) {
+        return detail::encode_stochastic_branchless<2, 3, 6, false>(y, max, max_code, values, r);
+      });
+    case ElementFormat::kE2M3:
+      return fn([=](float y, uint32_t r) {
+        return detail::encode_stochastic_branchless<3, 1, 6, false>(y, max, max_code, values, r);
+      });
+    case ElementFormat::kE2M1:
+      return fn([=](float y, uint32_t r) {
+        return detail::encode_stochastic_branchless<1, 1, 4, false>(y, max, max_code, values, r);
+      });
+  }
+}
+
 }  // namespace
 
 const ElementLimits& limits(ElementFormat format) {
@@ -104,20 +169,9 @@ uint8_t encode_element(float value, ElementFormat format) {
 }
 
 uint8_t encode_element_stochastic(float value, ElementFormat format, uint32_t random) {
-  const ElementLimits& l = limits(format);
-  const float a = std::fabs(value);
-  if (std::isnan(a) || a >= l.max) return encode_element(value, format);
-  const uint8_t sign = std::signbit(value) ? static_cast<uint8_t>(1u << (l.bits - 1)) : 0;
-  // The codes are contiguous in magnitude: the lower neighbour is the
-  // nearest code or the one below it.
-  uint8_t lower = encode_element(a, format);
-  if (decode_element(lower, format) > a) --lower;
-  const float low = decode_element(lower, format);
-  if (low == a) return sign | lower;
-  const float high = decode_element(static_cast<uint8_t>(lower + 1), format);
-  const double up = static_cast<double>(a - low) / static_cast<double>(high - low);
-  return sign | static_cast<uint8_t>(static_cast<double>(random) < up * 4294967296.0 ? lower + 1
-                                                                                      : lower);
+  uint8_t code = 0;
+  with_stochastic_encoder(format, [&](auto encode) { code = encode(value, random); });
+  return code;
 }
 
 float decode_element(uint8_t code, ElementFormat format) {
@@ -209,8 +263,9 @@ uint64_t mix_bits64(uint64_t z) {
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
-uint32_t stream_bits(uint64_t seed, uint64_t index) {
-  return static_cast<uint32_t>(mix_bits64(mix_bits64(seed + 0x9E3779B97F4A7C15ull) + index) >> 32);
+uint64_t stream_key(uint64_t seed) { return mix_bits64(seed + 0x9E3779B97F4A7C15ull); }
+uint32_t stream_bits(uint64_t key, uint64_t index) {
+  return static_cast<uint32_t>(mix_bits64(key + index) >> 32);
 }
 
 // Every code's value, for the decoding loops.
@@ -221,12 +276,11 @@ std::array<float, 256> decode_table(ElementFormat format) {
   return t;
 }
 
-// A block's decoding scale and what its elements are multiplied by (or, for
-// the E8M0 rules but rceil, divided by) before the cast.
+// A block's decoding scale and what its elements are multiplied by before
+// the cast.
 struct BlockScale {
   float decode;  // what the codes are multiplied by
   float encode;  // the elements' factor
-  bool divide;   // x / encode rather than x * encode
 };
 
 BlockScale scale_of_block(float amax, const BlockFormat& f, float s_enc, void* stored) {
@@ -238,7 +292,7 @@ BlockScale scale_of_block(float amax, const BlockFormat& f, float s_enc, void* s
       *static_cast<uint8_t*>(stored) = byte;
       const float scale = decode(byte, Fp8Format::kE4M3);
       const float inv = 1.0f / (scale * (1.0f / s_enc));
-      return {scale, std::isnan(inv) ? inv : std::min(inv, FLT_MAX), false};
+      return {scale, std::isnan(inv) ? inv : std::min(inv, FLT_MAX)};
     }
     case ScaleRule::kFloat32:
     case ScaleRule::kFloat32Pow2: {
@@ -252,16 +306,17 @@ BlockScale scale_of_block(float amax, const BlockFormat& f, float s_enc, void* s
       }
       const float inv = 1.0f / scale;
       *static_cast<float*>(stored) = inv;
-      return {inv, scale, false};
+      return {inv, scale};
     }
     default: {
       const uint8_t byte = scale_byte(amax, f.element(), f.rule());
       *static_cast<uint8_t*>(stored) = byte;
-      // x / 2^s: the same float32 as x * 2^-s (torchao's RCEIL and TE
-      // multiply by the reciprocal, its other rules divide); byte 0's 2^-127
-      // is a subnormal, divided by as it is.
+      // x / 2^s is the same float32 as x * 2^-s (torchao's RCEIL and TE
+      // multiply by the reciprocal, its other rules divide): the reciprocal
+      // of a power of two from 2^-127 (a subnormal, never flushed) to 2^127
+      // is exact.
       const float scale = scale_value(byte);
-      return {scale, scale, true};
+      return {scale, 1.0f / scale};
     }
   }
 }
@@ -301,11 +356,24 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
   out.codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
   out.scales = at::empty(scale_sizes, x.options().dtype(fp32_scales ? at::kFloat : at::kByte));
   float s_enc = 1.0f;
+  const float* v = values.data_ptr<float>();
   if (format.rule() == ScaleRule::kNvfp4) {
-    out.global_amax = values.numel() ? values.abs().max().item<float>() : 0.0f;  // NaN wins
+    out.global_amax = at::parallel_reduce(
+        0, values.numel(), ampx::detail::kElementwiseGrain, 0.0f,
+        [&](int64_t begin, int64_t end, float m) {
+          bool nan = false;
+          for (int64_t i = begin; i < end; ++i) {
+            const float a = std::fabs(v[i]);
+            nan |= a != a;
+            m = a > m ? a : m;
+          }
+          return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+        },
+        [](float a, float b) { return a != a || b != b ? std::numeric_limits<float>::quiet_NaN()
+                                                      : std::max(a, b); });
     s_enc = nvfp4_encode_scale(out.global_amax);
   }
-  const float* v = values.data_ptr<float>();
+  const uint64_t key = stochastic ? stream_key(stochastic->seed) : 0;
   uint8_t* codes = out.codes.data_ptr<uint8_t>();
   char* scales = static_cast<char*>(out.scales.data_ptr());
   const size_t scale_bytes = out.scales.element_size();
@@ -319,24 +387,31 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
         float amax = 0.0f;
         bool nan = false;
         for (int64_t r = r0; r < r1; ++r) {
+          const float* row = v + r * cols;
           for (int64_t c = c0; c < c1; ++c) {
-            const float a = std::fabs(v[r * cols + c]);
-            nan = nan || std::isnan(a);
-            amax = std::max(amax, a);
+            const float a = std::fabs(row[c]);
+            nan |= a != a;
+            amax = a > amax ? a : amax;
           }
         }
         if (nan) amax = std::numeric_limits<float>::quiet_NaN();
         const BlockScale s =
             scale_of_block(amax, format, s_enc, scales + (bi * nbc + bj) * scale_bytes);
         for (int64_t r = r0; r < r1; ++r) {
-          for (int64_t c = c0; c < c1; ++c) {
-            const int64_t i = r * cols + c;
-            const float scaled = s.divide ? v[i] / s.encode : v[i] * s.encode;
-            codes[i] = stochastic ? encode_element_stochastic(
-                                        scaled, element,
-                                        stream_bits(stochastic->seed,
-                                                    stochastic->offset + static_cast<uint64_t>(i)))
-                                  : encode_element(scaled, element);
+          const float* row = v + r * cols;
+          uint8_t* out_row = codes + r * cols;
+          if (stochastic) {
+            const uint64_t first = stochastic->offset + static_cast<uint64_t>(r * cols);
+            with_stochastic_encoder(element, [&](auto encode) {
+              for (int64_t c = c0; c < c1; ++c) {
+                out_row[c] = encode(row[c] * s.encode,
+                                    stream_bits(key, first + static_cast<uint64_t>(c)));
+              }
+            });
+          } else {
+            with_encoder(element, [&](auto encode) {
+              for (int64_t c = c0; c < c1; ++c) out_row[c] = encode(row[c] * s.encode);
+            });
           }
         }
       }
@@ -377,8 +452,13 @@ at::Tensor BlockTensor::block_values() const {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row_scales = block_scale.data() + (r / br) * nbc;
-      for (int64_t col = 0; col < cols; ++col) {
-        op[r * cols + col] = table[cp[r * cols + col]] * row_scales[col / bc];
+      const uint8_t* in = cp + r * cols;
+      float* o = op + r * cols;
+      for (int64_t j = 0; j < nbc; ++j) {
+        const float scale = row_scales[j];
+        for (int64_t c = j * bc, end_c = std::min(cols, c + bc); c < end_c; ++c) {
+          o[c] = table[in[c]] * scale;
+        }
       }
     }
   });
