@@ -137,6 +137,29 @@ TEST(BlockFormatTest, TwoDimensionalBlocksTransposeWithoutRequantizing) {
               HasSubstr("takes a 2-D tensor in 2-D blocks"));
 }
 
+// Blocks down the columns (32 x 1: TE's column-wise copy, in place) are the
+// row blocks of the transpose, transposed; stochastic rounding included.
+TEST(BlockFormatTest, ColumnBlocksAreTheTransposesRowBlocks) {
+  torch::manual_seed(9);
+  const auto x = torch::randn({96, 48}) * torch::exp2(torch::randint(-6, 6, {1, 48}).to(torch::kFloat));
+  for (const BlockFormat& f : {BlockFormat::mxfp8(), BlockFormat::nvfp4(),
+                               BlockFormat::fp8_blockwise().block_cols(32)}) {
+    SCOPED_TRACE(f.to_string());
+    const auto columns = BlockTensor::quantize(x, BlockFormat(f).block_rows(f.block_cols()).block_cols(1));
+    const auto rows = BlockTensor::quantize(x.t().contiguous(), f);
+    EXPECT_TRUE(torch::equal(columns.codes, rows.codes.t()));
+    EXPECT_TRUE(torch::equal(columns.scales, rows.scales.t()));
+    EXPECT_TRUE(torch::equal(columns.dequantize(), rows.dequantize().t()));
+  }
+  // Stochastic: the same numbers by element index, so the same codes as a
+  // row-block quantization of the same tensor in its own layout.
+  const auto f = BlockFormat::nvfp4();
+  const auto a = BlockTensor::quantize(x, BlockFormat(f).block_rows(16).block_cols(1), StochasticRounding{3, 5});
+  const auto b = BlockTensor::quantize(x, BlockFormat(f).block_rows(16).block_cols(1), StochasticRounding{3, 5});
+  EXPECT_TRUE(torch::equal(a.codes, b.codes));
+  EXPECT_FALSE(torch::equal(a.codes, BlockTensor::quantize(x, BlockFormat(f).block_rows(16).block_cols(1)).codes));
+}
+
 TEST(BlockFormatTest, BlocksThatDoNotDivideAreCutShort) {
   auto x = torch::ones({3, 40});
   x.slice(1, 32, 40) *= 0.25f;  // the short block's own amax
@@ -196,8 +219,14 @@ TEST(BlockFormatTest, Hadamard16IsOrthogonalAndKeepsProducts) {
   EXPECT_TRUE(torch::equal(hadamard16(eye, /*inverse=*/true), h.t()));
   torch::manual_seed(2);
   const auto x = torch::randn({8, 64}), g = torch::randn({4, 64});
+  // Forward and back: within 2^-20 of x's largest element (16-term sums, twice).
   const auto back = hadamard16(hadamard16(x), true);
-  EXPECT_LE((back - x).abs().max().item<float>(), 4 * std::ldexp(1.0f, -23) * x.abs().max().item<float>() * 4);
+  EXPECT_LE((back - x).abs().max().item<float>(), std::ldexp(1.0f, -20) * x.abs().max().item<float>());
+  // Down the columns: each column's tiles as the rows' are.
+  const auto xt = torch::randn({64, 8});
+  EXPECT_TRUE(torch::allclose(hadamard16(xt, false, 0), hadamard16(xt.t()).t(), 1e-6, 1e-6));
+  EXPECT_THAT(test::error_text([&] { (void)hadamard16(torch::randn({20, 16}), false, 0); }),
+              HasSubstr("dimension 0 must be a multiple of 16, got [20, 16]"));
   const auto product = g.mm(x.t());
   const auto transformed = hadamard16(g).mm(hadamard16(x).t());
   EXPECT_TRUE(torch::allclose(transformed, product, 1e-5, 1e-5));

@@ -7,6 +7,7 @@
 #include "ampx/fp8/cast.h"
 
 #include "../float_formats.h"
+#include "block_internal.h"
 #include "element_code.h"
 #include "../kernels/function_args.h"
 
@@ -340,6 +341,57 @@ int64_t blocks_over(int64_t n, int64_t block) { return (n + block - 1) / block; 
 
 }  // namespace
 
+namespace {
+
+// quantize's loops for blocks of br x 1 (br > 1): per block row, the
+// columns' amaxes, scales and codes, each loop running along a row.
+void quantize_column_blocks(const float* v, int64_t rows, int64_t cols, int64_t br,
+                            const BlockFormat& format, float s_enc,
+                            const c10::optional<StochasticRounding>& stochastic, uint64_t key,
+                            uint8_t* codes, char* scales, size_t scale_bytes) {
+  const ElementFormat element = format.element();
+  at::parallel_for(0, blocks_over(rows, br), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> amax(static_cast<size_t>(cols)), factor(static_cast<size_t>(cols));
+    std::vector<uint8_t> nan(static_cast<size_t>(cols));
+    for (int64_t bi = begin; bi < end; ++bi) {
+      const int64_t r0 = bi * br, r1 = std::min(rows, r0 + br);
+      std::fill(amax.begin(), amax.end(), 0.0f);
+      std::fill(nan.begin(), nan.end(), 0);
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* row = v + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+          const float a = std::fabs(row[c]);
+          nan[c] |= a != a;
+          amax[c] = a > amax[c] ? a : amax[c];
+        }
+      }
+      for (int64_t c = 0; c < cols; ++c) {
+        const float m = nan[c] ? std::numeric_limits<float>::quiet_NaN() : amax[c];
+        factor[c] = scale_of_block(m, format, s_enc, scales + (bi * cols + c) * scale_bytes).encode;
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* row = v + r * cols;
+        uint8_t* out_row = codes + r * cols;
+        if (stochastic) {
+          const uint64_t first = stochastic->offset + static_cast<uint64_t>(r * cols);
+          with_stochastic_encoder(element, [&](auto encode) {
+            for (int64_t c = 0; c < cols; ++c) {
+              out_row[c] =
+                  encode(row[c] * factor[c], stream_bits(key, first + static_cast<uint64_t>(c)));
+            }
+          });
+        } else {
+          with_encoder(element, [&](auto encode) {
+            for (int64_t c = 0; c < cols; ++c) out_row[c] = encode(row[c] * factor[c]);
+          });
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format,
                                   const c10::optional<StochasticRounding>& stochastic) {
   check_block_input(x, format, "BlockTensor::quantize");
@@ -379,6 +431,13 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
   const size_t scale_bytes = out.scales.element_size();
   const int64_t nbr = blocks_over(rows, br), nbc = blocks_over(cols, bc);
   const ElementFormat element = format.element();
+  if (bc == 1 && br > 1) {
+    // Blocks down the columns (a product along the rows: TE's column-wise
+    // copy, in place): each pass over a block row is contiguous in memory.
+    quantize_column_blocks(v, rows, cols, br, format, s_enc, stochastic, key, codes, scales,
+                           scale_bytes);
+    return out;
+  }
   at::parallel_for(0, nbr, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bi = begin; bi < end; ++bi) {
       const int64_t r0 = bi * br, r1 = std::min(rows, r0 + br);
@@ -497,20 +556,27 @@ at::Tensor block_scaled_mm(const BlockTensor& a, const BlockTensor& b) {
                     "ampx::fp8::block_scaled_mm: a [M, K] and b [N, K], got ", a.codes.sizes(),
                     " and ", b.codes.sizes());
   at::Tensor y = at::mm(a.block_values(), b.block_values().t());
-  if (a.format.rule() == ScaleRule::kNvfp4 && b.format.rule() == ScaleRule::kNvfp4) {
-    // TE's alpha: amax_A * amax_B / (6 * 6 * 448 * 448), in float32.
-    const float alpha = a.global_amax * b.global_amax * (1.0f / (6.0f * 6.0f * 448.0f * 448.0f));
-    y.mul_(alpha);
-  } else if (a.tensor_scale() != 1.0f || b.tensor_scale() != 1.0f) {
-    y.mul_(a.tensor_scale() * b.tensor_scale());
-  }
+  const float alpha = detail::product_scale(a, b);
+  if (alpha != 1.0f) y.mul_(alpha);
   return y;
 }
 
-at::Tensor hadamard16(const at::Tensor& x, bool inverse) {
-  TORCH_CHECK_VALUE(x.defined() && x.dim() >= 1 && x.size(-1) % 16 == 0,
-                    "ampx::fp8::hadamard16: the last dimension must be a multiple of 16, got ",
-                    x.defined() ? x.sizes() : at::IntArrayRef{});
+float detail::product_scale(const BlockTensor& a, const BlockTensor& b) {
+  if (a.format.rule() == ScaleRule::kNvfp4 && b.format.rule() == ScaleRule::kNvfp4) {
+    // TE's alpha: amax_A * amax_B / (6 * 6 * 448 * 448), in float32.
+    return a.global_amax * b.global_amax * (1.0f / (6.0f * 6.0f * 448.0f * 448.0f));
+  }
+  return a.tensor_scale() * b.tensor_scale();
+}
+
+at::Tensor hadamard16(const at::Tensor& x, bool inverse, int64_t dim) {
+  const bool columns = dim == 0;
+  TORCH_CHECK_VALUE(x.defined() && (dim == -1 || (columns && x.dim() == 2)),
+                    "ampx::fp8::hadamard16: dim must be -1, or 0 of a 2-D tensor, got ", dim,
+                    " for ", x.defined() ? x.sizes() : at::IntArrayRef{});
+  const int64_t along = columns ? 0 : x.dim() - 1;
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(along) % 16 == 0, "ampx::fp8::hadamard16: dimension ",
+                    along, " must be a multiple of 16, got ", x.sizes());
   // TE's get_wgrad_sign_vector (torchao's DEFAULT_SIGN_VECTOR).
   static const float kSigns[16] = {1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1};
   at::Tensor h = at::empty({16, 16}, at::kFloat);
@@ -521,9 +587,15 @@ at::Tensor hadamard16(const at::Tensor& x, bool inverse) {
       ha[i][j] = kSigns[i] * (std::popcount(static_cast<unsigned>(i & j)) % 2 ? -0.25f : 0.25f);
     }
   }
-  const at::Tensor tiles = x.to(at::kFloat).reshape({-1, 16});
   h = h.to(x.device());
-  return at::mm(tiles, inverse ? h.t() : h).view(x.sizes());
+  const at::Tensor m = inverse ? h.t() : h;
+  if (columns) {
+    // Each column tile c (16 rows) as a row vector: (c^T m)^T = m^T c.
+    const at::Tensor tiles = x.to(at::kFloat).reshape({x.size(0) / 16, 16, x.size(1)});
+    return at::matmul(m.t(), tiles).reshape(x.sizes());
+  }
+  const at::Tensor tiles = x.to(at::kFloat).reshape({-1, 16});
+  return at::mm(tiles, m).view(x.sizes());
 }
 
 at::Tensor pack_fp4(const at::Tensor& codes) {

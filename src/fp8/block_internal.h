@@ -4,6 +4,7 @@
 // (block_recipe.cpp), NVFP4's rounding stream and the autograd function of
 // a layer under a block recipe (block_linear.cpp).
 
+#include "ampx/fp8/block.h"
 #include "ampx/fp8/scaling.h"
 
 #include <ATen/core/Tensor.h>
@@ -15,6 +16,11 @@
 namespace ampx {
 namespace fp8 {
 namespace detail {
+
+/// What a block-scaled product of a and b multiplies its float32 sum of
+/// block values by: TE's alpha, amax_a * amax_b / (6 * 6 * 448 * 448), when
+/// both are NVFP4, else the product of their tensor scales (1).
+float product_scale(const BlockTensor& a, const BlockTensor& b);
 
 /// "e4m3", "hybrid", "e5m2".
 const char* recipe_format_name(RecipeFormat format);

@@ -66,25 +66,41 @@ BlockRoles block_roles(const Recipe& recipe) {
   return r;
 }
 
-// The column-wise copy of a [rows, cols] operand: its transpose, through
-// NVFP4's Hadamard transform and bfloat16 (as TE's kernel writes it) when
-// asked; the transform runs along the tokens, which must then be a
-// multiple of 16.
-at::Tensor columnwise(const at::Tensor& t, bool hadamard) {
-  const at::Tensor tt = t.t().contiguous();
-  if (!hadamard) return tt;
-  TORCH_CHECK_VALUE(tt.size(1) % 16 == 0,
+// A format's blocks turned down the columns (block_cols x 1): the copy of
+// an operand whose product runs along its rows, quantized in place (TE's
+// column-wise copy, without the transpose).
+BlockFormat down_columns(const BlockFormat& f) {
+  return BlockFormat(f).block_rows(f.block_cols()).block_cols(1);
+}
+
+// An operand [tokens, features] for the weight-gradient product, through
+// NVFP4's Hadamard transform along the tokens and bfloat16 (as TE's kernel
+// writes it) when asked; the tokens must then be a multiple of 16.
+at::Tensor along_tokens(const at::Tensor& t, bool hadamard) {
+  if (!hadamard) return t;
+  TORCH_CHECK_VALUE(t.size(0) % 16 == 0,
                     "ampx::fp8: NVFP4's random Hadamard transform runs over the tokens in tiles "
                     "of 16, got ",
-                    tt.size(1),
+                    t.size(0),
                     " tokens (make them a multiple of 16, or turn the transform off: "
                     "NVFP4BlockScaling().random_hadamard(false))");
-  return hadamard16(tt).to(at::kBFloat16);
+  return hadamard16(t, /*inverse=*/false, /*dim=*/0).to(at::kBFloat16);
+}
+
+// a's block values times b's (each transposed where asked), times their
+// tensor scales: a block-scaled product along the dimension both are in
+// blocks along.
+at::Tensor product(const BlockTensor& a, bool a_t, const BlockTensor& b, bool b_t) {
+  const at::Tensor av = a.block_values(), bv = b.block_values();
+  at::Tensor y = at::mm(a_t ? av.t() : av, b_t ? bv.t() : bv);
+  const float alpha = detail::product_scale(a, b);
+  if (alpha != 1.0f) y.mul_(alpha);
+  return y;
 }
 
 struct SavedOperands : torch::CustomClassHolder {
-  BlockTensor x_columns;  // x^T [in, N], in blocks along N
-  BlockTensor w_columns;  // w^T [in, out], in blocks along out
+  BlockTensor x_columns;  // x [N, in], in blocks down N
+  BlockTensor w_columns;  // w [out, in], in blocks down out (or its 2-D blocks)
   BlockRoles roles;
   std::shared_ptr<LinearScaling> scaling;
 };
@@ -101,16 +117,17 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     const BlockRoles roles = block_roles(scaling->recipe);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    const BlockTensor wq = BlockTensor::quantize(weight.detach(), roles.weight);
-    at::Tensor y = block_scaled_mm(BlockTensor::quantize(x2, roles.input), wq);
+    const at::Tensor w = weight.detach();
+    const BlockTensor wq = BlockTensor::quantize(w, roles.weight);
+    at::Tensor y = product(BlockTensor::quantize(x2, roles.input), false, wq, true);
     if (bias.defined()) y.add_(bias.to(at::kFloat));
     if (at::GradMode::is_enabled() || x.requires_grad() || weight.requires_grad()) {
       auto saved = c10::make_intrusive<SavedOperands>();
-      saved->x_columns = BlockTensor::quantize(columnwise(x2, roles.hadamard), roles.input);
+      saved->x_columns =
+          BlockTensor::quantize(along_tokens(x2, roles.hadamard), down_columns(roles.input));
       saved->w_columns = roles.weight.block_rows() > 1
-                             ? wq.transposed()
-                             : BlockTensor::quantize(columnwise(weight.detach(), false),
-                                                     roles.weight);
+                             ? wq
+                             : BlockTensor::quantize(w, down_columns(roles.weight));
       saved->roles = roles;
       saved->scaling = std::move(scaling);
       ctx->saved_data["operands"] = c10::IValue::make_capsule(std::move(saved));
@@ -128,7 +145,7 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     auto* saved = static_cast<SavedOperands*>(ctx->saved_data["operands"].toCapsule().get());
     const BlockRoles& roles = saved->roles;
-    const at::Tensor g = grads[0].reshape({-1, saved->w_columns.codes.size(1)}).to(at::kFloat);
+    const at::Tensor g = grads[0].reshape({-1, saved->w_columns.codes.size(0)}).to(at::kFloat);
     // NVFP4's stochastic rounding: this layer's stream, from where it stopped.
     c10::optional<StochasticRounding> rows_rounding, columns_rounding;
     const at::Tensor& rounding = saved->scaling->rounding;
@@ -143,11 +160,13 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    // grad_x [N, in] = g [N, out] . w [out, in], along out.
     const BlockTensor g_rows = BlockTensor::quantize(g, roles.grad, rows_rounding);
-    at::Tensor grad_x = block_scaled_mm(g_rows, saved->w_columns).view(x_sizes).to(x_dtype);
-    const BlockTensor g_columns =
-        BlockTensor::quantize(columnwise(g, roles.hadamard), roles.grad, columns_rounding);
-    at::Tensor grad_w = block_scaled_mm(g_columns, saved->x_columns).to(w_dtype);
+    at::Tensor grad_x = product(g_rows, false, saved->w_columns, false).view(x_sizes).to(x_dtype);
+    // grad_w [out, in] = g^T [out, N] . x [N, in], along N.
+    const BlockTensor g_columns = BlockTensor::quantize(along_tokens(g, roles.hadamard),
+                                                        down_columns(roles.grad), columns_rounding);
+    at::Tensor grad_w = product(g_columns, true, saved->x_columns, false).to(w_dtype);
     at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype) : at::Tensor();
     return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }

@@ -252,11 +252,14 @@ struct BlockTensor {
 
 /// The 16-point random Hadamard transform of NVFP4's weight-gradient
 /// operands, along the last dimension (a multiple of 16) in tiles of 16:
-/// each tile times H = S * H16 / 4 (H16 Sylvester's Hadamard matrix, S the
-/// diagonal of TE's fixed sign vector); `inverse` multiplies by H^T. H is
-/// orthogonal: the transform of both operands of a product along its inner
-/// dimension leaves the product unchanged. float32 out.
-[[nodiscard]] at::Tensor hadamard16(const at::Tensor& x, bool inverse = false);
+/// each tile, a row vector, times H = S * H16 / 4 (H16 Sylvester's Hadamard
+/// matrix, S the diagonal of TE's fixed sign vector); `inverse` multiplies
+/// by H^T. H is orthogonal: the transform of both operands of a product
+/// along its inner dimension leaves the product unchanged. `dim` 0 (a 2-D
+/// x) transforms down the columns instead, each column's tiles as the row
+/// tiles are: hadamard16(x, inverse, 0) is hadamard16(x.t(), inverse).t().
+/// float32 out.
+[[nodiscard]] at::Tensor hadamard16(const at::Tensor& x, bool inverse = false, int64_t dim = -1);
 
 /// E2M1 codes (uint8, last dimension even) two to a byte: element 2i in the
 /// low nibble, 2i + 1 in the high one (the OCP and torchao layout).
