@@ -183,7 +183,13 @@ struct CurrentScaled : Fp8Tensor {
 class Recipe {
  public:
   /// Which recipe a Recipe holds.
-  enum class Kind { kDelayed, kCurrent, kMxfp8, kNvfp4, kFloat8Block };
+  enum class Kind {
+    kDelayed,      ///< DelayedScaling
+    kCurrent,      ///< CurrentScaling
+    kMxfp8,        ///< MXFP8BlockScaling
+    kNvfp4,        ///< NVFP4BlockScaling
+    kFloat8Block,  ///< Float8BlockScaling
+  };
 
   Recipe() = default;  ///< DelayedScaling's defaults
   /// Delayed scaling with `delayed`'s options.
