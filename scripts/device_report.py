@@ -17,6 +17,11 @@ import statistics
 import sys
 import xml.etree.ElementTree as ET
 
+# The model FLOPs of a step are bench/e2e.py's, the one formula `make bench`
+# reports MFU with too.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from e2e import gpt_flops_per_step  # noqa: E402
+
 # ampx-train mode -> the Python precision it is compared with (same dtype).
 PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16",
          "O1-bf16": "autocast-bf16", "O2-bf16": "autocast-bf16"}
@@ -49,12 +54,15 @@ def tests_summary(out, skipped, name="ctest-junit.xml"):
     return {"tests": len(cases), "failed": failed, "skipped": skips}
 
 
-def gpt_flops_per_token(model, params):
-    """6 N for the weights' products (forward + backward) plus attention's
-    12 L T d (scores and weighted sum, forward + backward)."""
-    if not model or not params:
+def gpt_flops_per_token(model):
+    """bench/e2e.py's gpt_flops_per_step for one sequence, per token: the
+    matrix products (qkv, proj, MLP, the head; not the embeddings' lookups)
+    and attention's two, forward and backward."""
+    if not model or not all(k in model for k in ("block_size", "layers", "d_model", "vocab")):
         return None
-    return 6.0 * params + 12.0 * model["layers"] * model["block_size"] * model["d_model"]
+    t = model["block_size"]
+    return gpt_flops_per_step(1, block=t, layers=model["layers"], d=model["d_model"],
+                              vocab=model["vocab"]) / t
 
 
 def median(values):
@@ -234,7 +242,7 @@ def main():
     if ampx or python:
         device = "cuda" if gpu else "cpu"
         pairs = PAIRS if device == "cuda" else CPU_PAIRS
-        flops = gpt_flops_per_token(model, params)
+        flops = gpt_flops_per_token(model)
         w(f"### ampx-train against torch.autocast ({shape_of(model, 'gpt')}; medians over "
           "rounds)\n")
 
