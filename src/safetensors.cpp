@@ -1,7 +1,7 @@
 // safetensors files (ampx/safetensors.h). The header is read by a parser of
 // the format's own subset of JSON (one object of tensor entries and an
 // optional "__metadata__" object of strings; arrays of integers): the library
-// keeps no JSON package (src/debug/json_writer.h), and a fixed grammar of
+// keeps no JSON package (src/json/writer.h), and a fixed grammar of
 // bounded depth is simpler to make safe against hostile files than a general
 // parser (tests/fuzz: target safetensors).
 
@@ -10,7 +10,7 @@
 #include "ampx/detail/compat.h"
 #include "ampx/fp8/cast.h"
 #include "atomic_file.h"
-#include "debug/json_writer.h"
+#include "json/writer.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -330,7 +330,7 @@ std::map<std::string, at::Tensor> named_tensors(const torch::nn::Module& module)
 
 void write_entries(const std::map<std::string, OutEntry>& entries, const std::string& path,
                    const std::map<std::string, std::string>& metadata) {
-  using debug::detail::json_string;
+  using detail::json_string;
   std::string header = "{";
   if (!metadata.empty()) {
     header += "\"__metadata__\":{";
