@@ -15,7 +15,7 @@
 
 #include "ampx/kernels.h"
 
-#include "../debug/observer.h"
+#include "../dispatch/observer_key.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -47,9 +47,7 @@ struct NoAutocast {
 // Backward they see the parts, under the node of the forward op's scope: an
 // overflow there is reported on the float32 product, or on the rounding to
 // float16 past 65504.
-struct HiddenFromObservers {
-  c10::impl::ExcludeDispatchKeyGuard observers{debug::detail::kObserverKey};
-};
+using HiddenFromObservers = detail::HiddenFromObserversGuard;
 
 at::Tensor widen(const at::Tensor& t) { return t.to(at::kFloat); }
 
