@@ -13,7 +13,7 @@
 // 16-bit inputs (not float32 copies), so activation memory stays that of
 // the 16-bit path.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/cpu_products.h"
 
 #include "../dispatch/observer_key.h"
 

@@ -5,7 +5,7 @@
 
 #include "ampx/autocast.h"
 #include "ampx/detail/compat.h"
-#include "ampx/kernels.h"
+#include "ampx/kernels/cpu_products.h"
 #include "../autocast_region.h"
 #include "registry.h"
 
