@@ -4,7 +4,7 @@
 
 #include "ampx/autocast.h"
 #include "ampx/fp8/linear.h"
-#include "ampx/kernels.h"
+#include "ampx/kernels/cpu_products.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
 #include "policy/registry.h"

@@ -7,6 +7,7 @@
 #include "archive_check.h"
 
 #include "archive/cursor.h"
+#include "archive/pickle_lengths.h"
 #include "archive/zip_records.h"
 
 #include <string>

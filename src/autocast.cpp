@@ -3,6 +3,7 @@
 #include "ampx/policy.h"
 
 #include "ampx/detail/compat.h"
+#include "autocast_region.h"
 #include "device_check.h"
 #include "policy/registry.h"
 
@@ -44,8 +45,10 @@ c10::ScalarType checked_dtype(c10::DeviceType device_type, c10::optional<c10::Sc
 
 }  // namespace
 
-AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<c10::ScalarType> dtype,
-                             bool enabled, bool cache_enabled)
+namespace detail {
+
+AutocastRegion::AutocastRegion(c10::DeviceType device_type, c10::optional<c10::ScalarType> dtype,
+                               bool enabled, bool cache_enabled)
     : device_type_(device_type), dtype_(checked_dtype(device_type, dtype)), enabled_(enabled) {
   if (enabled_ && device_type_ == c10::DeviceType::CUDA && !at::globalContext().hasCUDA()) {
     // Once per process: a loop opens a guard every step, and Python's
@@ -57,36 +60,47 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<c10::Sca
   }
   // The steps and their order are those of torch.autocast.__enter__.
   prev_cache_enabled_ = at::autocast::is_autocast_cache_enabled();
-  prev_enabled_ = detail::compat::autocast_enabled(device_type_);
-  prev_dtype_ = detail::compat::autocast_dtype(device_type_);
-  detail::compat::set_autocast_enabled(device_type_, enabled_);
-  detail::compat::set_autocast_dtype(device_type_, dtype_);
+  prev_enabled_ = compat::autocast_enabled(device_type_);
+  prev_dtype_ = compat::autocast_dtype(device_type_);
+  compat::set_autocast_enabled(device_type_, enabled_);
+  compat::set_autocast_dtype(device_type_, dtype_);
   at::autocast::increment_nesting();
   at::autocast::set_autocast_cache_enabled(cache_enabled);
-  if (enabled_ && detail::autocast_guard_wants_wide_products(device_type_, dtype_)) {
-    try {
-      wide_ = std::make_unique<WideProductsGuard>();
-    } catch (...) {
-      restore();
-      throw;
-    }
+}
+
+AutocastRegion::~AutocastRegion() {
+  // torch.autocast.__exit__: the outermost region drops the weight-cast cache.
+  if (at::autocast::decrement_nesting() == 0) {
+    at::autocast::clear_cache();
+  }
+  compat::set_autocast_enabled(device_type_, prev_enabled_);
+  compat::set_autocast_dtype(device_type_, prev_dtype_);
+  at::autocast::set_autocast_cache_enabled(prev_cache_enabled_);
+}
+
+}  // namespace detail
+
+AutocastGuard::AutocastGuard(c10::DeviceType device_type, c10::optional<c10::ScalarType> dtype,
+                             bool enabled, bool cache_enabled)
+    : region_(
+          std::make_unique<detail::AutocastRegion>(device_type, dtype, enabled, cache_enabled)) {
+  // (A WideProductsGuard that throws leaves region_ to exit the region.)
+  if (region_->enabled() &&
+      detail::autocast_guard_wants_wide_products(device_type, region_->dtype())) {
+    wide_ = std::make_unique<WideProductsGuard>();
   }
 }
 
 AutocastGuard::~AutocastGuard() {
   wide_.reset();
-  restore();
+  region_.reset();
 }
 
-void AutocastGuard::restore() noexcept {
-  // torch.autocast.__exit__: the outermost region drops the weight-cast cache.
-  if (at::autocast::decrement_nesting() == 0) {
-    at::autocast::clear_cache();
-  }
-  detail::compat::set_autocast_enabled(device_type_, prev_enabled_);
-  detail::compat::set_autocast_dtype(device_type_, prev_dtype_);
-  at::autocast::set_autocast_cache_enabled(prev_cache_enabled_);
-}
+c10::DeviceType AutocastGuard::device_type() const noexcept { return region_->device_type(); }
+
+c10::ScalarType AutocastGuard::dtype() const noexcept { return region_->dtype(); }
+
+bool AutocastGuard::enabled() const noexcept { return region_->enabled(); }
 
 namespace detail {
 at::Tensor cast_for_custom_fwd(const at::Tensor& t, c10::DeviceType device_type,

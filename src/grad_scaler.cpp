@@ -3,7 +3,7 @@
 
 #include "ampx/grad_scaler.h"
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/loss_scale.h"
 
 #include "scale_math.h"
 

@@ -6,6 +6,10 @@
 
 #include "archive_check.h"
 
+#include "archive/module_source.h"
+#include "archive/pickle_lengths.h"
+#include "archive/pickle_machine.h"
+
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>

@@ -31,6 +31,9 @@
 namespace ampx {
 
 class WideProductsGuard;
+namespace detail {
+class AutocastRegion;
+}
 
 /// Whether autocast is enabled for `device_type` (kCPU or kCUDA) in this thread.
 bool is_autocast_enabled(c10::DeviceType device_type);
@@ -80,21 +83,15 @@ class AutocastGuard {
   AutocastGuard& operator=(AutocastGuard&&) = delete;
 
   /// The device type the region casts for (kCPU or kCUDA).
-  c10::DeviceType device_type() const noexcept { return device_type_; }
+  c10::DeviceType device_type() const noexcept;
   /// The dtype the region casts to.
-  c10::ScalarType dtype() const noexcept { return dtype_; }
+  c10::ScalarType dtype() const noexcept;
   /// False when constructed disabled, or disabled because CUDA is missing.
-  bool enabled() const noexcept { return enabled_; }
+  bool enabled() const noexcept;
 
  private:
-  c10::DeviceType device_type_;
-  c10::ScalarType dtype_;
-  bool enabled_;
-  bool prev_enabled_;
-  c10::ScalarType prev_dtype_;
-  bool prev_cache_enabled_;
-  void restore() noexcept;
-  std::unique_ptr<WideProductsGuard> wide_;  // CPU products through the fp32 BLAS
+  std::unique_ptr<detail::AutocastRegion> region_;  // torch.autocast's enter and exit
+  std::unique_ptr<WideProductsGuard> wide_;         // CPU products through the fp32 BLAS
 };
 
 namespace detail {

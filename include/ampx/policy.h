@@ -92,7 +92,8 @@ std::vector<std::string> cast_policy_overloads(const std::string& op);
 
 namespace detail {
 class PolicySnapshot;
-}
+class AutocastRegion;
+}  // namespace detail
 class AutocastGuard;
 
 /// Sets policies for its lifetime and restores, on exit (also by exception),
@@ -240,7 +241,7 @@ class WideProductsGuard {
 
  private:
   std::unique_ptr<detail::PolicySnapshot> saved_;
-  std::unique_ptr<AutocastGuard> autocast_;
+  std::unique_ptr<detail::AutocastRegion> autocast_;  // outside autocast: a region of its own
 };
 
 /// A region that must compute in float32 inside (or outside) an autocast

@@ -3,7 +3,7 @@
 /// \file
 /// ScaleUpdateRule: how dynamic loss scaling moves the scale after each
 /// iteration. GradScaler builds one from its options; ampx::update_scale_
-/// (ampx/kernels.h) applies one to tensors, for custom scalers.
+/// (ampx/kernels/loss_scale.h) applies one to tensors, for custom scalers.
 ///
 /// ```
 ///   ampx::ScaleUpdateRule rule;       // PyTorch's: x2 every 2000 clean steps, x0.5 on inf

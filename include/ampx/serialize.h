@@ -24,7 +24,7 @@
 ///   zero.load(in);
 /// ```
 
-#include "ampx/grad_scaler.h"
+#include "ampx/state_dict.h"
 
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>

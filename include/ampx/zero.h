@@ -33,7 +33,7 @@
 /// is not wrapped: use it without DistributedDataParallel.
 
 #include "ampx/dist.h"
-#include "ampx/grad_scaler.h"
+#include "ampx/scaler_aware_optimizer.h"
 
 #include <torch/optim/optimizer.h>
 

@@ -1,9 +1,7 @@
-// check_attribute_module_source (archive_check.h): a recognizer of the
+// check_attribute_module_source (module_source.h): a recognizer of the
 // TorchScript source torch::serialize::OutputArchive writes, one
 // attribute-only module class a line at a time, and the names of those
 // classes (module_source.h), as sources and pickle globals spell them.
-
-#include "../archive_check.h"
 
 #include "module_source.h"
 

@@ -1,9 +1,9 @@
-// check_pickle (archive_check.h): a walk over a pickle stream that builds
+// check_pickle (pickle_lengths.h): a walk over a pickle stream that builds
 // nothing, only reads each opcode's arguments: every length field, frame and
 // text argument must fit the bytes left, and every memo index the entries
 // stored so far, as LibTorch's unpickler allocates what they say.
 
-#include "../archive_check.h"
+#include "pickle_lengths.h"
 
 #include "cursor.h"
 

@@ -1,10 +1,10 @@
-// check_output_archive_pickle (archive_check.h): a pickle machine for the
+// check_output_archive_pickle (pickle_machine.h): a pickle machine for the
 // data.pkl of an archive torch::serialize::OutputArchive wrote. It runs the
 // opcodes OutputArchive writes and no others, tracking what each stack entry
 // is (module object, dict, storage, tensor, plain value), and checks each
 // tensor's storage record and view against the bytes there are.
 
-#include "../archive_check.h"
+#include "pickle_machine.h"
 
 #include "cursor.h"
 #include "module_source.h"

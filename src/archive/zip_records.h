@@ -5,7 +5,7 @@
 // central directory, with their sizes and places checked against the file.
 // check_torch_archive (archive_check.cpp) reads archives through it.
 
-#include "../archive_check.h"
+#include "record.h"
 
 #include <cstddef>
 #include <string>

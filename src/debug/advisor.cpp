@@ -1,8 +1,8 @@
 #include "ampx/debug/advisor.h"
 
+#include "../json/writer.h"
 #include "ampx/debug/scope.h"
 #include "fraction.h"
-#include "json_writer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -292,8 +292,8 @@ std::string PrecisionAdvice::to_markdown() const {
 }
 
 std::string PrecisionAdvice::to_json() const {
-  using detail::json_number;
-  using detail::json_string;
+  using ampx::detail::json_number;
+  using ampx::detail::json_string;
   auto findings = [](const std::vector<ScopeFinding>& v) {
     std::ostringstream o;
     o << "[";

@@ -12,6 +12,8 @@
 
 #include "ampx/debug/nonfinite.h"
 
+#include "../dispatch/observer_key.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 
@@ -23,11 +25,9 @@ namespace ampx {
 namespace debug {
 namespace detail {
 
-/// The key of the observers' fallback. A kernel that computes an op out of
-/// other ops (ampx's wide products: float32 copies, a float32 product, a
-/// rounding) excludes it around them, so that observers see the op the
-/// program called, with its dtype, rather than its parts.
-constexpr c10::DispatchKey kObserverKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+/// The key of the observers' fallback (src/dispatch/observer_key.h, where the
+/// kernels that hide their parts from observers find it too).
+using ampx::detail::kObserverKey;
 
 /// A floating output tensor to inspect, with the index of the output it
 /// came from and whether the op wrote it into an input.

@@ -1,7 +1,7 @@
 #include "ampx/debug/range_stats.h"
 
+#include "../json/writer.h"
 #include "fraction.h"
-#include "json_writer.h"
 #include "observer.h"
 
 #include <algorithm>
@@ -93,8 +93,8 @@ std::vector<std::string> RangeStats::scopes() const {
 }
 
 std::string RangeStats::to_json() const {
-  using detail::json_number;
-  using detail::json_string;
+  using ampx::detail::json_number;
+  using ampx::detail::json_string;
   std::ostringstream o;
   o << "{\"ops_seen\": " << ops_seen
     << ", \"histogram_min_exponent\": " << RangeRecord::kMinExponent << ", \"records\": [";

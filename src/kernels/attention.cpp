@@ -9,7 +9,7 @@
 // one float32 log-sum-exp per query row: nothing of size T x S, where the
 // composite keeps the probabilities.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/attention.h"
 
 #include "ampx/detail/compat.h"
 #include "ampx/detail/kernels.h"

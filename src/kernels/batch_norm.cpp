@@ -3,7 +3,7 @@
 // batch norm, mnist-cnn's), channel by channel in 16-bit passes over the
 // input (kernels/isa/norm_span.cpp), saving the 16-bit input for backward.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/mixed_norms.h"
 
 #include "function_args.h"
 #include "isa/norm_kernels.h"

@@ -5,7 +5,7 @@
 // operation: a quarter of a gpt O2 step's non-matrix time, and a gradient
 // rounded several times (docs/performance-notes.md).
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/gelu.h"
 
 #include "ampx/detail/kernels.h"
 

@@ -1,8 +1,8 @@
-// ampx/kernels.h: routing of the AMP kernels to ATen's or ampx's
+// ampx/kernels/loss_scale.h: routing of the AMP kernels to ATen's or ampx's
 // implementation, the shared argument checks, and the device-generic
 // composite versions.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/loss_scale.h"
 
 #include "ampx/detail/compat.h"
 #include "ampx/detail/kernels.h"

@@ -4,7 +4,7 @@
 // backward. What O2's fp32 norms compute, without the float32 copies around
 // them.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/mixed_norms.h"
 
 #include "function_args.h"
 #include "isa/norm_kernels.h"

@@ -13,9 +13,9 @@
 // 16-bit inputs (not float32 copies), so activation memory stays that of
 // the 16-bit path.
 
-#include "ampx/kernels.h"
+#include "ampx/kernels/cpu_products.h"
 
-#include "../debug/observer.h"
+#include "../dispatch/observer_key.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -47,9 +47,7 @@ struct NoAutocast {
 // Backward they see the parts, under the node of the forward op's scope: an
 // overflow there is reported on the float32 product, or on the rounding to
 // float16 past 65504.
-struct HiddenFromObservers {
-  c10::impl::ExcludeDispatchKeyGuard observers{debug::detail::kObserverKey};
-};
+using HiddenFromObservers = detail::HiddenFromObserversGuard;
 
 at::Tensor widen(const at::Tensor& t) { return t.to(at::kFloat); }
 

@@ -5,7 +5,8 @@
 
 #include "ampx/autocast.h"
 #include "ampx/detail/compat.h"
-#include "ampx/kernels.h"
+#include "ampx/kernels/cpu_products.h"
+#include "../autocast_region.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>
@@ -166,10 +167,6 @@ const char* const kProductOps[] = {"aten::linear", "aten::matmul", "aten::mm", "
 // And attention, to ampx's fused kernel (routes_fused_attention).
 constexpr const char* kAttentionOp = "aten::scaled_dot_product_attention";
 
-// Set while a WideProductsGuard makes its own AutocastGuard, which must not
-// make another WideProductsGuard.
-thread_local bool t_making_wide_guard = false;
-
 }  // namespace
 
 namespace detail {
@@ -178,7 +175,7 @@ bool routes_fused_attention() {
 }
 
 bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype) {
-  return device_type == c10::DeviceType::CPU && !t_making_wide_guard &&
+  return device_type == c10::DeviceType::CPU &&
          (cpu_products_are_wide(dtype) || routes_fused_attention());
 }
 }  // namespace detail
@@ -220,15 +217,15 @@ WideProductsGuard::WideProductsGuard() {
   }
   saved_ = detail::set_policies(cpu, changes);
   if (autocast_on) return;
-  t_making_wide_guard = true;
+  // Autocast on for the CPU, as AutocastGuard(cpu) turns it on, but a region
+  // only: AutocastGuard would make a WideProductsGuard of its own.
   try {
-    autocast_ = std::make_unique<AutocastGuard>(cpu);
+    autocast_ = std::make_unique<detail::AutocastRegion>(cpu, c10::nullopt, /*enabled=*/true,
+                                                         /*cache_enabled=*/true);
   } catch (...) {
-    t_making_wide_guard = false;
     detail::restore_policies(*saved_);
     throw;
   }
-  t_making_wide_guard = false;
 }
 
 WideProductsGuard::~WideProductsGuard() {

@@ -86,8 +86,7 @@ namespace ampx {
 namespace detail {
 /// Whether an enabled AutocastGuard on `device_type` with `dtype` makes a
 /// WideProductsGuard (the CPU, products wide for dtype or 16-bit attention
-/// routed to ampx's kernel, and not the guard a WideProductsGuard makes
-/// itself).
+/// routed to ampx's kernel).
 bool autocast_guard_wants_wide_products(c10::DeviceType device_type, c10::ScalarType dtype);
 /// Whether WideProductsGuard routes 16-bit CPU aten::scaled_dot_product_attention
 /// to ampx::scaled_dot_product_attention: on every LibTorch that has the op

@@ -6,6 +6,24 @@ include(${CMAKE_CURRENT_LIST_DIR}/readme_usage.cmake)
 include(${CMAKE_CURRENT_LIST_DIR}/consumer_steps.cmake)
 file(REMOVE_RECURSE ${WORK_DIR})
 ampx_install_into(${AMPX_BINARY_DIR} ${WORK_DIR}/prefix)
+# Installed headers are the public API: a detail/ header is installed only
+# where an installed header includes it.
+file(GLOB_RECURSE installed_headers ${WORK_DIR}/prefix/include/ampx/*.h)
+file(GLOB installed_details RELATIVE ${WORK_DIR}/prefix/include
+  ${WORK_DIR}/prefix/include/ampx/detail/*.h)
+foreach(detail IN LISTS installed_details)
+  set(included_by "")
+  foreach(header IN LISTS installed_headers)
+    file(STRINGS ${header} lines REGEX "#include \"${detail}\"")
+    if(lines)
+      set(included_by ${header})
+      break()
+    endif()
+  endforeach()
+  if(NOT included_by)
+    message(FATAL_ERROR "the package installs ${detail}, which no installed header includes")
+  endif()
+endforeach()
 ampx_write_readme_project(${AMPX_SOURCE_DIR} 0 ${WORK_DIR}/src "")
 # The consumer is built as ampx was: same compiler, build type and flags
 # (sanitizer builds need the runtime their instrumented libampx.a calls).

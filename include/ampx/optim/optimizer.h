@@ -29,7 +29,7 @@
 /// State (masters, moments, step counts) is keyed by (group, index) position,
 /// never by tensor identity, and save/load round-trips it bitwise.
 
-#include "ampx/grad_scaler.h"
+#include "ampx/scaler_aware_optimizer.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>

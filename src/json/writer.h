@@ -1,7 +1,13 @@
 #pragma once
 
-// A small JSON writer for the diagnostics' reports: the library itself does
-// not depend on a JSON package (ampx-train and the tests use nlohmann-json).
+// A small JSON writer: strings and numbers as JSON text, for the
+// diagnostics' reports (src/debug/) and safetensors headers
+// (src/safetensors/). The library itself does not depend on a JSON package
+// (ampx-train and the tests use nlohmann-json).
+//
+//   ampx::detail::json_string("say \"hi\"");  // the text "say \"hi\"", quotes included
+//   ampx::detail::json_number(0.1);          // 0.10000000000000001
+//   ampx::detail::json_number(INFINITY);     // "inf"
 
 #include <cmath>
 #include <cstdint>
@@ -11,9 +17,10 @@
 #include <string>
 
 namespace ampx {
-namespace debug {
 namespace detail {
 
+/// `s` as a JSON string, quoted, with quotes, backslashes and control
+/// characters escaped (bytes from 0x80 as they are: UTF-8 passes through).
 inline std::string json_string(const std::string& s) {
   std::ostringstream o;
   o << '"';
@@ -55,5 +62,4 @@ inline std::string json_number(double v) {
 }
 
 }  // namespace detail
-}  // namespace debug
 }  // namespace ampx

@@ -1,0 +1,81 @@
+#pragma once
+
+/// \file
+/// 16-bit matrix products on the CPU: whether ampx's regions multiply
+/// bfloat16/float16 matrices in LibTorch's own kernels or "wide", in the
+/// float32 BLAS rounded once to 16 bits (CpuProducts), and the wide products
+/// themselves (wide_linear, wide_bmm, wide_matmul).
+///
+/// ```
+///   ampx::get_cpu_products();                        // CpuProducts::kAuto (AMPX_CPU_PRODUCTS unset)
+///   ampx::cpu_products_are_wide(torch::kBFloat16);   // true on a CPU without AVX-512
+///   auto y = ampx::wide_linear(x, w, b);             // bf16 x, w, b: bf16 y, float32 sums
+/// ```
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+namespace ampx {
+
+/// How ampx's mixed-precision regions multiply bfloat16/float16 matrices on
+/// the CPU. LibTorch's 16-bit products are fast only where oneDNN has
+/// kernels for them (x86 CPUs with AVX-512, for float16 also AVX512-FP16);
+/// elsewhere (AVX2 CPUs such as AMD Zen 1-3) it runs a scalar loop, about 30x
+/// slower than its float32 product, and so does Python's torch.autocast.
+/// "Wide" products multiply the 16-bit inputs in the float32 BLAS and round
+/// the result once to 16 bits: the numbers of a 16-bit GEMM with float32
+/// accumulation (in another summation order), at float32 speed, with the
+/// 16-bit inputs (not float32 copies) saved for backward.
+enum class CpuProducts {
+  /// Wide where the CPU lacks the instructions LibTorch's 16-bit products need
+  /// (cpu_has_native_products), LibTorch's own otherwise. The default.
+  kAuto,
+  /// Always LibTorch's own kernels.
+  kNative,
+  /// Always wide.
+  kWide,
+};
+
+/// "auto", "native", "wide".
+const char* to_string(CpuProducts mode);
+
+/// Sets the process-wide mode. The initial one comes from the environment
+/// variable AMPX_CPU_PRODUCTS (auto, native or wide; unset: auto), read at the
+/// first use; another value is an error naming it.
+void set_cpu_products(CpuProducts mode);
+/// The process-wide mode (see set_cpu_products).
+CpuProducts get_cpu_products();
+
+/// Whether LibTorch multiplies `dtype` matrices on this CPU with vectorized
+/// kernels (always true for float32 and float64).
+bool cpu_has_native_products(c10::ScalarType dtype);
+
+/// Whether ampx's regions (AutocastGuard, AmpSession::forward_guard(),
+/// WideProductsGuard) route `dtype` products through wide_linear and
+/// wide_matmul now: never for float32/float64, else by get_cpu_products().
+bool cpu_products_are_wide(c10::ScalarType dtype);
+
+/// `at::linear(x, weight, bias)` for 16-bit CPU operands of one dtype (x
+/// [..., in], weight [out, in], bias [out] or undefined), computed in the
+/// float32 BLAS and rounded once to x's dtype; the gradients likewise (each in
+/// its operand's dtype). Errors name the operand that is not a 16-bit CPU
+/// tensor of the shared dtype, or the sizes that do not agree.
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& bias = at::Tensor());
+/// Whether the sizes fit wide_linear (x [..., in], weight [out, in], bias
+/// [out] or undefined); dtypes are not looked at.
+bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight,
+                          const at::Tensor& bias = at::Tensor());
+
+/// `at::bmm(a, b)` the same way (a [B, M, K], b [B, K, N]).
+at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b);
+
+/// `at::matmul(a, b)` the same way, for the shapes of linear layers and
+/// attention: a [..., M, K] with b [K, N], or with b [..., K, N] of the same
+/// batch sizes (wide_matmul_supports); other shapes are an error.
+at::Tensor wide_matmul(const at::Tensor& a, const at::Tensor& b);
+/// Whether the sizes fit wide_matmul (a [..., M, K] with b [K, N], or b
+/// [..., K, N] of a's batch sizes); dtypes are not looked at.
+bool wide_matmul_supports(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace ampx
