@@ -1,9 +1,16 @@
 // FP8 Linear against bf16 on the matrix shapes of a GPT-2-small block
-// (d 768: qkv 768->2304, proj 768->768, fc 768->3072, out 3072->768), one
-// forward and backward per iteration, median of the timed iterations:
+// (d 768: qkv 768->2304, proj 768->768, fc 768->3072, out 3072->768) and, on
+// CUDA (or with --wide), square layers 4096 and 8192 wide; one forward and
+// backward per iteration, median of the timed iterations:
 //
 //   build/host/bench/ampx_fp8_bench [--device cuda|cpu] [--tokens N] [--iters N]
-//                                   [--profile TRACE.json]
+//                                   [--wide 0|1] [--profile TRACE.json]
+//
+// Each FP8 row has its breakdown, each part timed alone on the same tensors:
+// cast_ms, the three casts of a step (input and weight with their
+// transposes, output gradient; on CUDA one kernel each, cast_kernels.cu);
+// scaling_ms, the three delayed-scaling updates; rest_ms, fp8_ms less both
+// (the products, the bias and autograd's own work).
 //
 // --profile: after the timing, three more forward + backward passes of the
 // FP8 block (each layer once) under LibTorch's Kineto profiler, CPU ops and,
@@ -59,6 +66,57 @@ double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, 
   return ms[ms.size() / 2];
 }
 
+// Median ms of `fn` over `iters` runs after 3 of warm-up, the device synchronised around each.
+template <class Fn>
+double time_ms(Fn&& fn, int iters, const torch::Device& device) {
+  std::vector<double> ms;
+  for (int i = 0; i < iters + 3; ++i) {
+    sync(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    sync(device);
+    const double t =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (i >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+struct Breakdown {
+  double cast_ms, scaling_ms;
+};
+
+// The casts and the scaling updates of one FP8 step of an in x out layer on
+// `tokens` rows, each timed alone: the input and the weight (with their
+// transposes), the output gradient; then three delayed-scaling updates.
+Breakdown fp8_breakdown(int64_t tokens, int64_t in, int64_t out, int iters,
+                        const torch::Device& device) {
+  using ampx::fp8::TensorScaling;
+  const auto bf16 = torch::TensorOptions().device(device).dtype(torch::kBFloat16);
+  const auto x = torch::randn({tokens, in}, bf16), g = torch::randn({tokens, out}, bf16);
+  const auto w = torch::randn({out, in}, torch::TensorOptions().device(device));
+  const ampx::fp8::Recipe recipe;  // delayed scaling, TE's defaults
+  auto input = std::make_shared<TensorScaling>(recipe, ampx::Direction::kForward, device);
+  auto weight = std::make_shared<TensorScaling>(recipe, ampx::Direction::kForward, device);
+  auto grad = std::make_shared<TensorScaling>(recipe, ampx::Direction::kBackward, device);
+  const double cast_ms = time_ms(
+      [&] {
+        at::Tensor t;
+        (void)input->cast(x, /*record=*/false, nullptr, &t);
+        (void)weight->cast(w, /*record=*/false, nullptr, &t);
+        (void)grad->cast(g, /*record=*/false, nullptr, &t);
+      },
+      iters, device);
+  const auto amax = torch::full({1}, 3.0f, torch::TensorOptions().device(device));
+  const double scaling_ms = time_ms(
+      [&] {
+        for (auto* role : {input.get(), weight.get(), grad.get()}) role->delayed_state().update(amax);
+      },
+      iters, device);
+  return {cast_ms, scaling_ms};
+}
+
 // `passes` forward + backward passes of every layer of `block` in FP8 under
 // the Kineto profiler, written as a Chrome trace to `path`.
 void profile_block(std::vector<torch::nn::Linear>& block, const std::vector<torch::Tensor>& inputs,
@@ -90,11 +148,13 @@ int main(int argc, char** argv) {
   int64_t tokens = 0;
   int iters = 20;
   std::string profile;
+  int wide = -1;  // unset: on CUDA only
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--device")) device_name = argv[i + 1];
     if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--profile")) profile = argv[i + 1];
+    if (!std::strcmp(argv[i], "--wide")) wide = std::atoi(argv[i + 1]);
   }
   const torch::Device device(device_name == "cuda" ? torch::kCUDA : torch::kCPU);
   if (tokens == 0) tokens = device.is_cuda() ? 8 * 1024 : 512;  // batch 8 x context 1024
@@ -102,15 +162,20 @@ int main(int argc, char** argv) {
     const char* name;
     int64_t in, out;
   };
-  const Shape shapes[] = {
+  std::vector<Shape> shapes = {
       {"qkv", 768, 2304}, {"proj", 768, 768}, {"fc", 768, 3072}, {"out", 3072, 768}};
+  if (wide == 1 || (wide == -1 && device.is_cuda())) {
+    shapes.push_back({"4096", 4096, 4096});
+    shapes.push_back({"8192", 8192, 8192});
+  }
+  const size_t block_shapes = 4;  // the GPT-2-small block's: block_speedup and --profile
   std::printf("{\"device\": \"%s\", \"torch\": \"%s\", \"tokens\": %lld, \"shapes\": [",
               device_name.c_str(), ampx::torch_version(), static_cast<long long>(tokens));
   double total_bf16 = 0, total_fp8 = 0;
   const int64_t calls_before = ampx::fp8::detail::scaled_mm_calls();
   std::vector<torch::nn::Linear> fp8_block;
   std::vector<torch::Tensor> fp8_inputs;
-  for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); ++s) {
+  for (size_t s = 0; s < shapes.size(); ++s) {
     torch::manual_seed(0);
     torch::nn::Linear bf16(shapes[s].in, shapes[s].out), fp8(shapes[s].in, shapes[s].out);
     bf16->to(device);
@@ -121,15 +186,22 @@ int main(int argc, char** argv) {
                        .requires_grad_(true);
     const double a = time_linear(bf16, x, false, iters, device);
     const double b = time_linear(fp8, x, true, iters, device);
-    total_bf16 += a;
-    total_fp8 += b;
-    fp8_block.push_back(fp8);
-    fp8_inputs.push_back(x);
+    const Breakdown parts = fp8_breakdown(tokens, shapes[s].in, shapes[s].out, iters, device);
+    if (s < block_shapes) {
+      total_bf16 += a;
+      total_fp8 += b;
+      fp8_block.push_back(fp8);
+      fp8_inputs.push_back(x);
+    }
     const double flops = 6.0 * tokens * shapes[s].in * shapes[s].out;  // fwd + 2 bwd products
     std::printf(
-        "%s{\"name\": \"%s\", \"bf16_ms\": %.4f, \"fp8_ms\": %.4f, \"speedup\": %.3f, "
-        "\"bf16_tflops\": %.2f, \"fp8_tflops\": %.2f}",
-        s ? ", " : "", shapes[s].name, a, b, a / b, flops / a / 1e9, flops / b / 1e9);
+        "%s{\"name\": \"%s\", \"in\": %lld, \"out\": %lld, \"bf16_ms\": %.4f, "
+        "\"fp8_ms\": %.4f, \"speedup\": %.3f, \"bf16_tflops\": %.2f, \"fp8_tflops\": %.2f, "
+        "\"cast_ms\": %.4f, \"scaling_ms\": %.4f, \"rest_ms\": %.4f}",
+        s ? ", " : "", shapes[s].name, static_cast<long long>(shapes[s].in),
+        static_cast<long long>(shapes[s].out), a, b, a / b, flops / a / 1e9, flops / b / 1e9,
+        parts.cast_ms, parts.scaling_ms, b - parts.cast_ms - parts.scaling_ms);
+    std::fflush(stdout);
   }
   std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld}\n", total_bf16 / total_fp8,
               static_cast<long long>(ampx::fp8::detail::scaled_mm_calls() - calls_before));

@@ -16,7 +16,8 @@
 #          fused AdamW against PyTorch's _fused_adamw_ plus the bf16 copy and
 #          against a copy), ampx_fp8_bench (on the GPU with its Kineto
 #          profile, OUT/fp8-profile.json), then per round and mode (fp32; O1
-#          and O2 in fp16 with GradScaler; O2 in bf16) ampx-train and the same
+#          and O2 in fp16 with GradScaler; O2 in bf16; fp8, O1 bf16 with FP8
+#          Linears) ampx-train and the same
 #          model in Python (torch.autocast + GradScaler + AdamW(fused=True)):
 #          GPT-2 small's shape on Moby Dick
 #   cpu    (not in all) the CPU comparison against the LibTorch of a pip wheel:
@@ -128,7 +129,7 @@ if [ "$part" = all ] || [ "$part" = bench ]; then
   fi
   if [ "$cuda" = 1 ]; then
     device=cuda shape=(--gpt-shape gpt2-small) pyshape=(--block-size 1024 --layers 12 --d-model 768 --heads 12)
-    modes="fp32 O1 O2 O2-bf16" pyprecisions="fp32 autocast-fp16 autocast-bf16" half=fp16
+    modes="fp32 O1 O2 O2-bf16 fp8-bf16" pyprecisions="fp32 autocast-fp16 autocast-bf16" half=fp16
   else
     device=cpu shape=(--layers 1 --d-model 32 --heads 2 --block-size 16) pyshape=(--layers 1 --d-model 32 --heads 2 --block-size 16)
     modes="fp32 O1" pyprecisions="fp32 autocast-bf16" half=bf16

@@ -24,7 +24,7 @@ from e2e import gpt_flops_per_step  # noqa: E402
 
 # ampx-train mode -> the Python precision it is compared with (same dtype).
 PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16",
-         "O1-bf16": "autocast-bf16", "O2-bf16": "autocast-bf16"}
+         "O1-bf16": "autocast-bf16", "O2-bf16": "autocast-bf16", "fp8-bf16": "autocast-bf16"}
 CPU_PAIRS = {"fp32": "fp32", "O1": "autocast-bf16", "O2": "autocast-bf16", "O3": "autocast-bf16"}
 
 
@@ -221,11 +221,13 @@ def main():
     fp8 = load(os.path.join(out, "fp8-bench.json"))
     if fp8 and fp8.get("device") == "cuda":
         summary["fp8"] = fp8
-        w(f"### FP8 Linear against bf16 ({fp8['tokens']} tokens, GPT-2 small shapes)\n")
-        w("| layer | bf16 ms | fp8 ms | speedup |\n| --- | ---: | ---: | ---: |")
+        w(f"### FP8 Linear against bf16 ({fp8['tokens']} tokens, GPT-2 small shapes, 4096 and 8192 wide)\n")
+        w("| layer | bf16 ms | fp8 ms | speedup | fp8: casts ms | scaling ms | products and rest ms |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for s in fp8["shapes"]:
-            w(f"| {s['name']} | {s['bf16_ms']:.3f} | {s['fp8_ms']:.3f} | {s['speedup']:.2f}x |")
-        w(f"\nblock: {fp8['block_speedup']:.2f}x ({fp8['scaled_mm_calls']} `_scaled_mm` calls)\n")
+            parts = " | ".join(f"{s[k]:.3f}" if k in s else "-" for k in ("cast_ms", "scaling_ms", "rest_ms"))
+            w(f"| {s['name']} | {s['bf16_ms']:.3f} | {s['fp8_ms']:.3f} | {s['speedup']:.2f}x | {parts} |")
+        w(f"\nGPT-2 small block: {fp8['block_speedup']:.2f}x ({fp8['scaled_mm_calls']} `_scaled_mm` calls)\n")
     elif fp8:
         skipped.append("FP8 on tensor cores: no CUDA device (the CPU emulation ran)")
     else:

@@ -11,6 +11,9 @@
 #include "test_util.h"
 
 #include <torch/cuda.h>
+#if defined(AMPX_TESTS_WITH_CUDA)
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <iostream>
 #include <numeric>
@@ -443,6 +446,42 @@ TEST(Fp8LinearTest, CudaMatchesTheCpuEmulation) {
   RecordProperty("scaled_mm_calls", static_cast<int>(detail::scaled_mm_calls() - before));
   std::cout << "at::_scaled_mm ran " << detail::scaled_mm_calls() - before
             << " of 9 products (0: this device or LibTorch emulates)" << std::endl;
+}
+
+// An FP8 training step on CUDA never waits for the device: the casts, the
+// amaxes and the scaling updates stay on it (LibTorch's sync debug mode
+// throws on any synchronising call while it is on). Both recipes.
+TEST(Fp8LinearTest, CudaStepNeverWaitsForTheDevice) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+#if defined(AMPX_TESTS_WITH_CUDA)
+  for (const Recipe& recipe : {Recipe(DelayedScaling().amax_history_len(16)),
+                               Recipe(CurrentScaling())}) {
+    SCOPED_TRACE(recipe.to_string());
+    torch::manual_seed(4);
+    Linear fc(LinearOptions(64, 32).recipe(recipe));
+    fc->to(torch::kCUDA);
+    const auto x = torch::randn({48, 64}, torch::kCUDA).requires_grad_(true);
+    const auto step = [&] {
+      at::Tensor y;
+      {
+        Fp8AutocastGuard fp8;
+        y = fc->forward(x);
+      }
+      y.to(torch::kFloat).sum().backward();
+    };
+    step();  // the first: LibTorch's lazy set-ups (cuBLAS handles, workspaces)
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR);
+    try {
+      for (int s = 0; s < 2; ++s) step();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "the FP8 step synchronised: " << e.what();
+    }
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+    EXPECT_TRUE(fc->weight.grad().defined());
+  }
+#else
+  GTEST_SKIP() << "ampx_tests built without CUDA";
+#endif
 }
 
 // Evaluation (no grad) in a region casts with the scales it has and leaves

@@ -1,6 +1,7 @@
 #include "ampx/fp8/autocast.h"
 #include "autocast_internal.h"
 #include "convert_internal.h"
+#include "scaling_internal.h"
 
 #include "ampx/dist.h"
 
@@ -30,6 +31,7 @@ struct RegionState {
   bool enabled = false;
   const dist::ProcessGroup* group = nullptr;
   PendingAmaxes* pending = nullptr;  // forward amaxes awaiting the group's reduction
+  PendingAmaxes* local = nullptr;    // CUDA amaxes for the region's one update launch
   const void* owner = nullptr;       // the Fp8AutocastGuard::Region this state is
 };
 }  // namespace detail
@@ -59,17 +61,43 @@ void reduce_and_record(PendingAmaxes& pending, const dist::ProcessGroup& group) 
   at::Tensor all = at::cat(amaxes);
   group.all_reduce_max(all);
   for (size_t i = 0; i < states.size(); ++i) {
-    states[i]->record(all.slice(0, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1));
+    amaxes[i] = all.slice(0, static_cast<int64_t>(i), static_cast<int64_t>(i) + 1);
   }
+  detail::record_all(states, amaxes);  // on CUDA, every delayed state in one launch
 }
 
-// Output-gradient amaxes of the running backward, reduced when it ends.
+// Output-gradient amaxes of the running backward, reduced (pending) or
+// recorded in one update launch (local) when it ends.
 struct BackwardPending {
   std::mutex mutex;
   PendingAmaxes pending;
+  PendingAmaxes local;
   const dist::ProcessGroup* group = nullptr;
   bool queued = false;
 };
+
+// Records `pending` (no reduction): the CUDA delayed-scaling states' updates
+// in one launch (detail::record_all).
+void record_local(PendingAmaxes& pending) {
+  if (pending.empty()) return;
+  std::vector<std::shared_ptr<TensorScaling>> states;
+  std::vector<at::Tensor> amaxes;
+  std::unordered_map<TensorScaling*, size_t> index;
+  for (auto& [state, amax] : pending) {  // a state cast twice: its larger amax
+    auto it = index.find(state.get());
+    if (it == index.end()) {
+      index.emplace(state.get(), states.size());
+      states.push_back(state);
+      amaxes.push_back(amax);
+    } else {
+      amaxes[it->second] = at::maximum(amaxes[it->second], amax);
+    }
+  }
+  pending.clear();
+  detail::record_all(states, amaxes);
+}
+
+thread_local bool t_in_backward = false;
 BackwardPending& backward_pending() {
   static auto* p = new BackwardPending();
   return *p;
@@ -77,16 +105,26 @@ BackwardPending& backward_pending() {
 
 void flush_backward() {
   auto& b = backward_pending();
-  PendingAmaxes pending;
+  PendingAmaxes pending, local;
   const dist::ProcessGroup* group = nullptr;
   {
     std::lock_guard<std::mutex> lock(b.mutex);
     pending.swap(b.pending);
+    local.swap(b.local);
     group = b.group;
     b.group = nullptr;
     b.queued = false;
   }
+  record_local(local);
   if (group) reduce_and_record(pending, *group);
+}
+
+// Queues flush_backward at the end of the running backward (caller holds b.mutex).
+void queue_flush(BackwardPending& b) {
+  if (!b.queued) {
+    b.queued = true;
+    torch::autograd::Engine::get_default_engine().queue_callback(&flush_backward);
+  }
 }
 
 void defer_backward(std::shared_ptr<TensorScaling> state, at::Tensor amax,
@@ -98,10 +136,7 @@ void defer_backward(std::shared_ptr<TensorScaling> state, at::Tensor amax,
               "amax_reduction_groups");
   b.group = group;
   b.pending.emplace_back(std::move(state), std::move(amax));
-  if (!b.queued) {
-    b.queued = true;
-    torch::autograd::Engine::get_default_engine().queue_callback(&flush_backward);
-  }
+  queue_flush(b);
 }
 
 }  // namespace
@@ -121,6 +156,27 @@ void defer_amax(std::shared_ptr<TensorScaling> state, at::Tensor amax,
   }
 }
 
+bool defer_update(std::shared_ptr<TensorScaling> state, at::Tensor amax) {
+  if (t_in_backward) {
+    auto& b = backward_pending();
+    std::lock_guard<std::mutex> lock(b.mutex);
+    b.local.emplace_back(std::move(state), std::move(amax));
+    queue_flush(b);
+    return true;
+  }
+  if (t_region.local == nullptr) return false;
+  t_region.local->emplace_back(std::move(state), std::move(amax));
+  return true;
+}
+
+BackwardCasts::BackwardCasts() : previous_(t_in_backward) {
+  t_in_backward = true;
+}
+
+BackwardCasts::~BackwardCasts() {
+  t_in_backward = previous_;
+}
+
 }  // namespace detail
 
 // ---- regions -----------------------------------------------------------------------
@@ -130,6 +186,7 @@ struct Fp8AutocastGuard::Region {
   bool key_was_included = false;
   bool ended = false;
   PendingAmaxes pending;
+  PendingAmaxes local;
 
   // This thread's state back to what it was before the region: local only.
   void restore() {
@@ -150,6 +207,7 @@ Fp8AutocastGuard::Fp8AutocastGuard(const Fp8AutocastOptions& options)
   t_region.enabled = options.enabled();
   t_region.group = options.enabled() ? options.amax_reduction_group() : nullptr;
   t_region.pending = t_region.group ? &region_->pending : nullptr;
+  t_region.local = options.enabled() ? &region_->local : nullptr;
   t_region.owner = region_.get();
   c10::impl::tls_set_dispatch_key_included(detail::kFp8LinearKey, options.enabled());
 }
@@ -161,6 +219,7 @@ void Fp8AutocastGuard::finish() {
               "this thread (finish the inner regions first)");
   const RegionState mine = t_region;
   region_->restore();
+  record_local(region_->local);  // the CUDA states' updates: one launch
   // The forward amaxes of the region, reduced over the group.
   if (mine.group) reduce_and_record(region_->pending, *mine.group);
 }
@@ -168,6 +227,11 @@ void Fp8AutocastGuard::finish() {
 Fp8AutocastGuard::~Fp8AutocastGuard() {
   if (region_->ended) return;
   region_->restore();
+  // The region's own updates (no collective): as finish() records them.
+  try {
+    record_local(region_->local);
+  } catch (...) {  // a destructor must not throw; the CUDA error resurfaces at the next call
+  }
   // No collective here (see the header): the region's forward amaxes are
   // dropped on this rank, as on every rank an exception leaves the region on.
   if (!region_->pending.empty() && std::uncaught_exceptions() == 0) {

@@ -27,6 +27,25 @@ const dist::ProcessGroup* region_group();
 void defer_amax(std::shared_ptr<TensorScaling> state, at::Tensor amax,
                 const dist::ProcessGroup* group);
 
+/// Queues the amax of a delayed-scaling state on CUDA for the one update
+/// launch (record_all) at the end of this thread's region, or, in an FP8
+/// layer's backward (BackwardCasts), at the end of the running backward;
+/// false outside both (the caller records at once).
+bool defer_update(std::shared_ptr<TensorScaling> state, at::Tensor amax);
+
+/// While one lives, this thread runs an FP8 layer's backward: its casts'
+/// updates wait for the end of the backward (defer_update).
+class BackwardCasts {
+ public:
+  BackwardCasts();
+  ~BackwardCasts();
+  BackwardCasts(const BackwardCasts&) = delete;
+  BackwardCasts& operator=(const BackwardCasts&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace detail
 }  // namespace fp8
 }  // namespace ampx

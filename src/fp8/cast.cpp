@@ -1,6 +1,8 @@
 #include "ampx/fp8/cast.h"
 #include "../float_formats.h"
+#include "cuda_cast.h"
 #include "element_code.h"
+#include "fp8_math.h"
 #include "../kernels/function_args.h"
 
 #include <ATen/Parallel.h>
@@ -27,20 +29,10 @@ constexpr Fp8Limits fp8_limits(const char* name, const ampx::detail::FloatFormat
 const Fp8Limits kE4M3Limits = fp8_limits("e4m3", ampx::detail::kE4M3);
 const Fp8Limits kE5M2Limits = fp8_limits("e5m2", ampx::detail::kE5M2);
 
-uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-// The code of float32 bits `u`: saturate to +-max, round to nearest even
-// (element_code.h), NaN to nan_code.
-uint8_t encode_bits(uint32_t u, const Fp8Limits& f) {
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
-  uint32_t a = u & 0x7FFFFFFF;
-  if (a > 0x7F800000) return static_cast<uint8_t>(f.nan_code | sign);
-  if (a >= bits_of(f.max)) return static_cast<uint8_t>(f.max_code | sign);  // saturation
-  return static_cast<uint8_t>(detail::magnitude_code(a, f.bias, f.mantissa_bits) | sign);
+// The code of float32 `value`: fp8_math.h's encode, which the CUDA cast runs too.
+uint8_t encode_value(float value, Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? math::encode<math::Format::kE4M3>(value)
+                                    : math::encode<math::Format::kE5M2>(value);
 }
 
 std::array<float, 256> make_decode_table(const Fp8Limits& f) {
@@ -81,16 +73,26 @@ void check_scale(const at::Tensor& t, const char* fn, const char* what) {
               t.numel(), " elements");
 }
 
-// The CPU kernel: codes of float32 x * scale.
-at::Tensor quantize_cpu(const at::Tensor& x, const Fp8Limits& f, float scale) {
+// The elements [begin, end) of float32 `in` times scale, as codes.
+template <math::Format kFormat>
+void encode_span(const float* in, uint8_t* out, int64_t begin, int64_t end, float scale) {
+  for (int64_t i = begin; i < end; ++i) out[i] = math::encode<kFormat>(in[i] * scale);
+}
+
+// The CPU kernel: codes of float32 x * scale (the loop has no branches: it
+// vectorises).
+at::Tensor quantize_cpu(const at::Tensor& x, Fp8Format format, float scale) {
   const at::Tensor x32 = x.to(at::kFloat).contiguous();  // exact for bf16/fp16
   at::Tensor codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
   const float* in = x32.data_ptr<float>();
   uint8_t* out = codes.data_ptr<uint8_t>();
   at::parallel_for(0, x32.numel(), ampx::detail::kElementwiseGrain,
                    [&](int64_t begin, int64_t end) {
-                     for (int64_t i = begin; i < end; ++i)
-                       out[i] = encode_bits(bits_of(in[i] * scale), f);
+                     if (format == Fp8Format::kE4M3) {
+                       encode_span<math::Format::kE4M3>(in, out, begin, end, scale);
+                     } else {
+                       encode_span<math::Format::kE5M2>(in, out, begin, end, scale);
+                     }
                    });
   return codes;
 }
@@ -107,15 +109,6 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, Fp8Format format, float scale
   return values;
 }
 
-#if AMPX_HAS_TORCH_FLOAT8
-// On a device: ATen's own cast, whose rounding is ours below max.
-at::Tensor quantize_on_device(const at::Tensor& x, Fp8Format format, const at::Tensor& scale) {
-  const float max = limits(format).max;
-  const at::Tensor y = x.to(at::kFloat).mul(scale.to(x.device())).clamp(-max, max);
-  return y.to(torch_dtype(format)).view(at::kByte);
-}
-#endif
-
 }  // namespace
 
 const Fp8Limits& limits(Fp8Format format) {
@@ -131,20 +124,21 @@ float decode(uint8_t code, Fp8Format format) {
 }
 
 uint8_t encode(float value, Fp8Format format) {
-  return encode_bits(bits_of(value), limits(format));
+  return encode_value(value, format);
 }
 
 at::Tensor quantize(const at::Tensor& x, Fp8Format format, const at::Tensor& scale) {
   check_float_input(x, "quantize");
   check_scale(scale, "quantize", "scale");
-  if (!x.is_cpu()) {
-#if AMPX_HAS_TORCH_FLOAT8
-    return quantize_on_device(x, format, scale);
-#else
-    return quantize_cpu(x.cpu(), limits(format), scale.item<float>()).to(x.device());
-#endif
+  if (x.is_cuda() && detail::cuda::built()) {
+    return detail::cuda::cast(x, format, scale.reshape({1}).to(at::kFloat).to(x.device()).contiguous(),
+                              /*transpose=*/false, at::Tensor())
+        .codes;  // one pass on the device, no host sync
   }
-  return quantize_cpu(x, limits(format), scale.item<float>());
+  if (!x.is_cpu()) {  // another device: through the host (slow, synchronizing)
+    return quantize_cpu(x.cpu(), format, scale.item<float>()).to(x.device());
+  }
+  return quantize_cpu(x, format, scale.item<float>());
 }
 
 at::Tensor dequantize(const at::Tensor& codes, Fp8Format format, const at::Tensor& scale_inv,

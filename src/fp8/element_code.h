@@ -7,7 +7,8 @@
 // carry into the next binade alike; callers add the sign, saturation and
 // their special values (NaN, inf) around it.
 
-#include <bit>
+#include "../kernels/host_device.h"
+
 #include <cmath>
 #include <cstdint>
 
@@ -63,17 +64,18 @@ inline float magnitude_value(uint32_t magnitude, int bias, int mantissa_bits) {
 /// without branches so that loops over elements vectorise: normals round the
 /// float32 significand in place (a carry moves to the next binade), values
 /// below the smallest normal count its quanta with the 1.5 x 2^23 addition.
+/// The CUDA casts (fp8/cuda/) run it too (fp8_math.h).
 template <int kMantissa, int kBias, int kBits, bool kNan>
-inline uint8_t encode_branchless(float y, float max, uint32_t max_code) {
+AMPX_HD uint8_t encode_branchless(float y, float max, uint32_t max_code) {
   constexpr int kShift = 23 - kMantissa;
   constexpr float kMinNormal = 1.0f / static_cast<float>(uint64_t{1} << (kBias - 1));  // 2^(1 - kBias)
   constexpr float kQuantaPerUnit =
       static_cast<float>(uint64_t{1} << (kMantissa + kBias - 1));  // 1 / 2^(1 - kBias - kMantissa)
   constexpr float kRound = 12582912.0f;                            // 1.5 x 2^23
-  const uint32_t u = std::bit_cast<uint32_t>(y);
+  const uint32_t u = ampx::detail::float_bits(y);
   const uint32_t sign = (u >> 31) << (kBits - 1);
   const uint32_t bits = u & 0x7FFFFFFFu;
-  const float a = std::bit_cast<float>(bits);
+  const float a = ampx::detail::bits_float(bits);
   const uint32_t rounded = bits + ((1u << (kShift - 1)) - 1) + ((bits >> kShift) & 1u);
   const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - kBias) << kMantissa);
   const uint32_t below = static_cast<uint32_t>(static_cast<int32_t>((a * kQuantaPerUnit + kRound) - kRound));
@@ -88,15 +90,15 @@ inline uint8_t encode_branchless(float y, float max, uint32_t max_code) {
 /// resolution of 2^-24 (the top 24 bits of `random` against it); saturation
 /// and NaN as encode_branchless. `values` holds every code's magnitude.
 template <int kMantissa, int kBias, int kBits, bool kNan>
-inline uint8_t encode_stochastic_branchless(float y, float max, uint32_t max_code,
+AMPX_HD uint8_t encode_stochastic_branchless(float y, float max, uint32_t max_code,
                                             const float* values, uint32_t random) {
   constexpr int kShift = 23 - kMantissa;
   constexpr float kMinNormal = 1.0f / static_cast<float>(uint64_t{1} << (kBias - 1));
   constexpr float kQuantaPerUnit = static_cast<float>(uint64_t{1} << (kMantissa + kBias - 1));
-  const uint32_t u = std::bit_cast<uint32_t>(y);
+  const uint32_t u = ampx::detail::float_bits(y);
   const uint32_t sign = (u >> 31) << (kBits - 1);
   const uint32_t bits = u & 0x7FFFFFFFu;
-  const float a = std::bit_cast<float>(bits);
+  const float a = ampx::detail::bits_float(bits);
   // The code at or below a: the significand truncated, or whole quanta.
   const uint32_t normal = (bits >> kShift) - (static_cast<uint32_t>(127 - kBias) << kMantissa);
   const uint32_t below = static_cast<uint32_t>(static_cast<int32_t>(a * kQuantaPerUnit));

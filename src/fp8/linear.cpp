@@ -24,27 +24,35 @@ namespace {
 
 // ---- the matrix products ---------------------------------------------------
 
-// The operands are Fp8Tensors (codes, scale_inv, format); the emulation
-// multiplies their float32 values.
+// Each product takes its left operand row-major and its right one
+// column-major, as at::_scaled_mm does; an operand's column-major form is
+// the row-major codes of its transpose, which the CUDA cast writes in the
+// same pass (TensorScaling::cast's `transposed`). The emulation multiplies
+// the float32 values of the same codes.
 
 std::atomic<int64_t> g_scaled_mm_calls{0};
 
+/// One operand: codes [rows, cols] row-major, scale_inv, format.
+using Operand = Fp8Tensor;
+
+/// a [M, K] . b [K, N] where bt holds b's transpose row-major ([N, K]), in
+/// `out_dtype`, plus `bias` (out_dtype, [N]) in the product's epilogue; on FP8
+/// tensor cores. Undefined where the device or the shapes do not allow it
+/// (the caller emulates then): PyTorch wants every dim % 16, no E5M2 x E5M2.
 #if AMPX_HAS_SCALED_MM
-// a [M, K] times b [N, K] transposed on FP8 tensor cores, float32 result;
-// undefined where the device or the shapes do not allow it (then the caller
-// emulates). PyTorch wants a row-major, b^T column-major, every dim % 16.
-at::Tensor scaled_mm_nt(const Fp8Tensor& a, const Fp8Tensor& b) {
+at::Tensor scaled_mm(const Operand& a, const Operand& bt, const at::Tensor& bias,
+                     c10::ScalarType out_dtype) {
   static std::atomic<bool> refused{false};
   if (!a.codes.is_cuda() || refused.load() || a.codes.size(0) % 16 || a.codes.size(1) % 16 ||
-      b.codes.size(0) % 16 || (a.format == Fp8Format::kE5M2 && b.format == Fp8Format::kE5M2)) {
+      bt.codes.size(0) % 16 || (a.format == Fp8Format::kE5M2 && bt.format == Fp8Format::kE5M2)) {
     return {};
   }
   try {
-    const at::Tensor a8 = codes_to_torch_float8(a.codes.contiguous(), a.format);
-    const at::Tensor b8 = codes_to_torch_float8(b.codes.contiguous(), b.format).t();
-    at::Tensor out = at::_scaled_mm(a8, b8, a.scale_inv.reshape({}), b.scale_inv.reshape({}),
-                                    c10::nullopt, c10::nullopt, at::kFloat,
-                                    /*use_fast_accum=*/false);
+    const at::Tensor a8 = codes_to_torch_float8(a.codes, a.format);
+    const at::Tensor b8 = codes_to_torch_float8(bt.codes, bt.format).t();  // column-major, no copy
+    at::Tensor out = at::_scaled_mm(a8, b8, a.scale_inv.reshape({}), bt.scale_inv.reshape({}),
+                                    bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                                    c10::nullopt, out_dtype, /*use_fast_accum=*/false);
     g_scaled_mm_calls.fetch_add(1);
     return out;
   } catch (const c10::Error& e) {
@@ -56,32 +64,31 @@ at::Tensor scaled_mm_nt(const Fp8Tensor& a, const Fp8Tensor& b) {
   }
 }
 #else
-at::Tensor scaled_mm_nt(const Fp8Tensor&, const Fp8Tensor&) {
+at::Tensor scaled_mm(const Operand&, const Operand&, const at::Tensor&, c10::ScalarType) {
   return {};
 }
 #endif
 
-// y [N, out] = x [N, in] . w [out, in]^T
-at::Tensor forward_product(const Fp8Tensor& x, const Fp8Tensor& w) {
-  at::Tensor y = scaled_mm_nt(x, w);
-  return y.defined() ? y : at::mm(x.dequantize(), w.dequantize().t());
+/// The bias the product's epilogue can add: _scaled_mm takes a 16-bit bias
+/// of the output's dtype only; another is added after, in float32, as the
+/// emulation adds it.
+at::Tensor epilogue_bias(const at::Tensor& bias, c10::ScalarType out_dtype) {
+  const bool fits = bias.defined() && bias.scalar_type() == out_dtype && out_dtype != at::kFloat;
+  return fits ? bias : at::Tensor();
 }
 
-// grad_x [N, in] = g [N, out] . w [out, in]
-at::Tensor input_grad_product(const Fp8Tensor& g, const Fp8Tensor& w) {
-  at::Tensor y;
-  if (g.codes.is_cuda()) y = scaled_mm_nt(g, {w.codes.t().contiguous(), w.scale_inv, w.format});
-  return y.defined() ? y : at::mm(g.dequantize(), w.dequantize());
-}
-
-// grad_w [out, in] = g [N, out]^T . x [N, in]
-at::Tensor weight_grad_product(const Fp8Tensor& g, const Fp8Tensor& x) {
-  at::Tensor y;
-  if (g.codes.is_cuda()) {
-    y = scaled_mm_nt({g.codes.t().contiguous(), g.scale_inv, g.format},
-                     {x.codes.t().contiguous(), x.scale_inv, x.format});
-  }
-  return y.defined() ? y : g.dequantize().t().mm(x.dequantize());
+/// The product on tensor cores, or its float32 emulation `emulated()`, in
+/// `out_dtype`, plus `bias` (added in float32 before the rounding to
+/// out_dtype where the epilogue cannot).
+template <class Emulated>
+at::Tensor product(const Operand& a, const Operand& bt, const at::Tensor& bias,
+                   c10::ScalarType out_dtype, Emulated emulated) {
+  const at::Tensor in_epilogue = epilogue_bias(bias, out_dtype);
+  at::Tensor y = scaled_mm(a, bt, in_epilogue, in_epilogue.defined() ? out_dtype : at::kFloat);
+  if (!y.defined()) y = emulated();
+  if (in_epilogue.defined() && y.scalar_type() == out_dtype) return y;
+  if (bias.defined()) y = y + bias.to(at::kFloat);
+  return y.to(out_dtype);
 }
 
 // ---- the autograd function ---------------------------------------------------
@@ -96,6 +103,9 @@ using torch::autograd::variable_list;
 
 // y = dq(q8(x)) @ dq(q8(w))^T + b in float32; the states' scales are those
 // of the steps before (delayed scaling), the amaxes seen here feed the next.
+// On CUDA each cast writes its codes and their transpose in one pass, and
+// the backward keeps the transposes only: the input gradient takes w's
+// (w [out, in] column-major is w^T row-major), the weight gradient x's.
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   // bias as an optional (kernels/function_args.h).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -107,11 +117,16 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
-    const Fp8Tensor xc = scaling->input->cast(x2, record, group);
-    const Fp8Tensor wc = scaling->weight->cast(weight, record, group);
-    at::Tensor y = forward_product(xc, wc);
-    if (bias.defined()) y = y + bias.to(at::kFloat);
-    ctx->save_for_backward({xc.codes, wc.codes, xc.scale_inv, wc.scale_inv});
+    at::Tensor x_t, w_t;  // defined by CUDA casts only
+    const Operand xc = scaling->input->cast(x2, record, group, &x_t);
+    const Operand wc = scaling->weight->cast(weight, record, group, &w_t);
+    const at::Tensor y = product(xc, wc, bias, out_dtype, [&] {
+      return at::mm(xc.dequantize(), wc.dequantize().t());
+    });
+    const bool transposed = x_t.defined() && w_t.defined();
+    ctx->save_for_backward({transposed ? x_t : xc.codes, transposed ? w_t : wc.codes,
+                            xc.scale_inv, wc.scale_inv});
+    ctx->saved_data["transposed"] = transposed;
     ctx->saved_data["scaling"] =
         c10::IValue::make_capsule(c10::make_intrusive<ScalingHolder>(scaling));
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
@@ -121,7 +136,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = weight.size(0);
-    return y.to(out_dtype).view(out_sizes);
+    return y.view(out_sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -130,17 +145,39 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const auto* group =
         reinterpret_cast<const dist::ProcessGroup*>(ctx->saved_data["group"].toInt());
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const detail::BackwardCasts backward_casts;  // CUDA updates at the backward's end
     const auto saved = ctx->get_saved_variables();
-    const Fp8Tensor xo{saved[0], saved[2], scaling->input->format()};
-    const Fp8Tensor wo{saved[1], saved[3], scaling->weight->format()};
-    const at::Tensor g = grads[0].reshape({-1, wo.codes.size(0)}).to(at::kFloat);
-    const Fp8Tensor go = scaling->grad_output->cast(g, /*record=*/true, group);
+    const bool transposed = ctx->saved_data["transposed"].toBool();
+    // x and w as saved: their transposes' codes on CUDA, their own elsewhere.
+    const Operand xs{saved[0], saved[2], scaling->input->format()};
+    const Operand ws{saved[1], saved[3], scaling->weight->format()};
+    const int64_t out_features = transposed ? ws.codes.size(1) : ws.codes.size(0);
+    const at::Tensor g = grads[0].reshape({-1, out_features});
+    at::Tensor g_t;
+    const Operand go = scaling->grad_output->cast(g, /*record=*/true, group, &g_t);
     const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-    at::Tensor grad_x = input_grad_product(go, wo).view(x_sizes).to(x_dtype);
-    at::Tensor grad_w = weight_grad_product(go, xo).to(w_dtype);
-    at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype) : at::Tensor();
+    at::Tensor grad_x, grad_w;
+    if (transposed) {
+      TORCH_INTERNAL_ASSERT(g_t.defined(), "ampx::fp8: the output gradient's cast gave no transpose");
+      // Each product's right operand column-major: its transpose's rows.
+      // grad_x [N, in] = g [N, out] . w [out, in], w^T's rows saved;
+      grad_x = product(go, ws, {}, x_dtype, [&] {
+        return at::mm(go.dequantize(), ws.dequantize().t());
+      });
+      // grad_w [out, in] = g^T [out, N] . x [N, in], x^T's rows saved.
+      const Operand gt{g_t, go.scale_inv, go.format};
+      grad_w = product(gt, xs, {}, w_dtype, [&] {
+        return at::mm(gt.dequantize(), xs.dequantize().t());
+      });
+    } else {
+      grad_x = at::mm(go.dequantize(), ws.dequantize()).to(x_dtype);
+      grad_w = go.dequantize().t().mm(xs.dequantize()).to(w_dtype);
+    }
+    grad_x = grad_x.view(x_sizes);
+    at::Tensor grad_b =
+        ctx->saved_data["has_bias"].toBool() ? g.to(at::kFloat).sum(0).to(w_dtype) : at::Tensor();
     return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -1,6 +1,9 @@
 #include "ampx/fp8/scaling.h"
 #include "autocast_internal.h"
 #include "block_internal.h"
+#include "cuda_cast.h"
+#include "fp8_math.h"
+#include "scaling_internal.h"
 
 #include <ATen/core/grad_mode.h>
 #include <torch/nn/module.h>
@@ -68,6 +71,10 @@ Fp8Format format_for(RecipeFormat recipe_format, Direction pass) {
 
 at::Tensor compute_amax(const at::Tensor& x) {
   if (x.numel() == 0) return at::zeros({1}, x.options().dtype(at::kFloat));
+  if (x.is_cuda() && detail::cuda::built() && x.is_floating_point() &&
+      x.scalar_type() != at::kDouble) {
+    return detail::cuda::amax(x);  // one reduction kernel
+  }
   return x.abs().max().reshape({1}).to(at::kFloat);
 }
 
@@ -90,31 +97,56 @@ DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Direction
   scale_inv_ = at::ones({1}, options);
 }
 
+namespace detail {
+
+cuda::DelayedArgs delayed_args(const DelayedScalingState& state, const at::Tensor& amax) {
+  cuda::DelayedArgs a;
+  a.history = state.amax_history().data_ptr<float>();
+  a.amax = amax.data_ptr<float>();
+  a.scale = state.scale().data_ptr<float>();
+  a.scale_inv = state.scale_inv().data_ptr<float>();
+  a.len = state.amax_history().numel();
+  a.scaled_max = state.scaled_max();
+  a.most_recent = state.recipe().amax_compute_algo() == AmaxComputeAlgo::kMostRecent ? 1 : 0;
+  return a;
+}
+
+}  // namespace detail
+
+namespace {
+
+// TE's amax_and_scale_update on one state's float32 values (host memory),
+// with fp8_math.h's functions, which the CUDA kernel runs per state too.
+void delayed_update_values(float* history, int64_t len, float amax, float scaled_max,
+                           bool most_recent, float* scale, float* scale_inv) {
+  if (math::delayed_seen(amax)) {
+    float window = math::window_max(0.0f, amax);
+    for (int64_t i = 1; i < len; ++i) window = math::window_max(window, history[i]);
+    *scale = math::delayed_scale(most_recent ? amax : window, scaled_max, *scale);
+    for (int64_t i = 0; i < len; ++i) history[i] = math::rolled_entry(history, len, i, amax);
+  }
+  *scale_inv = 1.0f / *scale;
+}
+
+}  // namespace
+
 void DelayedScalingState::update(const at::Tensor& amax) {
   const at::Tensor last = one_amax(amax, amax_history_.device(), "DelayedScalingState.update");
-  const int64_t len = amax_history_.size(0);
-  // The window: the previous len - 1 amaxes (indices 1..len-1) and this one.
-  const at::Tensor window = at::cat({amax_history_.slice(0, 1, len), last});
-  at::Tensor chosen;
-  if (recipe_.amax_compute_algo() == AmaxComputeAlgo::kMax) {
-    // fmaxf from 0 over the window: NaN entries drop out.
-    const at::Tensor zero = full1(last, 0.0f);
-    chosen = at::where(at::isnan(window), zero, window).max().reshape({1}).clamp_min(0.0);
-  } else {
-    chosen = last;
+  const bool most_recent = recipe_.amax_compute_algo() == AmaxComputeAlgo::kMostRecent;
+  if (amax_history_.is_cuda() && detail::cuda::built()) {
+    // One launch, no host sync (several states at once: detail::record_all).
+    detail::cuda::delayed_update({detail::delayed_args(*this, last)}, amax_history_.device());
+    return;
   }
-  // TE: the scale only moves on a finite, positive amax; FLT_MAX where it overflows.
-  at::Tensor scale =
-      at::where(at::isfinite(chosen) & (chosen > 0), full1(last, scaled_max_).div(chosen), scale_);
-  scale = at::where(at::isinf(scale), full1(last, std::numeric_limits<float>::max()), scale);
-  // Rolled history: slot 0 zeroed for the next step's amax.
-  at::Tensor rolled = window.clone();
-  rolled.select(0, 0).zero_();
-  // A zero amax (no data this step) changes nothing.
-  const at::Tensor seen = last != 0;
-  amax_history_.copy_(at::where(seen, rolled, amax_history_));
-  scale_.copy_(at::where(seen, scale, scale_));
-  scale_inv_.copy_(full1(last, 1.0f).div(scale_));
+  // The CPU (any other device: through host copies).
+  at::Tensor history = amax_history_.cpu().contiguous(), scale = scale_.cpu(), scale_inv = scale_inv_.cpu();
+  delayed_update_values(history.data_ptr<float>(), history.numel(), last.cpu().item<float>(),
+                        scaled_max_, most_recent, scale.data_ptr<float>(), scale_inv.data_ptr<float>());
+  if (!amax_history_.is_cpu()) {
+    amax_history_.copy_(history);
+    scale_.copy_(scale);
+    scale_inv_.copy_(scale_inv);
+  }
 }
 
 void DelayedScalingState::save(torch::serialize::OutputArchive& archive,
@@ -166,18 +198,18 @@ void CurrentScaling::validate() const {
 at::Tensor current_scale(const at::Tensor& amax, Fp8Format format, const CurrentScaling& recipe) {
   TORCH_CHECK(amax.numel() == 1, "ampx::fp8::current_scale: amax must have one element, got ",
               amax.numel());
-  const at::Tensor a32 = amax.reshape({1}).to(at::kFloat);
-  const at::Tensor eps = full1(a32, static_cast<float>(recipe.amax_epsilon()));
-  const at::Tensor a = at::where(a32 < eps, eps, a32);  // NaN < eps is false: stays NaN
-  at::Tensor scale = full1(a, limits(format).max).div(a);
-  scale = at::where(at::isinf(scale), full1(a, std::numeric_limits<float>::max()), scale);
-  if (recipe.power_2_scale()) {
-    // Keep sign and exponent: the largest power of two <= scale.
-    const auto exponent_mask = static_cast<int32_t>(0xFF800000u);
-    scale = scale.view(at::kInt).bitwise_and(exponent_mask).view(at::kFloat);
+  const at::Tensor a32 = amax.reshape({1}).to(at::kFloat).contiguous();
+  const float fp8_max = limits(format).max;
+  const auto epsilon = static_cast<float>(recipe.amax_epsilon());
+  if (a32.is_cuda() && detail::cuda::built()) {
+    at::Tensor scale = at::empty({1}, a32.options()), scale_inv = at::empty({1}, a32.options());
+    detail::cuda::current_scale(a32, fp8_max, epsilon, recipe.power_2_scale(), scale, scale_inv);
+    return scale.reshape(amax.sizes());
   }
-  const at::Tensor usable = at::isfinite(a) & (a != 0);
-  return at::where(usable, scale, full1(a, 1.0f)).reshape(amax.sizes());
+  // The CPU (any other device: through a host copy).
+  const float scale = math::current_scale(a32.cpu().item<float>(), fp8_max, epsilon,
+                                          recipe.power_2_scale());
+  return full1(a32, scale).reshape(amax.sizes());
 }
 
 CurrentScaled quantize_current(const at::Tensor& x, const CurrentScaling& recipe, Direction pass) {
@@ -314,35 +346,82 @@ std::vector<std::pair<std::string, at::Tensor>> TensorScaling::state_tensors() c
   return {{"amax", last_amax_}, {"scale", scale_}, {"scale_inv", scale_inv_}};
 }
 
-Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group) {
+namespace {
+
+// x's codes with `scale` in one CUDA pass, x^T's too when `transposed` asks
+// and x is 2-D, max|x| folded into `amax` when defined.
+Fp8Tensor cuda_cast(const at::Tensor& x, Fp8Format format, const at::Tensor& scale,
+                    const at::Tensor& scale_inv, const at::Tensor& amax, at::Tensor* transposed) {
+  const bool transpose = transposed != nullptr && x.dim() == 2;
+  detail::cuda::CastOut out = detail::cuda::cast(x, format, scale, transpose, amax);
+  if (transpose) *transposed = std::move(out.transposed);
+  return {std::move(out.codes), scale_inv, format};
+}
+
+bool fused_on_cuda(const at::Tensor& x) {
+  return x.is_cuda() && detail::cuda::built() && x.scalar_type() != at::kDouble;
+}
+
+}  // namespace
+
+Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
+                              at::Tensor* transposed) {
   at::NoGradGuard no_grad;
+  if (transposed != nullptr) *transposed = at::Tensor();
+  const bool fused = fused_on_cuda(x);
   if (!delayed_) {
     TORCH_CHECK(group == nullptr,
                 "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
                 "recipe is ",
                 recipe_.to_string(), " (each tensor is cast with its own amax)");
     const at::Tensor amax = compute_amax(x);
-    const at::Tensor scale = current_scale(amax, format_, recipe_.current());
-    const at::Tensor scale_inv = at::ones_like(scale).div(scale);
+    at::Tensor scale, scale_inv;
+    if (fused) {  // the amax reduction, the scale kernel, the cast: three launches
+      scale = at::empty({1}, amax.options());
+      scale_inv = at::empty({1}, amax.options());
+      detail::cuda::current_scale(amax, limits(format_).max,
+                                  static_cast<float>(recipe_.current().amax_epsilon()),
+                                  recipe_.current().power_2_scale(), scale, scale_inv);
+    } else {
+      scale = current_scale(amax, format_, recipe_.current());
+      scale_inv = at::ones_like(scale).div(scale);
+    }
     if (record) {
       last_amax_.copy_(amax);
       scale_.copy_(scale);
       scale_inv_.copy_(scale_inv);
     }
+    if (fused) return cuda_cast(x, format_, scale, scale_inv, at::Tensor(), transposed);
     return {quantize(x, format_, scale), scale_inv, format_};
   }
   // The scale of the steps before; clone scale_inv: the update below (or a
   // later one, before backward reads it) writes the state in place.
-  Fp8Tensor out{quantize(x, format_, delayed_->scale()), delayed_->scale_inv().clone(), format_};
-  if (record) {
-    at::Tensor amax = compute_amax(x);
-    if (group == nullptr) {
-      this->record(amax);
-    } else {
-      detail::defer_amax(shared_from_this(), std::move(amax), group);
-    }
+  const at::Tensor scale_inv = delayed_->scale_inv().clone();
+  if (fused) {  // one pass: the codes, and the amax the next scale comes from
+    const at::Tensor amax = record ? at::zeros({1}, x.options().dtype(at::kFloat)) : at::Tensor();
+    Fp8Tensor out = cuda_cast(x, format_, delayed_->scale(), scale_inv, amax, transposed);
+    if (record) record_amax(amax, group);
+    return out;
   }
+  Fp8Tensor out{quantize(x, format_, delayed_->scale()), scale_inv, format_};
+  if (record) record_amax(compute_amax(x), group);
   return out;
+}
+
+void TensorScaling::record_amax(at::Tensor amax, const dist::ProcessGroup* group) {
+  if (group != nullptr) {
+    detail::defer_amax(shared_from_this(), std::move(amax), group);
+    return;
+  }
+  // On CUDA, the delayed-scaling updates of a region (or a backward) wait
+  // for its end, where one launch updates every state (TE's fused update).
+  // (A state not held by a shared_ptr, made by hand, records at once.)
+  std::shared_ptr<TensorScaling> self = weak_from_this().lock();
+  if (self && delayed_ && amax.is_cuda() && detail::cuda::built() &&
+      detail::defer_update(std::move(self), amax)) {
+    return;
+  }
+  record(amax);
 }
 
 void TensorScaling::record(const at::Tensor& amax) {
@@ -355,6 +434,34 @@ void TensorScaling::record(const at::Tensor& amax) {
   last_amax_.copy_(amax.reshape({1}));
   if (delayed_) delayed_->update(last_amax_);
 }
+
+namespace detail {
+
+void record_all(const std::vector<std::shared_ptr<TensorScaling>>& states,
+                const std::vector<at::Tensor>& amaxes) {
+  TORCH_INTERNAL_ASSERT(states.size() == amaxes.size());
+  at::NoGradGuard no_grad;
+  // The CUDA delayed-scaling states (amax where the state is): one launch.
+  std::vector<cuda::DelayedArgs> batch;
+  c10::optional<c10::Device> batch_device;
+  for (size_t i = 0; i < states.size(); ++i) {
+    TensorScaling& state = *states[i];
+    const at::Tensor& last = state.last_amax();
+    const bool batched = cuda::built() && state.recipe().is_delayed() && last.is_cuda() &&
+                         amaxes[i].device() == last.device() &&
+                         (!batch_device || *batch_device == last.device());
+    if (!batched) {
+      state.record(amaxes[i]);
+      continue;
+    }
+    last.copy_(amaxes[i].reshape({1}));
+    batch_device = last.device();
+    batch.push_back(delayed_args(state.delayed_state(), last));
+  }
+  if (!batch.empty()) cuda::delayed_update(batch, *batch_device);
+}
+
+}  // namespace detail
 
 LinearScaling::LinearScaling(const Recipe& recipe_, c10::Device device, const at::Tensor& weight_)
     : recipe(recipe_) {

@@ -12,15 +12,11 @@
 // torch::optim writes them; the CUDA file is compiled without FMA
 // contraction (--fmad=false) so that a GPU step rounds as the CPU's does.
 
+#include "host_device.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-#if defined(__CUDACC__)
-#define AMPX_HD __host__ __device__ __forceinline__
-#else
-#define AMPX_HD inline
-#endif
 
 namespace ampx {
 namespace detail {

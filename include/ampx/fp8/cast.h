@@ -24,11 +24,12 @@
 /// max 448, smallest subnormal 2^-9. E5M2 is IEEE-like: bias 15, inf at
 /// S.11111.00, max 57344, smallest subnormal 2^-16.
 ///
-/// CPU: our own kernel, integer bit manipulation on float32 (bf16/fp16 inputs
-/// are widened to float32 first, which is exact), parallel over elements.
-/// CUDA: with LibTorch 2.1+, clamp and ATen's own float8 cast on the device (the
-/// same rounding, no host sync); with older LibTorch the tensor is copied to the
-/// host, cast there and copied back (slow, synchronizing: meant for checks).
+/// CPU: our own kernel, integer bit manipulation on float32 without branches
+/// (bf16/fp16 inputs are widened to float32 first, which is exact), parallel
+/// over elements. CUDA: ampx's cast kernel, one pass, no host sync, running
+/// the same per-element function as the CPU kernel (src/fp8/fp8_math.h).
+/// Another device: the tensor is copied to the host, cast there and copied
+/// back (slow, synchronizing).
 
 #include "ampx/detail/compat.h"
 

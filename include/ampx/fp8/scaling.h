@@ -270,8 +270,12 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   /// the scale_inv they decode with, this role's format. When `record`, the
   /// amax of x is recorded: at once, or, while `group` is set, at the next
   /// reduction (see Fp8AutocastOptions::amax_reduction_group in
-  /// ampx/fp8/autocast.h).
-  Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group);
+  /// ampx/fp8/autocast.h). On CUDA the codes and the amax come from one
+  /// pass over x; where `transposed` is given and x is 2-D, that pass also
+  /// writes the codes of x^T into it (the column-major operand of an FP8
+  /// product), elsewhere it is left undefined.
+  Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
+                 at::Tensor* transposed = nullptr);
   /// cast()'s result type, by its old name.
   /// \deprecated Use ampx::fp8::Fp8Tensor; removed after the next release (CHANGELOG.md).
   using Cast [[deprecated("TensorScaling::Cast is ampx::fp8::Fp8Tensor")]] = Fp8Tensor;
@@ -279,6 +283,9 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   void record(const at::Tensor& amax);
 
  private:
+  // Records amax now, or defers it to `group`'s reduction.
+  void record_amax(at::Tensor amax, const dist::ProcessGroup* group);
+
   Recipe recipe_;
   Fp8Format format_;
   std::unique_ptr<DelayedScalingState> delayed_;
