@@ -51,6 +51,7 @@
 #   scripts/docs.sh                            the API reference (Doxygen)
 #   scripts/device-call.sh                     the GPU proof in one device call:
 #     device-run.sh (build, test, bench), device-test.sh (tests only),
+#     device-build.sh (the build against the wheel both use),
 #     device_report.py (its summary)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
