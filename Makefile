@@ -51,6 +51,7 @@
 #   scripts/docs.sh                            the API reference (Doxygen)
 #   scripts/device-call.sh                     the GPU proof in one device call:
 #     device-run.sh (build, test, bench), device-test.sh (tests only),
+#     device-build.sh (the build against the wheel both use),
 #     device_report.py (its summary)
 
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -226,16 +227,15 @@ soak: build
 	  --gtest_filter='Modes/PreemptionModeTest.*'
 
 # A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
-# FUZZ_SECONDS each; the checkpoint_crc target mutates the checkpoint seeds.
+# FUZZ_SECONDS each, over its seeds; the targets and their seed folders are
+# targets.cpp's (`ampx_fuzz list`), as ctest's fuzz tests take them.
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS := checkpoint checkpoint_crc checkpoint_state state_dict zero_shard idx text launch_env \
-	safetensors
+FUZZ := $(CURDIR)/$(HOST_BUILD)/tests/fuzz/ampx_fuzz
 fuzz: build
-	@mkdir -p build/fuzz && cd build/fuzz && for t in $(FUZZ_TARGETS); do \
-	  corpus=$(CURDIR)/tests/fuzz/corpus/$$t; \
-	  if [ $$t = checkpoint_crc ]; then corpus=$(CURDIR)/tests/fuzz/corpus/checkpoint; fi; \
-	  $(CURDIR)/$(HOST_BUILD)/tests/fuzz/ampx_fuzz run $$t $$corpus $(FUZZ_SECONDS) || exit 1; \
-	done
+	@mkdir -p build/fuzz && cd build/fuzz && $(FUZZ) list > targets.txt && \
+	while read -r t corpus; do \
+	  $(FUZZ) run $$t $(CURDIR)/tests/fuzz/corpus/$$corpus $(FUZZ_SECONDS) < /dev/null || exit 1; \
+	done < targets.txt
 
 # The benchmarks' PyTorch runs load OpenBLAS through Python's torch: the
 # OpenMP build goes first on LD_LIBRARY_PATH here, tested when the recipe runs

@@ -113,6 +113,8 @@ def combine_python(rounds):
 
 
 def fmt(x, digits=1):
+    """A number as every report writes it (bench/ and scripts/device_report.py):
+    `digits` after the point, thousands grouped; "-" for None (not measured)."""
     return "-" if x is None else f"{x:,.{digits}f}"
 
 

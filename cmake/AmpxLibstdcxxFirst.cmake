@@ -14,7 +14,7 @@
 #     the objects pulls nothing from it), the linker takes the functions into
 #     the program before it meets libtorch_cpu.so's exports. (On the GPU
 #     machine's GCC 13 the first item alone left the programs crashing.)
-# tests/link_libstdcxx_first.sh checks the bindings themselves.
+# tests/helpers/link_libstdcxx_first.sh checks the bindings themselves.
 #
 #   include(AmpxLibstdcxxFirst)
 #   add_library(ampx ...)

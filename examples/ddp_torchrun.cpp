@@ -5,7 +5,7 @@
 //   torchrun --no-python --nproc-per-node 2 ./ddp_torchrun [--steps N]
 //
 // (or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT:
-// tests/run_ranks.sh starts two by hand). Every rank trains on its half of
+// tests/helpers/run_ranks.sh starts two by hand). Every rank trains on its half of
 // each global batch under autocast, with a GradScaler;
 // DistributedDataParallel averages the gradients during backward. The
 // program exits 1 unless every rank ends with rank 0's weights, bit for

@@ -5,11 +5,9 @@
 #   scripts/device-run.sh OUT [--part all|build|test|bench|cpu] [--build DIR] [--quick]
 #                             [--rounds N] [--steps N] [--threads "2 16"]
 #
-#   build  cmake against the machine's PyTorch (torch.utils.cmake_prefix_path),
-#          tests and the JSON benchmarks on, NCCL required (AMPX_NCCL=OFF in the
-#          environment to go without); sources of GoogleTest, nlohmann/json and
-#          CLI11 (and Gloo's, where the wheel lacks them) from .device/
-#          (scripts/device-call.sh --prepare fills it)
+#   build  scripts/device-build.sh (cmake against the machine's PyTorch, tests
+#          and the JSON benchmarks on, NCCL required: AMPX_NCCL=OFF in the
+#          environment to go without): OUT/configure.log, OUT/build.log
 #   test   every test, the CUDA ones included: OUT/tests.log, OUT/ctest-junit.xml
 #          (none started after $STOP_AT, a time of day, where it is set)
 #   bench  interleaved in rounds: ampx_gpu_bench (matrix-product peaks; ampx's
@@ -69,26 +67,7 @@ PY=${PYTHON:-python3}
 if [ -z "$build" ]; then
   build=build/device
   if [ "$part" = all ] || [ "$part" = build ]; then
-    prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-    log "configure against $("$PY" -c 'import torch; print(torch.__version__)') ($prefix)"
-    # Where the wheel lacks Gloo's headers (c10d's are there): Debian's, from .device/.
-    gloo=()
-    torch_include=$("$PY" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "include"))')
-    if [ ! -e "$torch_include/gloo/context.h" ] && [ -e "$root/.device/gloo_include/gloo/context.h" ]; then
-      gloo=(-DAMPX_GLOO_INCLUDE_DIR="$root/.device/gloo_include")
-    fi
-    generator=()  # Ninja where the machine has it: it keeps 16 cores busier than make
-    command -v ninja > /dev/null && generator=(-G Ninja)
-    cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-      -DAMPX_PYTHON="$(command -v "$PY")" -DAMPX_BUILD_BENCHMARKS=ON -DCMAKE_UNITY_BUILD=ON \
-      -DAMPX_NCCL="${AMPX_NCCL:-ON}" \
-      -DAMPX_GTEST_SOURCE_DIR="$root/.device/googletest" \
-      -DAMPX_JSON_INCLUDE_DIR="$root/.device/nlohmann_include" \
-      -DAMPX_CLI11_INCLUDE_DIR="$root/.device/cli11_include" "${gloo[@]}" > "$out/configure.log" 2>&1 \
-      || { cat "$out/configure.log"; exit 1; }
-    start=$(date +%s)
-    cmake --build "$build" -j"$(nproc)" > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
-    log "built in $(($(date +%s) - start)) s"
+    "$root/scripts/device-build.sh" "$build" "$out" | while read -r line; do log "$line"; done
   fi
 fi
 build=$(cd "$build" && pwd)

@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 # reports MFU with too.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 from e2e import gpt_flops_per_step  # noqa: E402
+from harness import fmt  # noqa: E402  (the benchmarks' one number format)
 
 # ampx-train mode -> the Python precision it is compared with (same dtype).
 PAIRS = {"fp32": "fp32", "O1": "autocast-fp16", "O2": "autocast-fp16", "O3": "autocast-fp16",
@@ -114,10 +115,6 @@ def training(out, skipped, sub="train"):
             model, params, python)
 
 
-def fmt(x, spec=".1f", none="n/a"):
-    return none if x is None else format(x, spec)
-
-
 def shape_of(model, default):
     """A gpt's shape as the tables name it, from a Python run's "model"."""
     if not model:
@@ -143,10 +140,10 @@ def comparison_table(w, ampx, python, pairs, mfu=None):
         cell = ""
         if mfu:
             m = mfu(r)
-            cell = f" {fmt(100 * m if m else None, '.0f')}{'%' if m else ''} |"
+            cell = f" {fmt(100 * m if m else None, 0)}{'%' if m else ''} |"
         peak = r["peak_bytes"] / 2**20 if r["peak_bytes"] else None
-        w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], '.0f')} |{cell} "
-          f"{fmt(peak)} | {fmt(r['train_loss'], '.4f')} | {vs} |")
+        w(f"| {label} | {fmt(r['step_ms'])} | {fmt(r['items_per_s'], 0)} |{cell} "
+          f"{fmt(peak)} | {fmt(r['train_loss'], 4)} | {vs} |")
     w("")
 
 

@@ -1,5 +1,5 @@
 // Data-parallel training on c10d/Gloo over loopback: 2 and 3 worker
-// processes (tests/dist_worker.cpp) started with torchrun's variables. Each
+// processes (tests/helpers/dist_worker.cpp) started with torchrun's variables. Each
 // test is bounded in time and ends its workers itself.
 
 #include <ampx/ampx.h>

@@ -103,9 +103,8 @@ TEST(NonFiniteGuardTest, LogOfNegativeNamesOpDirectionScopeAndElement) {
   EXPECT_THAT(r.message(), HasSubstr("this op created the non-finite values"));
 }
 
-// A guard that lives across steps quotes the step it was last given; the
-// deprecated process-wide step (kept one release, CHANGELOG.md) only where
-// the guard has none, and never outlives what its caller set.
+// A guard that lives across steps quotes the step it was last given; a
+// guard given none, -1 (there is no process-wide step).
 TEST(NonFiniteGuardTest, ReportsQuoteTheGuardsStep) {
   const auto x = torch::tensor({-1.0f});
   NonFiniteGuard guard(NonFiniteOptions().action(NonFiniteAction::kWarn));
@@ -115,20 +114,15 @@ TEST(NonFiniteGuardTest, ReportsQuoteTheGuardsStep) {
   ASSERT_EQ(guard.reports().size(), 2u);
   EXPECT_EQ(guard.reports()[0].step, -1);
   EXPECT_EQ(guard.reports()[1].step, 7);
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  set_step(12);
-  const auto legacy = expect_report([&] {
-    NonFiniteGuard unstepped;
+  const auto unstepped = expect_report([&] {
+    NonFiniteGuard guard_without_step;
     (void)torch::log(x);
   });
   const auto own = expect_report([&] {
     NonFiniteGuard stepped(NonFiniteOptions().step(3));
     (void)torch::log(x);
   });
-  set_step(-1);
-#pragma GCC diagnostic pop
-  EXPECT_EQ(legacy.step, 12);
+  EXPECT_EQ(unstepped.step, -1);
   EXPECT_EQ(own.step, 3);
 }
 

@@ -78,17 +78,8 @@ int local_processes(int nproc) {
   }
 }
 
-}  // namespace
-
-std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
-  CLI::App app{
-      "ampx-train: trains a reference workload on real data in one or more precision modes\n"
-      "and shows what each buys (speed, memory, accuracy). Example:\n"
-      "  ampx-train --workload gpt --compare fp32,O1,O2",
-      "ampx-train"};
-  app.option_defaults()->always_capture_default();
-  app.get_formatter()->column_width(34);
-
+// What to train, in which precision modes, on which device.
+void add_mode_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--workload", c.workload,
                  "what to train: gpt (char transformer on Moby Dick), gpt-nn (the same GPT "
                  "built from torch::nn's stock modules: MultiheadAttention, GELU, Sequential), "
@@ -115,6 +106,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_flag("--tf32", c.tf32,
                "--device cuda: TF32 tensor-core math for fp32 matrix products and convolutions "
                "(Ampere and later), in every mode; off: LibTorch's defaults (products in fp32)");
+}
+
+// Processes, threads and memory.
+void add_process_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--nproc", c.nproc,
                  "data-parallel processes on this machine (Gloo); --batch-size is the global "
                  "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
@@ -133,6 +128,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                  "default: glibc's thresholds, which hand it back to the kernel")
       ->check(CLI::IsMember({"keep", "default"}))
       ->capture_default_str();
+}
+
+// The optimization: batches, length, AdamW, seed.
+void add_schedule_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--batch-size", c.batch_size,
                  "samples (gpt: sequences) per step [default: gpt 32, mnist-cnn 128, "
                  "fashion-mlp 256]")
@@ -153,6 +152,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--weight-decay", c.weight_decay, "AdamW decoupled weight decay")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", c.seed, "seed of the weights, the data order and stochastic rounding");
+}
+
+// The gpt workloads' shape and attention.
+void add_gpt_options(CLI::App& app, TrainConfig& c) {
   auto* block = app.add_option("--block-size", c.block_size, "gpt: context length in characters")
                     ->check(CLI::Range(int64_t{2}, int64_t{4096}));
   auto* layers = app.add_option("--layers", c.layers, "gpt: transformer blocks")
@@ -174,6 +177,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                  "way) or explicit (matmul, masked_fill, softmax, matmul: the ops of the Python "
                  "comparison's model)")
       ->check(CLI::IsMember({"fused", "explicit"}));
+}
+
+// Data, outputs, checkpoints, evaluation and progress.
+void add_output_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--data-dir", c.data_dir,
                  "datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]; "
                  "filled by scripts/install-data.sh");
@@ -184,13 +191,12 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--save-every", c.save_every, "write a checkpoint every N steps (0: never)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--resume", c.resume, "continue from the checkpoint in --checkpoint-dir");
-  auto* export_weights =
-      app.add_option("--export-weights", c.export_weights,
-                     "after training, write the model's weights to this safetensors file "
-                     "(Python: safetensors.torch.load_model): the fp32 master weights where the "
-                     "mode keeps them (O2), the weights as trained otherwise (fp32, O1, fp8: "
-                     "fp32; O3: bf16/fp16), and the model's buffers; with --compare, one file "
-                     "per mode: PATH-<mode>.safetensors");
+  app.add_option("--export-weights", c.export_weights,
+                 "after training, write the model's weights to this safetensors file "
+                 "(Python: safetensors.torch.load_model): the fp32 master weights where the "
+                 "mode keeps them (O2), the weights as trained otherwise (fp32, O1, fp8: "
+                 "fp32; O3: bf16/fp16), and the model's buffers; with --compare, one file "
+                 "per mode: PATH-<mode>.safetensors");
   app.add_option("--eval-every", c.eval_every,
                  "evaluate on the held-out split every N steps (0: at the end only)")
       ->check(CLI::NonNegativeNumber);
@@ -210,7 +216,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--profile", c.profile,
                  "profile one step after warm-up: a Chrome trace to this file (with --compare, "
                  "one per mode: FILE-<mode>.json) and the ops taking the most time on the console");
-  // Numerics diagnostics (ampx::debug; docs/numerics.md).
+}
+
+// Numerics diagnostics (ampx::debug; docs/numerics.md).
+void add_diagnostic_options(CLI::App& app, TrainConfig& c) {
   auto* detect =
       app.add_flag("--detect-nonfinite{throw}", c.detect_nonfinite,
                    "check every op's output in each step's forward and backward for inf/NaN: "
@@ -226,7 +235,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
       ->excludes("--resume")
       ->excludes("--save-every")
       ->excludes(detect)
-      ->excludes(export_weights);
+      ->excludes("--export-weights");
   app.add_option("--diagnose-steps", c.diagnose_steps, "fp32 steps --diagnose watches")
       ->check(kPositive)
       ->needs(diagnose);
@@ -234,7 +243,10 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
                "collect range statistics of every layer while training (slow: for diagnosis and "
                "benchmarks) and write them to <out-dir>/range-stats-<mode>.json")
       ->excludes(diagnose);
-  // FP8 (mode fp8; docs/fp8.md).
+}
+
+// FP8 (mode fp8; docs/fp8.md).
+void add_fp8_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--fp8-recipe", c.fp8_recipe,
                  "fp8 scaling: delayed (TE's DelayedScaling: scales from the amax history) or "
                  "current (each tensor its own amax)")
@@ -251,6 +263,26 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--fp8-trace-layer", c.fp8_trace_layer,
                  "fp8: the layer whose amax and scale the report plots, e.g. blocks.0.fc "
                  "[default: the first FP8 layer]");
+}
+
+}  // namespace
+
+std::optional<int> parse_command_line(int argc, const char* const* argv, TrainConfig& c) {
+  CLI::App app{
+      "ampx-train: trains a reference workload on real data in one or more precision modes\n"
+      "and shows what each buys (speed, memory, accuracy). Example:\n"
+      "  ampx-train --workload gpt --compare fp32,O1,O2",
+      "ampx-train"};
+  app.option_defaults()->always_capture_default();
+  app.get_formatter()->column_width(34);
+
+  add_mode_options(app, c);
+  add_process_options(app, c);
+  add_schedule_options(app, c);
+  add_gpt_options(app, c);
+  add_output_options(app, c);
+  add_diagnostic_options(app, c);
+  add_fp8_options(app, c);
   // Internal: a --compare run starts one process per mode with these.
   app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
   app.add_option("--result-file", c.result_file)->group("");
@@ -351,6 +383,22 @@ const char* gpt_attention_of(const TrainConfig& c) {
   return gpt_attention(torch::Device(c.device), gpt_attention_named(c.attention));
 }
 
+namespace {
+
+// "  key    value" lines, the values aligned.
+std::string aligned(const std::vector<std::pair<std::string, std::string>>& rows) {
+  size_t width = 0;
+  for (const auto& r : rows) width = std::max(width, r.first.size());
+  std::ostringstream out;
+  for (const auto& r : rows) {
+    out << "  " << std::left << std::setw(static_cast<int>(width)) << r.first << "  " << r.second
+        << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace
+
 std::string settings_table(const TrainConfig& c) {
   std::vector<std::pair<std::string, std::string>> rows;
   auto add = [&](const std::string& k, const auto& v) {
@@ -428,14 +476,7 @@ std::string settings_table(const TrainConfig& c) {
     add(std::string(c.dtype == "fp16" ? "fp16" : "bf16") + " matmuls", cpu_products_setting(dtype));
   }
   add("CPU", cpu_model());
-  size_t width = 0;
-  for (const auto& r : rows) width = std::max(width, r.first.size());
-  std::ostringstream out;
-  for (const auto& r : rows) {
-    out << "  " << std::left << std::setw(static_cast<int>(width)) << r.first << "  " << r.second
-        << "\n";
-  }
-  return out.str();
+  return aligned(rows);
 }
 
 }  // namespace ampx::train

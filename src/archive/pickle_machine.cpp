@@ -78,160 +78,194 @@ class ArchivePickleMachine {
       : storage_bytes_(storage_bytes), what_(what) {}
 
   void run(const char* data, size_t size) {
-    using torch::jit::PickleOpCode;
     Cursor c(data, size, what_, "pickle");
     while (c.left() > 0) {
       at_ = c.at();
       const auto byte = static_cast<unsigned char>(c.u(1, "opcode"));
-      switch (static_cast<PickleOpCode>(byte)) {
-        case PickleOpCode::PROTO:
-          c.skip(1, "protocol");
-          break;
-        case PickleOpCode::GLOBAL: {
-          const std::string module = line(c, data), name = line(c, data);
-          const std::string global = module + " " + name;
-          require(module_class(global) || storage_element_size(global) > 0 ||
-                      global == "torch._utils _rebuild_tensor_v2" ||
-                      global == "collections OrderedDict",
-                  "global " + global + " is not one OutputArchive writes");
-          push({Kind::kGlobal, global});
-          break;
-        }
-        case PickleOpCode::BINPUT:
-          memo_[c.u(1, "BINPUT index")] = top();
-          break;
-        case PickleOpCode::LONG_BINPUT:
-          memo_[c.u(4, "LONG_BINPUT index")] = top();
-          break;
-        case PickleOpCode::BINGET:
-          push(memo(c.u(1, "BINGET index")));
-          break;
-        case PickleOpCode::LONG_BINGET:
-          push(memo(c.u(4, "LONG_BINGET index")));
-          break;
-        case PickleOpCode::MARK:
-          push({Kind::kMark});
-          break;
-        case PickleOpCode::EMPTY_TUPLE:
-          push({Kind::kTuple});
-          break;
-        case PickleOpCode::EMPTY_LIST:
-          push({Kind::kList});
-          break;
-        case PickleOpCode::EMPTY_DICT:
-          push({Kind::kDict});
-          break;
-        case PickleOpCode::NONE:
-          push({Kind::kNone});
-          break;
-        case PickleOpCode::NEWTRUE:
-        case PickleOpCode::NEWFALSE:
-          push({Kind::kBool});
-          break;
-        case PickleOpCode::BININT1:
-          push(integer(static_cast<int64_t>(c.u(1, "BININT1"))));
-          break;
-        case PickleOpCode::BININT2:
-          push(integer(static_cast<int64_t>(c.u(2, "BININT2"))));
-          break;
-        case PickleOpCode::BININT:
-          push(integer(static_cast<int32_t>(c.u(4, "BININT"))));
-          break;
-        case PickleOpCode::LONG1: {  // little-endian two's complement, at most 8 bytes here
-          const uint64_t n = c.u(1, "LONG1 length");
-          require(n <= 8, "LONG1 of " + std::to_string(n) + " bytes");
-          uint64_t v = n == 0 ? 0 : c.u(static_cast<int>(n), "LONG1");
-          if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);
-          push(integer(static_cast<int64_t>(v)));
-          break;
-        }
-        case PickleOpCode::BINFLOAT:
-          c.skip(8, "BINFLOAT");
-          push({Kind::kFloat});
-          break;
-        case PickleOpCode::BINUNICODE: {
-          const uint64_t n = c.u(4, "BINUNICODE length");
-          c.need(n, "BINUNICODE");
-          push({Kind::kStr, std::string(data + c.at(), n)});
-          c.skip(n, "BINUNICODE");
-          break;
-        }
-        case PickleOpCode::TUPLE:
-          push(tuple(pop_to_mark()));
-          break;
-        case PickleOpCode::TUPLE1:
-          push(tuple(pop_values(1)));
-          break;
-        case PickleOpCode::TUPLE2:
-          push(tuple(pop_values(2)));
-          break;
-        case PickleOpCode::TUPLE3:
-          push(tuple(pop_values(3)));
-          break;
-        case PickleOpCode::APPEND: {
-          pop_value();
-          require(top().kind == Kind::kList, "APPEND to a non-list");
-          break;
-        }
-        case PickleOpCode::APPENDS: {
-          for (const Value& v : pop_to_mark()) element(v);
-          require(top().kind == Kind::kList, "APPENDS to a non-list");
-          break;
-        }
-        case PickleOpCode::SETITEM: {
-          Value v = pop_value(), k = pop_value();
-          set_item(k, v);
-          break;
-        }
-        case PickleOpCode::SETITEMS: {
-          const std::vector<Value> items = pop_to_mark();
-          require(items.size() % 2 == 0, "SETITEMS with an odd number of items");
-          for (size_t i = 0; i < items.size(); i += 2) set_item(items[i], items[i + 1]);
-          break;
-        }
-        case PickleOpCode::NEWOBJ: {  // cls, args
-          const Value args = pop_value(), cls = pop_value();
-          require(cls.kind == Kind::kGlobal && module_class(cls.text) &&
-                      args.kind == Kind::kTuple && args.items().empty(),
-                  "NEWOBJ of something other than a module class");
-          push({Kind::kObject, cls.text});
-          break;
-        }
-        case PickleOpCode::BUILD: {  // object, state
-          const Value state = pop_value();
-          require(state.kind == Kind::kDict && top().kind == Kind::kObject,
-                  "BUILD of something other than a module object with a dict");
-          break;
-        }
-        case PickleOpCode::BINPERSID:
-          push(storage(pop_value()));
-          break;
-        case PickleOpCode::REDUCE: {
-          const Value args = pop_value(), callable = pop_value();
-          require(callable.kind == Kind::kGlobal && args.kind == Kind::kTuple,
-                  "REDUCE of something other than a global and a tuple");
-          if (callable.text == "collections OrderedDict") {
-            require(args.items().empty(), "OrderedDict with arguments");
-            push({Kind::kDict});
-          } else {
-            require(callable.text == "torch._utils _rebuild_tensor_v2",
-                    "REDUCE of " + callable.text);
-            push(tensor(args));
-          }
-          break;
-        }
-        case PickleOpCode::STOP:
-          require(stack_.size() == 1 && stack_[0].kind == Kind::kObject,
-                  "the pickle does not end with one module object");
-          return;
-        default:
-          require(false, "opcode 0x" + hex(byte) + " is not one OutputArchive writes");
+      const auto op = static_cast<PickleOpCode>(byte);
+      if (op == PickleOpCode::STOP) {
+        require(stack_.size() == 1 && stack_[0].kind == Kind::kObject,
+                "the pickle does not end with one module object");
+        return;
       }
+      require(read_value(op, c, data) || push_empty(op) || use_memo(op, c) || combine(op),
+              "opcode 0x" + hex(byte) + " is not one OutputArchive writes");
     }
     require(false, "no STOP opcode before the end");
   }
 
  private:
+  using PickleOpCode = torch::jit::PickleOpCode;
+
+  // Opcodes with arguments in the stream (the protocol, globals, numbers,
+  // strings); false for the others.
+  bool read_value(PickleOpCode op, Cursor& c, const char* data) {
+    switch (op) {
+      case PickleOpCode::PROTO:
+        c.skip(1, "protocol");
+        return true;
+      case PickleOpCode::GLOBAL: {
+        const std::string module = line(c, data), name = line(c, data);
+        const std::string global = module + " " + name;
+        require(module_class(global) || storage_element_size(global) > 0 ||
+                    global == "torch._utils _rebuild_tensor_v2" ||
+                    global == "collections OrderedDict",
+                "global " + global + " is not one OutputArchive writes");
+        push({Kind::kGlobal, global});
+        return true;
+      }
+      case PickleOpCode::BININT1:
+        push(integer(static_cast<int64_t>(c.u(1, "BININT1"))));
+        return true;
+      case PickleOpCode::BININT2:
+        push(integer(static_cast<int64_t>(c.u(2, "BININT2"))));
+        return true;
+      case PickleOpCode::BININT:
+        push(integer(static_cast<int32_t>(c.u(4, "BININT"))));
+        return true;
+      case PickleOpCode::LONG1: {  // little-endian two's complement, at most 8 bytes here
+        const uint64_t n = c.u(1, "LONG1 length");
+        require(n <= 8, "LONG1 of " + std::to_string(n) + " bytes");
+        uint64_t v = n == 0 ? 0 : c.u(static_cast<int>(n), "LONG1");
+        if (n > 0 && n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);
+        push(integer(static_cast<int64_t>(v)));
+        return true;
+      }
+      case PickleOpCode::BINFLOAT:
+        c.skip(8, "BINFLOAT");
+        push({Kind::kFloat});
+        return true;
+      case PickleOpCode::BINUNICODE: {
+        const uint64_t n = c.u(4, "BINUNICODE length");
+        c.need(n, "BINUNICODE");
+        push({Kind::kStr, std::string(data + c.at(), n)});
+        c.skip(n, "BINUNICODE");
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // Opcodes that push an empty or constant value; false for the others.
+  bool push_empty(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::MARK:
+        push({Kind::kMark});
+        return true;
+      case PickleOpCode::EMPTY_TUPLE:
+        push({Kind::kTuple});
+        return true;
+      case PickleOpCode::EMPTY_LIST:
+        push({Kind::kList});
+        return true;
+      case PickleOpCode::EMPTY_DICT:
+        push({Kind::kDict});
+        return true;
+      case PickleOpCode::NONE:
+        push({Kind::kNone});
+        return true;
+      case PickleOpCode::NEWTRUE:
+      case PickleOpCode::NEWFALSE:
+        push({Kind::kBool});
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // The memo's opcodes; false for the others.
+  bool use_memo(PickleOpCode op, Cursor& c) {
+    switch (op) {
+      case PickleOpCode::BINPUT:
+        memo_[c.u(1, "BINPUT index")] = top();
+        return true;
+      case PickleOpCode::LONG_BINPUT:
+        memo_[c.u(4, "LONG_BINPUT index")] = top();
+        return true;
+      case PickleOpCode::BINGET:
+        push(memo(c.u(1, "BINGET index")));
+        return true;
+      case PickleOpCode::LONG_BINGET:
+        push(memo(c.u(4, "LONG_BINGET index")));
+        return true;
+      default:
+        return false;
+    }
+  }
+
+  // Opcodes that combine stack entries into tuples, lists, dicts, objects,
+  // storages and tensors; false for the others.
+  bool combine(PickleOpCode op) {
+    switch (op) {
+      case PickleOpCode::TUPLE:
+        push(tuple(pop_to_mark()));
+        return true;
+      case PickleOpCode::TUPLE1:
+        push(tuple(pop_values(1)));
+        return true;
+      case PickleOpCode::TUPLE2:
+        push(tuple(pop_values(2)));
+        return true;
+      case PickleOpCode::TUPLE3:
+        push(tuple(pop_values(3)));
+        return true;
+      case PickleOpCode::APPEND: {
+        pop_value();
+        require(top().kind == Kind::kList, "APPEND to a non-list");
+        return true;
+      }
+      case PickleOpCode::APPENDS: {
+        for (const Value& v : pop_to_mark()) element(v);
+        require(top().kind == Kind::kList, "APPENDS to a non-list");
+        return true;
+      }
+      case PickleOpCode::SETITEM: {
+        Value v = pop_value(), k = pop_value();
+        set_item(k, v);
+        return true;
+      }
+      case PickleOpCode::SETITEMS: {
+        const std::vector<Value> items = pop_to_mark();
+        require(items.size() % 2 == 0, "SETITEMS with an odd number of items");
+        for (size_t i = 0; i < items.size(); i += 2) set_item(items[i], items[i + 1]);
+        return true;
+      }
+      case PickleOpCode::NEWOBJ: {  // cls, args
+        const Value args = pop_value(), cls = pop_value();
+        require(cls.kind == Kind::kGlobal && module_class(cls.text) && args.kind == Kind::kTuple &&
+                    args.items().empty(),
+                "NEWOBJ of something other than a module class");
+        push({Kind::kObject, cls.text});
+        return true;
+      }
+      case PickleOpCode::BUILD: {  // object, state
+        const Value state = pop_value();
+        require(state.kind == Kind::kDict && top().kind == Kind::kObject,
+                "BUILD of something other than a module object with a dict");
+        return true;
+      }
+      case PickleOpCode::BINPERSID:
+        push(storage(pop_value()));
+        return true;
+      case PickleOpCode::REDUCE: {
+        const Value args = pop_value(), callable = pop_value();
+        require(callable.kind == Kind::kGlobal && args.kind == Kind::kTuple,
+                "REDUCE of something other than a global and a tuple");
+        if (callable.text == "collections OrderedDict") {
+          require(args.items().empty(), "OrderedDict with arguments");
+          push({Kind::kDict});
+        } else {
+          require(callable.text == "torch._utils _rebuild_tensor_v2", "REDUCE of " + callable.text);
+          push(tensor(args));
+        }
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
   [[noreturn]] void fail(const std::string& why) const {
     TORCH_CHECK(false, what_, ": the archive's data.pkl is not what torch::serialize::",
                 "OutputArchive writes: ", why, " (at byte ", at_, ")");

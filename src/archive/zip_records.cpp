@@ -17,8 +17,17 @@
 namespace ampx {
 namespace detail {
 
-std::vector<ArchiveRecord> zip_records(const char* data, size_t size, const std::string& what) {
-  const auto* p = reinterpret_cast<const unsigned char*>(data);
+namespace {
+
+// Where the central directory is and how many records it holds.
+struct CentralDirectory {
+  uint64_t entries, size, offset;
+};
+
+// The end of central directory record's (or zip64's) numbers, checked to lie
+// inside the file.
+CentralDirectory find_central_directory(const unsigned char* p, size_t size,
+                                        const std::string& what) {
   // End of central directory: 22 bytes and a comment of at most 64 KiB.
   size_t eocd = std::string::npos;
   for (size_t back = 22; back <= size && back <= 22 + 65535; ++back) {
@@ -29,24 +38,32 @@ std::vector<ArchiveRecord> zip_records(const char* data, size_t size, const std:
   }
   TORCH_CHECK(eocd != std::string::npos, what,
               ": damaged zip archive: no end of central directory");
-  uint64_t entries = le(p + eocd + 10, 2), cd_size = le(p + eocd + 12, 4),
-           cd_offset = le(p + eocd + 16, 4);
-  if (entries == 0xffff || cd_size == 0xffffffff || cd_offset == 0xffffffff) {  // zip64
+  CentralDirectory cd{le(p + eocd + 10, 2), le(p + eocd + 12, 4), le(p + eocd + 16, 4)};
+  if (cd.entries == 0xffff || cd.size == 0xffffffff || cd.offset == 0xffffffff) {  // zip64
     TORCH_CHECK(eocd >= 20 && le(p + eocd - 20, 4) == 0x07064b50, what,
                 ": damaged zip archive: no zip64 locator");
     const uint64_t z = le(p + eocd - 20 + 8, 8);
     TORCH_CHECK(z <= size && size - z >= 56 && le(p + z, 4) == 0x06064b50, what,
                 ": damaged zip archive: bad zip64 end of central directory offset ", z);
-    entries = le(p + z + 32, 8);
-    cd_size = le(p + z + 40, 8);
-    cd_offset = le(p + z + 48, 8);
+    cd.entries = le(p + z + 32, 8);
+    cd.size = le(p + z + 40, 8);
+    cd.offset = le(p + z + 48, 8);
   }
-  TORCH_CHECK(cd_offset <= size && cd_size <= size - cd_offset, what,
-              ": damaged zip archive: central directory at ", cd_offset, " of ", cd_size,
+  TORCH_CHECK(cd.offset <= size && cd.size <= size - cd.offset, what,
+              ": damaged zip archive: central directory at ", cd.offset, " of ", cd.size,
               " bytes, the file has ", size);
-  TORCH_CHECK(entries <= cd_size / 46, what, ": damaged zip archive: ", entries,
-              " records in a central directory of ", cd_size, " bytes");
-  Cursor cd(data + cd_offset, cd_size, what, "zip archive");
+  TORCH_CHECK(cd.entries <= cd.size / 46, what, ": damaged zip archive: ", cd.entries,
+              " records in a central directory of ", cd.size, " bytes");
+  return cd;
+}
+
+}  // namespace
+
+std::vector<ArchiveRecord> zip_records(const char* data, size_t size, const std::string& what) {
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+  const CentralDirectory dir = find_central_directory(p, size, what);
+  const uint64_t entries = dir.entries, cd_offset = dir.offset;
+  Cursor cd(data + cd_offset, dir.size, what, "zip archive");
   std::vector<ArchiveRecord> records;
   for (uint64_t i = 0; i < entries; ++i) {
     TORCH_CHECK(cd.u(4, "record signature") == 0x02014b50, what,

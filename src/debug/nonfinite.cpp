@@ -118,7 +118,6 @@ struct NonFiniteGuard::Impl : detail::Observer {
     r.scope = *event.scope;
     r.backward_node = *event.backward_node;
     r.step = step.load(std::memory_order_relaxed);
-    if (r.step < 0) r.step = detail::deprecated_global_step();
     r.output_index = out.output_index;
     r.dtype = out.tensor.scalar_type();
     r.shape = out.tensor.sizes().vec();

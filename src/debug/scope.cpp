@@ -21,7 +21,6 @@ namespace debug {
 namespace {
 
 thread_local std::vector<std::string> t_scopes;
-std::atomic<int64_t> g_step{-1};
 std::atomic<int> g_recording{0};
 
 struct ModuleEntry {
@@ -126,10 +125,6 @@ bool any_parameter_named() {
   return registry().any_parameter.load(std::memory_order_relaxed);
 }
 
-int64_t deprecated_global_step() {
-  return g_step.load(std::memory_order_relaxed);
-}
-
 bool parameter_name(const c10::TensorImpl* impl, ParameterName* out) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -229,13 +224,6 @@ std::string current_scope() {
 
 std::string scope_label(const std::string& scope) {
   return scope.empty() ? "(top level)" : scope;
-}
-
-void set_step(int64_t step) {
-  g_step.store(step, std::memory_order_relaxed);
-}
-int64_t current_step() {
-  return g_step.load(std::memory_order_relaxed);
 }
 
 }  // namespace debug

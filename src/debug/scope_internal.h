@@ -37,10 +37,6 @@ bool parameter_name(const c10::TensorImpl* impl, ParameterName* out);
 /// Cheap test: whether name_modules() registered any parameter.
 bool any_parameter_named();
 
-/// What the deprecated debug::set_step() last set (-1: never), for guards
-/// given no step of their own.
-int64_t deprecated_global_step();
-
 }  // namespace detail
 }  // namespace debug
 }  // namespace ampx

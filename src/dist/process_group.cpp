@@ -308,20 +308,14 @@ void ProcessGroup::barrier() const {
   all_reduce_sum(t);  // a barrier that also reports a dead rank
 }
 
-ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options) {
-  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
-              "ampx::dist::init_process_group: rank ", env.rank, " of world size ", env.world_size,
-              " is not a position in the group");
-  TORCH_CHECK(!env.master_addr.empty() && ((env.master_port > 0 && env.master_port <= 65535) ||
-                                           !options.store_file().empty()),
-              "ampx::dist::init_process_group: master address '", env.master_addr, "' port ",
-              env.master_port, " is not a rendezvous point");
-  auto impl = std::make_shared<detail::ProcessGroupAccess::Impl>();
-  impl->rank = env.rank;
-  impl->world_size = env.world_size;
-  impl->timeout = options.timeout();
+namespace {
+
+// The ranks' rendezvous: InitOptions::store_file's file, else the TCP store at
+// the master address (rank 0 serves it where no agent's store is there),
+// under an agent's prefix for its restart attempt.
+c10::intrusive_ptr<c10d::Store> open_store(const LaunchEnv& env, const InitOptions& options,
+                                           bool serves_store) {
   c10::intrusive_ptr<c10d::Store> store;
-  const bool serves_store = env.rank == 0 && !env.agent_store && options.store_file().empty();
   if (!options.store_file().empty()) {
     // No socket: the ranks of one machine meet in a file.
     store = c10::make_intrusive<c10d::FileStore>(options.store_file(),
@@ -363,6 +357,63 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
     store = c10::make_intrusive<c10d::PrefixStore>(
         "/worker/attempt_" + std::to_string(env.restart_count), store);
   }
+  return store;
+}
+
+// The Gloo group over `store`, on the devices of impl.endpoint.
+c10::intrusive_ptr<c10d::ProcessGroupGloo> connect_gloo(
+    const LaunchEnv& env, const InitOptions& options, const detail::ProcessGroupAccess::Impl& impl,
+    const net::GlooEndpoint& endpoint, const c10::intrusive_ptr<c10d::Store>& store) {
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl.collective_timeout);
+  try {
+    if (endpoint.interfaces.empty()) {
+      gloo_options->devices.push_back(
+          c10d::ProcessGroupGloo::createDeviceForHostname(endpoint.address));
+    } else {
+      for (const auto& iface : endpoint.interfaces) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      }
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " cannot make a Gloo device on ",
+                impl.endpoint, ": ", message_of(e));
+  }
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  try {
+    gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
+        c10::make_intrusive<c10d::PrefixStore>("ampx", store), static_cast<int>(env.rank),
+        static_cast<int>(env.world_size), gloo_options);
+  } catch (const std::exception& e) {
+    std::string where;
+    for (size_t r = 0; r < impl.peers.size(); ++r) {
+      where += (where.empty() ? "" : ", ") + std::to_string(r) + " " + impl.peers[r].address;
+    }
+    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
+                " could not connect the Gloo group within ", options.timeout().count(),
+                " ms (ranks' Gloo addresses: ", where,
+                "; every host must reach the others' on any TCP port: check firewalls, and "
+                "GLOO_SOCKET_IFNAME where a host has several networks): ",
+                message_of(e));
+  }
+  return gloo;
+}
+
+}  // namespace
+
+ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options) {
+  TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
+              "ampx::dist::init_process_group: rank ", env.rank, " of world size ", env.world_size,
+              " is not a position in the group");
+  TORCH_CHECK(!env.master_addr.empty() && ((env.master_port > 0 && env.master_port <= 65535) ||
+                                           !options.store_file().empty()),
+              "ampx::dist::init_process_group: master address '", env.master_addr, "' port ",
+              env.master_port, " is not a rendezvous point");
+  auto impl = std::make_shared<detail::ProcessGroupAccess::Impl>();
+  impl->rank = env.rank;
+  impl->world_size = env.world_size;
+  impl->timeout = options.timeout();
+  const bool serves_store = env.rank == 0 && !env.agent_store && options.store_file().empty();
+  const c10::intrusive_ptr<c10d::Store> store = open_store(env, options, serves_store);
   // The probe that names lost peers comes out of the timeout.
   impl->probe_budget = std::min(std::chrono::milliseconds(1000),
                                 std::max(std::chrono::milliseconds(1), options.timeout() / 10));
@@ -379,37 +430,7 @@ ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options
       exchange_endpoints(store, env, endpoint, impl->listener ? impl->listener->port() : 0,
                          options.timeout(), serves_store);
   check_loopback_reachable(impl->peers, env.rank);
-
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->collective_timeout);
-  try {
-    if (endpoint.interfaces.empty()) {
-      gloo_options->devices.push_back(
-          c10d::ProcessGroupGloo::createDeviceForHostname(endpoint.address));
-    } else {
-      for (const auto& iface : endpoint.interfaces) {
-        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-      }
-    }
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " cannot make a Gloo device on ",
-                impl->endpoint, ": ", message_of(e));
-  }
-  try {
-    impl->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("ampx", store), static_cast<int>(env.rank),
-        static_cast<int>(env.world_size), gloo_options);
-  } catch (const std::exception& e) {
-    std::string where;
-    for (size_t r = 0; r < impl->peers.size(); ++r) {
-      where += (where.empty() ? "" : ", ") + std::to_string(r) + " " + impl->peers[r].address;
-    }
-    TORCH_CHECK(false, "ampx::dist: rank ", env.rank, " of ", env.world_size,
-                " could not connect the Gloo group within ", options.timeout().count(),
-                " ms (ranks' Gloo addresses: ", where,
-                "; every host must reach the others' on any TCP port: check firewalls, and "
-                "GLOO_SOCKET_IFNAME where a host has several networks): ",
-                message_of(e));
-  }
+  impl->gloo = connect_gloo(env, options, *impl, endpoint, store);
 #if defined(AMPX_WITH_NCCL)
   // NCCL's communicators are made at the first collective, on the device of
   // its tensors; every rank must take part (the same on all ranks: the

@@ -105,27 +105,18 @@ std::string world_size_variable(const LaunchEnv& env) {
   TORCH_CHECK(false, message);
 }
 
-}  // namespace
-
-/// Every rank's Gloo address, liveness port and host, through the store;
-/// fails naming the ranks that did not arrive within `timeout`, and at once
-/// when ranks were started with different world sizes.
-std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& root,
-                                          const LaunchEnv& env, const net::GlooEndpoint& endpoint,
-                                          int port, std::chrono::milliseconds timeout,
-                                          bool serves_store) {
-  auto store = c10::make_intrusive<c10d::PrefixStore>("ampx-net", root);
-  const std::string me = "rank " + std::to_string(env.rank) + " (host '" + net::host_name() + "')";
-  const std::string where =
-      "the rendezvous at MASTER_ADDR " + env.master_addr + ":" + std::to_string(env.master_port);
-  // The first rank to arrive sets the world size; a rank started with
-  // another fails every rank at once (otherwise those of the smaller world
-  // go on to Gloo and the others wait for ranks that never come).
+// The first rank to arrive sets the world size; a rank started with
+// another fails every rank at once (otherwise those of the smaller world
+// go on to Gloo and the others wait for ranks that never come). `me` names
+// this rank, `where` the rendezvous.
+void agree_on_world_size(c10d::Store& store, const LaunchEnv& env, const std::string& me,
+                         const std::string& where, std::chrono::milliseconds timeout,
+                         bool serves_store) {
   const std::string mine_ws = std::to_string(env.world_size) + "\n" + me;
   std::string first_ws;
   try {
-    first_ws = text_of(store->compareSet("world-size", {}, bytes_of(mine_ws)));
-    store->add("arrived", 1);
+    first_ws = text_of(store.compareSet("world-size", {}, bytes_of(mine_ws)));
+    store.add("arrived", 1);
   } catch (const std::exception& e) {
     // What is on that port decides what to do (a busy port, rank 0 gone).
     const std::string there =
@@ -142,7 +133,7 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
     const std::string theirs = first_ws.substr(0, newline);
     const std::string who = newline == std::string::npos ? "?" : first_ws.substr(newline + 1);
     if (theirs != std::to_string(env.world_size)) {
-      fail_rendezvous(*store, serves_store, env.world_size, timeout,
+      fail_rendezvous(store, serves_store, env.world_size, timeout,
                       "ampx::dist: ranks were started with different world sizes: " + me +
                           " with " + world_size_variable(env) + "=" +
                           std::to_string(env.world_size) + ", " + who + " with " +
@@ -150,6 +141,41 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
                           ". Start every rank of a run with the same world size");
     }
   }
+}
+
+// The peers' table: each rank's entry under its number in `keys`.
+std::vector<net::Peer> read_peers(c10d::Store& store, const std::vector<std::string>& keys) {
+  std::vector<net::Peer> peers;
+  for (const auto& k : keys) {
+    std::istringstream in(text_of(store.get(k)));
+    net::Peer p;
+    std::string port_text;
+    std::getline(in, p.address);
+    std::getline(in, port_text);
+    std::getline(in, p.stack);
+    std::getline(in, p.host);
+    std::getline(in, p.chosen_by);
+    std::getline(in, p.interfaces);
+    p.port = std::atoi(port_text.c_str());
+    peers.push_back(std::move(p));
+  }
+  return peers;
+}
+
+}  // namespace
+
+/// Every rank's Gloo address, liveness port and host, through the store;
+/// fails naming the ranks that did not arrive within `timeout`, and at once
+/// when ranks were started with different world sizes.
+std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>& root,
+                                          const LaunchEnv& env, const net::GlooEndpoint& endpoint,
+                                          int port, std::chrono::milliseconds timeout,
+                                          bool serves_store) {
+  auto store = c10::make_intrusive<c10d::PrefixStore>("ampx-net", root);
+  const std::string me = "rank " + std::to_string(env.rank) + " (host '" + net::host_name() + "')";
+  const std::string where =
+      "the rendezvous at MASTER_ADDR " + env.master_addr + ":" + std::to_string(env.master_port);
+  agree_on_world_size(*store, env, me, where, timeout, serves_store);
   const std::string mine = endpoint.address + "\n" + std::to_string(port) + "\n" +
                            net::network_stack_id() + "\n" + net::host_name() + "\n" +
                            endpoint.chosen_by + "\n" + net::interface_summary();
@@ -187,20 +213,7 @@ std::vector<net::Peer> exchange_endpoints(const c10::intrusive_ptr<c10d::Store>&
   TORCH_CHECK(missing.empty(), "ampx::dist: rank ", env.rank, " of ", env.world_size, ": rank(s) ",
               missing, " did not reach ", where, " within ", timeout.count(),
               " ms (did every rank start, and does every host reach that address?)");
-  std::vector<net::Peer> peers;
-  for (const auto& k : keys) {
-    std::istringstream in(text_of(store->get(k)));
-    net::Peer p;
-    std::string port_text;
-    std::getline(in, p.address);
-    std::getline(in, port_text);
-    std::getline(in, p.stack);
-    std::getline(in, p.host);
-    std::getline(in, p.chosen_by);
-    std::getline(in, p.interfaces);
-    p.port = std::atoi(port_text.c_str());
-    peers.push_back(std::move(p));
-  }
+  std::vector<net::Peer> peers = read_peers(*store, keys);
   // The store's server (rank 0, unless the launcher's agent serves it) stays
   // until every rank has the table: a rank that fails on what it says must
   // not take the store away from the others' reading of it.

@@ -1,11 +1,12 @@
 #pragma once
 
 // The arithmetic every element cast of ampx::fp8 shares: FP8's (cast.cpp)
-// and the block-scaled formats' FP6 and FP4 (block.cpp). A format's codes
-// are contiguous in magnitude, so one rounding of a float32 significand to
-// the format's quantum at its exponent covers subnormals, normals and the
-// carry into the next binade alike; callers add the sign, saturation and
-// their special values (NaN, inf) around it.
+// and the block-scaled formats' FP6 and FP4 (block_elements.cpp,
+// block_tensor.cpp). A format's codes are contiguous in magnitude, so one
+// rounding of a float32 significand to the format's quantum at its exponent
+// covers subnormals, normals and the carry into the next binade alike;
+// callers add the sign, saturation and their special values (NaN, inf)
+// around it.
 
 #include "../kernels/host_device.h"
 

@@ -14,6 +14,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace ampx {
 namespace optim {
@@ -91,6 +92,52 @@ void MixedPrecisionOptimizer::prepare(ParamWork& w) const {
   }
 }
 
+namespace {
+
+// A param the step takes: float32, bfloat16 or float16, with a dense grad of
+// its dtype (bfloat16 under stochastic rounding).
+void check_param(const char* name, const at::Tensor& p, size_t g, size_t i,
+                 bool stochastic_rounding) {
+  const auto dtype = p.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "ampx::optim::", name, ": param (group ", g, ", index ", i, ") has dtype ", dtype,
+              "; supported: Float, BFloat16, Half");
+  TORCH_CHECK(!p.grad().is_sparse(), "ampx::optim::", name,
+              " does not support sparse gradients (param group ", g, ", index ", i, ")");
+  TORCH_CHECK(p.grad().scalar_type() == dtype, "ampx::optim::", name, ": param (group ", g,
+              ", index ", i, ") is ", dtype, " but its grad is ", p.grad().scalar_type());
+  TORCH_CHECK(!(stochastic_rounding && dtype == at::kHalf), "ampx::optim::", name,
+              ": stochastic_rounding is for bfloat16 params; param (group ", g, ", index ", i,
+              ") is Half");
+}
+
+// What the grads are multiplied by: 1/scale (rounded as GradScaler rounds
+// it) times clip_grad_norm_'s coefficient max / (norm + 1e-6), at most 1;
+// undefined for neither.
+at::Tensor gradient_multiplier(const std::vector<ParamWork>& work, const at::Tensor& grad_scale,
+                               const c10::optional<double>& max_grad_norm) {
+  at::Tensor grad_mul;
+  if (grad_scale.defined()) {
+    grad_mul = ampx::detail::inverse_scale(grad_scale);
+  }
+  if (max_grad_norm) {
+    std::vector<at::Tensor> norms;
+    const auto dev = grad_scale.defined() ? grad_scale.device() : work[0].grad.device();
+    for (const auto& w : work) {
+      norms.push_back(at::linalg_vector_norm(w.grad, 2, c10::nullopt, false, at::kFloat).to(dev));
+    }
+    auto total = at::stack(norms).norm();
+    if (grad_mul.defined()) {
+      total = total * grad_mul.to(dev);
+    }
+    auto coef = (*max_grad_norm / (total + 1e-6)).clamp_max(1.0);
+    grad_mul = grad_mul.defined() ? grad_mul.to(dev) * coef : coef;
+  }
+  return grad_mul;
+}
+
+}  // namespace
+
 void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::Tensor& found_inf) {
   c10::NoGradGuard no_grad;
   sync_state_shape();
@@ -101,26 +148,12 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
     auto& params = param_groups_[g].params();
     for (size_t i = 0; i < params.size(); ++i, ++position) {
       const auto& p = params[i];
-      if (!p.grad().defined()) {
-        continue;
-      }
-      const auto dtype = p.scalar_type();
-      TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                  "ampx::optim::", name(), ": param (group ", g, ", index ", i, ") has dtype ",
-                  dtype, "; supported: Float, BFloat16, Half");
-      TORCH_CHECK(!p.grad().is_sparse(), "ampx::optim::", name(),
-                  " does not support sparse gradients (param group ", g, ", index ", i, ")");
-      TORCH_CHECK(p.grad().scalar_type() == dtype, "ampx::optim::", name(), ": param (group ", g,
-                  ", index ", i, ") is ", dtype, " but its grad is ", p.grad().scalar_type());
-      TORCH_CHECK(!(config_.stochastic_rounding && dtype == at::kHalf), "ampx::optim::", name(),
-                  ": stochastic_rounding is for bfloat16 params; param (group ", g, ", index ", i,
-                  ") is Half");
+      if (!p.grad().defined()) continue;
+      check_param(name(), p, g, i, config_.stochastic_rounding);
       work.push_back({g, i, position, p, p.grad(), &states_[g][i]});
     }
   }
-  if (work.empty()) {
-    return;
-  }
+  if (work.empty()) return;
 
   // Skip decision. A CPU flag is read (cheap); a device flag stays a device
   // tensor unless CPU params need the answer on the host.
@@ -134,25 +167,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
     return;
   }
 
-  // Gradient multiplier: 1/scale (rounded as GradScaler rounds it) times
-  // clip_grad_norm_'s coefficient max / (norm + 1e-6), at most 1.
-  at::Tensor grad_mul;
-  if (grad_scale.defined()) {
-    grad_mul = ampx::detail::inverse_scale(grad_scale);
-  }
-  if (config_.max_grad_norm) {
-    std::vector<at::Tensor> norms;
-    const auto dev = grad_scale.defined() ? grad_scale.device() : work[0].grad.device();
-    for (const auto& w : work) {
-      norms.push_back(at::linalg_vector_norm(w.grad, 2, c10::nullopt, false, at::kFloat).to(dev));
-    }
-    auto total = at::stack(norms).norm();
-    if (grad_mul.defined()) {
-      total = total * grad_mul.to(dev);
-    }
-    auto coef = (*config_.max_grad_norm / (total + 1e-6)).clamp_max(1.0);
-    grad_mul = grad_mul.defined() ? grad_mul.to(dev) * coef : coef;
-  }
+  const at::Tensor grad_mul = gradient_multiplier(work, grad_scale, config_.max_grad_norm);
   const float grad_mul_host = (any_cpu && grad_mul.defined()) ? grad_mul.item<float>() : 1.f;
 
   std::vector<ParamWork> fused, fused_cuda;
@@ -165,16 +180,12 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
       continue;
     }
     auto& st = *w.state;
-    if (cuda_fusable(w)) {
-      if (!st.step_t.defined()) {
-        st.step_t =
-            at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
-      }
-      fused_cuda.push_back(w);  // the kernels count the step (unless skipped)
-      continue;
-    }
     if (!st.step_t.defined()) {
       st.step_t = at::full({}, static_cast<double>(st.step), w.param.options().dtype(at::kDouble));
+    }
+    if (cuda_fusable(w)) {
+      fused_cuda.push_back(w);  // the kernels count the step (unless skipped)
+      continue;
     }
     if (device_skip && !skip.defined()) skip = found_inf.ne(0);
     const auto dev_skip = skip.defined() ? skip.to(w.param.device(), true) : skip;
@@ -195,12 +206,8 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
       st.step_t = at::Tensor();
     }
   }
-  if (!fused.empty()) {
-    update_cpu(fused, grad_mul_host);
-  }
-  if (!fused_cuda.empty()) {
-    update_cuda(fused_cuda, grad_mul, found_inf);
-  }
+  if (!fused.empty()) update_cpu(fused, grad_mul_host);
+  if (!fused_cuda.empty()) update_cuda(fused_cuda, grad_mul, found_inf);
 }
 
 bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {

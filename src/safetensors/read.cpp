@@ -19,6 +19,7 @@
 #include <cstring>
 #include <optional>
 #include <set>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -28,6 +29,17 @@ namespace {
 
 // safetensors' own limit on the header (the Rust reader refuses larger ones).
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+// "F64, F32, ...": every dtype ampx reads (dtypes.h), for the refusal of another.
+std::string dtype_names() {
+  std::string names;
+  const auto add = [&](const char* name) {
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  };
+  for (const auto& k : detail::kSafetensorsDtypes) add(k.name);
+  for (const auto& k : detail::kSafetensorsFp8Dtypes) add(k.name);
+  return names;
+}
 
 // An entry read: its bytes as a tensor of the dtype's element type (uint8
 // for the FP8 dtypes, whose format is then set).
@@ -77,8 +89,7 @@ std::vector<InEntry> read_entries(const std::string& path,
       }
     }
     TORCH_CHECK(type.has_value(), where, ": tensor '", name, "' has dtype '", e.dtype,
-                "', which ampx does not read (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, "
-                "F8_E4M3, F8_E5M2)");
+                "', which ampx does not read (", dtype_names(), ")");
     TORCH_CHECK(e.begin <= e.end && e.end <= data_bytes, where, ": tensor '", name,
                 "' has data_offsets [", e.begin, ", ", e.end, "] outside the ", data_bytes,
                 " bytes of data");

@@ -6,7 +6,7 @@
 if(NOT TARGET ampx::ampx)
   message(FATAL_ERROR "ampx as a subproject: no ampx::ampx target")
 endif()
-foreach(t ampx_tests ampx_train_tests ampx-train ampx_gemm_peak autocast_scaler_example)
+foreach(t ampx_tests ampx_train_tests ampx-train ampx_gemm_peak amp_recipe)
   if(TARGET ${t})
     message(FATAL_ERROR "ampx as a subproject defines ${t}: only the library was asked for")
   endif()

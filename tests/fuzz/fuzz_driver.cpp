@@ -9,6 +9,7 @@
 //   ampx_fuzz run checkpoint tests/fuzz/corpus/checkpoint 60 [seed]  # 60 s
 //   ampx_fuzz replay checkpoint tests/fuzz/corpus/checkpoint tests/fuzz/regressions/checkpoint
 //   ampx_fuzz accept checkpoint tests/fuzz/corpus/checkpoint  # the seeds are valid
+//   ampx_fuzz list  # each target and its folder of corpus/, a line each
 //
 // Exit status: 0 nothing found, 1 a finding (its input saved as
 // fuzz-finding-<target>-<n>.bin in the working folder), 2 usage.
@@ -231,6 +232,7 @@ int usage() {
                "       ampx_fuzz replay TARGET FILE_OR_DIR...  (no finding)\n"
                "       ampx_fuzz accept TARGET FILE_OR_DIR...  (each read without error)\n"
                "       ampx_fuzz seeds DIR   (a valid input per target, from ampx's writers)\n"
+               "       ampx_fuzz list        (each target and its folder of corpus/)\n"
                "targets:\n");
   for (const auto& t : ampx::fuzz::targets()) std::fprintf(stderr, "  %-11s %s\n", t.name, t.what);
   return 2;
@@ -250,6 +252,10 @@ int main(int argc, char** argv) {
   if (argc == 3 && std::string(argv[1]) == "seeds") {  // how the corpora were made
     ampx::fuzz::write_seeds(argv[2]);
     fs::remove_all(fs::path(ampx::fuzz::scratch_file("")).parent_path());
+    return 0;
+  }
+  if (argc == 2 && std::string(argv[1]) == "list") {  // for ctest's tests and make fuzz
+    for (const auto& t : ampx::fuzz::targets()) std::printf("%s %s\n", t.name, t.corpus());
     return 0;
   }
   if (argc < 4) return usage();

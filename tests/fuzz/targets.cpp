@@ -237,7 +237,8 @@ void launch_env(const uint8_t* data, size_t size) {
 const std::vector<NamedTarget>& targets() {
   static const std::vector<NamedTarget> all = {
       {"checkpoint", checkpoint, "ampx-train's checkpoint reader (read_checkpoint + archive)"},
-      {"checkpoint_crc", checkpoint_crc, "the checkpoint reader on inputs given a valid CRC-32"},
+      {"checkpoint_crc", checkpoint_crc, "the checkpoint reader on inputs given a valid CRC-32",
+       "checkpoint"},  // the checkpoint seeds, their CRC-32 recomputed after each mutation
       {"checkpoint_state", checkpoint_state,
        "a checkpoint's progress and loss-scaler JSON (read_progress), into GradScalers"},
       {"state_dict", state_dict, "ampx::load_state_dict of torch.save files, into a GradScaler"},

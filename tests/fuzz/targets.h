@@ -19,11 +19,16 @@ using Target = void (*)(const uint8_t* data, size_t size);
 struct NamedTarget {
   const char* name;
   Target run;
-  const char* what;  // the reader it drives
+  const char* what;            // the reader it drives
+  const char* seeds = nullptr;  // its folder of corpus/ when not `name` (shared seeds)
+
+  /// The folder of tests/fuzz/corpus/ that holds its seeds.
+  const char* corpus() const { return seeds ? seeds : name; }
 };
 
 /// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
-/// zero_shard, idx, text, launch_env, safetensors.
+/// zero_shard, idx, text, launch_env, safetensors. The one list of them:
+/// `ampx_fuzz list` prints it for ctest's tests (CMakeLists.txt) and `make fuzz`.
 const std::vector<NamedTarget>& targets();
 
 /// Writes a small valid input for each target into <dir>/<target>/seed-*

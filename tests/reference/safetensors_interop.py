@@ -3,7 +3,7 @@
   safetensors_interop.py write PATH   # safetensors.torch writes the expected tensors
   safetensors_interop.py check PATH   # reads ampx's file: exit 0 if equal
 
-The tensors are tests/interop_safetensors.cpp's, made the same way. FP8
+The tensors are tests/helpers/interop_safetensors.cpp's, made the same way. FP8
 (torch.float8_e4m3fn / float8_e5m2, safetensors' F8_E4M3 / F8_E5M2): each
 FP8 tensor "<name>" has its scale_inv beside it as "<name>_scale" (F32), and
 its values are the one-liner codes.float() * scale; ampx's file also holds

@@ -52,7 +52,7 @@ namespace ampx {
 namespace debug {
 
 // The library's one forward/backward enum (ampx/direction.h), by the name
-// ampx::debug has always used; ampx::fp8::Pass is the deprecated other one.
+// ampx::debug has always used.
 using ampx::Direction;
 using ampx::to_string;  // to_string(Direction): "forward", "backward"
 

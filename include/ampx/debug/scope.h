@@ -70,33 +70,12 @@ class ModuleScopeGuard {
   ModuleScopeGuard& operator=(const ModuleScopeGuard&) = delete;
 };
 
-/// NamedScopeGuard's old name.
-/// \deprecated Use NamedScopeGuard; removed after the next release (CHANGELOG.md).
-using ScopeGuard [[deprecated("renamed ampx::debug::NamedScopeGuard")]] = NamedScopeGuard;
-/// ModuleScopeGuard's old name.
-/// \deprecated Use ModuleScopeGuard; removed after the next release (CHANGELOG.md).
-using ModuleScope [[deprecated("renamed ampx::debug::ModuleScopeGuard")]] = ModuleScopeGuard;
-
 /// The innermost open scope of this thread, "" outside any.
 std::string current_scope();
 
 /// A scope as reports and tables show it: `scope`, or "(top level)" for ""
 /// (outside any scope).
 std::string scope_label(const std::string& scope);
-
-/// Sets a process-wide step that NonFiniteGuard reports quote when their
-/// guard was given none.
-/// \deprecated Pass the step to the guard instead: NonFiniteOptions().step(step),
-/// or NonFiniteGuard::set_step() for a guard that lives across steps; removed
-/// after the next release (CHANGELOG.md).
-[[deprecated(
-    "pass the step to NonFiniteGuard: NonFiniteOptions::step or NonFiniteGuard::set_step")]] void
-set_step(int64_t step);
-/// The step set_step() set; -1 before any.
-/// \deprecated Reports carry their guard's step (NonFiniteReport::step, from
-/// NonFiniteOptions::step); removed after the next release (CHANGELOG.md).
-[[deprecated("the step is NonFiniteOptions::step of the guard that reports it")]] int64_t
-current_step();
 
 }  // namespace debug
 }  // namespace ampx

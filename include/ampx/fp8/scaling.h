@@ -67,12 +67,6 @@ class ProcessGroup;
 
 namespace fp8 {
 
-/// Forward tensors (activations, weights) or backward ones (gradients): the
-/// library's one enum for it, ampx::Direction (ampx/direction.h).
-/// \deprecated Use ampx::Direction; removed after the next release (CHANGELOG.md).
-using Pass [[deprecated("ampx::fp8::Pass is ampx::Direction (ampx/direction.h)")]] =
-    ampx::Direction;
-
 /// TE's `amax_compute_algo` (its callable form is not offered).
 enum class AmaxComputeAlgo {
   kMax,         ///< "max": the largest amax in the history window
@@ -276,9 +270,6 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   /// product), elsewhere it is left undefined.
   Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
                  at::Tensor* transposed = nullptr);
-  /// cast()'s result type, by its old name.
-  /// \deprecated Use ampx::fp8::Fp8Tensor; removed after the next release (CHANGELOG.md).
-  using Cast [[deprecated("TensorScaling::Cast is ampx::fp8::Fp8Tensor")]] = Fp8Tensor;
   /// Records an amax: delayed scaling updates the history and the next scale.
   void record(const at::Tensor& amax);
 

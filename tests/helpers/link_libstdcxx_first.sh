@@ -6,7 +6,7 @@
 # from libstdc++ (shared) or from the program itself (a toolchain that links
 # libstdc++ statically). On failure: the bindings, the program's libraries in
 # order, and which libstdc++ the compiler links.
-#   tests/link_libstdcxx_first.sh PROGRAM CXX_COMPILER
+#   tests/helpers/link_libstdcxx_first.sh PROGRAM CXX_COMPILER
 set -uo pipefail
 program=$1 cxx=$2
 bindings=$(LD_BIND_NOW=1 LD_DEBUG=bindings "$program" --gtest_list_tests \

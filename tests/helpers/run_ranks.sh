@@ -3,7 +3,7 @@
 # variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 # MASTER_ADDR, MASTER_PORT), and exits with the first non-zero status, or 0.
 #
-#   tests/run_ranks.sh 2 ./build/host/examples/ddp_torchrun --steps 60
+#   tests/helpers/run_ranks.sh 2 ./build/host/examples/ddp_torchrun --steps 60
 set -u
 n=$1
 shift

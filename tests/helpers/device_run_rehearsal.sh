@@ -5,10 +5,10 @@
 # device every GPU part must say it was skipped, and the runs of ampx-train
 # and Python (bench's, and the CPU comparison's on gpt and gpt-nn) must have
 # produced results that the summary holds.
-#   tests/device_run_rehearsal.sh BUILD_DIR OUT_DIR PYTHON
+#   tests/helpers/device_run_rehearsal.sh BUILD_DIR OUT_DIR PYTHON
 set -euo pipefail
 build=$1 out=$2 py=$3
-src=$(cd "$(dirname "$0")/.." && pwd)
+src=$(cd "$(dirname "$0")/../.." && pwd)
 rm -rf "$out"
 mkdir -p "$out/data/moby-dick"
 "$py" -c 'import random; r = random.Random(1); print("".join(r.choice("abcdefgh ijklmnop\n") for _ in range(20000)))' \
