@@ -39,6 +39,10 @@
 /// is additive: its loss change is the sum of its layers' (negative
 /// changes counted as zero), an assumption the proof run checks.
 
+/// \namespace ampx::plan
+/// Automatic per-layer precision: the measurement, the plan, its file, its
+/// application and its proof (docs/numerics.md).
+
 #include "ampx/fp8/scaling.h"
 
 #include <torch/arg.h>
