@@ -40,24 +40,34 @@ namespace {
 using detail::RegionState;
 thread_local RegionState t_region;
 
-// Max-reduces the amaxes of `pending` over `group` in one all-reduce and
-// records them; a state cast twice records the larger amax once.
-void reduce_and_record(PendingAmaxes& pending, const dist::ProcessGroup& group) {
-  if (pending.empty()) return;
+// The states of `pending` once each, with their amaxes (a state cast twice:
+// the larger one), in the order first cast; empties `pending`.
+struct Merged {
   std::vector<std::shared_ptr<TensorScaling>> states;
   std::vector<at::Tensor> amaxes;
+};
+Merged merge(PendingAmaxes& pending) {
+  Merged m;
   std::unordered_map<TensorScaling*, size_t> index;
   for (auto& [state, amax] : pending) {
     auto it = index.find(state.get());
     if (it == index.end()) {
-      index.emplace(state.get(), states.size());
-      states.push_back(state);
-      amaxes.push_back(amax);
+      index.emplace(state.get(), m.states.size());
+      m.states.push_back(state);
+      m.amaxes.push_back(amax);
     } else {
-      amaxes[it->second] = at::maximum(amaxes[it->second], amax);
+      m.amaxes[it->second] = at::maximum(m.amaxes[it->second], amax);
     }
   }
   pending.clear();
+  return m;
+}
+
+// Max-reduces the amaxes of `pending` over `group` in one all-reduce and
+// records them; a state cast twice records the larger amax once.
+void reduce_and_record(PendingAmaxes& pending, const dist::ProcessGroup& group) {
+  if (pending.empty()) return;
+  auto [states, amaxes] = merge(pending);
   at::Tensor all = at::cat(amaxes);
   group.all_reduce_max(all);
   for (size_t i = 0; i < states.size(); ++i) {
@@ -80,21 +90,8 @@ struct BackwardPending {
 // in one launch (detail::record_all).
 void record_local(PendingAmaxes& pending) {
   if (pending.empty()) return;
-  std::vector<std::shared_ptr<TensorScaling>> states;
-  std::vector<at::Tensor> amaxes;
-  std::unordered_map<TensorScaling*, size_t> index;
-  for (auto& [state, amax] : pending) {  // a state cast twice: its larger amax
-    auto it = index.find(state.get());
-    if (it == index.end()) {
-      index.emplace(state.get(), states.size());
-      states.push_back(state);
-      amaxes.push_back(amax);
-    } else {
-      amaxes[it->second] = at::maximum(amaxes[it->second], amax);
-    }
-  }
-  pending.clear();
-  detail::record_all(states, amaxes);
+  const Merged m = merge(pending);
+  detail::record_all(m.states, m.amaxes);
 }
 
 thread_local bool t_in_backward = false;

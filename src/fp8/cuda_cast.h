@@ -28,6 +28,13 @@ namespace cuda {
 /// Whether this build has the kernels (false without CUDA: cuda_cast.cpp).
 bool built();
 
+/// Whether the kernels take x: this build has them, x is on a CUDA device
+/// and float32, bfloat16 or float16 (other dtypes take the ATen paths).
+inline bool takes(const at::Tensor& x) {
+  const auto t = x.scalar_type();
+  return x.is_cuda() && built() && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
+}
+
 /// What one cast pass wrote.
 struct CastOut {
   at::Tensor codes;       ///< uint8, x's shape

@@ -71,10 +71,7 @@ Fp8Format format_for(RecipeFormat recipe_format, Direction pass) {
 
 at::Tensor compute_amax(const at::Tensor& x) {
   if (x.numel() == 0) return at::zeros({1}, x.options().dtype(at::kFloat));
-  if (x.is_cuda() && detail::cuda::built() && x.is_floating_point() &&
-      x.scalar_type() != at::kDouble) {
-    return detail::cuda::amax(x);  // one reduction kernel
-  }
+  if (detail::cuda::takes(x)) return detail::cuda::amax(x);  // one reduction kernel
   return x.abs().max().reshape({1}).to(at::kFloat);
 }
 
@@ -358,17 +355,13 @@ Fp8Tensor cuda_cast(const at::Tensor& x, Fp8Format format, const at::Tensor& sca
   return {std::move(out.codes), scale_inv, format};
 }
 
-bool fused_on_cuda(const at::Tensor& x) {
-  return x.is_cuda() && detail::cuda::built() && x.scalar_type() != at::kDouble;
-}
-
 }  // namespace
 
 Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
                               at::Tensor* transposed) {
   at::NoGradGuard no_grad;
   if (transposed != nullptr) *transposed = at::Tensor();
-  const bool fused = fused_on_cuda(x);
+  const bool fused = detail::cuda::takes(x);
   if (!delayed_) {
     TORCH_CHECK(group == nullptr,
                 "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
