@@ -1,5 +1,6 @@
 #include "config.h"
 
+#include "auto_precision.h"
 #include "data.h"
 #include "gpt_nn.h"
 #include "machine.h"
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <sstream>
 #include <thread>
@@ -27,8 +29,8 @@ namespace ampx::train {
 namespace {
 
 const std::vector<std::string> kWorkloads = {"gpt", "gpt-nn", "mnist-cnn", "fashion-mlp"};
-const std::vector<std::string> kModes = {"fp32", "O1",    "O2",   "O3",
-                                         "fp8",  "mxfp8", "nvfp4", "fp8-block"};
+const std::vector<std::string> kModes = {"fp32",  "O1",    "O2",        "O3",  "fp8",
+                                         "mxfp8", "nvfp4", "fp8-block", "auto"};
 
 struct WorkloadDefaults {
   int64_t batch_size;
@@ -90,7 +92,9 @@ void add_mode_options(CLI::App& app, TrainConfig& c) {
                                    "precision weights, fp32 masters and norms), O3 (pure low "
                                    "precision, stochastic rounding), fp8 (O1 with FP8 Linears, "
                                    "tensorwise scales), mxfp8, nvfp4, fp8-block (O1 with "
-                                   "block-scaled Linears: TE's recipes, emulated on the CPU)")
+                                   "block-scaled Linears: TE's recipes, emulated on the CPU), auto (O1 "
+                                   "with each Linear in the format a measured plan gives it: "
+                                   "--loss-budget, --target, --precision-plan)")
                         ->check(CLI::IsMember(kModes));
   app.add_option("--compare", c.compare,
                  "train once per listed mode from the same seed and compare, e.g. fp32,O1,O2")
@@ -260,6 +264,21 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "mxfp8, nvfp4, fp8-block, fp8: the Linears kept in bf16, comma-separated paths "
                  "or prefixes (blocks.0 keeps blocks.0.*), 'none', or 'auto': nvfp4 keeps the "
                  "first and last blocks and the head (the published choice), the others the head");
+  app.add_option("--loss-budget", c.loss_budget,
+                 "--precision auto: the largest loss change the plan may predict, relative "
+                 "(0.5% or 0.005)")
+      ->capture_default_str();
+  app.add_option("--target", c.target,
+                 "--precision auto: the hardware whose product throughput per format the plan "
+                 "models: h100, b200 (published peak ratios) or cpu (measured here)")
+      ->check(CLI::IsMember({"h100", "b200", "cpu"}))
+      ->capture_default_str();
+  app.add_option("--precision-plan", c.precision_plan,
+                 "--precision auto: apply this saved plan (JSON) instead of measuring one");
+  app.add_option("--plan-steps", c.plan_steps,
+                 "--precision auto: training steps of each measurement probe")
+      ->check(kPositive)
+      ->capture_default_str();
   app.add_option("--fp8-trace-layer", c.fp8_trace_layer,
                  "fp8: the layer whose amax and scale the report plots, e.g. blocks.0.fc "
                  "[default: the first FP8 layer]");
@@ -330,6 +349,18 @@ void resolve_defaults(TrainConfig& c) {
               ampx::torch_version(),
               ", which has no fp16 CPU autocast or fp16 CPU matrix "
               "products. Use --dtype bf16.");
+  // (--compare's list, not this process's --only-mode: every child gets the flags)
+  const bool plan_mode = c.compare.empty() ? c.precision == "auto"
+                                           : std::find(c.compare.begin(), c.compare.end(),
+                                                       "auto") != c.compare.end();
+  TORCH_CHECK(c.precision_plan.empty() || plan_mode, "ampx-train: --precision-plan '",
+              c.precision_plan, "' is for --precision auto");
+  TORCH_CHECK(!plan_mode || c.nproc == 1 || !c.precision_plan.empty(),
+              "ampx-train: --precision auto measures in one process; measure with --nproc 1, "
+              "then pass the plan it writes as --precision-plan");
+  TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
+              "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
+  if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
   TORCH_CHECK(!c.diagnose || c.nproc == 1,
               "ampx-train: --diagnose runs in one process; drop "
               "--nproc ",
@@ -353,7 +384,7 @@ std::string Mode::dtype_name() const {
 Mode parse_mode(const std::string& name, const TrainConfig& config) {
   TORCH_CHECK(std::find(kModes.begin(), kModes.end(), name) != kModes.end(),
               "ampx-train: unknown precision mode '", name,
-              "' (fp32, O1, O2, O3, fp8, mxfp8, nvfp4, fp8-block)");
+              "' (fp32, O1, O2, O3, fp8, mxfp8, nvfp4, fp8-block, auto)");
   Mode mode;
   mode.name = name;
   if (name == "fp32") return mode;
@@ -364,10 +395,12 @@ Mode parse_mode(const std::string& name, const TrainConfig& config) {
 }
 
 bool is_fp8_mode(const std::string& name) {
-  return name == "fp8" || name == "mxfp8" || name == "nvfp4" || name == "fp8-block";
+  return name == "fp8" || name == "mxfp8" || name == "nvfp4" || name == "fp8-block" ||
+         name == "auto";
 }
 
 ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c, const std::string& mode) {
+  TORCH_CHECK(mode != "auto", "ampx-train: --precision auto has a recipe per layer (its plan)");
   // The block recipes with TE's defaults; NVFP4's stochastic rounding from the run's seed.
   if (mode == "mxfp8") return ampx::fp8::MXFP8BlockScaling();
   if (mode == "nvfp4") return ampx::fp8::NVFP4BlockScaling().seed(static_cast<uint64_t>(c.seed));
@@ -450,6 +483,13 @@ std::string settings_table(const TrainConfig& c) {
                                   : " (report inf/NaN of forward and backward, go on)"));
   }
   for (const auto& mode : modes_of(c)) {
+    if (mode == "auto") {
+      add("auto plan", c.precision_plan.empty()
+                           ? "measured: loss budget " + c.loss_budget + ", target " + c.target +
+                                 ", " + std::to_string(c.plan_steps) + " steps a probe"
+                           : c.precision_plan);
+      continue;
+    }
     if (!is_fp8_mode(mode)) continue;
     const auto recipe = fp8_recipe_of(c, mode);
     add(mode + " recipe", recipe.to_string() + (c.device == "cpu" ? ", emulated" : "") +

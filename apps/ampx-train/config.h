@@ -23,7 +23,7 @@ namespace ampx::train {
 /// filled in by resolve_defaults().
 struct TrainConfig {
   std::string workload = "gpt";      // gpt | gpt-nn | mnist-cnn | fashion-mlp
-  std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 | mxfp8 | nvfp4 | fp8-block
+  std::string precision = "O2";      // fp32 | O1 | O2 | O3 | fp8 | mxfp8 | nvfp4 | fp8-block | auto
   std::vector<std::string> compare;  // modes to train one after another
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
   std::string device = "cpu";        // cpu | cuda
@@ -70,6 +70,11 @@ struct TrainConfig {
   int64_t amax_history = 1024;         // delayed scaling's history length
   std::string fp8_trace_layer;         // the layer whose amax/scale the report plots; "": first
   std::string bf16_layers = "auto";    // FP8 modes: Linears kept in bf16 (paths, prefixes, none, auto)
+  // --precision auto (ampx/precision_plan.h, docs/numerics.md)
+  std::string loss_budget = "0.5%";  // --loss-budget: the plan's largest predicted loss change
+  std::string target = "b200";       // --target h100|b200|cpu: whose throughput the plan models
+  std::string precision_plan;        // --precision-plan FILE: apply this plan (no measurement)
+  int64_t plan_steps = 4;            // --plan-steps: training steps of each measurement probe
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare
@@ -111,7 +116,7 @@ struct Mode {
   std::string name = "fp32";  // fp32 | O1 | O2 | O3 | an FP8 mode: file names, tables, checkpoints
   ampx::OptLevel level = ampx::OptLevel::O0;
   c10::ScalarType dtype = c10::kFloat;  // the low precision (fp32: kFloat)
-  bool fp8 = false;  // fp8, mxfp8, nvfp4, fp8-block: O1 with the Linears in FP8 (or FP4)
+  bool fp8 = false;  // fp8, mxfp8, nvfp4, fp8-block, auto: O1 with the Linears in FP8 (or FP4)
 
   bool mixed() const { return level != ampx::OptLevel::O0; }
   /// "fp32", "bf16" or "fp16".
@@ -122,7 +127,8 @@ struct Mode {
 /// naming the modes for any other name.
 Mode parse_mode(const std::string& name, const TrainConfig& config);
 
-/// Whether `name` is an FP8 mode: fp8 (tensorwise scales), mxfp8, nvfp4 or fp8-block.
+/// Whether `name` is an FP8 mode: fp8 (tensorwise scales), mxfp8, nvfp4,
+/// fp8-block, or auto (each Linear in the format of a plan).
 bool is_fp8_mode(const std::string& name);
 
 /// The recipe of FP8 mode `mode`: for fp8 the one --fp8-recipe, --fp8-format

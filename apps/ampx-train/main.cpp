@@ -13,6 +13,7 @@
 #include "ampx/dist.h"
 #include "ampx/memory.h"
 
+#include "auto_precision.h"
 #include "config.h"
 #include "device_memory.h"
 #include "diagnose.h"
@@ -282,7 +283,10 @@ int train_one(const TrainConfig& config, Workload& workload, const std::string& 
 /// --compare: each mode in a process of its own (--only-mode), one after
 /// another, then the report of them all.
 int compare(int argc, char** argv, const TrainConfig& config, Workload& workload,
-            const std::vector<std::string>& modes) {
+            const std::vector<std::string>& modes, const std::string& measured_plan) {
+  // --precision auto's plan, measured once here, is applied by its child.
+  std::vector<std::string> plan_args;
+  if (!measured_plan.empty()) plan_args = {"--precision-plan", measured_plan};
   std::vector<RunResult> results;
   fs::create_directories(config.out_dir);
   for (const auto& mode : modes) {
@@ -293,8 +297,9 @@ int compare(int argc, char** argv, const TrainConfig& config, Workload& workload
     }
     const auto result_file = fs::path(config.out_dir) / ("result-" + mode + ".json");
     fs::remove(result_file);
-    const int code =
-        run_child(argc, argv, {"--only-mode", mode, "--result-file", result_file.string()});
+    std::vector<std::string> extra = {"--only-mode", mode, "--result-file", result_file.string()};
+    if (mode == "auto") extra.insert(extra.end(), plan_args.begin(), plan_args.end());
+    const int code = run_child(argc, argv, extra);
     if (code == kExitNonFinite) {  // its report is above
       std::fprintf(stderr, "ampx-train: --detect-nonfinite stopped %s; the comparison ends here\n",
                    mode.c_str());
@@ -326,12 +331,18 @@ int compare(int argc, char** argv, const TrainConfig& config, Workload& workload
 
 /// What the process trains once it knows its place: a diagnosis, one mode,
 /// or a comparison. `group`: the ranks of a data-parallel run.
-int train(int argc, char** argv, const TrainConfig& config, Workload& workload,
+int train(int argc, char** argv, TrainConfig config, Workload& workload,
           const ampx::dist::ProcessGroup* group) {
   const auto modes = modes_of(config);
   if (config.diagnose) return print_diagnosis(config, workload);
+  // --precision auto without --precision-plan: measure and plan first.
+  std::string measured_plan;
+  if (std::find(modes.begin(), modes.end(), "auto") != modes.end() &&
+      config.precision_plan.empty()) {
+    config.precision_plan = measured_plan = plan_precision(config, workload);
+  }
   if (modes.size() == 1) return train_one(config, workload, modes.front(), group);
-  return compare(argc, argv, config, workload, modes);
+  return compare(argc, argv, config, workload, modes, measured_plan);
 }
 
 /// Role::kMain and Role::kModeProcess: a process of its own, which starts

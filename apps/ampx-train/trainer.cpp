@@ -15,6 +15,7 @@
 #include "weights_export.h"
 
 #include <ampx/ampx.h>
+#include <ampx/precision_plan.h>
 #include <ampx/debug/nonfinite.h>
 #include <ampx/debug/scope.h>
 
@@ -71,6 +72,25 @@ torch::Tensor ModeSetUp::forward(const torch::Tensor& input) {
   return amp->cast_output(model_output(input));
 }
 
+namespace {
+
+/// --precision auto: the plan (--precision-plan, or the one measured for
+/// this run) applied to setup.model.
+void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
+  TORCH_CHECK(!config.precision_plan.empty(),
+              "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
+              "--precision-plan");
+  const auto plan = ampx::plan::load_plan(config.precision_plan);
+  setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
+  for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
+    if (!dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) continue;
+    const auto& f = setup.fp8_layers;
+    if (std::find(f.begin(), f.end(), item.key()) == f.end()) setup.bf16_layers.push_back(item.key());
+  }
+}
+
+}  // namespace
+
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
                       const torch::Device& device) {
   ModeSetUp setup;
@@ -94,7 +114,12 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
   // parameters it cast are the ones the forward takes).
   ampx::debug::name_modules(*setup.model);
-  if (mode.fp8) {
+  if (mode.name == "auto") {
+    // O1 plus each Linear in its plan's format (bf16: not converted, as
+    // --bf16-layers keeps layers in bf16).
+    setup.fp8 = true;
+    set_up_plan(config, setup);
+  } else if (mode.fp8) {
     // O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
     // (dimensions multiples of 16), as torchao does, but those kept in bf16.
     setup.fp8 = true;
@@ -309,7 +334,11 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   identity_["dtype"] = result_.dtype;
   identity_["device"] = config.device;
   identity_["steps_per_epoch"] = workload.steps_per_epoch();
-  if (mode_.fp8) identity_["fp8_recipe"] = fp8_recipe_of(config, mode_.name).to_string();
+  if (mode_.name == "auto") {
+    identity_["fp8_recipe"] = "plan";
+  } else if (mode_.fp8) {
+    identity_["fp8_recipe"] = fp8_recipe_of(config, mode_.name).to_string();
+  }
 
   checkpoint_path_ = checkpoint_path_for(config, mode_.name);
   from_rank0(group, [&] {  // rank 0 alone writes and reads checkpoints
@@ -328,7 +357,8 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   // After the cast: the broadcast and the buckets see the training dtypes.
   if (group) ddp_.emplace(setup_.model, *group);
   // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.
-  const bool tensorwise = setup_.fp8 && !fp8_recipe_of(config, mode_.name).is_block();
+  const bool tensorwise =
+      setup_.fp8 && mode_.name != "auto" && !fp8_recipe_of(config, mode_.name).is_block();
   if (group && tensorwise && fp8_recipe_of(config, mode_.name).is_delayed()) {
     setup_.fp8_group = group;
   }

@@ -19,6 +19,7 @@
 #include "ampx/memory.h"
 #include "ampx/optim.h"
 #include "ampx/policy.h"
+#include "ampx/precision_plan.h"
 #include "ampx/safetensors.h"
 #include "ampx/scale_update.h"
 #include "ampx/scaler_aware_optimizer.h"

@@ -305,7 +305,8 @@ TEST_F(TrainCliTest, BinaryRejectsAnUnknownPrecision) {
 #ifdef AMPX_TRAIN_BINARY
   const BinaryRun r = run_binary({"--precision", "O5"});
   EXPECT_EQ(r.status, static_cast<int>(CLI::ExitCodes::ValidationError)) << r.err;
-  EXPECT_TRUE(contains(r.err, {"--precision: O5 not in {fp32,O1,O2,O3,fp8,mxfp8,nvfp4,fp8-block}"}));
+  EXPECT_TRUE(
+      contains(r.err, {"--precision: O5 not in {fp32,O1,O2,O3,fp8,mxfp8,nvfp4,fp8-block,auto}"}));
 #endif
 }
 

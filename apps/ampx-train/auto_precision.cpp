@@ -1,0 +1,187 @@
+#include "auto_precision.h"
+
+#include "fp8_layers.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace ampx::train {
+namespace {
+
+std::string percent(double v) {
+  std::ostringstream s;
+  s << std::showpos << std::fixed << std::setprecision(3) << 100.0 * v << "%";
+  return s.str();
+}
+
+// The measurement problem of `workload`: its models, each kept with its
+// forward (an AnyModule) so that the loss can run the model it is handed.
+struct WorkloadProblem {
+  Workload& workload;
+  torch::Device device;
+  std::vector<torch::nn::AnyModule> models;
+
+  ampx::plan::MeasureProblem problem() {
+    ampx::plan::MeasureProblem p;
+    p.make_model = [this] {
+      models.push_back(workload.build(device));
+      return models.back().ptr();
+    };
+    p.loss = [this](torch::nn::Module& model, int64_t step) {
+      for (auto& m : models) {
+        if (m.ptr().get() != &model) continue;
+        const Batch batch = workload.batch(step, device);
+        return workload.loss(m.forward(batch.input), batch.target);
+      }
+      TORCH_CHECK(false, "ampx-train: a model the measurement did not make");
+    };
+    return p;
+  }
+};
+
+// An assignment's predicted loss change and modelled cost, as make_plan
+// counts them: `format_of(layer)` per layer, bf16 where it was not measured
+// or the target lacks it.
+std::pair<double, double> predict(
+    const ampx::plan::Measurement& m, const ampx::plan::CostModel& model,
+    const std::function<ampx::plan::LayerFormat(const ampx::plan::LayerMeasurement&)>& format_of) {
+  double loss = 0, cost = 0;
+  for (const auto& layer : m.layers) {
+    const ampx::plan::FormatMeasurement* chosen = &layer.formats.front();  // bf16
+    for (const auto& f : layer.formats) {
+      if (f.format == format_of(layer) && model.throughput.count(f.format)) chosen = &f;
+    }
+    loss += std::max(0.0, chosen->loss_change);
+    cost += layer.flops_share / model.throughput.at(chosen->format);
+  }
+  return {loss, cost};
+}
+
+}  // namespace
+
+std::string alternatives_table(const ampx::plan::Measurement& measurement,
+                               const ampx::plan::CostModel& model,
+                               const std::vector<std::string>& fixed_rule_bf16) {
+  using ampx::plan::LayerFormat;
+  std::ostringstream t;
+  t << "beside uniform and fixed choices (predicted loss change, modelled product time on "
+    << model.target << " against bf16):\n";
+  const auto row = [&](const std::string& name, const auto& format_of) {
+    const auto [loss, cost] = predict(measurement, model, format_of);
+    t << "  " << std::left << std::setw(44) << name << std::right << std::setw(10) << percent(loss)
+      << std::setw(8) << std::fixed << std::setprecision(3) << cost << "\n";
+  };
+  for (const auto f : ampx::plan::all_layer_formats()) {
+    if (!model.throughput.count(f)) continue;
+    row("all " + ampx::plan::to_string(f), [f](const auto&) { return f; });
+  }
+  if (model.throughput.count(LayerFormat::kNvfp4)) {
+    row("first/last blocks and head bf16, rest nvfp4", [&](const auto& layer) {
+      const bool kept = std::find(fixed_rule_bf16.begin(), fixed_rule_bf16.end(), layer.module) !=
+                        fixed_rule_bf16.end();
+      return kept ? LayerFormat::kBFloat16 : LayerFormat::kNvfp4;
+    });
+  }
+  return t.str();
+}
+
+double parse_loss_budget(const std::string& text) {
+  std::string number = text;
+  const bool is_percent = !number.empty() && number.back() == '%';
+  if (is_percent) number.pop_back();
+  char* end = nullptr;
+  const double v = number.empty() ? 0 : std::strtod(number.c_str(), &end);
+  TORCH_CHECK(!number.empty() && end == number.c_str() + number.size() && v > 0 && std::isfinite(v),
+              "ampx-train: --loss-budget '", text,
+              "' is not a loss change > 0 (e.g. 0.5% or 0.005)");
+  return is_percent ? v / 100.0 : v;
+}
+
+std::string measured_plan_path(const TrainConfig& config) {
+  return (std::filesystem::path(config.out_dir) / "precision-plan.json").string();
+}
+
+std::string plan_table(const ampx::plan::Measurement& measurement,
+                       const ampx::plan::PrecisionPlan& plan) {
+  std::ostringstream t;
+  t << std::left << std::setw(22) << "layer" << std::setw(8) << "flops";
+  // The columns: the formats of the layer measured in the most (some take bf16 only).
+  const auto& formats = std::max_element(measurement.layers.begin(), measurement.layers.end(),
+                                         [](const auto& a, const auto& b) {
+                                           return a.formats.size() < b.formats.size();
+                                         })
+                            ->formats;
+  for (const auto& f : formats) t << std::setw(18) << ampx::plan::to_string(f.format);
+  t << "plan\n";
+  for (size_t l = 0; l < measurement.layers.size(); ++l) {
+    const auto& layer = measurement.layers[l];
+    std::ostringstream share;
+    share << std::fixed << std::setprecision(1) << 100.0 * layer.flops_share << "%";
+    t << std::setw(22) << layer.module << std::setw(8) << share.str();
+    for (const auto& want : formats) {
+      std::string cell = "-";
+      for (const auto& f : layer.formats) {
+        if (f.format != want.format) continue;
+        std::ostringstream c;
+        c << percent(f.loss_change) << " g" << std::fixed << std::setprecision(3) << f.grad_error;
+        cell = c.str();
+      }
+      t << std::setw(18) << cell;
+    }
+    t << ampx::plan::to_string(plan.layers[l].format) << "\n";
+  }
+  t << "loss change: predicted " << percent(plan.predicted_loss_change) << " (budget "
+    << percent(plan.loss_budget) << "); modelled product time on " << plan.target << ": "
+    << std::fixed << std::setprecision(3) << plan.cost / plan.bf16_cost << " of bf16's\n";
+  t << "measured in " << std::setprecision(1) << measurement.seconds << " s, " << measurement.probes
+    << " probes of " << measurement.steps << " steps + " << measurement.eval_batches
+    << " evaluation batches";
+  if (measurement.epoch_fraction > 0) {
+    t << " (" << std::setprecision(3) << measurement.epoch_fraction << " of an epoch)";
+  }
+  t << "\n";
+  return t.str();
+}
+
+std::string plan_precision(const TrainConfig& config, Workload& workload) {
+  const torch::Device device = config.torch_device();
+  WorkloadProblem problem{workload, device, {}};
+  torch::manual_seed(config.seed);
+  torch::nn::AnyModule model = workload.build(device);
+  const auto options = ampx::plan::MeasureOptions()
+                           .steps(config.plan_steps)
+                           .eval_batches(2)
+                           .lr(config.lr)
+                           .seed(config.seed)
+                           .tokens_per_step(workload.items_per_step())
+                           .steps_per_epoch(workload.steps_per_epoch());
+  std::cout << "measuring each Linear in each format (" << config.plan_steps
+            << " steps a probe) ..." << std::endl;
+  const auto measurement = ampx::plan::measure_layers(*model.ptr(), problem.problem(), options);
+  const auto cost_model = ampx::plan::cost_model_for(config.target);
+  const auto plan = ampx::plan::make_plan(
+      measurement, ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
+                       .cost_model(cost_model)
+                       .seed(config.seed));
+  // The fixed rule beside it: --precision nvfp4's --bf16-layers auto.
+  TrainConfig fixed = config;
+  fixed.bf16_layers = "auto";
+  const auto kept = bf16_layers_of(fixed, "nvfp4", *model.ptr());
+  std::cout << "\n"
+            << plan_table(measurement, plan) << alternatives_table(measurement, cost_model, kept);
+  std::filesystem::create_directories(config.out_dir);
+  const std::string path = measured_plan_path(config);
+  ampx::plan::save_plan(plan, path);
+  std::cout << "plan:    " << path << "\n" << std::endl;
+  return path;
+}
+
+}  // namespace ampx::train

@@ -1,0 +1,46 @@
+#pragma once
+
+// --precision auto: measure each Linear of the workload's model in each
+// format, plan the fastest assignment within --loss-budget on --target
+// (ampx/precision_plan.h), print the per-layer table and save the plan;
+// --precision-plan FILE loads a saved one instead.
+//
+//   auto plan = plan_precision(config, *workload);  // measures, prints, writes
+//   <out-dir>/precision-plan.json parse_loss_budget("0.5%");                       // 0.005
+
+#include "config.h"
+#include "workloads.h"
+
+#include <ampx/precision_plan.h>
+
+#include <string>
+#include <vector>
+
+namespace ampx::train {
+
+/// "0.5%" -> 0.005, "0.005" -> 0.005; c10::Error naming --loss-budget and
+/// the value when it is not a number > 0.
+double parse_loss_budget(const std::string& text);
+
+/// Where --precision auto's measured plan is written: <out-dir>/precision-plan.json.
+std::string measured_plan_path(const TrainConfig& config);
+
+/// The per-layer table: module, share of the Linear FLOPs, each measured
+/// format's loss change (and gradient error), the chosen format; then the
+/// plan's predicted loss change and modelled cost against bf16.
+std::string plan_table(const ampx::plan::Measurement& measurement,
+                       const ampx::plan::PrecisionPlan& plan);
+
+/// Uniform formats and the fixed rule (`fixed_rule_bf16` in bf16, the rest
+/// NVFP4) as the plan's model predicts them: loss change and modelled cost.
+std::string alternatives_table(const ampx::plan::Measurement& measurement,
+                               const ampx::plan::CostModel& model,
+                               const std::vector<std::string>& fixed_rule_bf16);
+
+/// Measures the workload's fresh model (config.seed) over --plan-steps
+/// steps of its batches, makes the plan for --loss-budget and --target,
+/// prints the table and writes the plan to measured_plan_path(). Returns
+/// that path.
+std::string plan_precision(const TrainConfig& config, Workload& workload);
+
+}  // namespace ampx::train

@@ -1,0 +1,251 @@
+#pragma once
+
+/// \file
+/// Automatic per-layer precision: measure how sensitive each Linear of a
+/// model is to each low-precision format, choose the fastest assignment of
+/// formats whose predicted loss change stays within a budget, save it, and
+/// apply it to a model (issue 44).
+///
+/// ```
+///   ampx::plan::MeasureProblem problem;
+///   problem.make_model = [&] { return std::make_shared<Net>(); };   // same architecture
+///   problem.loss = [&](torch::nn::Module& m, int64_t step) {       // batch `step`'s loss
+///     return loss_fn(static_cast<Net&>(m).forward(x[step]), y[step]);
+///   };
+///   auto measured = ampx::plan::measure_layers(*model, problem,
+///                                              ampx::plan::MeasureOptions().steps(4));
+///   auto plan = ampx::plan::make_plan(measured,
+///                                     ampx::plan::PlanOptions(0.005)   // 0.5% of the loss
+///                                         .cost_model(ampx::plan::cost_model_for("b200")));
+///   plan.layers[0].format;                     // e.g. LayerFormat::kNvfp4
+///   ampx::plan::save_plan(plan, "plan.json");
+///   ampx::plan::apply_plan(*model, ampx::plan::load_plan("plan.json"));
+///   {
+///     ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);  // bf16 layers
+///     ampx::fp8::Fp8AutocastGuard fp8;                               // FP8/FP4 layers
+///     loss_fn(model->forward(x0), y0).backward();
+///   }
+/// ```
+///
+/// The measurement runs one probe per (Linear, format) and one reference:
+/// each probe starts from the model's weights, quantizes only its layer (the
+/// others run under bf16 autocast, as ampx-train's FP8 modes run the Linears
+/// they keep in bf16), trains `steps` steps of AdamW on the batches
+/// 0..steps-1, and evaluates the loss on the batches steps..steps+eval_batches-1.
+/// The loss change of a probe is its evaluation loss relative to the
+/// reference's; its gradient error is the relative L2 distance of its
+/// layer's first weight gradient from the reference's (same weights, same
+/// batch: the format's own error). The plan's model of a whole assignment
+/// is additive: its loss change is the sum of its layers' (negative
+/// changes counted as zero), an assumption the proof run checks.
+
+/// \namespace ampx::plan
+/// Automatic per-layer precision: the measurement, the plan, its file, its
+/// application and its proof (docs/numerics.md).
+
+#include "ampx/fp8/scaling.h"
+
+#include <torch/arg.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace ampx {
+namespace plan {
+
+/// A Linear layer's format in a plan. Named as ampx-train's modes name them.
+enum class LayerFormat {
+  kBFloat16,  ///< "bf16": the layer runs under bf16 autocast (not converted)
+  kFp8,       ///< "fp8": FP8 tensorwise current scaling (HYBRID: E4M3 forward, E5M2 gradients)
+  kMxfp8,     ///< "mxfp8": MXFP8BlockScaling (E4M3, E8M0 per 1 x 32)
+  kNvfp4,     ///< "nvfp4": NVFP4BlockScaling (E2M1, E4M3 per 16, fp32 per tensor)
+  kFp8Block,  ///< "fp8-block": Float8BlockScaling (1 x 128, 128 x 128 weights)
+};
+
+/// "bf16", "fp8", "mxfp8", "nvfp4", "fp8-block".
+std::string to_string(LayerFormat format);
+/// The format named `name` (as to_string writes it); c10::Error naming
+/// `what` and the value otherwise.
+LayerFormat parse_layer_format(const std::string& name, const std::string& what = "format");
+/// Every format, widest first: bf16, fp8-block, fp8, mxfp8, nvfp4.
+std::vector<LayerFormat> all_layer_formats();
+/// The fp8::Recipe a converted layer of `format` runs (NVFP4's stochastic
+/// rounding drawn from `seed`); c10::Error for bf16, which converts nothing.
+fp8::Recipe recipe_of(LayerFormat format, uint64_t seed = 0);
+/// The scale rule a layer of `format` is cast with, as its recipe names it
+/// ("current(hybrid)", "nvfp4(16x16 weights, ...)"); bf16: "autocast (no scale)".
+std::string scale_rule_of(LayerFormat format, uint64_t seed = 0);
+
+struct PrecisionPlan;
+
+/// The user's model and data, as the measurement sees them.
+struct MeasureProblem {
+  /// A new model of the same architecture as the one measured (its weights
+  /// are overwritten with the measured model's): one per probe.
+  std::function<std::shared_ptr<torch::nn::Module>()> make_model;
+  /// The loss of batch `step` (0, 1, ...) through `model`: its forward and
+  /// the loss, a float32 scalar. Must give the same batch for the same step.
+  std::function<at::Tensor(torch::nn::Module& model, int64_t step)> loss;
+};
+
+/// How the measurement probes the model.
+struct MeasureOptions {
+  /// Training steps of each probe (batches 0..steps-1), >= 1.
+  TORCH_ARG(int64_t, steps) = 4;
+  /// Batches each probe's loss is evaluated on after its steps, >= 1.
+  TORCH_ARG(int64_t, eval_batches) = 2;
+  /// The formats measured for each layer (bf16, the reference, is always in a plan).
+  TORCH_ARG(std::vector<LayerFormat>, formats) = all_layer_formats();
+  /// The probes' AdamW learning rate (> 0).
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Seeds torch before each probe and NVFP4's stochastic rounding.
+  TORCH_ARG(uint64_t, seed) = 0;
+  /// Rows each Linear sees per step (tokens, or samples): for the FLOPs.
+  TORCH_ARG(int64_t, tokens_per_step) = 1;
+  /// Steps in one epoch of the user's training, to state the cost as a fraction (0: unknown).
+  TORCH_ARG(int64_t, steps_per_epoch) = 0;
+};
+
+/// What one probe of one layer in one format measured.
+struct FormatMeasurement {
+  LayerFormat format = LayerFormat::kBFloat16;  ///< the probed format
+  double loss_change = 0;  ///< (probe loss - reference loss) / reference loss, signed
+  double grad_error = 0;   ///< ||g - g_ref|| / ||g_ref|| of the layer's first weight gradient
+};
+
+/// Everything measured of one Linear.
+struct LayerMeasurement {
+  std::string module;                      ///< its path in the model, e.g. "blocks.0.fc"
+  int64_t in_features = 0;                 ///< its weight's columns
+  int64_t out_features = 0;                ///< its weight's rows
+  double flops = 0;                        ///< 3 products of 2 * in * out * tokens_per_step each
+  double flops_share = 0;                  ///< flops / the sum over the model's Linears
+  double weight_amax = 0;                  ///< the largest |w| of its weight at the start
+  std::vector<FormatMeasurement> formats;  ///< one per measured format it takes
+};
+
+/// The result of measure_layers().
+struct Measurement {
+  double reference_loss = 0;  ///< the reference's evaluation loss (bf16 autocast)
+  int64_t steps = 0;          ///< training steps of each probe
+  int64_t eval_batches = 0;   ///< evaluation batches of each probe
+  uint64_t seed = 0;          ///< the seed of the probes
+  int64_t probes = 0;         ///< probes run, the reference included
+  double seconds = 0;         ///< wall time of the measurement
+  double epoch_fraction = 0;  ///< probes * (steps + eval) / steps_per_epoch; 0 if unknown
+  std::vector<LayerMeasurement> layers;  ///< the model's Linears, in module order
+};
+
+/// Measures every Linear of `model` (left unchanged) in each format of
+/// `options` (see the top of this header). Linears whose dimensions are not
+/// multiples of 16 are measured in bf16 only. Deterministic for a seed.
+Measurement measure_layers(torch::nn::Module& model, const MeasureProblem& problem,
+                           const MeasureOptions& options = MeasureOptions());
+
+/// The proof of a plan: training with it against the reference.
+struct PlanCheck {
+  double loss = 0;            ///< evaluation loss of the run with the plan applied
+  double reference_loss = 0;  ///< the reference's (every Linear in bf16)
+  double loss_change = 0;     ///< (loss - reference_loss) / reference_loss
+};
+
+/// Trains a copy of `model` with `plan` applied (apply_plan, seeded with
+/// options.seed) as each probe of measure_layers() trains (same steps,
+/// batches, seed and learning rate), and the reference beside it: the
+/// loss change the plan's additive model predicted, measured.
+PlanCheck check_plan(torch::nn::Module& model, const MeasureProblem& problem,
+                     const PrecisionPlan& plan, const MeasureOptions& options = MeasureOptions());
+
+/// Relative product throughput per format on a target (bf16 = 1); a format
+/// the target cannot run is absent.
+struct CostModel {
+  std::string target;                        ///< "h100", "b200", "cpu", or the user's
+  std::map<LayerFormat, double> throughput;  ///< products per second, relative to bf16
+  std::string source;                        ///< where the numbers come from
+};
+
+/// The cost model of "h100" or "b200" (published dense peak ratios, see
+/// docs/numerics.md), or "cpu" (measure_cpu_cost_model()); c10::Error
+/// naming the target otherwise.
+CostModel cost_model_for(const std::string& target);
+/// Times one emulated product (forward and backward of a 256 x 256 Linear on
+/// 256 rows) per format on this machine's CPU: throughput relative to bf16.
+CostModel measure_cpu_cost_model();
+
+/// What make_plan() solves for.
+struct PlanOptions {
+  /// Plans within `loss_budget`, a relative loss change (0.005: 0.5%).
+  explicit PlanOptions(double loss_budget) : loss_budget_(loss_budget) {}
+  /// The largest predicted relative loss change allowed (> 0).
+  TORCH_ARG(double, loss_budget);
+  /// The target's throughput per format.
+  TORCH_ARG(CostModel, cost_model) = cost_model_for("b200");
+  /// Steps the loss budget is cut into for the exact solver (>= 1).
+  TORCH_ARG(int64_t, budget_steps) = 2000;
+  /// Seed of NVFP4's stochastic rounding in the plan's scale rules.
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+/// One layer of a plan.
+struct LayerPlan {
+  std::string module;                           ///< its path in the model
+  LayerFormat format = LayerFormat::kBFloat16;  ///< the chosen format
+  std::string scale_rule;                       ///< scale_rule_of(format)
+  double loss_change = 0;                       ///< measured, for the chosen format
+  double grad_error = 0;                        ///< measured, for the chosen format
+  double flops_share = 0;                       ///< the layer's share of the Linear FLOPs
+  std::string reason;                           ///< why this format, in words
+};
+
+/// A plan: one format per Linear, the fastest whose predicted loss change fits.
+struct PrecisionPlan {
+  std::string target;                ///< the cost model's target
+  double loss_budget = 0;            ///< the budget it was solved for
+  double predicted_loss_change = 0;  ///< sum of the chosen formats' loss changes (>= 0 each)
+  double cost = 0;                   ///< modelled product time: sum of flops_share / throughput
+  double bf16_cost = 1;              ///< the same for every layer in bf16 (1)
+  std::vector<LayerPlan> layers;     ///< in module order
+};
+
+/// The fastest plan (least modelled cost) whose predicted loss change is
+/// within the budget: a multiple-choice knapsack solved exactly by dynamic
+/// programming over the budget cut into budget_steps (each loss change
+/// rounded up, so the plan's true sum is within the budget). Ties go to the
+/// smaller loss change, then the wider format.
+PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& options);
+
+/// The solver's core, public for tests: picks one option per group,
+/// minimising the summed cost with the summed (non-negative) weights <=
+/// capacity; returns the chosen index per group. weights[g][i] and
+/// costs[g][i] describe option i of group g. c10::Error when nothing fits.
+std::vector<size_t> solve_multiple_choice(const std::vector<std::vector<double>>& weights,
+                                          const std::vector<std::vector<double>>& costs,
+                                          double capacity, int64_t steps);
+
+/// Writes `plan` to `path` as JSON with a fixed key order (diffable),
+/// atomically.
+void save_plan(const PrecisionPlan& plan, const std::string& path);
+/// Reads a plan save_plan() wrote; c10::Error naming the file, the key and
+/// the value on anything else (unreadable file, corrupt JSON, unknown format).
+PrecisionPlan load_plan(const std::string& path);
+
+/// Converts each Linear of `model` the plan gives an FP8 or FP4 format to it
+/// (fp8::convert_linears with the format's recipe, NVFP4 seeded with
+/// `seed`); bf16 layers and Linears the plan does not name stay as they
+/// are, for bf16 autocast. A plan module that is not a Linear of `model` is
+/// a c10::Error naming it. Returns the converted paths.
+std::vector<std::string> apply_plan(torch::nn::Module& model, const PrecisionPlan& plan,
+                                    uint64_t seed = 0);
+
+}  // namespace plan
+}  // namespace ampx

@@ -1,0 +1,50 @@
+#pragma once
+
+// The Linears of a model by path, and what the measurement and apply_plan
+// do to them: copy a model's weights into a fresh one, convert some of its
+// Linears to a format. Internal to src/plan/.
+//
+//   auto linears = ampx::plan::detail::linears_of(model);   // {{"fc1", ptr}, ...}
+//   ampx::plan::detail::convert_layers(model, {"fc1"}, LayerFormat::kNvfp4, 0);
+
+#include "ampx/precision_plan.h"
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class LinearImpl;
+}  // namespace nn
+}  // namespace torch
+
+namespace ampx {
+namespace plan {
+namespace detail {
+
+/// Every torch::nn::Linear of `model` (itself included) with its path, in module order.
+std::vector<std::pair<std::string, torch::nn::LinearImpl*>> linears_of(torch::nn::Module& model);
+
+/// The Linear at `path`; c10::Error starting with "ampx::plan::<caller>"
+/// naming the path and the model's Linears when there is none.
+torch::nn::LinearImpl* find_linear(
+    const std::vector<std::pair<std::string, torch::nn::LinearImpl*>>& linears,
+    const std::string& path, const std::string& caller);
+
+/// Whether a Linear of these dimensions may take an FP8 or FP4 format: both
+/// multiples of 16, what FP8 tensor cores take (ampx-train's filter too).
+bool fp8_eligible(int64_t in_features, int64_t out_features);
+
+/// Copies the parameters and buffers of `from` into `to` (same names and
+/// shapes, else c10::Error naming the first that differs).
+void copy_weights(torch::nn::Module& from, torch::nn::Module& to);
+
+/// Converts the Linears at `paths` of `model` to `format` (nothing for bf16).
+void convert_layers(torch::nn::Module& model, const std::vector<std::string>& paths,
+                    LayerFormat format, uint64_t seed);
+
+}  // namespace detail
+}  // namespace plan
+}  // namespace ampx

@@ -1,0 +1,162 @@
+// Plans as JSON files: keys in a fixed order, one per line (diffable), read
+// back with errors that name the file, the key and the value.
+
+#include "ampx/precision_plan.h"
+
+#include "../atomic_file.h"
+#include "../json/writer.h"
+#include "json_value.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace ampx {
+namespace plan {
+namespace {
+
+constexpr int64_t kPlanVersion = 1;
+using ampx::detail::json_number;
+using ampx::detail::json_string;
+using detail::JsonValue;
+
+void write_layer(std::ostringstream& o, const LayerPlan& l) {
+  o << "    {\n"
+    << "      \"module\": " << json_string(l.module) << ",\n"
+    << "      \"format\": " << json_string(to_string(l.format)) << ",\n"
+    << "      \"scale_rule\": " << json_string(l.scale_rule) << ",\n"
+    << "      \"loss_change\": " << json_number(l.loss_change) << ",\n"
+    << "      \"grad_error\": " << json_number(l.grad_error) << ",\n"
+    << "      \"flops_share\": " << json_number(l.flops_share) << ",\n"
+    << "      \"reason\": " << json_string(l.reason) << "\n"
+    << "    }";
+}
+
+// The fields of one JSON object, read by key with errors naming the file,
+// the key's path and the value.
+class Fields {
+ public:
+  Fields(const JsonValue& v, std::string path, const std::string& file)
+      : path_(std::move(path)), file_(file) {
+    TORCH_CHECK_VALUE(v.kind == JsonValue::Kind::kObject, where(), ": ", path_or_top(),
+                      " must be an object, got a ", detail::kind_name(v.kind));
+    object_ = &v.object;
+  }
+  const JsonValue& at(const std::string& key, JsonValue::Kind kind) {
+    for (const auto& item : *object_) {
+      if (item.first != key) continue;
+      seen_.push_back(key);
+      // Non-finite numbers are written as strings ("inf", "nan").
+      const bool non_finite = kind == JsonValue::Kind::kNumber &&
+                              item.second.kind == JsonValue::Kind::kString &&
+                              (item.second.string == "inf" || item.second.string == "-inf" ||
+                               item.second.string == "nan");
+      TORCH_CHECK_VALUE(item.second.kind == kind || non_finite, where(), ": key '", name(key),
+                        "' must be a ", detail::kind_name(kind), ", got a ",
+                        detail::kind_name(item.second.kind));
+      return item.second;
+    }
+    TORCH_CHECK_VALUE(false, where(), ": key '", name(key), "' is missing");
+  }
+  std::string string(const std::string& key) { return at(key, JsonValue::Kind::kString).string; }
+  double number(const std::string& key) {
+    const JsonValue& v = at(key, JsonValue::Kind::kNumber);
+    if (v.kind == JsonValue::Kind::kNumber) return v.number;
+    return v.string == "nan" ? NAN : v.string == "inf" ? INFINITY : -INFINITY;
+  }
+  // Every key of the object was read: an unknown one is a typo or another file.
+  void no_others() const {
+    for (const auto& item : *object_) {
+      TORCH_CHECK_VALUE(std::find(seen_.begin(), seen_.end(), item.first) != seen_.end(), where(),
+                        ": unknown key '", name(item.first), "'");
+    }
+  }
+  std::string name(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+  std::string where() const { return "ampx::plan::load_plan: '" + file_ + "'"; }
+
+ private:
+  std::string path_or_top() const { return path_.empty() ? "the file" : "'" + path_ + "'"; }
+  std::string path_;
+  const std::string& file_;
+  const std::vector<std::pair<std::string, JsonValue>>* object_ = nullptr;
+  std::vector<std::string> seen_;
+};
+
+LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::string& file) {
+  Fields f(v, path, file);
+  LayerPlan l;
+  l.module = f.string("module");
+  TORCH_CHECK_VALUE(!l.module.empty(), f.where(), ": key '", f.name("module"), "' is empty");
+  const std::string format = f.string("format");
+  try {
+    l.format = parse_layer_format(format, "format");
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name("format"), "' has value '", format,
+                      "', not a layer format (bf16, fp8-block, fp8, mxfp8, nvfp4)");
+  }
+  l.scale_rule = f.string("scale_rule");
+  l.loss_change = f.number("loss_change");
+  l.grad_error = f.number("grad_error");
+  l.flops_share = f.number("flops_share");
+  l.reason = f.string("reason");
+  f.no_others();
+  return l;
+}
+
+}  // namespace
+
+void save_plan(const PrecisionPlan& plan, const std::string& path) {
+  std::ostringstream o;
+  o << "{\n"
+    << "  \"version\": " << kPlanVersion << ",\n"
+    << "  \"target\": " << json_string(plan.target) << ",\n"
+    << "  \"loss_budget\": " << json_number(plan.loss_budget) << ",\n"
+    << "  \"predicted_loss_change\": " << json_number(plan.predicted_loss_change) << ",\n"
+    << "  \"cost\": " << json_number(plan.cost) << ",\n"
+    << "  \"bf16_cost\": " << json_number(plan.bf16_cost) << ",\n"
+    << "  \"layers\": [";
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    o << (i ? ",\n" : "\n");
+    write_layer(o, plan.layers[i]);
+  }
+  o << (plan.layers.empty() ? "]\n" : "\n  ]\n") << "}\n";
+  const std::string text = o.str();
+  ampx::detail::write_file_atomically(path, text.data(), text.size(), "ampx::plan::save_plan");
+}
+
+PrecisionPlan load_plan(const std::string& path) {
+  const auto bytes = ampx::detail::read_file(path);
+  TORCH_CHECK_VALUE(bytes.has_value(), "ampx::plan::load_plan: cannot read '", path,
+                    "': ", std::strerror(errno));
+  const JsonValue doc = detail::parse_json(*bytes, "ampx::plan::load_plan: '" + path + "'");
+  Fields top(doc, "", path);
+  const double version = top.number("version");
+  TORCH_CHECK_VALUE(version == kPlanVersion, top.where(), ": key 'version' has value ", version,
+                    "; this ampx reads version ", kPlanVersion);
+  PrecisionPlan plan;
+  plan.target = top.string("target");
+  plan.loss_budget = top.number("loss_budget");
+  TORCH_CHECK_VALUE(plan.loss_budget > 0 && std::isfinite(plan.loss_budget), top.where(),
+                    ": key 'loss_budget' has value ", plan.loss_budget, ", must be > 0");
+  plan.predicted_loss_change = top.number("predicted_loss_change");
+  plan.cost = top.number("cost");
+  plan.bf16_cost = top.number("bf16_cost");
+  const JsonValue& layers = top.at("layers", JsonValue::Kind::kArray);
+  for (size_t i = 0; i < layers.array.size(); ++i) {
+    const std::string key = "layers[" + std::to_string(i) + "]";
+    plan.layers.push_back(read_layer(layers.array[i], key, path));
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(plan.layers[j].module != plan.layers[i].module, top.where(), ": key '", key,
+                        ".module' repeats module '", plan.layers[i].module, "' of layers[", j, "]");
+    }
+  }
+  top.no_others();
+  return plan;
+}
+
+}  // namespace plan
+}  // namespace ampx

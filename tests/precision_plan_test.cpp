@@ -1,0 +1,398 @@
+// Automatic per-layer precision (ampx/precision_plan.h): the solver against
+// brute force, and measurement, plan, apply and proof on a real training run
+// of a small MLP classifying a random teacher network's labels.
+
+#include "ampx/precision_plan.h"
+
+#include "ampx/fp8/convert.h"
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace ampx {
+namespace {
+
+using plan::LayerFormat;
+using ::testing::HasSubstr;
+
+// Four Linears, all multiples of 16 (every format applies).
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(32, 64))),
+        fc2(register_module("fc2", torch::nn::Linear(64, 64))),
+        fc3(register_module("fc3", torch::nn::Linear(64, 64))),
+        head(register_module("head", torch::nn::Linear(64, 16))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::gelu(fc1->forward(x));
+    h = torch::gelu(fc2->forward(h));
+    h = torch::gelu(fc3->forward(h));
+    return head->forward(h).to(torch::kFloat);
+  }
+  torch::nn::Linear fc1, fc2, fc3, head;
+};
+TORCH_MODULE(Mlp);
+
+// Batches of 64 rows (NVFP4's Hadamard transform takes multiples of 16),
+// labels from a fixed random teacher: a real learning problem.
+class TeacherData {
+ public:
+  explicit TeacherData(int64_t batches) {
+    torch::manual_seed(1234);
+    const auto w1 = torch::randn({32, 48});
+    const auto w2 = torch::randn({48, 16});
+    for (int64_t i = 0; i < batches; ++i) {
+      inputs_.push_back(torch::randn({64, 32}));
+      targets_.push_back(torch::tanh(inputs_.back().mm(w1)).mm(w2).argmax(1));
+    }
+  }
+  torch::Tensor loss(torch::nn::Module& model, int64_t step) const {
+    auto& mlp = dynamic_cast<MlpImpl&>(model);
+    const auto i = static_cast<size_t>(step) % inputs_.size();
+    return torch::cross_entropy_loss(mlp.forward(inputs_[i]), targets_[i]);
+  }
+
+ private:
+  std::vector<torch::Tensor> inputs_, targets_;
+};
+
+plan::MeasureProblem problem_of(const TeacherData& data) {
+  plan::MeasureProblem p;
+  p.make_model = [] { return Mlp().ptr(); };
+  p.loss = [&data](torch::nn::Module& m, int64_t step) { return data.loss(m, step); };
+  return p;
+}
+
+plan::MeasureOptions measure_options() {
+  return plan::MeasureOptions().steps(6).eval_batches(4).lr(3e-3).seed(7).tokens_per_step(64);
+}
+
+const plan::FormatMeasurement& measured(const plan::LayerMeasurement& layer, LayerFormat f) {
+  for (const auto& m : layer.formats) {
+    if (m.format == f) return m;
+  }
+  throw std::runtime_error("format not measured: " + plan::to_string(f));
+}
+
+// Brute force over every assignment: the least cost whose summed (clamped)
+// weights fit, -1 when none does.
+double brute_force(const std::vector<std::vector<double>>& w,
+                   const std::vector<std::vector<double>>& c, double capacity) {
+  double best = -1;
+  std::vector<size_t> pick(w.size(), 0);
+  while (true) {
+    double weight = 0, cost = 0;
+    for (size_t g = 0; g < w.size(); ++g) {
+      weight += std::max(0.0, w[g][pick[g]]);
+      cost += c[g][pick[g]];
+    }
+    if (weight <= capacity * (1 + 1e-12) && (best < 0 || cost < best)) best = cost;
+    size_t g = 0;
+    while (g < w.size() && ++pick[g] == w[g].size()) pick[g++] = 0;
+    if (g == w.size()) return best;
+  }
+}
+
+// The exact solver finds brute force's optimum on random instances whose
+// weights lie on its budget grid, and on arbitrary weights a plan that truly
+// fits, no worse than brute force's optimum within the budget less one step
+// per group (what rounding up can cost).
+TEST(PrecisionPlanTest, SolverMatchesBruteForceOnRandomInstances) {
+  std::mt19937 rng(42);
+  for (int instance = 0; instance < 300; ++instance) {
+    const size_t groups = 1 + rng() % 5;
+    const int64_t steps = 20 + static_cast<int64_t>(rng() % 30);
+    const double capacity = 0.01;
+    const double unit = capacity / static_cast<double>(steps);
+    const bool on_grid = instance % 2 == 0;
+    std::vector<std::vector<double>> w(groups), c(groups);
+    for (size_t g = 0; g < groups; ++g) {
+      const size_t options = 1 + rng() % 4;
+      for (size_t i = 0; i < options; ++i) {
+        const double x = std::uniform_real_distribution<double>(-0.1, 0.6)(rng);
+        w[g].push_back(on_grid ? unit * std::round(x * static_cast<double>(steps)) : capacity * x);
+        c[g].push_back(std::uniform_real_distribution<double>(0.1, 1.0)(rng));
+      }
+      w[g][0] = 0;  // at least one plan fits: the first options
+    }
+    const double best = brute_force(w, c, capacity);
+    const auto pick = plan::solve_multiple_choice(w, c, capacity, steps);
+    double weight = 0, cost = 0;
+    for (size_t g = 0; g < groups; ++g) {
+      weight += std::max(0.0, w[g][pick[g]]);
+      cost += c[g][pick[g]];
+    }
+    ASSERT_LE(weight, capacity * (1 + 1e-9)) << "instance " << instance;
+    if (on_grid) {
+      ASSERT_NEAR(cost, best, 1e-9) << "instance " << instance;
+    } else {
+      ASSERT_GE(cost, best - 1e-9) << "instance " << instance;
+      const double tighter = brute_force(w, c, capacity - unit * static_cast<double>(groups));
+      if (tighter >= 0) {
+        ASSERT_LE(cost, tighter + 1e-9) << "instance " << instance;
+      }
+    }
+  }
+}
+
+// The model every training test measures: fresh weights from seed 0, then
+// trained 20 bf16 steps (the plan is made from a model in training).
+Mlp trained_model(const TeacherData& data) {
+  torch::manual_seed(0);
+  Mlp model;
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  for (int64_t step = 0; step < 20; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      loss = data.loss(*model, 100 + step);
+    }
+    loss.backward();
+    opt.step();
+  }
+  return model;
+}
+
+struct Measured {
+  TeacherData data{128};
+  Mlp model = trained_model(data);
+  plan::Measurement m = plan::measure_layers(*model, problem_of(data), measure_options());
+};
+
+// Measured once for the tests below (the first checks it is deterministic).
+Measured& measured_mlp() {
+  static Measured* const m = new Measured();
+  return *m;
+}
+
+// Every Linear in every format; the same numbers on a second pass; 4-bit
+// gradients further from bf16's than 8-bit ones; the reference is what the
+// user's own bf16 loop gives from the model's weights.
+TEST(PrecisionPlanTest, MeasurementIsDeterministicAndTheReferenceIsTheUsersLoop) {
+  Measured& fx = measured_mlp();
+  const plan::Measurement& a = fx.m;
+  const plan::Measurement b =
+      plan::measure_layers(*fx.model, problem_of(fx.data), measure_options());
+  ASSERT_EQ(a.layers.size(), 4u);
+  EXPECT_EQ(a.probes, 1 + 4 * 4);
+  EXPECT_GT(a.seconds, 0.0);
+  EXPECT_EQ(a.reference_loss, b.reference_loss);
+  const std::vector<std::string> names{"fc1", "fc2", "fc3", "head"};
+  const double total = 32 * 64 + 64 * 64 * 2 + 64 * 16;
+  for (size_t l = 0; l < 4; ++l) {
+    const auto& la = a.layers[l];
+    EXPECT_EQ(la.module, names[l]);
+    EXPECT_DOUBLE_EQ(la.flops_share, la.in_features * la.out_features / total);
+    EXPECT_DOUBLE_EQ(la.flops, 6.0 * la.in_features * la.out_features * 64);
+    ASSERT_EQ(la.formats.size(), 5u) << la.module;
+    for (size_t f = 0; f < 5; ++f) {
+      EXPECT_EQ(la.formats[f].loss_change, b.layers[l].formats[f].loss_change) << la.module;
+      EXPECT_EQ(la.formats[f].grad_error, b.layers[l].formats[f].grad_error) << la.module;
+    }
+    const double nvfp4 = measured(la, LayerFormat::kNvfp4).grad_error;
+    EXPECT_GT(nvfp4, measured(la, LayerFormat::kFp8).grad_error) << la.module;
+    EXPECT_GT(nvfp4, measured(la, LayerFormat::kMxfp8).grad_error) << la.module;
+    EXPECT_GT(measured(la, LayerFormat::kFp8).grad_error, 0.0) << la.module;
+  }
+  // The reference: 6 AdamW steps of the model's own weights under bf16 autocast.
+  Mlp copy;
+  {
+    torch::NoGradGuard no_grad;
+    const auto source = fx.model->named_parameters();
+    for (auto& p : copy->named_parameters()) p.value().copy_(source[p.key()]);
+  }
+  torch::optim::AdamW opt(copy->parameters(), torch::optim::AdamWOptions(3e-3));
+  for (int64_t step = 0; step < 6; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      loss = fx.data.loss(*copy, step);
+    }
+    loss.backward();
+    opt.step();
+  }
+  torch::NoGradGuard no_grad;
+  AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  double eval = 0;
+  for (int64_t e = 0; e < 4; ++e) eval += fx.data.loss(*copy, 6 + e).item<double>();
+  EXPECT_EQ(a.reference_loss, eval / 4);
+}
+
+// The budget the training tests plan for: 0.3% of the loss.
+constexpr double kBudget = 0.003;
+
+bool has_format(const plan::PrecisionPlan& p, LayerFormat f) {
+  return std::any_of(p.layers.begin(), p.layers.end(),
+                     [f](const plan::LayerPlan& l) { return l.format == f; });
+}
+
+// The plan fits its budget in the additive model and on training: its proof
+// run (the same steps and batches as the probes) stays within the budget,
+// and it is faster than bf16 on B200 and H100 (which runs no FP4 or MX).
+TEST(PrecisionPlanTest, PlanWithinBudgetHoldsOnTrainingAndIsFasterThanBf16) {
+  Measured& fx = measured_mlp();
+  const auto b200 = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  EXPECT_EQ(b200.target, "b200");
+  EXPECT_LE(b200.predicted_loss_change, kBudget);
+  EXPECT_LT(b200.cost, 0.5 * b200.bf16_cost);  // FP8 at least everywhere, FP4 somewhere
+  EXPECT_TRUE(has_format(b200, LayerFormat::kNvfp4));
+  const auto check = plan::check_plan(*fx.model, problem_of(fx.data), b200, measure_options());
+  EXPECT_EQ(check.reference_loss, fx.m.reference_loss);
+  EXPECT_LE(check.loss_change, kBudget);
+  EXPECT_GT(check.loss, check.reference_loss);  // FP4 layers cost something, measurably
+
+  const auto h100 =
+      plan::make_plan(fx.m, plan::PlanOptions(kBudget).cost_model(plan::cost_model_for("h100")));
+  EXPECT_FALSE(has_format(h100, LayerFormat::kNvfp4));
+  EXPECT_FALSE(has_format(h100, LayerFormat::kMxfp8));
+  EXPECT_LT(h100.cost, h100.bf16_cost);
+  EXPECT_LE(plan::check_plan(*fx.model, problem_of(fx.data), h100, measure_options()).loss_change,
+            kBudget);
+}
+
+// Issue 44's planted mismeasurement: the layer most sensitive to NVFP4
+// reported as insensitive (loss change 0 in every format) goes to the
+// narrowest format, and the proof run shows the loss outside the budget
+// that the honest plan keeps.
+TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesTheBudget) {
+  Measured& fx = measured_mlp();
+  size_t worst = 0;
+  for (size_t l = 0; l < fx.m.layers.size(); ++l) {
+    if (measured(fx.m.layers[l], LayerFormat::kNvfp4).loss_change >
+        measured(fx.m.layers[worst], LayerFormat::kNvfp4).loss_change) {
+      worst = l;
+    }
+  }
+  const auto honest = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  EXPECT_NE(honest.layers[worst].format, LayerFormat::kNvfp4) << fx.m.layers[worst].module;
+  const auto honest_check =
+      plan::check_plan(*fx.model, problem_of(fx.data), honest, measure_options());
+  EXPECT_LE(honest_check.loss_change, kBudget);
+
+  plan::Measurement planted = fx.m;
+  for (auto& f : planted.layers[worst].formats) f.loss_change = 0;
+  const auto wrong = plan::make_plan(planted, plan::PlanOptions(kBudget));
+  EXPECT_EQ(wrong.layers[worst].format, LayerFormat::kNvfp4);
+  EXPECT_LE(wrong.predicted_loss_change, kBudget);  // the model believes it
+  const auto wrong_check =
+      plan::check_plan(*fx.model, problem_of(fx.data), wrong, measure_options());
+  EXPECT_GT(wrong_check.loss_change, kBudget) << "predicted " << wrong.predicted_loss_change;
+}
+
+std::string read_text(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void write_text(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream(p) << text;
+}
+
+struct TempFolder {
+  std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("ampx-plan-" + std::to_string(::getpid()));
+  TempFolder() { std::filesystem::create_directories(path); }
+  ~TempFolder() { std::filesystem::remove_all(path); }
+};
+
+// save -> load gives the same plan, saving it again the same bytes; the
+// loaded plan converts each layer to its format and trains as the original.
+TEST(PrecisionPlanTest, SavedPlanLoadsBackAndAppliesAsTheOriginal) {
+  Measured& fx = measured_mlp();
+  TempFolder tmp;
+  const auto original = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  plan::save_plan(original, (tmp.path / "a.json").string());
+  const auto loaded = plan::load_plan((tmp.path / "a.json").string());
+  plan::save_plan(loaded, (tmp.path / "b.json").string());
+  EXPECT_EQ(read_text(tmp.path / "a.json"), read_text(tmp.path / "b.json"));
+  EXPECT_THAT(read_text(tmp.path / "a.json"), HasSubstr("\n      \"format\": \"nvfp4\",\n"));
+  EXPECT_EQ(loaded.target, original.target);
+  EXPECT_EQ(loaded.loss_budget, original.loss_budget);
+  EXPECT_EQ(loaded.cost, original.cost);
+  ASSERT_EQ(loaded.layers.size(), original.layers.size());
+  for (size_t l = 0; l < loaded.layers.size(); ++l) {
+    EXPECT_EQ(loaded.layers[l].module, original.layers[l].module);
+    EXPECT_EQ(loaded.layers[l].format, original.layers[l].format);
+    EXPECT_EQ(loaded.layers[l].loss_change, original.layers[l].loss_change);
+    EXPECT_EQ(loaded.layers[l].reason, original.layers[l].reason);
+  }
+  Mlp fresh;
+  const auto converted = plan::apply_plan(*fresh, loaded, 7);
+  const auto modules = fresh->named_modules();
+  for (const auto& l : loaded.layers) {
+    const auto scaling = fp8::scaling_of(*modules[l.module]);
+    const bool listed = std::find(converted.begin(), converted.end(), l.module) != converted.end();
+    EXPECT_EQ(listed, l.format != LayerFormat::kBFloat16) << l.module;
+    EXPECT_EQ(scaling != nullptr, listed) << l.module;
+    if (scaling) {
+      EXPECT_EQ(scaling->recipe.to_string(), plan::scale_rule_of(l.format, 7));
+    }
+  }
+  EXPECT_EQ(plan::check_plan(*fx.model, problem_of(fx.data), loaded, measure_options()).loss,
+            plan::check_plan(*fx.model, problem_of(fx.data), original, measure_options()).loss);
+}
+
+// Bad input names the argument and the value.
+TEST(PrecisionPlanTest, BadInputGetsErrorsNamingTheArgumentAndValue) {
+  Measured& fx = measured_mlp();
+  TempFolder tmp;
+  EXPECT_THAT(test::error_text([&] { (void)plan::make_plan(fx.m, plan::PlanOptions(0)); }),
+              HasSubstr("loss_budget must be > 0, got 0"));
+  EXPECT_THAT(test::error_text([&] { (void)plan::make_plan(fx.m, plan::PlanOptions(-0.5)); }),
+              HasSubstr("loss_budget must be > 0, got -0.5"));
+  EXPECT_THAT(test::error_text([] { (void)plan::cost_model_for("a100"); }),
+              HasSubstr("target 'a100' has no cost model (h100, b200, cpu)"));
+  EXPECT_THAT(test::error_text([] { (void)plan::parse_layer_format("fp5", "--format"); }),
+              HasSubstr("--format 'fp5' is not a layer format"));
+
+  const auto p = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  const auto good = tmp.path / "good.json";
+  plan::save_plan(p, good.string());
+  const std::string text = read_text(good);
+  const auto edited = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    const auto at = t.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    t.replace(at, from.size(), to);
+    const auto path = tmp.path / "edited.json";
+    write_text(path, t);
+    return path.string();
+  };
+  // An unknown module: loads, and apply_plan names it and the model's Linears.
+  const auto unknown = plan::load_plan(edited("\"module\": \"fc2\"", "\"module\": \"fc9\""));
+  Mlp fresh;
+  EXPECT_THAT(test::error_text([&] { (void)plan::apply_plan(*fresh, unknown); }),
+              HasSubstr("module 'fc9' is not a Linear of the model (its Linears: fc1, fc2, fc3, "
+                        "head)"));
+  const std::string head = "\"module\": \"head\",\n      \"format\": \"";
+  const auto bad_format = edited(head + plan::to_string(p.layers[3].format) + "\"", head + "fp5\"");
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(bad_format); }),
+              HasSubstr("'" + bad_format + "': key 'layers[3].format' has value 'fp5'"));
+  const auto bad_budget = edited("\"loss_budget\": 0.0030000000000000001", "\"loss_budget\": -1");
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(bad_budget); }),
+              HasSubstr("key 'loss_budget' has value -1, must be > 0"));
+  const auto corrupt = tmp.path / "corrupt.json";
+  write_text(corrupt, text.substr(0, text.size() / 2));
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(corrupt.string()); }),
+              HasSubstr("'" + corrupt.string() + "': not valid JSON at byte"));
+  const auto typo = edited("\"grad_error\"", "\"grad_eror\"");
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(typo); }),
+              HasSubstr("key 'layers[0].grad_error' is missing"));
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan((tmp.path / "none.json").string()); }),
+              HasSubstr("cannot read '" + (tmp.path / "none.json").string() + "'"));
+}
+
+}  // namespace
+}  // namespace ampx

@@ -1,0 +1,148 @@
+// --precision auto and --precision-plan (issue 44): ampx-train measures the
+// workload's Linears, plans within --loss-budget for --target, applies the
+// plan (each Linear converted to its format, the rest kept in bf16) and
+// trains; a saved plan is applied as it is; bad flags name themselves.
+
+#include "auto_precision.h"
+#include "config.h"
+#include "test_support.h"
+#include "trainer.h"
+#include "workloads.h"
+
+#include <ampx/fp8/convert.h>
+#include <ampx/precision_plan.h>
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace ampx::train;
+using namespace ampx::train::test;
+
+// A gpt of 2 blocks of d 32 on 4 x 16 tokens (NVFP4 takes multiples of 16);
+// its head (vocabulary 9) takes bf16 only.
+std::vector<std::string> plan_gpt(const TempDir& tmp,
+                                  std::vector<std::pair<std::string, std::string>> flags) {
+  flags.insert(flags.begin(), {{"--layers", "2"},
+                               {"--d-model", "32"},
+                               {"--block-size", "16"},
+                               {"--data-dir", (tmp.path() / "data").string()},
+                               {"--out-dir", (tmp.path() / "out").string()},
+                               {"--steps", "2"},
+                               {"--plan-steps", "2"}});
+  return tiny_gpt(flags);
+}
+
+TrainConfig config_of(const std::vector<std::string>& flags) {
+  std::vector<std::string> args = {"ampx-train"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  TrainConfig config;
+  EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
+  resolve_defaults(config);
+  return config;
+}
+
+TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
+  TempDir tmp("ampx-plan-mode");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  TrainConfig config = config_of(plan_gpt(tmp, {{"--precision", "auto"}}));
+  auto workload = make_workload(config);
+  config.precision_plan = plan_precision(config, *workload);
+  EXPECT_EQ(config.precision_plan, (tmp.path() / "out" / "precision-plan.json").string());
+  const auto plan = ampx::plan::load_plan(config.precision_plan);
+  EXPECT_EQ(plan.target, "b200");
+  EXPECT_DOUBLE_EQ(plan.loss_budget, 0.005);
+  EXPECT_LE(plan.predicted_loss_change, 0.005);
+  EXPECT_LT(plan.cost, plan.bf16_cost);
+
+  ModeSetUp setup =
+      set_up_mode(config, *workload, parse_mode("auto", config), torch::Device(torch::kCPU));
+  EXPECT_TRUE(setup.fp8);
+  std::vector<std::string> planned_fp8, planned_bf16;
+  for (const auto& l : plan.layers) {
+    (l.format == ampx::plan::LayerFormat::kBFloat16 ? planned_bf16 : planned_fp8)
+        .push_back(l.module);
+  }
+  ASSERT_FALSE(planned_fp8.empty());
+  std::sort(planned_fp8.begin(), planned_fp8.end());
+  auto converted = setup.fp8_layers;
+  std::sort(converted.begin(), converted.end());
+  EXPECT_EQ(converted, planned_fp8);
+  EXPECT_EQ(setup.bf16_layers.size(), planned_bf16.size());
+  EXPECT_NE(std::find(setup.bf16_layers.begin(), setup.bf16_layers.end(), "head"),
+            setup.bf16_layers.end());
+  const auto modules = setup.model->named_modules();
+  for (const auto& l : plan.layers) {
+    const auto scaling = ampx::fp8::scaling_of(*modules[l.module]);
+    if (l.format == ampx::plan::LayerFormat::kBFloat16) {
+      EXPECT_EQ(scaling, nullptr) << l.module;
+    } else {
+      ASSERT_NE(scaling, nullptr) << l.module;
+      EXPECT_EQ(scaling->recipe.to_string(), l.scale_rule) << l.module;
+    }
+  }
+  const StepOutcome step = train_step(setup, *workload, workload->batch(0, torch::kCPU));
+  EXPECT_TRUE(step.stepped && std::isfinite(step.loss.item<double>()));
+}
+
+// The binary: --precision auto prints the per-layer table and writes the
+// plan; --compare O2,auto --precision-plan trains the saved plan beside O2.
+TEST(PlanModeTest, BinaryPlansThenComparesTheSavedPlanWithO2) {
+  TempDir tmp("ampx-plan-binary");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto first = run_train(plan_gpt(tmp, {{"--precision", "auto"}, {"--target", "h100"}}),
+                               tmp.path() / "auto.log");
+  ASSERT_EQ(first.status, 0) << first.output;
+  EXPECT_TRUE(contains(first.output, {"blocks.0.attn.qkv", "loss change: predicted",
+                                      "modelled product time on h100", "precision-plan.json"}));
+  const auto plan_file = tmp.path() / "saved-plan.json";
+  fs::copy_file(tmp.path() / "out" / "precision-plan.json", plan_file);
+  const auto second =
+      run_train(plan_gpt(tmp, {{"--compare", "O2,auto"}, {"--precision-plan", plan_file.string()}}),
+                tmp.path() / "compare.log");
+  ASSERT_EQ(second.status, 0) << second.output;
+  EXPECT_TRUE(contains(second.output, {plan_file.string(), "auto"}));
+  EXPECT_FALSE(contains(second.output, {"measuring each Linear"}));
+}
+
+TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
+  TempDir tmp("ampx-plan-errors");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto config_error = [&](std::vector<std::pair<std::string, std::string>> flags) {
+    return error_text([&] { (void)config_of(plan_gpt(tmp, flags)); });
+  };
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "0"}}),
+                       {"--loss-budget '0' is not a loss change > 0"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "-1%"}}),
+                       {"--loss-budget '-1%' is not a loss change > 0"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "half"}}),
+                       {"--loss-budget 'half'"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--precision-plan", "p.json"}}),
+                       {"--precision-plan 'p.json' is for --precision auto"}));
+  const auto missing = (tmp.path() / "none.json").string();
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--precision-plan", missing}}),
+                       {"--precision-plan '" + missing + "': no such file"}));
+  // A plan naming a module the model lacks: set_up_mode names it.
+  ampx::plan::PrecisionPlan plan;
+  plan.target = "b200";
+  plan.loss_budget = 0.005;
+  plan.layers.push_back({"blocks.9.fc", ampx::plan::LayerFormat::kNvfp4, "", 0, 0, 0, "planted"});
+  const auto file = (tmp.path() / "bad-plan.json").string();
+  ampx::plan::save_plan(plan, file);
+  TrainConfig config =
+      config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
+  auto workload = make_workload(config);
+  EXPECT_TRUE(expect_error_contains(
+      [&] { (void)set_up_mode(config, *workload, parse_mode("auto", config), torch::kCPU); },
+      {"module 'blocks.9.fc' is not a Linear of the model"}));
+}
+
+}  // namespace
