@@ -3,9 +3,7 @@
 #include "auto_precision.h"
 #include "data.h"
 #include "gpt_nn.h"
-#include "machine.h"
 #include "models.h"
-#include "weights_export.h"
 
 #include <ampx/detail/compat.h>
 #include <ampx/dist.h>
@@ -21,7 +19,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
-#include <iomanip>
 #include <sstream>
 #include <thread>
 
@@ -414,109 +411,6 @@ ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c, const std::string& mode) {
 const char* gpt_attention_of(const TrainConfig& c) {
   if (c.workload == "gpt-nn") return kGptNNAttention;
   return gpt_attention(torch::Device(c.device), gpt_attention_named(c.attention));
-}
-
-namespace {
-
-// "  key    value" lines, the values aligned.
-std::string aligned(const std::vector<std::pair<std::string, std::string>>& rows) {
-  size_t width = 0;
-  for (const auto& r : rows) width = std::max(width, r.first.size());
-  std::ostringstream out;
-  for (const auto& r : rows) {
-    out << "  " << std::left << std::setw(static_cast<int>(width)) << r.first << "  " << r.second
-        << "\n";
-  }
-  return out.str();
-}
-
-}  // namespace
-
-std::string settings_table(const TrainConfig& c) {
-  std::vector<std::pair<std::string, std::string>> rows;
-  auto add = [&](const std::string& k, const auto& v) {
-    std::ostringstream s;
-    s << v;
-    rows.emplace_back(k, s.str());
-  };
-  std::string modes;
-  for (const auto& m : modes_of(c)) modes += (modes.empty() ? "" : ",") + m;
-  add("workload", c.workload);
-  if (!c.diagnose) {  // --diagnose trains --diagnose-steps fp32 steps, its own row says
-    add(c.compare.empty() ? "precision" : "compare", modes);
-    add("dtype", c.dtype);
-  }
-  add("device", c.device);
-  if (c.on_cuda()) {
-    add("tf32", c.tf32 ? "on (fp32 products and convolutions)" : "LibTorch's default");
-  }
-  if (c.nproc > 1) add("processes", c.nproc);
-  add("threads", c.threads);
-  add("malloc", c.malloc == "keep" ? "keeps freed memory (mmap threshold 32 MiB, trim 1 GiB)"
-                                   : "glibc's defaults");
-  add("batch size", c.batch_size);
-  if (!c.diagnose && c.steps > 0) {
-    add("steps", c.steps);
-  } else if (!c.diagnose) {
-    add("epochs", c.epochs);
-  }
-  add("lr (AdamW)", c.lr);
-  add("weight decay", c.weight_decay);
-  add("seed", c.seed);
-  if (is_gpt_workload(c.workload)) {
-    std::ostringstream shape;
-    shape << c.layers << " layers, d " << c.d_model << ", " << c.heads << " heads, block "
-          << c.block_size;
-    add("model", shape.str());
-    add("attention", gpt_attention_of(c));
-  }
-  add("data", c.data_dir);
-  add("output", c.out_dir);
-  if (c.diagnose) {
-    add("diagnose", std::to_string(c.diagnose_steps) +
-                        " fp32 steps under range statistics, then the precision advice");
-  }
-  if (!c.detect_nonfinite.empty()) {
-    add("non-finite check",
-        c.detect_nonfinite + (c.detect_nonfinite == "throw"
-                                  ? " (stop at the first inf/NaN of forward or backward)"
-                                  : " (report inf/NaN of forward and backward, go on)"));
-  }
-  for (const auto& mode : modes_of(c)) {
-    if (mode == "auto") {
-      add("auto plan", c.precision_plan.empty()
-                           ? "measured: loss budget " + c.loss_budget + ", target " + c.target +
-                                 ", " + std::to_string(c.plan_steps) + " steps a probe"
-                           : c.precision_plan);
-      continue;
-    }
-    if (!is_fp8_mode(mode)) continue;
-    const auto recipe = fp8_recipe_of(c, mode);
-    add(mode + " recipe", recipe.to_string() + (c.device == "cpu" ? ", emulated" : "") +
-                              (recipe.is_block() || c.bf16_layers != "auto"
-                                   ? "; bf16 layers: " + c.bf16_layers
-                                   : ""));
-  }
-  if (c.range_stats)
-    add("range statistics", "collected (slower), " + c.out_dir + "/range-stats-<mode>.json");
-  if (c.save_every > 0 || c.resume) {
-    add("checkpoints",
-        c.checkpoint_dir +
-            (c.save_every > 0 ? " (every " + std::to_string(c.save_every) + ")" : std::string()));
-  }
-  if (c.resume) add("resume", "yes");
-  if (!c.export_weights.empty()) {
-    add("export weights", export_path_for(c, c.compare.empty() ? modes_of(c).front() : "<mode>"));
-  }
-  add("LibTorch", ampx::torch_version());
-  add("BLAS (fp32)", blas_setting());
-  if (c.device == "cpu") {
-    const auto dtype = c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
-    // (at most 12 characters: the table's width, which tests read)
-    add(std::string(c.dtype == "fp16" ? "fp16" : "bf16") + " matmuls", cpu_products_setting(dtype));
-  }
-  add("CPU", cpu_model());
-  return aligned(rows);
 }
 
 }  // namespace ampx::train

@@ -1,0 +1,135 @@
+// A mode's set-up (model, optimizer, AMP session, FP8 or planned layers)
+// and one training step on it; trainer.cpp runs the steps.
+#include "trainer.h"
+
+#include "fp8_layers.h"
+
+#include <ampx/ampx.h>
+#include <ampx/debug/nonfinite.h>
+#include <ampx/debug/scope.h>
+#include <ampx/precision_plan.h>
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <optional>
+
+namespace ampx::train {
+
+torch::Tensor ModeSetUp::model_output(const torch::Tensor& input) {
+  // TE's fp8_autocast around the model's forward: the amaxes of its casts
+  // are reduced over the group by finish() (the backward's when that ends).
+  std::optional<ampx::fp8::Fp8AutocastGuard> region;
+  if (fp8) region.emplace(ampx::fp8::Fp8AutocastOptions().amax_reduction_group(fp8_group));
+  torch::Tensor output = net.forward(amp->cast_input(input));
+  if (region) region->finish();
+  return output;
+}
+
+torch::Tensor ModeSetUp::forward(const torch::Tensor& input) {
+  return amp->cast_output(model_output(input));
+}
+
+namespace {
+
+/// --precision auto: the plan (--precision-plan, or the one measured for
+/// this run) applied to setup.model.
+void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
+  TORCH_CHECK(!config.precision_plan.empty(),
+              "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
+              "--precision-plan");
+  const auto plan = ampx::plan::load_plan(config.precision_plan);
+  setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
+  for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
+    if (!dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) continue;
+    const auto& f = setup.fp8_layers;
+    if (std::find(f.begin(), f.end(), item.key()) == f.end())
+      setup.bf16_layers.push_back(item.key());
+  }
+}
+
+}  // namespace
+
+ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
+                      const torch::Device& device) {
+  ModeSetUp setup;
+  torch::manual_seed(config.seed);
+  setup.net = workload.build(device);
+  setup.model = setup.net.ptr();
+  auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
+  if (mode.level == ampx::OptLevel::O3) {
+    // Pure low precision: no masters; bf16 keeps small updates alive by
+    // rounding stochastically (fp16 has the mantissa to do without).
+    options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16);
+    options.seed(config.seed);
+  }
+  setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.model->parameters(), options);
+  ampx::AmpOptions amp_options(mode.level);
+  if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
+  if (config.tf32) amp_options.allow_tf32(true);
+  setup.amp = std::make_unique<ampx::AmpSession>(
+      ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
+  // Every submodule by its path, for the numerics diagnostics: ops that take
+  // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
+  // parameters it cast are the ones the forward takes).
+  ampx::debug::name_modules(*setup.model);
+  if (mode.name == "auto") {
+    // O1 plus each Linear in its plan's format (bf16: not converted, as
+    // --bf16-layers keeps layers in bf16).
+    setup.fp8 = true;
+    set_up_plan(config, setup);
+  } else if (mode.fp8) {
+    // O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
+    // (dimensions multiples of 16), as torchao does, but those kept in bf16.
+    setup.fp8 = true;
+    setup.bf16_layers = bf16_layers_of(config, mode.name, *setup.model);
+    const auto& keep = setup.bf16_layers;
+    setup.fp8_layers = ampx::fp8::convert_linears(
+        *setup.model,
+        ampx::fp8::ConvertOptions()
+            .recipe(fp8_recipe_of(config, mode.name))
+            .filter([&keep](const std::string& path, const torch::nn::LinearImpl& linear) {
+              const auto& o = linear.options;
+              return o.in_features() % 16 == 0 && o.out_features() % 16 == 0 &&
+                     std::find(keep.begin(), keep.end(), path) == keep.end();
+            }));
+    TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision ", mode.name, ", but ",
+                workload.name(),
+                " has no Linear layer whose dimensions are multiples of 16 outside --bf16-layers");
+  }
+  return setup;
+}
+
+StepDiagnostics::Options diagnostics_options(const TrainConfig& config) {
+  StepDiagnostics::Options options;
+  if (config.detect_nonfinite == "throw") options.nonfinite = ampx::debug::NonFiniteAction::kThrow;
+  if (config.detect_nonfinite == "warn") options.nonfinite = ampx::debug::NonFiniteAction::kWarn;
+  options.range_stats = config.range_stats;
+  return options;
+}
+
+StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
+                       ampx::dist::DistributedDataParallel* ddp, StepDiagnostics* diagnostics) {
+  setup.optimizer->zero_grad();
+  StepOutcome out;
+  auto& scaler = setup.amp->scaler();
+  {
+    std::optional<StepDiagnostics::Watch> watch;
+    if (diagnostics) watch.emplace(diagnostics->active() ? diagnostics : nullptr, batch.step);
+    torch::Tensor output;
+    {
+      auto forward = setup.amp->forward_guard();
+      output = setup.forward(batch.input);
+      ampx::debug::NamedScopeGuard scope("loss");
+      out.loss = workload.loss(output, batch.target);
+      output.reset();  // as the temporary it was: freed before the backward
+    }
+    scaler.scale(out.loss).backward();
+  }
+  if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
+  out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
+  scaler.update();
+  return out;
+}
+
+}  // namespace ampx::train
