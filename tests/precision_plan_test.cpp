@@ -236,28 +236,38 @@ bool has_format(const plan::PrecisionPlan& p, LayerFormat f) {
                      [f](const plan::LayerPlan& l) { return l.format == f; });
 }
 
-// The plan fits its budget in the additive model and on training: its proof
-// run (the same steps and batches as the probes) stays within the budget,
-// and it is faster than bf16 on B200 and H100 (which runs no FP4 or MX).
+// The plan fits its budget in the additive model, and prove_plan's on
+// training: its proof run (the same steps and batches as the probes) stays
+// within the budget, re-planned for less where the additive model missed the
+// layers' interactions (LibTorch 2.15's numbers trained the first B200 plan,
+// predicted +0.19%, to +0.32%); it is faster than bf16 on B200 and H100
+// (which runs no FP4 or MX).
 TEST(PrecisionPlanTest, PlanWithinBudgetHoldsOnTrainingAndIsFasterThanBf16) {
   Measured& fx = measured_mlp();
-  const auto b200 = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
-  EXPECT_EQ(b200.target, "b200");
-  EXPECT_LE(b200.predicted_loss_change, kBudget);
-  EXPECT_LT(b200.cost, 0.5 * b200.bf16_cost);  // FP8 at least everywhere, FP4 somewhere
-  EXPECT_TRUE(has_format(b200, LayerFormat::kNvfp4));
-  const auto check = plan::check_plan(*fx.model, problem_of(fx.data), b200, measure_options());
-  EXPECT_EQ(check.reference_loss, fx.m.reference_loss);
-  EXPECT_LE(check.loss_change, kBudget);
-  EXPECT_GT(check.loss, check.reference_loss);  // FP4 layers cost something, measurably
+  const auto first = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  EXPECT_EQ(first.target, "b200");
+  EXPECT_LE(first.predicted_loss_change, kBudget);
+  const auto b200 = plan::prove_plan(*fx.model, problem_of(fx.data), fx.m,
+                                     plan::PlanOptions(kBudget), measure_options());
+  EXPECT_EQ(b200.plan.loss_budget, kBudget);
+  EXPECT_EQ(b200.check.reference_loss, fx.m.reference_loss);
+  EXPECT_LE(b200.check.loss_change, kBudget);
+  EXPECT_LE(b200.plan.predicted_loss_change, b200.planned_budget);
+  if (b200.rounds == 1) {
+    EXPECT_EQ(b200.plan.cost, first.cost);
+  }
+  EXPECT_LT(b200.plan.cost, 0.5 * b200.plan.bf16_cost);  // FP8 at least everywhere, FP4 somewhere
+  EXPECT_TRUE(has_format(b200.plan, LayerFormat::kNvfp4));
+  EXPECT_GT(b200.check.loss, b200.check.reference_loss);  // FP4 layers cost something, measurably
 
   const auto h100 =
-      plan::make_plan(fx.m, plan::PlanOptions(kBudget).cost_model(plan::cost_model_for("h100")));
-  EXPECT_FALSE(has_format(h100, LayerFormat::kNvfp4));
-  EXPECT_FALSE(has_format(h100, LayerFormat::kMxfp8));
-  EXPECT_LT(h100.cost, h100.bf16_cost);
-  EXPECT_LE(plan::check_plan(*fx.model, problem_of(fx.data), h100, measure_options()).loss_change,
-            kBudget);
+      plan::prove_plan(*fx.model, problem_of(fx.data), fx.m,
+                       plan::PlanOptions(kBudget).cost_model(plan::cost_model_for("h100")),
+                       measure_options());
+  EXPECT_FALSE(has_format(h100.plan, LayerFormat::kNvfp4));
+  EXPECT_FALSE(has_format(h100.plan, LayerFormat::kMxfp8));
+  EXPECT_LT(h100.plan.cost, h100.plan.bf16_cost);
+  EXPECT_LE(h100.check.loss_change, kBudget);
 }
 
 // Issue 44's planted mismeasurement: the layer most sensitive to NVFP4
@@ -282,7 +292,6 @@ TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesThe
   EXPECT_NE(honest.layers[worst].format, LayerFormat::kNvfp4) << fx.m.layers[worst].module;
   const auto honest_check =
       plan::check_plan(*fx.model, problem_of(fx.data), honest, measure_options());
-  EXPECT_LE(honest_check.loss_change, budget);
 
   plan::Measurement planted = fx.m;
   for (auto& f : planted.layers[worst].formats) f.loss_change = 0;
@@ -292,6 +301,14 @@ TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesThe
   const auto wrong_check =
       plan::check_plan(*fx.model, problem_of(fx.data), wrong, measure_options());
   EXPECT_GT(wrong_check.loss_change, budget) << "predicted " << wrong.predicted_loss_change;
+  // The honest plan, which kept that layer wider, trains closer to bf16.
+  EXPECT_LT(honest_check.loss_change, wrong_check.loss_change);
+  // prove_plan's proof run catches the mismeasurement and plans again.
+  const auto proven = plan::prove_plan(*fx.model, problem_of(fx.data), planted,
+                                       plan::PlanOptions(budget), measure_options());
+  EXPECT_GT(proven.rounds, 1);
+  EXPECT_LE(proven.check.loss_change, budget);
+  EXPECT_LT(proven.planned_budget, budget);
 }
 
 std::string read_text(const std::filesystem::path& p) {
@@ -357,6 +374,11 @@ TEST(PrecisionPlanTest, BadInputGetsErrorsNamingTheArgumentAndValue) {
               HasSubstr("loss_budget must be > 0, got 0"));
   EXPECT_THAT(test::error_text([&] { (void)plan::make_plan(fx.m, plan::PlanOptions(-0.5)); }),
               HasSubstr("loss_budget must be > 0, got -0.5"));
+  EXPECT_THAT(test::error_text([&] {
+                (void)plan::prove_plan(*fx.model, problem_of(fx.data), fx.m,
+                                       plan::PlanOptions(kBudget), measure_options(), 0);
+              }),
+              HasSubstr("max_rounds must be >= 1, got 0"));
   EXPECT_THAT(test::error_text([] { (void)plan::cost_model_for("a100"); }),
               HasSubstr("target 'a100' has no cost model (h100, b200, cpu)"));
   EXPECT_THAT(test::error_text([] { (void)plan::parse_layer_format("fp5", "--format"); }),

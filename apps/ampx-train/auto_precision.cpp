@@ -151,6 +151,24 @@ std::string plan_table(const ampx::plan::Measurement& measurement,
   return t.str();
 }
 
+namespace {
+
+// The proof run's result, and how many plans it took.
+std::string proof_line(const ampx::plan::ProvenPlan& proven) {
+  std::ostringstream s;
+  s << "proof run: loss change " << percent(proven.check.loss_change) << " (budget "
+    << percent(proven.plan.loss_budget) << ")";
+  if (proven.rounds > 1) {
+    s << ", plan " << proven.rounds << ": the proof runs of the ones before left the budget, "
+      << (proven.planned_budget > 0 ? "this one was solved for " + percent(proven.planned_budget)
+                                    : std::string("so every Linear stays in bf16"));
+  }
+  s << "\n";
+  return s.str();
+}
+
+}  // namespace
+
 std::string plan_precision(const TrainConfig& config, Workload& workload) {
   const torch::Device device = config.torch_device();
   WorkloadProblem problem{workload, device, {}};
@@ -167,10 +185,15 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
             << " steps a probe) ..." << std::endl;
   const auto measurement = ampx::plan::measure_layers(*model.ptr(), problem.problem(), options);
   const auto cost_model = ampx::plan::cost_model_for(config.target);
-  const auto plan = ampx::plan::make_plan(
-      measurement, ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
-                       .cost_model(cost_model)
-                       .seed(config.seed));
+  // Proven on training: planned again for less while the proof run (one
+  // more probe with the whole plan) leaves the budget.
+  const auto proven = ampx::plan::prove_plan(
+      *model.ptr(), problem.problem(), measurement,
+      ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
+          .cost_model(cost_model)
+          .seed(config.seed),
+      options);
+  const auto& plan = proven.plan;
   // The fixed rule beside it: --precision nvfp4's --bf16-layers auto.
   TrainConfig fixed = config;
   fixed.bf16_layers = "auto";
@@ -180,7 +203,7 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   std::filesystem::create_directories(config.out_dir);
   const std::string path = measured_plan_path(config);
   ampx::plan::save_plan(plan, path);
-  std::cout << "plan:    " << path << "\n" << std::endl;
+  std::cout << proof_line(proven) << "plan:    " << path << "\n" << std::endl;
   return path;
 }
 

@@ -224,6 +224,26 @@ struct PrecisionPlan {
 /// smaller loss change, then the wider format.
 PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& options);
 
+/// A plan whose proof run held it within its budget.
+struct ProvenPlan {
+  PrecisionPlan plan;         ///< the plan kept; its loss_budget is the one asked for
+  PlanCheck check;            ///< its proof run (check_plan)
+  double planned_budget = 0;  ///< the budget the kept plan was solved for (0: all bf16)
+  int64_t rounds = 0;         ///< plans proven, the kept one included
+};
+
+/// make_plan(), then its proof run (check_plan). The additive model misses
+/// the layers' interactions, so a plan predicted within the budget may train
+/// outside it: while the proof run's loss change exceeds
+/// options.loss_budget(), solves again for 0.9 x the smaller of the last
+/// planned budget and the last prediction, times budget / measured change,
+/// and proves that, at most `max_rounds` plans (>= 1); if none held, the
+/// plan with every Linear in bf16 (the reference itself, a change of 0).
+ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
+                      const Measurement& measurement, const PlanOptions& options,
+                      const MeasureOptions& measure_options = MeasureOptions(),
+                      int64_t max_rounds = 4);
+
 /// The solver's core, public for tests: picks one option per group,
 /// minimising the summed cost with the summed (non-negative) weights <=
 /// capacity; returns the chosen index per group. weights[g][i] and

@@ -101,8 +101,9 @@ TEST(PlanModeTest, BinaryPlansThenComparesTheSavedPlanWithO2) {
   const auto first = run_train(plan_gpt(tmp, {{"--precision", "auto"}, {"--target", "h100"}}),
                                tmp.path() / "auto.log");
   ASSERT_EQ(first.status, 0) << first.output;
-  EXPECT_TRUE(contains(first.output, {"blocks.0.attn.qkv", "loss change: predicted",
-                                      "modelled product time on h100", "precision-plan.json"}));
+  EXPECT_TRUE(contains(first.output,
+                       {"blocks.0.attn.qkv", "loss change: predicted", "proof run: loss change",
+                        "modelled product time on h100", "precision-plan.json"}));
   const auto plan_file = tmp.path() / "saved-plan.json";
   fs::copy_file(tmp.path() / "out" / "precision-plan.json", plan_file);
   const auto second =
