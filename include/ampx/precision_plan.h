@@ -266,9 +266,9 @@ std::string to_string(WatchFinding finding);
 
 /// One finding of the watch: a layer, the step, the numbers.
 struct WatchEvent {
-  int64_t step = 0;                                ///< the step checked
-  std::string module;                              ///< the layer's path
-  LayerFormat format = LayerFormat::kBFloat16;     ///< its format when checked
+  int64_t step = 0;                                          ///< the step checked
+  std::string module;                                        ///< the layer's path
+  LayerFormat format = LayerFormat::kBFloat16;               ///< its format when checked
   WatchFinding finding = WatchFinding::kGradientBelowNoise;  ///< what was wrong
   double gradient_norm = 0;  ///< ||g_bf16||, the bf16 weight gradient's norm
   double noise_norm = 0;     ///< ||g_format - g_bf16||
@@ -349,6 +349,9 @@ class PlanWatch {
 
   /// Every event so far, in step order.
   const std::vector<WatchEvent>& events() const { return events_; }
+
+  /// Whether the watch has moved a layer to a wider format.
+  bool moved() const;
 
  private:
   torch::nn::Module* model_;

@@ -12,6 +12,7 @@
 #include <ATen/core/Generator.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iomanip>
 #include <mutex>
@@ -155,6 +156,11 @@ PlanWatch::PlanWatch(torch::nn::Module& model, PrecisionPlan plan, const WatchOp
 
 bool PlanWatch::due(int64_t step) const {
   return step >= 0 && step % options_.every() == 0;
+}
+
+bool PlanWatch::moved() const {
+  return std::any_of(events_.begin(), events_.end(),
+                     [](const WatchEvent& e) { return e.moved_to != e.format; });
 }
 
 void PlanWatch::begin_step(int64_t step) {
