@@ -276,6 +276,14 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "--precision auto: training steps of each measurement probe")
       ->check(kPositive)
       ->capture_default_str();
+  app.add_option("--plan-watch", c.plan_watch,
+                 "--precision auto: check the plan against bf16 every N steps while training "
+                 "(a layer whose gradient its format's noise drowns, or whose range flushes it, "
+                 "is reported); 0: never [default: 50 in one process, 0 with --nproc > 1]")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--plan-widen", c.plan_widen,
+               "--precision auto: move each layer the watch reports to the next wider format "
+               "its --target runs");
   app.add_option("--fp8-trace-layer", c.fp8_trace_layer,
                  "fp8: the layer whose amax and scale the report plots, e.g. blocks.0.fc "
                  "[default: the first FP8 layer]");
@@ -358,6 +366,17 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
+  TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,
+              " is for --precision auto");
+  TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");
+  TORCH_CHECK(c.plan_watch <= 0 || c.nproc == 1, "ampx-train: --plan-watch ", c.plan_watch,
+              " checks the plan in one process; drop it with --nproc ", c.nproc);
+  if (c.plan_watch < 0) c.plan_watch = plan_mode && c.nproc == 1 ? 50 : 0;
+  TORCH_CHECK(!c.plan_widen || c.plan_watch > 0,
+              "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
+  TORCH_CHECK(!c.plan_widen || (c.save_every == 0 && !c.resume),
+              "ampx-train: --plan-widen changes layers' formats during the run, which a "
+              "checkpoint does not record; drop --save-every and --resume");
   TORCH_CHECK(!c.diagnose || c.nproc == 1,
               "ampx-train: --diagnose runs in one process; drop "
               "--nproc ",

@@ -193,6 +193,14 @@ void print_done(const Workload& workload, const RunResult& r) {
   if (!r.range_stats_path.empty()) {
     std::printf("[%s] range statistics: %s\n", r.mode.c_str(), r.range_stats_path.c_str());
   }
+  if (!r.plan_watch.empty()) {
+    std::printf("[%s] plan watch: %zu finding(s), the first: %s\n", r.mode.c_str(),
+                r.plan_watch.size(), r.plan_watch.front().c_str());
+  }
+  if (!r.watched_plan_path.empty()) {
+    std::printf("[%s] the plan as the watch left it: %s\n", r.mode.c_str(),
+                r.watched_plan_path.c_str());
+  }
   std::fflush(stdout);
 }
 

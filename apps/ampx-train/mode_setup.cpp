@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 
 namespace ampx::train {
 
@@ -40,6 +41,11 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
               "--precision-plan");
   const auto plan = ampx::plan::load_plan(config.precision_plan);
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
+  if (config.plan_watch > 0) {
+    setup.watch = std::make_unique<ampx::plan::PlanWatch>(
+        *setup.model, plan,
+        ampx::plan::WatchOptions().every(config.plan_watch).widen(config.plan_widen));
+  }
   for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
     if (!dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) continue;
     const auto& f = setup.fp8_layers;
@@ -108,10 +114,36 @@ StepDiagnostics::Options diagnostics_options(const TrainConfig& config) {
   return options;
 }
 
+namespace {
+
+/// The plan's watch at a due step: the same batch again with every Linear
+/// in bf16 (no FP8 region), its gradients compared with the step's.
+void watch_step(ModeSetUp& setup, Workload& workload, const Batch& batch, StepOutcome& out) {
+  out.watched = true;
+  out.watch_events = setup.watch->check(batch.step, [&] {
+    const bool fp8 = std::exchange(setup.fp8, false);  // model_output opens no region
+    try {
+      torch::Tensor loss;
+      {
+        auto forward = setup.amp->forward_guard();
+        loss = workload.loss(setup.forward(batch.input), batch.target);
+      }
+      setup.amp->scaler().scale(loss).backward();
+    } catch (...) {
+      setup.fp8 = fp8;
+      throw;
+    }
+    setup.fp8 = fp8;
+  });
+}
+
+}  // namespace
+
 StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
                        ampx::dist::DistributedDataParallel* ddp, StepDiagnostics* diagnostics) {
   setup.optimizer->zero_grad();
   StepOutcome out;
+  if (setup.watch) setup.watch->begin_step(batch.step);
   auto& scaler = setup.amp->scaler();
   {
     std::optional<StepDiagnostics::Watch> watch;
@@ -127,6 +159,7 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
     scaler.scale(out.loss).backward();
   }
   if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
+  if (setup.watch && setup.watch->due(batch.step)) watch_step(setup, workload, batch, out);
   out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
   scaler.update();
   return out;

@@ -84,6 +84,10 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"final_loss_scale", r.final_scale},
         {"metrics", r.metrics_path},
     });
+    if (r.mode == "auto") {  // the plan watch's findings, and the plan it left
+      modes.back()["plan_watch"] = r.plan_watch;
+      if (!r.watched_plan_path.empty()) modes.back()["watched_plan"] = r.watched_plan_path;
+    }
   }
   return {
       {"workload", workload.name()},

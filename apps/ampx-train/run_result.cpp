@@ -26,6 +26,13 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("fp8_trace_path", r.fp8_trace_path);
   visit("checkpoint_path", r.checkpoint_path);
   visit("weights_path", r.weights_path);
+  visit("plan_watch", r.plan_watch);
+  visit("watched_plan_path", r.watched_plan_path);
+}
+
+// Fields results written before them do not have.
+bool came_later(const std::string& name) {
+  return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path";
 }
 
 template <typename T>
@@ -55,6 +62,9 @@ void read(const nlohmann::json& j, EvalResult& e) {
   read(j.at(0), e.loss);
   read(j.at(1), e.metric);
 }
+void read(const nlohmann::json& j, std::vector<std::string>& v) {
+  for (const auto& x : j) read(x, v.emplace_back());
+}
 void read(const nlohmann::json& j, std::vector<double>& v) {
   for (const auto& x : j) read(x, v.emplace_back());
 }
@@ -78,8 +88,7 @@ nlohmann::json to_json(const RunResult& result) {
 RunResult run_result_from_json(const nlohmann::json& json) {
   RunResult r;
   for_each_field(r, [&](const char* name, auto& v) {
-    // fp8_trace_path came later: results written before it have none.
-    if (std::string(name) == "fp8_trace_path" && !json.contains(name)) return;
+    if (came_later(name) && !json.contains(name)) return;
     read(json.at(name), v);
   });
   return r;

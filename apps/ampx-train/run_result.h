@@ -40,6 +40,10 @@ struct RunResult {
   std::string range_stats_path;   // --range-stats: the statistics' JSON
   std::string fp8_trace_path;     // fp8: the traced layer's amax/scale plot (or data)
   std::string weights_checksum;   // FNV-1a of the final parameters' bytes, "0x..."
+  /// --precision auto: the plan watch's findings, one line each, and the
+  /// plan as the watch left it when it moved a layer (--plan-widen).
+  std::vector<std::string> plan_watch;
+  std::string watched_plan_path;
   /// > 0: a preemption signal (here or on another rank) stopped the run
   /// after this many steps, and its checkpoint holds them; nothing after the
   /// last step (timing, evaluation, peak memory) is filled in.

@@ -101,6 +101,11 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
                                       c.target + ", " + std::to_string(c.plan_steps) +
                                       " steps a probe"
                                 : c.precision_plan);
+      rows.add("plan watch", c.plan_watch > 0
+                                 ? "every " + std::to_string(c.plan_watch) +
+                                       " steps against bf16 (left out of the timing), " +
+                                       (c.plan_widen ? "moves a reported layer wider" : "reports")
+                                 : std::string("off"));
       continue;
     }
     if (!is_fp8_mode(mode)) continue;

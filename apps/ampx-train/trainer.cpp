@@ -131,10 +131,11 @@ StepVote vote_after_step(const ampx::dist::ProcessGroup* group, const torch::Ten
 
 /// What one step of the loop did.
 struct StepResult {
-  double loss = 0;      // the global batch's
-  bool stepped = true;  // false: the loss scaler skipped it
-  bool stop = false;    // some rank was asked to stop after it
-  double ms = 0;        // its wall time
+  double loss = 0;                 // the global batch's
+  bool stepped = true;             // false: the loss scaler skipped it
+  bool stop = false;               // some rank was asked to stop after it
+  double ms = 0;                   // its wall time
+  std::vector<std::string> watch;  // the plan watch's findings at this step
 };
 
 /// One mode's training run, from its set-up to its result: what train_mode()'s
@@ -292,14 +293,20 @@ StepResult ModeRun::step(int64_t step) {
   const StepVote vote = vote_after_step(group_, outcome.loss, preemption_signal() != 0);
   StepResult r{
       vote.loss, outcome.stepped, vote.stop,
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count()};
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+      {}};
+  for (const auto& e : outcome.watch_events) {
+    r.watch.push_back(e.message());
+    result_.plan_watch.push_back(r.watch.back());
+    if (lead_) std::cout << "\n[" << mode_.name << "] plan watch: " << r.watch.back() << std::endl;
+  }
   if (profile) {
     profile.reset();  // writes the trace
     result_.profile_summary = "[" + mode_.name + "] profile of step " + std::to_string(step + 1) +
                               " (" + std::to_string(r.ms) +
                               " ms with the profiler on): " + profile_path_ + "\n" +
                               summarize_trace(profile_path_, 15);
-  } else {
+  } else if (!outcome.watched) {  // a watched step ran twice: left out of the timing too
     step_ms_.push_back(r.ms);
   }
   if (!r.stepped) ++state_.skipped;
@@ -320,6 +327,7 @@ void ModeRun::record(int64_t step, const StepResult& r) {
     record["eval_loss"] = e.loss;
     record["eval_" + workload_.metric_name()] = e.metric;
   }
+  if (!r.watch.empty()) record["plan_watch"] = r.watch;
   if (fp8_trace_) fp8_trace_->add(step, record);
   if (metrics_) metrics_->write(record);
   progress_->update(step, r.loss, scale, workload_.items_per_step() * 1000.0 / r.ms);
@@ -369,6 +377,11 @@ RunResult ModeRun::finish() {
     result.range_stats_path = path.string();
   }
   if (fp8_trace_) result.fp8_trace_path = fp8_trace_->write(config_.out_dir, mode_.name);
+  if (setup_.watch && lead_ && setup_.watch->moved()) {
+    const auto path = fs::path(config_.out_dir) / "precision-plan-watched.json";
+    ampx::plan::save_plan(setup_.watch->plan(), path.string());
+    result.watched_plan_path = path.string();
+  }
   summarize_timing(workload_, step_ms_, result);
   result.skipped = state_.skipped;
   const auto& losses = result.losses;  // steps >= 1, so never empty

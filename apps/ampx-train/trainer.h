@@ -15,6 +15,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/precision_plan.h>
 
 #include <nlohmann/json.hpp>
 
@@ -44,6 +45,8 @@ struct ModeSetUp {
   /// FP8 modes: the Linears --bf16-layers kept in bf16 (paths).
   std::vector<std::string> bf16_layers;
   const ampx::dist::ProcessGroup* fp8_group = nullptr;
+  /// --precision auto with --plan-watch: the plan's watch (null otherwise).
+  std::unique_ptr<ampx::plan::PlanWatch> watch;
 
   /// The model's output for `input` (cast to the model's dtype), in the
   /// dtype the mode's forward made it: call under amp->forward_guard(). In
@@ -66,6 +69,10 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
 struct StepOutcome {
   torch::Tensor loss;
   bool stepped = true;
+  /// The plan's watch checked this step (one more forward and backward),
+  /// and what it found.
+  bool watched = false;
+  std::vector<ampx::plan::WatchEvent> watch_events;
 };
 StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
                        ampx::dist::DistributedDataParallel* ddp = nullptr,

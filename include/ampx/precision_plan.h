@@ -267,5 +267,125 @@ PrecisionPlan load_plan(const std::string& path);
 std::vector<std::string> apply_plan(torch::nn::Module& model, const PrecisionPlan& plan,
                                     uint64_t seed = 0);
 
+/// What the watch found wrong with a planned layer.
+enum class WatchFinding {
+  /// Its weight gradient's norm fell below noise_ratio times the norm of its
+  /// format's error against the bf16 gradient of the same weights and batch:
+  /// the format's noise drowns the gradient ("FP4 all the way": training in a
+  /// format stops helping below sqrt(3)).
+  kGradientBelowNoise,
+  /// More than underflow_fraction of the bf16 gradient's non-zero values are
+  /// zero in the format's gradient: its range flushes them.
+  kUnderflow,
+  /// The format's gradient has an inf or NaN where the bf16 one is finite.
+  kOverflow,
+};
+
+/// "gradient below noise", "underflow", "overflow".
+std::string to_string(WatchFinding finding);
+
+/// One finding of the watch: a layer, the step, the numbers.
+struct WatchEvent {
+  int64_t step = 0;                                          ///< the step checked
+  std::string module;                                        ///< the layer's path
+  LayerFormat format = LayerFormat::kBFloat16;               ///< its format when checked
+  WatchFinding finding = WatchFinding::kGradientBelowNoise;  ///< what was wrong
+  double gradient_norm = 0;  ///< ||g_bf16||, the bf16 weight gradient's norm
+  double noise_norm = 0;     ///< ||g_format - g_bf16||
+  double underflow = 0;      ///< share of g_bf16's non-zero values that are 0 in g_format
+  double non_finite = 0;     ///< share of g_format's values that are inf or NaN
+  /// The layer's format after the check: one wider than `format` when the
+  /// watch moved it (WatchOptions::widen), else `format`.
+  LayerFormat moved_to = LayerFormat::kBFloat16;
+  /// One line: "step 40: fc2 (nvfp4) gradient below noise: |g| 1.2e-05 <
+  /// 1.73 x noise 3.1e-05; moved to mxfp8".
+  std::string message() const;
+};
+
+/// How PlanWatch checks a plan while training runs.
+struct WatchOptions {
+  /// Checks every `every` steps (steps 0, every, 2 every, ...), >= 1.
+  TORCH_ARG(int64_t, every) = 50;
+  /// A layer whose gradient norm is below noise_ratio x its format's noise
+  /// norm is reported (> 0; sqrt(3), after "FP4 all the way").
+  TORCH_ARG(double, noise_ratio) = 1.7320508075688772;
+  /// A layer whose format zeroes more than this share of its bf16
+  /// gradient's non-zero values is reported (in [0, 1)).
+  TORCH_ARG(double, underflow_fraction) = 0.01;
+  /// Moves a reported layer to the next wider format its plan's target runs
+  /// (nvfp4 -> mxfp8 -> fp8 -> fp8-block -> bf16). The moved layer's
+  /// scaling starts afresh (the plans' formats keep no state between steps);
+  /// the buffers its first format registered stay in the module's state.
+  TORCH_ARG(bool, widen) = false;
+};
+
+/// Checks a plan applied to a model (apply_plan) as training runs. At a
+/// step due(), after the step's backward and before the optimizer's step,
+/// check() keeps every planned layer's weight gradient, runs the caller's
+/// backward of the same batch again with FP8 off (every Linear in bf16, as
+/// the measurement's reference), compares each layer's two gradients, and
+/// puts back every parameter's gradient, the model's buffers and the CPU
+/// generator's state: the training goes on exactly as without the check.
+///
+/// ```
+///   ampx::plan::PlanWatch watch(*model, plan, ampx::plan::WatchOptions().every(50).widen(true));
+///   watch.begin_step(s);   // only if the forward draws random numbers (dropout)
+///   ...  // step s: forward in the plan's formats, backward
+///   if (watch.due(s)) {
+///     for (const auto& e : watch.check(s, [&] { loss_of(batch).backward(); }))
+///       std::cerr << e.message() << "\n";
+///   }
+///   optimizer.step();
+/// ```
+///
+/// `backward` must run the forward without opening an FP8 region of its own
+/// (the watch runs it in one with FP8 off) and must not step; with a loss
+/// scaler, scale the loss as the step did. A check costs one forward and
+/// backward.
+class PlanWatch {
+ public:
+  /// Watches the layers `plan` gives a format other than bf16 in `model`,
+  /// which must have the plan applied (c10::Error naming a planned module
+  /// that is not a converted Linear of `model`).
+  PlanWatch(torch::nn::Module& model, PrecisionPlan plan,
+            const WatchOptions& options = WatchOptions());
+
+  /// Whether step `step` is checked.
+  bool due(int64_t step) const;
+
+  /// For a model that draws random numbers in its forward (dropout): call
+  /// before step `step`'s forward; at a due step it keeps the generators'
+  /// state (the CPU's, and the CUDA device's the model is on), from which
+  /// check() runs the reference, so it draws the same masks as the step.
+  void begin_step(int64_t step);
+
+  /// Checks every watched layer at `step` (see above); returns its events,
+  /// also added to events(). c10::Error if a watched layer has no weight
+  /// gradient before or after `backward`.
+  std::vector<WatchEvent> check(int64_t step, const std::function<void()>& backward);
+
+  /// The plan as it stands: the moved layers in their new formats.
+  const PrecisionPlan& plan() const { return plan_; }
+
+  /// Every event so far, in step order.
+  const std::vector<WatchEvent>& events() const { return events_; }
+
+  /// Whether the watch has moved a layer to a wider format.
+  bool moved() const;
+
+ private:
+  torch::nn::Module* model_;
+  PrecisionPlan plan_;
+  WatchOptions options_;
+  std::vector<WatchEvent> events_;
+  int64_t begun_ = -1;                   // the step begin_step() kept the state of
+  std::vector<at::Tensor> begun_state_;  // the generators' states then
+};
+
+/// The next format wider than `format` that `target`'s cost model runs
+/// (h100 and b200: those cost_model_for names; any other target: every
+/// format); bf16 stays bf16.
+LayerFormat wider_format(LayerFormat format, const std::string& target);
+
 }  // namespace plan
 }  // namespace ampx

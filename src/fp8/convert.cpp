@@ -168,6 +168,25 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
   return converted;
 }
 
+void reconvert_linear(torch::nn::Module& module, const c10::optional<Recipe>& recipe) {
+  auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
+  TORCH_CHECK_VALUE(linear != nullptr && lookup(linear->weight),
+                    "ampx::fp8::reconvert_linear: the module (", module.name(),
+                    ") is not a torch::nn::Linear that convert_linears converted");
+  if (recipe) recipe->validate();
+  const at::Tensor& w = linear->weight;
+  auto scaling = recipe ? std::make_shared<LinearScaling>(*recipe, w.device(), w) : nullptr;
+  auto& r = converted_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.layers.find(w.unsafeGetTensorImpl());
+  if (it == r.layers.end()) return;  // (not reachable: checked above)
+  if (scaling) {
+    it->second.scaling = std::move(scaling);
+  } else {
+    r.layers.erase(it);
+  }
+}
+
 std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module) {
   if (auto* fp8 = dynamic_cast<LinearImpl*>(&module)) return fp8->scaling_;
   if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module)) {

@@ -72,6 +72,21 @@ std::string scale_rule_of(LayerFormat format, uint64_t seed) {
   return recipe_of(format, seed).to_string();
 }
 
+LayerFormat wider_format(LayerFormat format, const std::string& target) {
+  // Only the published targets' models are consulted: "cpu" would time
+  // every format, and it runs them all.
+  const bool published = target == "h100" || target == "b200";
+  const CostModel model = published ? cost_model_for(target) : CostModel();
+  LayerFormat wider = format;
+  for (const auto& f : kFormats) {  // widest first: the last runnable one before `format`
+    if (f.format == format) return wider;
+    if (!published || f.format == LayerFormat::kBFloat16 || model.throughput.count(f.format)) {
+      wider = f.format;
+    }
+  }
+  TORCH_CHECK(false, "ampx::plan: unknown LayerFormat ", static_cast<int>(format));
+}
+
 CostModel cost_model_for(const std::string& target) {
   // Dense tensor-core peaks, relative to bf16 (docs/numerics.md names the
   // datasheets). H100 SXM: bf16 989 TFLOP/s, fp8 1979; no FP4 or MX block

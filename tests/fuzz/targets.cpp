@@ -5,6 +5,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/precision_plan.h>
 #include <ampx/serialize.h>
 #include <ampx/zero.h>
 
@@ -142,6 +143,28 @@ void safetensors(const uint8_t* data, size_t size) {
   }
 }
 
+// ampx::plan::load_plan (a precision plan, a file users edit by hand): what
+// it accepts saves back and loads again to the same plan, and applies to a
+// model or is refused naming the module.
+void plan_file(const uint8_t* data, size_t size) {
+  const std::string path = scratch_file("plan.json");
+  write_file(path, data, size);
+  const auto plan = ampx::plan::load_plan(path);
+  const std::string again = scratch_file("plan-again.json");
+  ampx::plan::save_plan(plan, again);
+  const auto reloaded = ampx::plan::load_plan(again);
+  if (reloaded.layers.size() != plan.layers.size() || reloaded.target != plan.target) {
+    std::fprintf(stderr, "fuzz: a loaded plan saved and loaded again differs\n");
+    std::abort();
+  }
+  torch::nn::Sequential model(torch::nn::Linear(16, 16), torch::nn::Linear(16, 16));
+  try {
+    (void)ampx::plan::apply_plan(*model, plan);
+  } catch (const c10::Error&) {
+    // a module the model lacks: refused, as it should be
+  }
+}
+
 /// The ZeroRedundancyOptimizer the zero_shard target loads into: AdamW over
 /// a Linear(4, 3) (one fp32 space of 15 values), on a group of one rank.
 ampx::dist::ZeroRedundancyOptimizer make_zero(ampx::dist::ProcessGroup group,
@@ -249,6 +272,7 @@ const std::vector<NamedTarget>& targets() {
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
       {"safetensors", safetensors,
        "ampx::read_safetensors_contents, read_safetensors and load_safetensors"},
+      {"plan_file", plan_file, "ampx::plan::load_plan (precision plans, edited by hand)"},
   };
   return all;
 }
@@ -316,6 +340,22 @@ void write_seeds(const std::string& dir) {
     fp8.metadata["format"] = "pt";
     ampx::save_safetensors(fp8, path);
     out("safetensors", "seed-fp8.safetensors", read_whole(path));
+  }
+  {  // a precision plan of the target's model: one layer in NVFP4, one in bf16
+    ampx::plan::PrecisionPlan plan;
+    plan.target = "b200";
+    plan.loss_budget = 0.005;
+    plan.predicted_loss_change = 0.001;
+    plan.cost = 0.625;
+    plan.layers.push_back({"0", ampx::plan::LayerFormat::kNvfp4,
+                           ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0.001,
+                           0.08, 0.5, "the fastest format measured that b200 runs"});
+    plan.layers.push_back({"1", ampx::plan::LayerFormat::kBFloat16,
+                           ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kBFloat16), 0, 0,
+                           0.5, "every narrower format would leave the budget"});
+    const std::string path = scratch_file("seed-plan.json");
+    ampx::plan::save_plan(plan, path);
+    out("plan_file", "seed-1.json", read_whole(path));
   }
   {  // a ZeroRedundancyOptimizer shard after one AdamW step (the target's model and group)
     torch::manual_seed(0);

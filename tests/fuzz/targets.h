@@ -27,7 +27,7 @@ struct NamedTarget {
 };
 
 /// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
-/// zero_shard, idx, text, launch_env, safetensors. The one list of them:
+/// zero_shard, idx, text, launch_env, safetensors, plan_file. The one list of them:
 /// `ampx_fuzz list` prints it for ctest's tests (CMakeLists.txt) and `make fuzz`.
 const std::vector<NamedTarget>& targets();
 

@@ -5,6 +5,7 @@
 
 #include "auto_precision.h"
 #include "config.h"
+#include "rank_agreement.h"
 #include "test_support.h"
 #include "trainer.h"
 #include "workloads.h"
@@ -144,6 +145,65 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
   EXPECT_TRUE(expect_error_contains(
       [&] { (void)set_up_mode(config, *workload, parse_mode("auto", config), torch::kCPU); },
       {"module 'blocks.9.fc' is not a Linear of the model"}));
+}
+
+// --plan-watch: a watched step runs the batch twice (the second with every
+// Linear in bf16) and trains exactly as an unwatched one; the settings
+// table says so; the flags that cannot go together name themselves.
+TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselves) {
+  TempDir tmp("ampx-plan-watch");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  ampx::plan::PrecisionPlan plan;
+  plan.target = "b200";
+  plan.loss_budget = 0.005;
+  plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
+                         ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
+                         "test"});
+  const auto file = (tmp.path() / "plan.json").string();
+  ampx::plan::save_plan(plan, file);
+  const auto trained = [&](const std::string& every) {
+    TrainConfig config = config_of(plan_gpt(
+        tmp, {{"--precision", "auto"}, {"--precision-plan", file}, {"--plan-watch", every}}));
+    auto workload = make_workload(config);
+    ModeSetUp setup = set_up_mode(config, *workload, parse_mode("auto", config), torch::kCPU);
+    EXPECT_EQ(setup.watch != nullptr, every != "0");
+    for (int64_t step = 0; step < 3; ++step) {
+      const StepOutcome out = train_step(setup, *workload, workload->batch(step, torch::kCPU));
+      EXPECT_EQ(out.watched, every == "1") << step;
+    }
+    return weights_checksum(*setup.model);
+  };
+  EXPECT_EQ(trained("1"), trained("0"));
+
+  const TrainConfig defaults =
+      config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
+  EXPECT_EQ(defaults.plan_watch, 50);
+  EXPECT_TRUE(
+      contains(settings_table(defaults), {"plan watch",
+                                          "every 50 steps against bf16 (left out of the timing), "
+                                          "reports"}));
+  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "O2"}})).plan_watch, 0);
+  const auto config_error = [&](std::vector<std::pair<std::string, std::string>> flags,
+                                bool widen = false) {
+    auto args = plan_gpt(tmp, flags);
+    if (widen) args.push_back("--plan-widen");
+    return error_text([&] { (void)config_of(args); });
+  };
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-watch", "3"}}),
+                       {"--plan-watch 3 is for --precision auto"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}}, true),
+                       {"--plan-widen is for --precision auto"}));
+  EXPECT_TRUE(
+      contains(config_error({{"--precision", "auto"}, {"--save-every", "1"}}, true),
+               {"--plan-widen changes layers' formats during the run, which a checkpoint does not "
+                "record; drop --save-every and --resume"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--plan-watch", "0"}}, true),
+                       {"--plan-widen moves the layers the watch reports; --plan-watch is 0"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"},
+                                     {"--precision-plan", file},
+                                     {"--plan-watch", "5"},
+                                     {"--nproc", "2"}}),
+                       {"--plan-watch 5 checks the plan in one process; drop it with --nproc 2"}));
 }
 
 }  // namespace

@@ -63,6 +63,14 @@ struct ConvertOptions {
 std::vector<std::string> convert_linears(torch::nn::Module& model,
                                          const ConvertOptions& options = ConvertOptions());
 
+/// Changes a layer convert_linears() converted (`module`, a
+/// torch::nn::Linear) to `recipe`, its scaling starting afresh, or, with
+/// c10::nullopt, turns it back into a plain Linear (outside FP8, as if never
+/// converted). The buffers its conversion registered stay on it, so a
+/// checkpoint of the model keeps loading into a model converted as the
+/// first time. c10::Error if `module` is no converted Linear.
+void reconvert_linear(torch::nn::Module& module, const c10::optional<Recipe>& recipe);
+
 /// The scaling of an FP8 layer: an ampx::fp8::Linear or a converted
 /// torch::nn::Linear; null for any other module.
 std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module);

@@ -1,0 +1,254 @@
+// The watch: a plan checked while training runs (PlanWatch).
+
+#include "ampx/precision_plan.h"
+
+#include "linears.h"
+
+#include "ampx/fp8/autocast.h"
+#include "ampx/fp8/convert.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/core/Generator.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <mutex>
+#include <sstream>
+
+namespace ampx {
+namespace plan {
+namespace {
+
+// What a check compares: one layer's gradient in its format and in bf16.
+struct Comparison {
+  double gradient_norm = 0;
+  double noise_norm = 0;
+  double underflow = 0;
+  double non_finite = 0;
+};
+
+Comparison compare(const at::Tensor& in_format, const at::Tensor& bf16) {
+  const at::Tensor q = in_format.to(at::kDouble);
+  const at::Tensor ref = bf16.to(at::kDouble);
+  Comparison c;
+  const at::Tensor finite = q.isfinite();
+  c.non_finite = 1.0 - finite.to(at::kDouble).mean().item<double>();
+  c.gradient_norm = ref.norm().item<double>();
+  c.noise_norm = at::where(finite, q - ref, at::zeros_like(q)).norm().item<double>();
+  const at::Tensor nonzero = ref != 0;
+  const int64_t count = nonzero.sum().item<int64_t>();
+  if (count > 0) {
+    c.underflow = static_cast<double>((nonzero & (q == 0)).sum().item<int64_t>()) /
+                  static_cast<double>(count);
+  }
+  return c;
+}
+
+// The findings of one comparison, most severe first.
+std::vector<WatchFinding> findings(const Comparison& c, const WatchOptions& o) {
+  std::vector<WatchFinding> out;
+  if (c.non_finite > 0) out.push_back(WatchFinding::kOverflow);
+  if (c.underflow > o.underflow_fraction()) out.push_back(WatchFinding::kUnderflow);
+  if (c.gradient_norm < o.noise_ratio() * c.noise_norm) {
+    out.push_back(WatchFinding::kGradientBelowNoise);
+  }
+  return out;
+}
+
+// Every gradient of `model`'s parameters (undefined where none), and back.
+std::vector<at::Tensor> take_grads(torch::nn::Module& model) {
+  std::vector<at::Tensor> grads;
+  for (auto& p : model.parameters()) {
+    grads.push_back(p.grad());
+    p.mutable_grad() = at::Tensor();
+  }
+  return grads;
+}
+
+void put_grads(torch::nn::Module& model, const std::vector<at::Tensor>& grads) {
+  auto params = model.parameters();
+  for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = grads[i];
+}
+
+// The default generators a model's forward draws from: the CPU's, and its
+// CUDA device's when its parameters are there.
+std::vector<at::Generator> generators_of(torch::nn::Module& model) {
+  std::vector<at::Generator> out{at::detail::getDefaultCPUGenerator()};
+  for (const auto& p : model.parameters()) {
+    if (p.is_cuda()) {
+      out.push_back(at::globalContext().defaultGenerator(p.device()));
+      break;
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> states_of(std::vector<at::Generator>& generators) {
+  std::vector<at::Tensor> states;
+  for (auto& g : generators) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    states.push_back(g.get_state());
+  }
+  return states;
+}
+
+void set_states(std::vector<at::Generator>& generators, const std::vector<at::Tensor>& states) {
+  for (size_t i = 0; i < generators.size() && i < states.size(); ++i) {
+    std::lock_guard<std::mutex> lock(generators[i].mutex());
+    generators[i].set_state(states[i]);
+  }
+}
+
+}  // namespace
+
+std::string to_string(WatchFinding finding) {
+  switch (finding) {
+    case WatchFinding::kGradientBelowNoise:
+      return "gradient below noise";
+    case WatchFinding::kUnderflow:
+      return "underflow";
+    case WatchFinding::kOverflow:
+      return "overflow";
+  }
+  TORCH_CHECK(false, "ampx::plan: unknown WatchFinding ", static_cast<int>(finding));
+}
+
+std::string WatchEvent::message() const {
+  std::ostringstream s;
+  s << std::setprecision(3) << "step " << step << ": " << module << " (" << to_string(format)
+    << ") " << to_string(finding) << ": ";
+  switch (finding) {
+    case WatchFinding::kGradientBelowNoise:
+      s << "|g| " << gradient_norm << ", its noise " << noise_norm << " (ratio "
+        << (noise_norm > 0 ? gradient_norm / noise_norm : 0.0) << ")";
+      break;
+    case WatchFinding::kUnderflow:
+      s << underflow * 100 << "% of the gradient's non-zero values flushed to 0";
+      break;
+    case WatchFinding::kOverflow:
+      s << non_finite * 100 << "% of the gradient inf or NaN (bf16's finite)";
+      break;
+  }
+  if (moved_to != format) s << "; moved to " << to_string(moved_to);
+  return s.str();
+}
+
+PlanWatch::PlanWatch(torch::nn::Module& model, PrecisionPlan plan, const WatchOptions& options)
+    : model_(&model), plan_(std::move(plan)), options_(options) {
+  TORCH_CHECK_VALUE(options.every() >= 1, "ampx::plan::PlanWatch: every must be >= 1, got ",
+                    options.every());
+  TORCH_CHECK_VALUE(options.noise_ratio() > 0 && std::isfinite(options.noise_ratio()),
+                    "ampx::plan::PlanWatch: noise_ratio must be > 0, got ", options.noise_ratio());
+  TORCH_CHECK_VALUE(options.underflow_fraction() >= 0 && options.underflow_fraction() < 1,
+                    "ampx::plan::PlanWatch: underflow_fraction must be in [0, 1), got ",
+                    options.underflow_fraction());
+  const auto linears = detail::linears_of(model);
+  for (const auto& l : plan_.layers) {
+    auto* linear = detail::find_linear(linears, l.module, "PlanWatch");
+    TORCH_CHECK_VALUE(l.format == LayerFormat::kBFloat16 || fp8::scaling_of(*linear),
+                      "ampx::plan::PlanWatch: layer '", l.module, "' is planned in ",
+                      to_string(l.format), " but is not converted (apply_plan first)");
+  }
+}
+
+bool PlanWatch::due(int64_t step) const {
+  return step >= 0 && step % options_.every() == 0;
+}
+
+bool PlanWatch::moved() const {
+  return std::any_of(events_.begin(), events_.end(),
+                     [](const WatchEvent& e) { return e.moved_to != e.format; });
+}
+
+void PlanWatch::begin_step(int64_t step) {
+  if (!due(step)) return;
+  auto generators = generators_of(*model_);
+  begun_state_ = states_of(generators);
+  begun_ = step;
+}
+
+std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void()>& backward) {
+  const auto linears = detail::linears_of(*model_);
+  std::vector<std::pair<LayerPlan*, torch::nn::LinearImpl*>> watched;
+  std::vector<at::Tensor> in_format;
+  for (auto& l : plan_.layers) {
+    if (l.format == LayerFormat::kBFloat16) continue;
+    auto* linear = detail::find_linear(linears, l.module, "PlanWatch::check");
+    TORCH_CHECK(linear->weight.grad().defined(), "ampx::plan::PlanWatch::check: layer '", l.module,
+                "' has no weight gradient at step ", step,
+                " (check after the backward, before the optimizer's step and zero_grad)");
+    watched.emplace_back(&l, linear);
+    in_format.push_back(linear->weight.grad().detach().clone());
+  }
+  if (watched.empty()) return {};
+
+  // The same batch with every Linear in bf16, leaving no trace: gradients,
+  // buffers (a BatchNorm's running statistics) and generators put back.
+  const auto grads = take_grads(*model_);
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : model_->buffers()) buffers.push_back(b.detach().clone());
+  auto generators = generators_of(*model_);
+  const auto after_step = states_of(generators);
+  const auto restore = [&] {
+    put_grads(*model_, grads);
+    torch::NoGradGuard no_grad;
+    auto now = model_->buffers();
+    for (size_t i = 0; i < now.size(); ++i) now[i].copy_(buffers[i]);
+    set_states(generators, after_step);
+  };
+  if (begun_ == step) set_states(generators, begun_state_);  // the step's dropout masks
+  std::vector<at::Tensor> bf16;
+  try {
+    {
+      fp8::Fp8AutocastGuard off(false);
+      backward();
+    }
+    for (const auto& [l, linear] : watched) {
+      TORCH_CHECK(linear->weight.grad().defined(), "ampx::plan::PlanWatch::check: the backward ",
+                  "gave layer '", l->module, "' no weight gradient at step ", step);
+      bf16.push_back(linear->weight.grad().detach().clone());
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+
+  std::vector<WatchEvent> events;
+  for (size_t i = 0; i < watched.size(); ++i) {
+    LayerPlan& l = *watched[i].first;
+    const Comparison c = compare(in_format[i], bf16[i]);
+    const auto found = findings(c, options_);
+    if (found.empty()) continue;
+    WatchEvent e;
+    e.step = step;
+    e.module = l.module;
+    e.format = l.format;
+    e.finding = found.front();
+    e.gradient_norm = c.gradient_norm;
+    e.noise_norm = c.noise_norm;
+    e.underflow = c.underflow;
+    e.non_finite = c.non_finite;
+    e.moved_to = l.format;
+    if (options_.widen()) {
+      const LayerFormat wider = wider_format(l.format, plan_.target);
+      fp8::reconvert_linear(*watched[i].second, wider == LayerFormat::kBFloat16
+                                                    ? c10::optional<fp8::Recipe>()
+                                                    : c10::optional<fp8::Recipe>(recipe_of(wider)));
+      e.moved_to = wider;
+      l.format = wider;
+      l.scale_rule = scale_rule_of(wider);
+      l.reason = "moved by the watch at step " + std::to_string(step) + " (" +
+                 to_string(e.finding) + " in " + to_string(e.format) + ")";
+    }
+    events.push_back(e);
+  }
+  events_.insert(events_.end(), events.begin(), events.end());
+  return events;
+}
+
+}  // namespace plan
+}  // namespace ampx
