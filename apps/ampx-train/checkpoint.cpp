@@ -1,7 +1,7 @@
 #include "checkpoint.h"
 
-#include "archive_check.h"  // ampx's src/: bounds of LibTorch archives
-#include "atomic_file.h"    // ampx's src/: crash-safe writes
+#include "files/archive_check.h"  // ampx's src/: bounds of LibTorch archives
+#include "files/atomic_file.h"    // ampx's src/: crash-safe writes
 
 #include <ampx/version.h>
 

@@ -88,7 +88,7 @@ Checkpoint read_checkpoint(const std::filesystem::path& path);
 /// another host); `path` names it in errors.
 Checkpoint parse_checkpoint(const std::string& bytes, const std::filesystem::path& path);
 /// Reads the LibTorch archive in `c`'s payload into `archive`, its length
-/// fields checked first (src/archive_check.h): a hostile or damaged payload
+/// fields checked first (src/files/archive_check.h): a hostile or damaged payload
 /// with a valid CRC cannot make LibTorch allocate without bound. Errors name
 /// `path`.
 void read_payload(const std::filesystem::path& path, const Checkpoint& c,

@@ -1,6 +1,6 @@
 #include "output_file.h"
 
-#include "atomic_file.h"  // ampx's src/: crash-safe writes
+#include "files/atomic_file.h"  // ampx's src/: crash-safe writes
 
 namespace ampx::train {
 

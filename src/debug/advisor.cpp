@@ -1,6 +1,6 @@
 #include "ampx/debug/advisor.h"
 
-#include "../json/writer.h"
+#include "../files/json/writer.h"
 #include "ampx/debug/scope.h"
 #include "fraction.h"
 

@@ -1,5 +1,5 @@
 #include "ampx/debug/formats.h"
-#include "../float_formats.h"
+#include "../core/float_formats.h"
 
 #include <c10/util/Exception.h>
 
@@ -7,7 +7,7 @@ namespace ampx {
 namespace debug {
 namespace {
 
-// The constants are the shared table's (src/float_formats.h); the rounding
+// The constants are the shared table's (src/core/float_formats.h); the rounding
 // boundaries follow from round-to-nearest-even: a value exactly halfway goes
 // to the neighbour with an even mantissa. The largest finite value of fp16,
 // bf16 and e5m2 has an odd mantissa (all ones), so the halfway point above it

@@ -1,6 +1,6 @@
 #include "ampx/debug/range_stats.h"
 
-#include "../json/writer.h"
+#include "../files/json/writer.h"
 #include "fraction.h"
 #include "observer.h"
 

@@ -5,7 +5,7 @@
 
 #include "ampx/optim/optimizer.h"
 
-#include "../scale_math.h"
+#include "../scaler/scale_math.h"
 #include "process_group_impl.h"
 
 #include <c10/util/Exception.h>

@@ -13,7 +13,7 @@
 
 #include "ampx/fp8/block.h"
 
-#include "../float_formats.h"
+#include "../core/float_formats.h"
 #include "element_code.h"
 
 #include <cstdint>
@@ -26,7 +26,7 @@ namespace detail {
 /// stochastic rounding's neighbours; built once.
 const float* element_values(ElementFormat format);
 
-/// The element code of the format laid out as kSpec (src/float_formats.h);
+/// The element code of the format laid out as kSpec (src/core/float_formats.h);
 /// kNan: a NaN element has a NaN code (FP8), not a signed zero (FP6, FP4).
 template <const ampx::detail::FloatFormatSpec& kSpec, bool kNan>
 struct ElementCode {

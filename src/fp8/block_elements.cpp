@@ -6,7 +6,7 @@
 
 #include "ampx/fp8/cast.h"
 
-#include "../float_formats.h"
+#include "../core/float_formats.h"
 #include "block_element_code.h"
 #include "element_code.h"
 
@@ -21,7 +21,7 @@ namespace ampx {
 namespace fp8 {
 namespace {
 
-// The constants are the shared table's (src/float_formats.h).
+// The constants are the shared table's (src/core/float_formats.h).
 constexpr ElementLimits element_limits(const char* name, const ampx::detail::FloatFormatSpec& s) {
   return {name,
           s.exponent_bits,

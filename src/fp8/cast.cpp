@@ -1,5 +1,5 @@
 #include "ampx/fp8/cast.h"
-#include "../float_formats.h"
+#include "../core/float_formats.h"
 #include "cuda_cast.h"
 #include "element_code.h"
 #include "fp8_math.h"
@@ -17,7 +17,7 @@ namespace ampx {
 namespace fp8 {
 namespace {
 
-// The constants are the shared table's (src/float_formats.h); NaN is 0x7F
+// The constants are the shared table's (src/core/float_formats.h); NaN is 0x7F
 // (0xFF with the sign) in both formats, as PyTorch writes it.
 constexpr Fp8Limits fp8_limits(const char* name, const ampx::detail::FloatFormatSpec& spec) {
   return Fp8Limits{

@@ -6,7 +6,7 @@
 
 #include "ampx/optim/optimizer.h"
 
-#include "../scale_math.h"
+#include "../scaler/scale_math.h"
 #include "cuda_step.h"
 
 #include <ATen/ATen.h>

@@ -106,7 +106,7 @@ class JsonParser {
   }
 
   // Strings: the escapes JSON has; \u only for code points below 0x80
-  // (what src/json/writer.h writes for control characters).
+  // (what src/files/json/writer.h writes for control characters).
   std::string string() {
     ++pos_;  // the opening quote
     std::string s;

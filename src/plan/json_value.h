@@ -2,7 +2,7 @@
 
 // A small JSON reader for plan files: objects (keys kept in file order),
 // arrays, strings, numbers, true/false/null, nesting at most 32 deep. The
-// library keeps no JSON package (src/json/writer.h writes). Internal to
+// library keeps no JSON package (src/files/json/writer.h writes). Internal to
 // src/plan/.
 //
 //   auto v = ampx::plan::detail::parse_json(R"({"a": [1, "x"]})", "load_plan: 'p.json'");

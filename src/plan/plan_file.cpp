@@ -3,8 +3,8 @@
 
 #include "ampx/precision_plan.h"
 
-#include "../atomic_file.h"
-#include "../json/writer.h"
+#include "../files/atomic_file.h"
+#include "../files/json/writer.h"
 #include "json_value.h"
 
 #include <c10/util/Exception.h>

@@ -6,7 +6,7 @@
 #include "ampx/autocast.h"
 #include "ampx/detail/compat.h"
 #include "ampx/kernels/cpu_products.h"
-#include "../autocast_region.h"
+#include "../autocast/autocast_region.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>

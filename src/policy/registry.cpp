@@ -2,7 +2,7 @@
 
 #include "ampx/policy.h"
 
-#include "../device_check.h"
+#include "../core/device_check.h"
 #include "policy_compat.h"
 #include "registry.h"
 

@@ -1,7 +1,7 @@
 #pragma once
 
 // Little-endian reads over the bytes of an archive from outside, for the
-// zip and pickle parsers of src/archive/: le() at a place already
+// zip and pickle parsers of src/files/archive/: le() at a place already
 // checked, and Cursor, a reader whose reads past the end throw.
 
 #include <c10/util/Exception.h>

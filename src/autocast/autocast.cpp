@@ -4,8 +4,8 @@
 
 #include "ampx/detail/compat.h"
 #include "autocast_region.h"
-#include "device_check.h"
-#include "policy/registry.h"
+#include "../core/device_check.h"
+#include "../policy/registry.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/Context.h>

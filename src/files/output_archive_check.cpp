@@ -2,7 +2,7 @@
 // OutputArchive wrote (torch::save of a module, an optimizer, a
 // ZeroRedundancyOptimizer shard, ampx-train's checkpoint payload) before
 // LibTorch reads it, and load_output_archive, which then reads it.
-// src/archive/ holds the parsers it runs (archive_check.h).
+// src/files/archive/ holds the parsers it runs (archive_check.h).
 
 #include "archive_check.h"
 

@@ -3,7 +3,7 @@
 // The JSON header of a safetensors file, parsed by a parser of the format's
 // own subset of JSON: one object of tensor entries and an optional
 // "__metadata__" object of strings; arrays of integers. The library keeps no
-// JSON package (src/json/writer.h), and a fixed grammar of bounded depth is
+// JSON package (src/files/json/writer.h), and a fixed grammar of bounded depth is
 // simpler to make safe against hostile files than a general parser
 // (tests/fuzz: target safetensors).
 //

@@ -1,7 +1,7 @@
 // check_torch_archive (archive_check.h): a zip archive's records
 // (archive/zip_records.cpp), then every pickle among them through
 // check_pickle (archive/pickle_lengths.cpp); anything else is one pickle.
-// src/archive/ holds the parsers, output_archive_check.cpp the whole check
+// src/files/archive/ holds the parsers, output_archive_check.cpp the whole check
 // of an OutputArchive's file.
 
 #include "archive_check.h"

@@ -5,7 +5,7 @@
 // length fields they find and allocate what they say (a 4-byte pickle string
 // length, a memo index, a zip record's size), so a hostile or damaged file
 // could make them reserve gigabytes. Fuzzing found it (tests/fuzz). Not
-// installed: not part of ampx's API. One parser a file under src/archive/,
+// installed: not part of ampx's API. One parser a file under src/files/archive/,
 // each with its header: zip_records (the zip's records, record.h's
 // ArchiveRecord), pickle_lengths (check_pickle), module_source
 // (check_attribute_module_source) and pickle_machine

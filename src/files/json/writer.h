@@ -2,7 +2,7 @@
 
 // A small JSON writer: strings and numbers as JSON text, for the
 // diagnostics' reports (src/debug/) and safetensors headers
-// (src/safetensors/). The library itself does not depend on a JSON package
+// (src/files/safetensors/). The library itself does not depend on a JSON package
 // (ampx-train and the tests use nlohmann-json).
 //
 //   ampx::detail::json_string("say \"hi\"");  // the text "say \"hi\"", quotes included

@@ -1,7 +1,7 @@
 #pragma once
 
 // ArchiveRecord: one record of a LibTorch zip archive as the checks of
-// src/archive/ find it (zip_records.h), and as their composers
+// src/files/archive/ find it (zip_records.h), and as their composers
 // (archive_check.h) hand it on.
 
 #include <cstdint>
