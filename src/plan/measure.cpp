@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -158,16 +159,73 @@ Measurement measure_layers(torch::nn::Module& model, const MeasureProblem& probl
   return m;
 }
 
-PlanCheck check_plan(torch::nn::Module& model, const MeasureProblem& problem,
-                     const PrecisionPlan& plan, const MeasureOptions& options) {
-  check_problem(problem, options);
+namespace {
+
+// The proof run of `plan` against a reference loss already run.
+PlanCheck proof_run(torch::nn::Module& model, const MeasureProblem& problem,
+                    const PrecisionPlan& plan, const MeasureOptions& options,
+                    double reference_loss) {
   PlanCheck check;
-  check.reference_loss =
-      run_probe(model, problem, options, [](torch::nn::Module&) {}, {}).eval_loss;
+  check.reference_loss = reference_loss;
   const auto apply = [&](torch::nn::Module& probe) { apply_plan(probe, plan, options.seed()); };
   check.loss = run_probe(model, problem, options, apply, {}).eval_loss;
   check.loss_change = relative_change(check.loss, check.reference_loss);
   return check;
+}
+
+double run_reference(torch::nn::Module& model, const MeasureProblem& problem,
+                     const MeasureOptions& options) {
+  return run_probe(model, problem, options, [](torch::nn::Module&) {}, {}).eval_loss;
+}
+
+}  // namespace
+
+PlanCheck check_plan(torch::nn::Module& model, const MeasureProblem& problem,
+                     const PrecisionPlan& plan, const MeasureOptions& options) {
+  check_problem(problem, options);
+  return proof_run(model, problem, plan, options, run_reference(model, problem, options));
+}
+
+ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
+                      const Measurement& measurement, const PlanOptions& options,
+                      const MeasureOptions& measure_options, int64_t max_rounds) {
+  TORCH_CHECK_VALUE(max_rounds >= 1, "ampx::plan::prove_plan: max_rounds must be >= 1, got ",
+                    max_rounds);
+  check_problem(problem, measure_options);
+  const double reference = run_reference(model, problem, measure_options);  // once: every round's
+  const double budget = options.loss_budget();
+  PlanOptions round = options;
+  ProvenPlan proven;
+  for (proven.rounds = 1; proven.rounds <= max_rounds; ++proven.rounds) {
+    proven.plan = make_plan(measurement, round);
+    proven.planned_budget = round.loss_budget();
+    proven.check = proof_run(model, problem, proven.plan, measure_options, reference);
+    if (proven.check.loss_change <= budget) break;
+    // Smaller than both the budget and the prediction that missed, in the
+    // proportion the proof run missed by.
+    const double missed = budget / proven.check.loss_change;
+    round.loss_budget(0.9 * std::min(round.loss_budget(), proven.plan.predicted_loss_change) *
+                      missed);
+    if (!(round.loss_budget() > 0)) break;  // a prediction of 0: nothing narrower to drop
+  }
+  if (proven.check.loss_change > budget) {
+    // Every Linear in bf16: the reference itself.
+    Measurement bf16_only = measurement;
+    for (auto& layer : bf16_only.layers) {
+      layer.formats.erase(std::remove_if(layer.formats.begin(), layer.formats.end(),
+                                         [](const FormatMeasurement& f) {
+                                           return f.format != LayerFormat::kBFloat16;
+                                         }),
+                          layer.formats.end());
+    }
+    round.loss_budget(budget);
+    proven.plan = make_plan(bf16_only, round);
+    proven.planned_budget = 0;
+    proven.check = proof_run(model, problem, proven.plan, measure_options, reference);
+    proven.rounds = std::min(proven.rounds, max_rounds) + 1;
+  }
+  proven.plan.loss_budget = budget;
+  return proven;
 }
 
 }  // namespace plan

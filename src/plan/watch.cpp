@@ -47,15 +47,12 @@ Comparison compare(const at::Tensor& in_format, const at::Tensor& bf16) {
   return c;
 }
 
-// The findings of one comparison, most severe first.
-std::vector<WatchFinding> findings(const Comparison& c, const WatchOptions& o) {
-  std::vector<WatchFinding> out;
-  if (c.non_finite > 0) out.push_back(WatchFinding::kOverflow);
-  if (c.underflow > o.underflow_fraction()) out.push_back(WatchFinding::kUnderflow);
-  if (c.gradient_norm < o.noise_ratio() * c.noise_norm) {
-    out.push_back(WatchFinding::kGradientBelowNoise);
-  }
-  return out;
+// The most severe finding of one comparison, if any.
+c10::optional<WatchFinding> worst_finding(const Comparison& c, const WatchOptions& o) {
+  if (c.non_finite > 0) return WatchFinding::kOverflow;
+  if (c.underflow > o.underflow_fraction()) return WatchFinding::kUnderflow;
+  if (c.gradient_norm < o.noise_ratio() * c.noise_norm) return WatchFinding::kGradientBelowNoise;
+  return c10::nullopt;
 }
 
 // Every gradient of `model`'s parameters (undefined where none), and back.
@@ -181,7 +178,7 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
                 "' has no weight gradient at step ", step,
                 " (check after the backward, before the optimizer's step and zero_grad)");
     watched.emplace_back(&l, linear);
-    in_format.push_back(linear->weight.grad().detach().clone());
+    in_format.push_back(linear->weight.grad());  // take_grads() keeps it from the backward
   }
   if (watched.empty()) return {};
 
@@ -209,7 +206,7 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
     for (const auto& [l, linear] : watched) {
       TORCH_CHECK(linear->weight.grad().defined(), "ampx::plan::PlanWatch::check: the backward ",
                   "gave layer '", l->module, "' no weight gradient at step ", step);
-      bf16.push_back(linear->weight.grad().detach().clone());
+      bf16.push_back(linear->weight.grad());  // restore() detaches it from the layer
     }
   } catch (...) {
     restore();
@@ -221,13 +218,13 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
   for (size_t i = 0; i < watched.size(); ++i) {
     LayerPlan& l = *watched[i].first;
     const Comparison c = compare(in_format[i], bf16[i]);
-    const auto found = findings(c, options_);
-    if (found.empty()) continue;
+    const auto found = worst_finding(c, options_);
+    if (!found) continue;
     WatchEvent e;
     e.step = step;
     e.module = l.module;
     e.format = l.format;
-    e.finding = found.front();
+    e.finding = *found;
     e.gradient_norm = c.gradient_norm;
     e.noise_norm = c.noise_norm;
     e.underflow = c.underflow;

@@ -51,6 +51,16 @@ TrainConfig config_of(const std::vector<std::string>& flags) {
   return config;
 }
 
+// The error resolving plan_gpt(tmp, flags) and then `switches` (flags
+// without a value) gives.
+std::string config_error_of(const TempDir& tmp,
+                            const std::vector<std::pair<std::string, std::string>>& flags,
+                            const std::vector<std::string>& switches = {}) {
+  auto args = plan_gpt(tmp, flags);
+  args.insert(args.end(), switches.begin(), switches.end());
+  return error_text([&] { (void)config_of(args); });
+}
+
 TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   TempDir tmp("ampx-plan-mode");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
@@ -119,7 +129,7 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
   TempDir tmp("ampx-plan-errors");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
   const auto config_error = [&](std::vector<std::pair<std::string, std::string>> flags) {
-    return error_text([&] { (void)config_of(plan_gpt(tmp, flags)); });
+    return config_error_of(tmp, flags);
   };
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "0"}}),
                        {"--loss-budget '0' is not a loss change > 0"}));
@@ -185,9 +195,8 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
   EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "O2"}})).plan_watch, 0);
   const auto config_error = [&](std::vector<std::pair<std::string, std::string>> flags,
                                 bool widen = false) {
-    auto args = plan_gpt(tmp, flags);
-    if (widen) args.push_back("--plan-widen");
-    return error_text([&] { (void)config_of(args); });
+    return config_error_of(tmp, flags, widen ? std::vector<std::string>{"--plan-widen"}
+                                             : std::vector<std::string>{});
   };
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-watch", "3"}}),
                        {"--plan-watch 3 is for --precision auto"}));
