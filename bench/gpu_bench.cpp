@@ -7,7 +7,7 @@
 //   optimizer  one AdamW step over GPT-2 small's 148 parameter tensors
 //              (124.4M elements):
 //                ampx      bf16 params and grads, fp32 masters and moments:
-//                          the fused multi-tensor step (src/optim/cuda/), which
+//                          the fused multi-tensor step (src/optim/fused/), which
 //                          also writes the bf16 params; credited 30 B/element
 //                torch     at::_fused_adamw_ (LibTorch 2.1+; Python's
 //                          AdamW(fused=True)) on fp32 params and grads, then

@@ -364,6 +364,27 @@ TEST(OptimTest, NonContiguousParamsTakeTheATenPath) {
   EXPECT_EQ(oa.step_count(a), 10);
 }
 
+// The fused kernels write the weights through data pointers. A step between
+// a forward and its backward must still make the backward refuse, as
+// torch::optim's in-place ops do, instead of differentiating with the new
+// weights: the step counts its write in each param's version.
+TEST(OptimTest, FusedStepsCountTheirWriteInTheParamsVersion) {
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    torch::manual_seed(3);
+    auto w = torch::randn({8, 8}).to(dtype).requires_grad_();
+    aopt::SGD opt({w}, aopt::SGDOptions(0.1));
+    w.mutable_grad() = torch::ones_like(w);
+    const auto before = w._version();
+    opt.step();
+    EXPECT_EQ(w._version(), before + 1);
+
+    auto loss = w.pow(3).sum();  // saves w for the backward
+    opt.step();
+    EXPECT_THROW(loss.backward(), c10::Error);
+  }
+}
+
 // --- capture_master_weights + in-place cast ------------------------------------
 
 TEST(OptimTest, CapturedMastersKeepTheFp32ValuesThroughTheCast) {
@@ -708,8 +729,8 @@ TEST(OptimTest, CudaMatchesCpuAndSkipsWithoutSync) {
             1e-5);
 }
 
-// --- The fused CUDA step (src/optim/cuda/fused_step.cu): the arithmetic of the
-// CPU kernels (src/kernels/optim_math.h) on the GPU, a few launches per step.
+// --- The fused CUDA step (src/optim/fused/cuda_step.cu): the arithmetic of the
+// CPU kernels (src/optim/fused/optim_math.h) on the GPU, a few launches per step.
 
 struct FusedCudaCase {
   const char* optimizer;  // adamw, sgd, lamb

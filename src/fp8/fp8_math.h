@@ -3,7 +3,7 @@
 // The arithmetic of FP8 scaling, written once for both devices: the CPU
 // paths (cast.cpp's quantize, scaling.cpp's scale formulas) and the CUDA
 // kernels (fp8/cuda/cast_kernels.cu) run these functions, so the CPU tests
-// check what the GPU computes, as kernels/optim_math.h does for the
+// check what the GPU computes, as optim/fused/optim_math.h does for the
 // optimizers. The .cu files are compiled without FMA contraction
 // (--fmad=false), so a division or a product rounds once on both.
 //

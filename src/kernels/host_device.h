@@ -2,7 +2,7 @@
 
 // AMPX_HD marks the arithmetic that both devices run: the CPU kernels and
 // the CUDA kernels include the same functions, so that the CPU tests check
-// what the GPU computes (kernels/optim_math.h for the optimizers,
+// what the GPU computes (optim/fused/optim_math.h for the optimizers,
 // fp8/fp8_math.h for the FP8 casts and scales).
 
 #include <bit>

@@ -1,6 +1,6 @@
 #include "ampx/optim/adamw.h"
 
-#include "cpu_driver.h"
+#include "fused/fused_step.h"
 #include "options_checks.h"
 #include "sqrt_rounded.h"
 
@@ -22,27 +22,6 @@ AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups, AdamWO
 
 AdamW::AdamW(std::vector<at::Tensor> params, AdamWOptions defaults)
     : AdamW({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
-
-void AdamW::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
-  std::vector<detail::FusedParam> fused;
-  std::vector<int64_t> numels;
-  for (const auto& w : work) {
-    const auto& o = static_cast<const AdamWOptions&>(param_groups_[w.group].options());
-    const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-    const auto step = static_cast<double>(w.state->step);
-    auto p = detail::fused_operands(w, config(), grad_mul);
-    detail::set_adam_moments(p, b1, b2, o.eps());
-    const auto s = ampx::detail::math::adamw_scalars(o.lr(), b1, b2, o.weight_decay(), step);
-    p.decay_factor = s.decay;
-    p.step_size = s.step_size;
-    p.bias_correction2_sqrt = s.bc2_sqrt;
-    fused.push_back(p);
-    numels.push_back(w.param.numel());
-  }
-  const auto span = detail::optim_kernels().adamw;
-  detail::for_each_chunk(numels, detail::kChunkElems,
-                         [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
-}
 
 detail::FusedOptions AdamW::fused_options(size_t group) const {
   return detail::adam_family_fused_options(

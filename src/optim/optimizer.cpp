@@ -1,13 +1,15 @@
 // MixedPrecisionOptimizer's step driver: gathers params with grads, decides
 // skip / unscale / clip once per step, sets up masters and states, then hands
 // dense CPU params to the fused CPU kernels, dense CUDA params to the fused
-// CUDA kernels (cuda_step.h, where built with CUDA) and everything else to
+// CUDA kernels (fused/cuda_step.h, where built with CUDA), both reading the
+// same description of the step (fused/fused_step.h), and everything else to
 // ATen ops.
 
 #include "ampx/optim/optimizer.h"
 
 #include "../scaler/scale_math.h"
-#include "cuda_step.h"
+#include "fused/cpu_step.h"
+#include "fused/cuda_step.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
@@ -222,8 +224,30 @@ bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {
   return !st.step_t.defined() || st.step_t.device() == w.param.device();
 }
 
-void MixedPrecisionOptimizer::update_cuda(std::vector<ParamWork>& work, const at::Tensor& grad_mul,
-                                          const at::Tensor& found_inf) {
+namespace {
+
+// The fused kernels write through data pointers: count the write in each
+// param's version, as an in-place ATen op would, so that autograd's check of
+// saved tensors and caches keyed on the version see the new weights.
+void bump_versions(const std::vector<ParamWork>& work) {
+  for (const auto& w : work) w.param.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+void MixedPrecisionOptimizer::update_cpu(const std::vector<ParamWork>& work, float grad_mul) {
+  std::vector<detail::FusedParam> params;
+  std::vector<int64_t> steps;
+  for (const auto& w : work) {
+    params.push_back(detail::fused_param(w, fused_options(w.group), config_));
+    steps.push_back(w.state->step);
+  }
+  detail::cpu_step(params, steps, grad_mul, config_.seed);
+  bump_versions(work);
+}
+
+void MixedPrecisionOptimizer::update_cuda(const std::vector<ParamWork>& work,
+                                          const at::Tensor& grad_mul, const at::Tensor& found_inf) {
   if (!cuda_cache_) cuda_cache_ = std::make_shared<detail::cuda::MetaCache>();
   // One fused step per device, over that device's params.
   std::vector<c10::Device> devices;
@@ -233,52 +257,22 @@ void MixedPrecisionOptimizer::update_cuda(std::vector<ParamWork>& work, const at
     }
   }
   for (const auto& device : devices) {
-    std::vector<detail::cuda::TensorArgs> args;
-    std::vector<c10::ScalarType> dtypes;
-    detail::cuda::Update update = detail::cuda::Update::kAdamW;
+    std::vector<detail::cuda::DeviceParam> params;
     for (const auto& w : work) {
       if (w.param.device() != device) continue;
-      const auto o = fused_options(w.group);
-      static_assert(static_cast<int>(detail::FusedUpdate::kAdamW) ==
-                            static_cast<int>(detail::cuda::Update::kAdamW) &&
-                        static_cast<int>(detail::FusedUpdate::kSgd) ==
-                            static_cast<int>(detail::cuda::Update::kSgd) &&
-                        static_cast<int>(detail::FusedUpdate::kLamb) ==
-                            static_cast<int>(detail::cuda::Update::kLamb),
-                    "the public and the kernel's update enums name the same updates");
-      update = static_cast<detail::cuda::Update>(o.update);
-      auto& st = *w.state;
-      detail::cuda::TensorArgs a;
-      a.param = w.param.data_ptr();
-      a.grad = w.grad.data_ptr();
-      a.master = st.master.defined() ? st.master.data_ptr<float>() : nullptr;
-      a.exp_avg = st.exp_avg.defined() && (o.update != detail::FusedUpdate::kSgd || o.momentum != 0)
-                      ? st.exp_avg.data_ptr<float>()
-                      : nullptr;
-      a.exp_avg_sq = st.exp_avg_sq.defined() ? st.exp_avg_sq.data_ptr<float>() : nullptr;
-      a.step = st.step_t.data_ptr<double>();
-      a.numel = w.param.numel();
-      a.position = w.position;
-      a.lr = o.lr;
-      a.beta1 = o.beta1;
-      a.beta2 = o.beta2;
-      a.eps = o.eps;
-      a.weight_decay = o.weight_decay;
-      a.momentum = o.momentum;
-      a.dampening = o.dampening;
-      a.nesterov = o.nesterov ? 1 : 0;
-      a.stochastic_rounding =
-          config_.stochastic_rounding && w.param.scalar_type() == at::kBFloat16 && !a.master;
-      args.push_back(a);
-      dtypes.push_back(w.param.scalar_type());
+      detail::cuda::DeviceParam d;
+      d.p = detail::fused_param(w, fused_options(w.group), config_);
+      d.step = w.state->step_t.data_ptr<double>();
+      params.push_back(d);
     }
     const auto gm =
         grad_mul.defined() ? grad_mul.to(device, at::kFloat, /*non_blocking=*/true) : at::Tensor();
     const auto fi = found_inf.defined() ? found_inf.to(device, at::kFloat, /*non_blocking=*/true)
                                         : at::Tensor();
-    detail::cuda::fused_step(update, args, dtypes, device, gm.defined() ? gm.contiguous() : gm,
+    detail::cuda::fused_step(params, device, gm.defined() ? gm.contiguous() : gm,
                              fi.defined() ? fi.contiguous() : fi, config_.seed, *cuda_cache_);
   }
+  bump_versions(work);
 }
 
 void MixedPrecisionOptimizer::commit(at::Tensor& dst, const at::Tensor& value,

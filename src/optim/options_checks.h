@@ -1,10 +1,12 @@
 #pragma once
 
 // What the optimizers share: the mixed-precision switches every options
-// struct carries, Adam-family options for the fused CUDA step, and the checks
+// struct carries, Adam-family options for the fused step, and the checks
 // of Adam-family hyper-parameters.
 
 #include "ampx/optim/optimizer.h"
+
+#include "fused/fused_step.h"
 
 #include <c10/util/Exception.h>
 
@@ -19,7 +21,7 @@ MixedPrecisionConfig config_of(const Options& o) {
   return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
 }
 
-/// AdamW's and LAMB's options as the fused CUDA step reads them.
+/// AdamW's and LAMB's options as the fused step reads them.
 template <class Options>
 FusedOptions adam_family_fused_options(const Options& o, FusedUpdate update) {
   FusedOptions f;

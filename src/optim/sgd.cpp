@@ -1,6 +1,6 @@
 #include "ampx/optim/sgd.h"
 
-#include "cpu_driver.h"
+#include "fused/fused_step.h"
 #include "options_checks.h"
 
 #include <ATen/ATen.h>
@@ -37,29 +37,6 @@ bool SGD::uses_exp_avg(const torch::optim::OptimizerOptions& group) const {
   return static_cast<const SGDOptions&>(group).momentum() != 0;
 }
 
-void SGD::update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) {
-  std::vector<detail::FusedParam> fused;
-  std::vector<int64_t> numels;
-  for (const auto& w : work) {
-    const auto& o = static_cast<const SGDOptions&>(param_groups_[w.group].options());
-    auto p = detail::fused_operands(w, config(), grad_mul);
-    if (o.momentum() == 0) {
-      p.exp_avg = nullptr;  // a buffer left from a group that had momentum is not used
-    }
-    p.lr = static_cast<float>(o.lr());
-    p.weight_decay = static_cast<float>(o.weight_decay());
-    p.momentum = static_cast<float>(o.momentum());
-    p.one_minus_dampening = static_cast<float>(1 - o.dampening());
-    p.nesterov = o.nesterov();
-    p.first_step = w.state->step == 1;  // LibTorch: buffer := d_p on first use
-    fused.push_back(p);
-    numels.push_back(w.param.numel());
-  }
-  const auto span = detail::optim_kernels().sgd;
-  detail::for_each_chunk(numels, detail::kChunkElems,
-                         [&](int64_t, int64_t i, int64_t b, int64_t e) { span(fused[i], b, e); });
-}
-
 detail::FusedOptions SGD::fused_options(size_t group) const {
   const auto& o = static_cast<const SGDOptions&>(param_groups_[group].options());
   detail::FusedOptions f;
@@ -68,7 +45,7 @@ detail::FusedOptions SGD::fused_options(size_t group) const {
   f.weight_decay = o.weight_decay();
   f.momentum = o.momentum();
   f.dampening = o.dampening();
-  f.nesterov = o.nesterov();
+  f.nesterov = o.nesterov() ? 1 : 0;
   return f;
 }
 

@@ -3,7 +3,7 @@
 // The per-tensor (generic) optimizer steps compute with ATen's ops; where an
 // ATen kernel does not round as IEEE arithmetic does, they take the value
 // from here, so that a param's update has the same bits on that path as in
-// the fused CPU and CUDA kernels (src/kernels/optim_math.h), on every LibTorch.
+// the fused CPU and CUDA kernels (src/optim/fused/optim_math.h), on every LibTorch.
 
 #include <ATen/ATen.h>
 

@@ -63,7 +63,6 @@ class AdamW : public MixedPrecisionOptimizer {
  protected:
   bool uses_exp_avg(const torch::optim::OptimizerOptions&) const override { return true; }
   bool uses_exp_avg_sq() const override { return true; }
-  void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) override;
   detail::FusedOptions fused_options(size_t group) const override;
   void update_generic(detail::ParamWork& work, const at::Tensor& grad,
                       const at::Tensor& skip) override;

@@ -66,15 +66,9 @@ struct ParamState {
   at::Tensor step_t;      // float64 [] on the device (non-CPU params: no host sync)
 };
 
-/// Which update, and one param group's options, as the fused CUDA step
-/// (built where LibTorch has CUDA) reads them.
-enum class FusedUpdate { kAdamW, kSgd, kLamb };
-struct FusedOptions {
-  FusedUpdate update = FusedUpdate::kAdamW;
-  double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0;
-  double momentum = 0, dampening = 0;
-  bool nesterov = false;
-};
+/// Which update, and one param group's options, as the fused step's CPU
+/// and CUDA kernels read them (defined with them, in src/optim/fused/).
+struct FusedOptions;
 
 namespace cuda {
 struct MetaCache;
@@ -146,16 +140,14 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   virtual bool uses_exp_avg(const torch::optim::OptimizerOptions& group) const = 0;
   /// Whether this optimizer keeps exp_avg_sq.
   virtual bool uses_exp_avg_sq() const = 0;
-  /// Fused CPU update of dense CPU params (step counts already incremented).
-  /// Grads are multiplied by `grad_mul` (1/scale * clip coefficient) on the fly.
-  virtual void update_cpu(std::vector<detail::ParamWork>& work, float grad_mul) = 0;
   /// ATen-op update for any device: `grad` is fp32, already multiplied;
   /// state.step_t already counts this step; `skip` (bool [], on the param's
   /// device) or undefined: where true every write must keep the old value.
   virtual void update_generic(detail::ParamWork& work, const at::Tensor& grad,
                               const at::Tensor& skip) = 0;
 
-  /// The options of param group `group` for the fused CUDA step.
+  /// The update and options of param group `group` for the fused step (the
+  /// same on the CPU and on CUDA).
   virtual detail::FusedOptions fused_options(size_t group) const = 0;
 
   /// dst := skip ? dst : value (dst's dtype).
@@ -172,7 +164,9 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void prepare(detail::ParamWork& work) const;
   /// Dense CUDA params (and grads) that the fused CUDA step takes.
   static bool cuda_fusable(const detail::ParamWork& work);
-  void update_cuda(std::vector<detail::ParamWork>& work, const at::Tensor& grad_mul,
+  /// The fused step of dense CPU params (step counts already incremented).
+  void update_cpu(const std::vector<detail::ParamWork>& work, float grad_mul);
+  void update_cuda(const std::vector<detail::ParamWork>& work, const at::Tensor& grad_mul,
                    const at::Tensor& found_inf);
   const detail::ParamState* find_state(const at::Tensor& param) const;
 

@@ -1,22 +1,21 @@
 #pragma once
 
 // The per-element arithmetic of ampx::optim, written once for both devices:
-// the CPU span kernels (kernels/isa/optim_span.cpp, V = at::vec's float
-// vector and V = float) and the CUDA multi-tensor kernels
-// (optim/cuda/fused_step.cu, V = float) instantiate the same templates, and
-// the per-step scalars (bias corrections, step sizes) come from the same
-// double-precision functions on the host and on the device. The CPU tests of
-// the optimizers therefore check the arithmetic the GPU runs.
+// the CPU span kernels (cpu_span.cpp, V = at::vec's float vector and
+// V = float) and the CUDA multi-tensor kernels (cuda_step.cu, V = float)
+// instantiate the same templates, and the per-step scalars (bias
+// corrections, step sizes) come from the same double-precision functions on
+// the host and on the device (fused_step.h builds each update from them).
+// The CPU tests of the optimizers therefore check the arithmetic the GPU runs.
 //
 // Float expressions are evaluated in the order written, as LibTorch's
 // torch::optim writes them; the CUDA file is compiled without FMA
 // contraction (--fmad=false) so that a GPU step rounds as the CPU's does.
 
-#include "host_device.h"
+#include "../../kernels/host_device.h"
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 namespace ampx {
 namespace detail {
@@ -86,12 +85,22 @@ struct LambDir {
   }
 };
 
-/// LAMB's moments, as Adam's.
-template <class V>
-AMPX_HD void lamb_moments(V g, V& m, V& v, float b1, float omb1, float b2, float omb2) {
-  m = m * V(b1) + g * V(omb1);
-  v = v * V(b2) + V(omb2) * g * g;
-}
+/// LAMB's first pass: the moments, as Adam's, then w^2 and u^2 (u from the
+/// new moments) added to the accumulator: acc->add(w, u) for V = float and,
+/// on the CPU, for the vector type.
+template <class Acc>
+struct LambMomentsOp {
+  static constexpr bool kGrad = true, kM = true, kV = true, kWriteW = false, kWriteState = true;
+  float b1, omb1, b2, omb2;
+  LambDir dir;
+  Acc* acc;
+  template <class V>
+  AMPX_HD void operator()(V& w, V g, V& m, V& v) const {
+    m = m * V(b1) + g * V(omb1);
+    v = v * V(b2) + V(omb2) * g * g;
+    acc->add(w, dir(w, m, v));
+  }
+};
 
 /// LAMB's second pass: w -= lr * trust_ratio * u.
 struct LambApplyOp {
@@ -118,11 +127,8 @@ AMPX_HD double lamb_trust_ratio(double w_sq, double u_sq) {
 /// says, the new weight written to the master and, rounded by
 /// `narrow(w, i)`, to the param. `Operands` has the pointers param, master
 /// (or null), grad, exp_avg, exp_avg_sq; T is the param's dtype.
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable  // Narrow is __device__ in CUDA code, host-only in CPU code
-#endif
 template <class T, class Op, class Operands, class Narrow>
-AMPX_HD void update_element(const Operands& p, int64_t i, float grad_mul, Op& op,
+AMPX_HD void update_element(const Operands& p, int64_t i, float grad_mul, const Op& op,
                             const Narrow& narrow) {
   T* param = static_cast<T*>(p.param);
   float g = 0.f;
@@ -183,16 +189,6 @@ AMPX_HD uint64_t sr_key(uint64_t seed, int64_t step, int64_t param_index) {
 AMPX_HD uint32_t sr_bits(uint64_t key, int64_t index) {
   return static_cast<uint32_t>(mix64(key + static_cast<uint64_t>(index) * 0x9e3779b97f4a7c15ULL) >>
                                48);
-}
-
-AMPX_HD uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-#endif
 }
 
 /// The bf16 bits of x rounded stochastically: adding 16 random bits below

@@ -16,8 +16,8 @@ bool built() {
   return false;
 }
 
-void fused_step(Update, const std::vector<TensorArgs>&, const std::vector<c10::ScalarType>&,
-                c10::Device, const at::Tensor&, const at::Tensor&, uint64_t, MetaCache&) {
+void fused_step(const std::vector<DeviceParam>&, c10::Device, const at::Tensor&, const at::Tensor&,
+                uint64_t, MetaCache&) {
   TORCH_INTERNAL_ASSERT(false, "ampx::optim: this build of ampx has no CUDA kernels");
 }
 
