@@ -130,6 +130,25 @@ TEST(OptimTest, SGDMatchesLibTorchOnFp32) {
   }
 }
 
+// A group whose momentum is set to 0 mid-run keeps its buffer but no longer
+// uses it, as in LibTorch (dampening then changes nothing either).
+TEST(OptimTest, SGDGroupSwitchedToZeroMomentumLeavesItsBufferAlone) {
+  auto a = make_net(3), b = make_net(4);
+  copy_params(*a, *b);
+  aopt::SGD ours(a->parameters(), aopt::SGDOptions(0.05).momentum(0.9).dampening(0.5));
+  torch::optim::SGD ref(b->parameters(),
+                        torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.5));
+  for (int s = 0; s < 10; ++s) {
+    if (s == 5) {
+      static_cast<aopt::SGDOptions&>(ours.param_groups()[0].options()).momentum(0);
+      static_cast<torch::optim::SGDOptions&>(ref.param_groups()[0].options()).momentum(0);
+    }
+    train_step(a, ours, s);
+    train_step(b, ref, s);
+  }
+  EXPECT_LE(max_abs_diff(a->parameters(), b->parameters()), kFp32Tol);
+}
+
 TEST(OptimTest, WorksWithLibTorchSchedulersAndZeroGrad) {
   auto net = make_net(5), ref_net = make_net(5);
   aopt::AdamW opt(net->parameters(), aopt::AdamWOptions(1e-2));

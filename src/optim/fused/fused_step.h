@@ -110,10 +110,11 @@ AMPX_HD math::AdamWOp adamw_op(const FusedOptions& o, double step) {
           -s.step_size};
 }
 
-/// Whether an SGD param keeps a momentum buffer this step (its exp_avg is
-/// null without momentum, even if a group that had momentum left one).
+/// Whether an SGD param keeps a momentum buffer this step: the driver
+/// (fused_param) leaves exp_avg null when its group has no momentum, even if
+/// a group that had momentum left a buffer.
 AMPX_HD bool sgd_has_momentum(const FusedParam& p) {
-  return p.exp_avg != nullptr && p.options.momentum != 0;
+  return p.exp_avg != nullptr;
 }
 AMPX_HD math::SgdOp<true> sgd_momentum_op(const FusedOptions& o, double step) {
   return {static_cast<float>(o.weight_decay),
