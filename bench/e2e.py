@@ -168,9 +168,11 @@ def workload_table(workload, settings, rows, peaks):
       f"median over the steps after warm-up; {flops / 1e9:.2f} GFLOP of matrix products per step "
       "(forward + backward). MFU: achieved matrix-product FLOP/s over the measured peak of the "
       "row's compute dtype."
-      + (" Here bf16 products run slower than fp32 (LibTorch's own loop: no oneDNN bf16 on this "
-         "CPU), so a bf16 row's MFU is against that slow peak and may exceed 100% (\"What each side "
-         "ran\" says where each side's bf16 products went)." if slow_bf16 else ""))
+      + (" Here LibTorch's bf16 products run slower than its fp32 ones (the peaks above: a "
+         "scalar loop without AVX-512, oneDNN's AVX512-BF16 kernels on a Xeon without AMX), so "
+         "a bf16 row's MFU is against that slow peak and exceeds 100% where ampx multiplies bf16 "
+         "in the fp32 BLAS (\"What each side ran\" says where each side's bf16 products went)."
+         if slow_bf16 else ""))
     w("")
     compiled = any(r.get("compile_s") for r in rows)
     w(f"| run | median step ms | rounds ms | {unit} | vs ampx fp32 | peak MiB | vs fp32 | MFU | "

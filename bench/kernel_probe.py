@@ -122,8 +122,8 @@ def probe_python(python, args, out, workload, tag, env_extra=None, fp32=False):
 
 
 # ampx-train's compare.json "cpu_products": how its bf16 products run on this CPU.
-AMPX_PRODUCTS = {"wide": "float32 BLAS, rounded once to bf16 (ampx's choice: no native bf16 "
-                         "products here)",
+AMPX_PRODUCTS = {"wide": "float32 BLAS, rounded once to bf16 (ampx's choice: LibTorch's bf16 "
+                         "products slower than its fp32 ones here)",
                  "native": "LibTorch's (oneDNN where LibTorch uses it)"}
 
 

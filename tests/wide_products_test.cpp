@@ -190,11 +190,47 @@ TEST(WideProductsApiTest, RejectsOperandsThatAreNotOneSixteenBitCpuDtypeNamingTh
               ::testing::HasSubstr("same batch sizes, got [2, 4, 8] and [3, 8, 4]"));
 }
 
-TEST(WideProductsApiTest, AutoIsWideExactlyWhereLibTorchLacksSixteenBitKernels) {
+// Auto's rule on the rates of the machines measured so far (2 cores each):
+// a Zen 3 without AVX-512 (no kernels: a scalar loop), an Intel Xeon with
+// AVX512-BF16 and no AMX (oneDNN's bf16 187 GFLOP/s, MKL's float32 351; its
+// AVX512-FP16 products 355), a Zen 4 with AVX512-BF16 (406 against 202).
+TEST(WideProductsApiTest, AutoIsWideWhereSixteenBitProductsAreClearlySlowerThanFloat32) {
+  EXPECT_TRUE(ampx::auto_products_are_wide(false, 0, 0));
+  EXPECT_TRUE(ampx::auto_products_are_wide(false, 400, 200));  // no kernels: never timed
+  EXPECT_TRUE(ampx::auto_products_are_wide(true, 187.5, 350.8));
+  EXPECT_FALSE(ampx::auto_products_are_wide(true, 354.6, 350.8));
+  EXPECT_FALSE(ampx::auto_products_are_wide(true, 405.6, 201.9));
+  // The margin: wide only below 0.8 of the float32 rate.
+  EXPECT_FALSE(ampx::auto_products_are_wide(true, 81, 100));
+  EXPECT_TRUE(ampx::auto_products_are_wide(true, 79, 100));
+}
+
+// The probe times LibTorch's products where it has 16-bit kernels (both
+// rates measured, the choice the rule's on them) and nothing where it has
+// none; auto's choice is the probe's, measured once.
+TEST(WideProductsApiTest, AutoChoosesWhatItsProbeMeasured) {
   ProductsMode mode(CpuProducts::kAuto);
   for (auto dtype : {torch::kBFloat16, torch::kHalf}) {
-    EXPECT_EQ(ampx::cpu_products_are_wide(dtype), !ampx::cpu_has_native_products(dtype))
+    const auto& probe = ampx::cpu_products_probe(dtype);
+    EXPECT_EQ(probe.native_kernels, ampx::cpu_has_native_products(dtype)) << dtype;
+    if (probe.native_kernels) {
+      EXPECT_GT(probe.native_gflops, 0.1) << dtype;
+      EXPECT_GT(probe.float32_gflops, 0.1) << dtype;
+    } else {
+      EXPECT_EQ(probe.native_gflops, 0) << dtype;
+      EXPECT_EQ(probe.float32_gflops, 0) << dtype;
+    }
+    EXPECT_EQ(probe.wide, ampx::auto_products_are_wide(probe.native_kernels,
+                                                       probe.native_gflops, probe.float32_gflops))
         << dtype;
+    EXPECT_EQ(ampx::cpu_products_are_wide(dtype), probe.wide) << dtype;
+    EXPECT_EQ(&ampx::cpu_products_probe(dtype), &probe) << "measured once";
+  }
+  try {
+    ampx::cpu_products_probe(torch::kFloat);
+    ADD_FAILURE() << "float32 accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_THAT(e.what(), ::testing::HasSubstr("dtype must be bfloat16 or float16, got Float"));
   }
   EXPECT_FALSE(ampx::cpu_products_are_wide(torch::kFloat));
   ampx::set_cpu_products(CpuProducts::kNative);

@@ -89,6 +89,17 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
       if (!r.watched_plan_path.empty()) modes.back()["watched_plan"] = r.watched_plan_path;
     }
   }
+  // What ampx's auto choice of CPU products measured (null where it timed
+  // nothing: another device, a path set by AMPX_CPU_PRODUCTS, no AVX-512).
+  const auto products_dtype = c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
+  nlohmann::json products_probe;
+  if (c.device == "cpu" && ampx::get_cpu_products() == ampx::CpuProducts::kAuto) {
+    const auto& probe = ampx::cpu_products_probe(products_dtype);
+    if (probe.native_kernels) {
+      products_probe = {{"native_gflops", probe.native_gflops},
+                        {"float32_gflops", probe.float32_gflops}};
+    }
+  }
   return {
       {"workload", workload.name()},
       {"baseline", base.mode},
@@ -105,11 +116,11 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"attention",
          is_gpt_workload(workload.name()) ? nlohmann::json(gpt_attention_of(c)) : nlohmann::json()},
         {"cpu_products", c.device == "cpu"
-                             ? nlohmann::json(ampx::cpu_products_are_wide(
-                                                  c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16)
+                             ? nlohmann::json(ampx::cpu_products_are_wide(products_dtype)
                                                   ? "wide"
                                                   : "native")
-                             : nlohmann::json()}}},
+                             : nlohmann::json()},
+        {"cpu_products_probe", products_probe}}},
       {"machine",
        {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},
       {"modes", modes},

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
+#include <sstream>
 
 namespace ampx::train {
 namespace {
@@ -92,17 +94,30 @@ std::string blas_setting() {
 
 std::string cpu_products_setting(c10::ScalarType dtype) {
   const std::string name = dtype == c10::kHalf ? "fp16" : "bf16";
-  const bool native_here = ampx::cpu_has_native_products(dtype);
-  const std::string mode = ampx::to_string(ampx::get_cpu_products());
-  if (ampx::cpu_products_are_wide(dtype)) {
-    return "float32 BLAS, rounded once to " + name +
-           (native_here ? " (AMPX_CPU_PRODUCTS=" + mode + ")"
-                        : " (this CPU has no AVX-512, where LibTorch multiplies " + name +
-                              " in a scalar loop; AMPX_CPU_PRODUCTS=native to use it)");
+  const auto mode = ampx::get_cpu_products();
+  const std::string env = std::string("AMPX_CPU_PRODUCTS=") + ampx::to_string(mode);
+  const bool wide = ampx::cpu_products_are_wide(dtype);
+  const std::string path =
+      wide ? "float32 BLAS, rounded once to " + name : "LibTorch's (oneDNN)";
+  if (mode != ampx::CpuProducts::kAuto) {
+    if (!wide && !ampx::cpu_has_native_products(dtype)) {
+      return "LibTorch's: a scalar loop on this CPU (no AVX-512), about 30x slower than "
+             "fp32 (" + env + "; auto routes them through the float32 BLAS)";
+    }
+    return path + " (" + env + ")";
   }
-  if (native_here) return "LibTorch's (oneDNN, AVX-512)";
-  return "LibTorch's: a scalar loop on this CPU (no AVX-512), about 30x slower than fp32 "
-         "(AMPX_CPU_PRODUCTS=" + mode + "; auto routes them through the float32 BLAS)";
+  // Auto: what it measured, and the switch to the other path.
+  const auto& probe = ampx::cpu_products_probe(dtype);
+  const std::string other = std::string(" (AMPX_CPU_PRODUCTS=") + (wide ? "native" : "wide") +
+                            " for the other path)";
+  if (!probe.native_kernels) {
+    return path + ": this CPU has no AVX-512, where LibTorch multiplies " + name +
+           " in a scalar loop" + other;
+  }
+  std::ostringstream rates;
+  rates << std::fixed << std::setprecision(0) << ": LibTorch's " << name << " products ran at "
+        << probe.native_gflops << " GFLOP/s here, float32's at " << probe.float32_gflops;
+  return path + rates.str() + other;
 }
 
 std::string blas_warning(int threads) {

@@ -4,7 +4,9 @@
 // has no vectorized bfloat16 or float16 matrix product: oneDNN's bf16
 // kernels need AVX-512 (or AMX), and ATen's fallback is a scalar loop
 // (about 5 GFLOP/s on 2 Zen 3 cores against 150 for float32 through
-// OpenBLAS: a bf16 training step 30x slower than the float32 one).
+// OpenBLAS: a bf16 training step 30x slower than the float32 one). Where
+// oneDNN has them they can still trail the float32 BLAS (an Intel Xeon with
+// AVX512-BF16 and no AMX: 187 against 351 GFLOP/s), so auto times both once.
 //
 // A product of 16-bit matrices with float32 accumulation, rounded once to
 // 16 bits, is what every bf16/fp16 GEMM computes; the float32 BLAS computes
@@ -15,6 +17,8 @@
 
 #include "ampx/kernels/cpu_products.h"
 
+#include "ampx/detail/compat.h"
+
 #include "../dispatch/observer_key.h"
 
 #include <ATen/ATen.h>
@@ -24,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 
@@ -235,11 +240,74 @@ bool cpu_has_native_products(c10::ScalarType dtype) {
 #else
   static const bool avx512_fp16 = false;
 #endif
-  return dtype == at::kBFloat16 ? avx512 : avx512_fp16;
+  // LibTorch 1.13 has no float16 CPU product at all ("addmm_impl_cpu_" not
+  // implemented for 'Half'); the 2.x releases ampx runs on have them.
+  return dtype == at::kBFloat16 ? avx512 : avx512_fp16 && AMPX_TORCH_AT_LEAST(2, 1);
 #else
   // Other architectures: LibTorch's own kernels (Arm's have bf16 paths).
   return true;
 #endif
+}
+
+bool auto_products_are_wide(bool native_kernels, double native_gflops, double float32_gflops) {
+  return !native_kernels || native_gflops < kAutoWideBelow * float32_gflops;
+}
+
+namespace {
+
+// The probe's product: two n x n matrices, about 0.9 GFLOP at n = 768 (2.5
+// to 5 ms a run on 2 cores of the machines measured), large enough to run
+// at the BLAS's speed.
+constexpr int64_t kProbeSize = 768;
+constexpr int kProbeRuns = 5;
+
+// Best of kProbeRuns products of `dtype` and of float32, interleaved (a
+// burst of other load slows both alike), after one untimed run of each.
+CpuProductsProbe measure(c10::ScalarType dtype) {
+  CpuProductsProbe probe;
+  probe.native_kernels = cpu_has_native_products(dtype);
+  if (probe.native_kernels) {
+    // Plain LibTorch products: no autocast region's cast or route (ampx's
+    // included), no observer, no autograd.
+    NoAutocast no_autocast;
+    HiddenFromObservers hidden;
+    at::NoGradGuard no_grad;
+    const auto a32 = at::rand({kProbeSize, kProbeSize}, at::kFloat) - 0.5;
+    const auto b32 = at::rand({kProbeSize, kProbeSize}, at::kFloat) - 0.5;
+    const auto a16 = a32.to(dtype), b16 = b32.to(dtype);
+    const auto seconds = [](const at::Tensor& a, const at::Tensor& b) {
+      const auto start = std::chrono::steady_clock::now();
+      const auto c = at::mm(a, b);
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
+    seconds(a16, b16);
+    seconds(a32, b32);
+    double best16 = 1e30, best32 = 1e30;
+    for (int i = 0; i < kProbeRuns; ++i) {
+      best16 = std::min(best16, seconds(a16, b16));
+      best32 = std::min(best32, seconds(a32, b32));
+    }
+    const double flop = 2.0 * kProbeSize * kProbeSize * kProbeSize;
+    probe.native_gflops = flop / best16 / 1e9;
+    probe.float32_gflops = flop / best32 / 1e9;
+  }
+  probe.wide = auto_products_are_wide(probe.native_kernels, probe.native_gflops,
+                                      probe.float32_gflops);
+  return probe;
+}
+
+}  // namespace
+
+const CpuProductsProbe& cpu_products_probe(c10::ScalarType dtype) {
+  TORCH_CHECK_VALUE(is_16bit(dtype), "ampx::cpu_products_probe: dtype must be bfloat16 or "
+                    "float16, got ", dtype);
+  // Each measured once, at its first use (static initialisation is thread-safe).
+  if (dtype == at::kBFloat16) {
+    static const CpuProductsProbe bf16 = measure(at::kBFloat16);
+    return bf16;
+  }
+  static const CpuProductsProbe fp16 = measure(at::kHalf);
+  return fp16;
 }
 
 bool cpu_products_are_wide(c10::ScalarType dtype) {
@@ -249,7 +317,7 @@ bool cpu_products_are_wide(c10::ScalarType dtype) {
     case CpuProducts::kWide: return true;
     case CpuProducts::kAuto: break;
   }
-  return !cpu_has_native_products(dtype);
+  return cpu_products_probe(dtype).wide;
 }
 
 bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
