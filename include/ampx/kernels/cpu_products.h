@@ -64,10 +64,11 @@ struct CpuProductsProbe {
   /// cpu_has_native_products(dtype). Without them nothing is timed: the
   /// product is a scalar loop, and auto is wide.
   bool native_kernels = false;
-  /// LibTorch's product of two 768 x 768 matrices of the dtype, and of two
-  /// float32 ones, in GFLOP/s: best of 5 runs each, interleaved, at the
-  /// intra-op thread count of the first use; 0 when not timed.
+  /// LibTorch's product of two 768 x 768 matrices of the dtype in GFLOP/s:
+  /// best of 5 runs, interleaved with the float32 ones, at the intra-op
+  /// thread count of the first use; 0 when not timed.
   double native_gflops = 0;
+  /// The same for two float32 matrices.
   double float32_gflops = 0;
   /// Auto's choice: auto_products_are_wide() of the three above.
   bool wide = false;
@@ -86,8 +87,11 @@ bool auto_products_are_wide(bool native_kernels, double native_gflops, double fl
 
 /// What auto measured for `dtype` (bfloat16 or float16; another dtype is an
 /// error naming it), timing the products on the first call for that dtype
-/// (about 0.1 s where LibTorch has 16-bit kernels, nothing where it has
-/// not) and returning the same numbers after. The products run outside
+/// (about 0.1 s and 11 MiB of matrices for that time where LibTorch has
+/// 16-bit kernels, nothing where it has not) and returning the same numbers
+/// after. The first AmpSession or AutocastGuard on the CPU calls it; a
+/// program that measures its peak memory calls it before (as ampx-train
+/// does). The products run outside
 /// autocast and ampx's observers. Timing makes the choice a measurement:
 /// a machine whose two rates lay within a few percent of the margin could
 /// choose differently from one process to the next (and so round
