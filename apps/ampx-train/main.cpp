@@ -224,7 +224,10 @@ int report_preemption(const RunResult& r, const ampx::dist::ProcessGroup* group)
 }
 
 /// The settings table (and a word on the BLAS build) at the start of a run.
+/// At the run's thread count: the table's products line times them
+/// (ampx::cpu_products_probe) on the first call.
 void show_settings(const TrainConfig& config) {
+  at::set_num_threads(config.threads);
   std::cout << "ampx-train\n" << settings_table(config) << std::flush;
   if (const auto warning = blas_warning(config.threads); !warning.empty()) {
     std::cout << warning << "\n";

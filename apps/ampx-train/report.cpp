@@ -90,7 +90,8 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
     }
   }
   // What ampx's auto choice of CPU products measured (null where it timed
-  // nothing: another device, a path set by AMPX_CPU_PRODUCTS, no AVX-512).
+  // nothing: another device, a path set by AMPX_CPU_PRODUCTS, no 16-bit
+  // kernels in LibTorch here).
   const auto products_dtype = c.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
   nlohmann::json products_probe;
   if (c.device == "cpu" && ampx::get_cpu_products() == ampx::CpuProducts::kAuto) {

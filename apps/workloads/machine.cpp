@@ -101,8 +101,9 @@ std::string cpu_products_setting(c10::ScalarType dtype) {
       wide ? "float32 BLAS, rounded once to " + name : "LibTorch's (oneDNN)";
   if (mode != ampx::CpuProducts::kAuto) {
     if (!wide && !ampx::cpu_has_native_products(dtype)) {
-      return "LibTorch's: a scalar loop on this CPU (no AVX-512), about 30x slower than "
-             "fp32 (" + env + "; auto routes them through the float32 BLAS)";
+      return "LibTorch's, which has no vectorized " + name + " product here (a scalar loop "
+             "without AVX-512, about 30x slower than fp32; for fp16 none on LibTorch 1.13) (" +
+             env + "; auto routes them through the float32 BLAS)";
     }
     return path + " (" + env + ")";
   }
@@ -111,8 +112,8 @@ std::string cpu_products_setting(c10::ScalarType dtype) {
   const std::string other = std::string(" (AMPX_CPU_PRODUCTS=") + (wide ? "native" : "wide") +
                             " for the other path)";
   if (!probe.native_kernels) {
-    return path + ": this CPU has no AVX-512, where LibTorch multiplies " + name +
-           " in a scalar loop" + other;
+    return path + ": LibTorch has no vectorized " + name + " product here (a scalar loop "
+           "without AVX-512; for fp16 none on LibTorch 1.13)" + other;
   }
   std::ostringstream rates;
   rates << std::fixed << std::setprecision(0) << ": LibTorch's " << name << " products ran at "

@@ -62,12 +62,14 @@ void clear_autocast_cache();
 /// available warns and disables the region, as Python does.
 ///
 /// One difference from Python, on CPUs whose 16-bit matrix products LibTorch
-/// runs in a scalar loop (no AVX-512: cpu_products_are_wide in
+/// runs slower than its float32 ones (a scalar loop without AVX-512; oneDNN's
+/// AVX512-BF16 kernels on an Intel Xeon without AMX: cpu_products_are_wide in
 /// ampx/kernels.h): an enabled CPU region also makes a WideProductsGuard, so
 /// linear, matmul, mm, bmm and addmm multiply their 16-bit operands in the
 /// float32 BLAS and round once to 16 bits (the dtypes and the float32
 /// accumulation of Python's region, in another summation order, about 30x
-/// faster there). AMPX_CPU_PRODUCTS=native, or set_cpu_products, turns it off.
+/// faster without AVX-512, 1.6x on that Xeon). AMPX_CPU_PRODUCTS=native, or
+/// set_cpu_products, turns it off.
 class AutocastGuard {
  public:
   /// Enters the region: torch.autocast(device_type, dtype, enabled,

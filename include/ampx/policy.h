@@ -209,8 +209,9 @@ class KeepNormsFp32Guard {
 /// linear, matmul, mm, bmm and addmm (1-D bias) whose operands are CPU
 /// tensors of a 16-bit dtype for which cpu_products_are_wide() holds are
 /// computed in float32 and rounded once to that dtype, forward and backward.
-/// Where no 16-bit dtype is wide (a CPU with AVX-512, or
-/// set_cpu_products(CpuProducts::kNative)) the guard does nothing.
+/// Where no 16-bit dtype is wide (LibTorch's 16-bit products at least 0.8 of
+/// its float32 rate, or set_cpu_products(CpuProducts::kNative)) the guard
+/// routes no product.
 ///
 /// Inside an autocast region (AutocastGuard, KeepNormsFp32Guard) each of
 /// these ops keeps its casts (PyTorch's lower-precision cast, or ampx's
