@@ -247,8 +247,8 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
     impl_->norms = std::make_unique<KeepNormsFp32Guard>(p.device.type());
   }
   // A cast model's 16-bit products where LibTorch's are slower than its
-  // float32 ones (cpu_products_are_wide), and its attention through ampx's fused kernel (O1's AutocastGuard makes
-  // its own).
+  // float32 ones (cpu_products_are_wide), and its attention through ampx's
+  // fused kernel (O1's AutocastGuard makes its own).
   if (p.cast_model_type && p.device.is_cpu() &&
       (cpu_products_are_wide(p.dtype) || detail::routes_fused_attention())) {
     impl_->wide = std::make_unique<WideProductsGuard>();

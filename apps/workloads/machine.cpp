@@ -99,11 +99,13 @@ std::string cpu_products_setting(c10::ScalarType dtype) {
   const bool wide = ampx::cpu_products_are_wide(dtype);
   const std::string path =
       wide ? "float32 BLAS, rounded once to " + name : "LibTorch's (oneDNN)";
+  const std::string no_kernels = ": no vectorized " + name +
+                                 " product in LibTorch here (a scalar loop without AVX-512, "
+                                 "about 30x slower than fp32; for fp16 none on LibTorch 1.13)";
   if (mode != ampx::CpuProducts::kAuto) {
     if (!wide && !ampx::cpu_has_native_products(dtype)) {
-      return "LibTorch's, which has no vectorized " + name + " product here (a scalar loop "
-             "without AVX-512, about 30x slower than fp32; for fp16 none on LibTorch 1.13) (" +
-             env + "; auto routes them through the float32 BLAS)";
+      return "LibTorch's" + no_kernels + " (" + env +
+             "; auto routes them through the float32 BLAS)";
     }
     return path + " (" + env + ")";
   }
@@ -111,10 +113,7 @@ std::string cpu_products_setting(c10::ScalarType dtype) {
   const auto& probe = ampx::cpu_products_probe(dtype);
   const std::string other = std::string(" (AMPX_CPU_PRODUCTS=") + (wide ? "native" : "wide") +
                             " for the other path)";
-  if (!probe.native_kernels) {
-    return path + ": LibTorch has no vectorized " + name + " product here (a scalar loop "
-           "without AVX-512; for fp16 none on LibTorch 1.13)" + other;
-  }
+  if (!probe.native_kernels) return path + no_kernels + other;
   std::ostringstream rates;
   rates << std::fixed << std::setprecision(0) << ": LibTorch's " << name << " products ran at "
         << probe.native_gflops << " GFLOP/s here, float32's at " << probe.float32_gflops;

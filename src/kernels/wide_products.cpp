@@ -275,7 +275,8 @@ CpuProductsProbe measure(c10::ScalarType dtype) {
     at::NoGradGuard no_grad;
     // Small integers over 8, exact in every dtype, drawn from no generator:
     // the probe must not move the user's random stream.
-    const auto ramp = at::arange(kProbeSize * kProbeSize, at::kFloat).view({kProbeSize, kProbeSize});
+    const auto ramp =
+        at::arange(kProbeSize * kProbeSize, at::kFloat).view({kProbeSize, kProbeSize});
     const auto a32 = (ramp.remainder(13) - 6) / 8, b32 = (ramp.remainder(7) - 3) / 8;
     const auto a16 = a32.to(dtype), b16 = b32.to(dtype);
     const auto seconds = [](const at::Tensor& a, const at::Tensor& b) {

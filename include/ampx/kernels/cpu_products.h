@@ -26,8 +26,8 @@ namespace ampx {
 /// Even with those kernels a 16-bit product can be the slower one: on an
 /// Intel Xeon with AVX512-BF16 and no AMX, oneDNN's bf16 products ran at
 /// 187 GFLOP/s on 2 cores against MKL's float32 351 (AMD Zen 4: 406 against
-/// 202). "Wide" products multiply the 16-bit inputs in the float32 BLAS and round
-/// the result once to 16 bits: the numbers of a 16-bit GEMM with float32
+/// 202). "Wide" products multiply the 16-bit inputs in the float32 BLAS and
+/// round the result once to 16 bits: the numbers of a 16-bit GEMM with float32
 /// accumulation (in another summation order), at float32 speed, with the
 /// 16-bit inputs (not float32 copies) saved for backward.
 enum class CpuProducts {
@@ -91,11 +91,11 @@ bool auto_products_are_wide(bool native_kernels, double native_gflops, double fl
 /// 16-bit kernels, nothing where it has not) and returning the same numbers
 /// after. The first AmpSession or AutocastGuard on the CPU calls it; a
 /// program that measures its peak memory calls it before (as ampx-train
-/// does). The products run outside
-/// autocast and ampx's observers. Timing makes the choice a measurement:
-/// a machine whose two rates lay within a few percent of the margin could
-/// choose differently from one process to the next (and so round
-/// differently); AMPX_CPU_PRODUCTS=native or wide fixes it.
+/// does). The products run outside autocast and ampx's observers. Timing
+/// makes the choice a measurement: a machine whose two rates lay within a
+/// few percent of the margin could choose differently from one process to
+/// the next (and so round differently); AMPX_CPU_PRODUCTS=native or wide
+/// fixes it.
 const CpuProductsProbe& cpu_products_probe(c10::ScalarType dtype);
 
 /// Whether ampx's regions (AutocastGuard, AmpSession::forward_guard(),
