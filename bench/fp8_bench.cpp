@@ -12,6 +12,10 @@
 // scaling_ms, the three delayed-scaling updates; rest_ms, fp8_ms less both
 // (the products, the bias and autograd's own work).
 //
+// fp8_kept_ms: the same FP8 forward + backward with the weight's codes kept
+// from a first micro-batch (WeightCasts::kLaterMicroBatch), as a step's later
+// micro-batches run under gradient accumulation; kept_speedup, bf16 over it.
+//
 // --profile: after the timing, three more forward + backward passes of the
 // FP8 block (each layer once) under LibTorch's Kineto profiler, CPU ops and,
 // on CUDA, the GPU's kernels and runtime calls: a Chrome trace for
@@ -42,9 +46,12 @@ void sync(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize();
 }
 
-// Median ms of one forward + backward of `linear` on x, in bf16 autocast or FP8.
+// Median ms of one forward + backward of `linear` on x, in bf16 autocast or
+// FP8 with `casts` (kLaterMicroBatch: the weight's codes kept by a first
+// micro-batch, as in a step's later micro-batches).
 double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, int iters,
-                   const torch::Device& device) {
+                   const torch::Device& device,
+                   ampx::fp8::WeightCasts casts = ampx::fp8::WeightCasts::kEveryForward) {
   std::vector<double> ms;
   const auto g = torch::randn({x.size(0), linear->options.out_features()},
                               x.options().dtype(torch::kBFloat16));
@@ -53,7 +60,10 @@ double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, 
     const auto t0 = std::chrono::steady_clock::now();
     {
       ampx::AutocastGuard autocast(device.type(), torch::kBFloat16);
-      ampx::fp8::Fp8AutocastGuard region(fp8);
+      const bool first = casts == ampx::fp8::WeightCasts::kLaterMicroBatch && i == 0;
+      ampx::fp8::Fp8AutocastGuard region(
+          ampx::fp8::Fp8AutocastOptions().enabled(fp8).weight_casts(
+              first ? ampx::fp8::WeightCasts::kFirstMicroBatch : casts));
       auto y = linear->forward(x);
       y.backward(g.to(y.scalar_type()));
     }
@@ -186,6 +196,8 @@ int main(int argc, char** argv) {
                        .requires_grad_(true);
     const double a = time_linear(bf16, x, false, iters, device);
     const double b = time_linear(fp8, x, true, iters, device);
+    const double kept =
+        time_linear(fp8, x, true, iters, device, ampx::fp8::WeightCasts::kLaterMicroBatch);
     const Breakdown parts = fp8_breakdown(tokens, shapes[s].in, shapes[s].out, iters, device);
     if (s < block_shapes) {
       total_bf16 += a;
@@ -197,10 +209,11 @@ int main(int argc, char** argv) {
     std::printf(
         "%s{\"name\": \"%s\", \"in\": %lld, \"out\": %lld, \"bf16_ms\": %.4f, "
         "\"fp8_ms\": %.4f, \"speedup\": %.3f, \"bf16_tflops\": %.2f, \"fp8_tflops\": %.2f, "
-        "\"cast_ms\": %.4f, \"scaling_ms\": %.4f, \"rest_ms\": %.4f}",
+        "\"cast_ms\": %.4f, \"scaling_ms\": %.4f, \"rest_ms\": %.4f, \"fp8_kept_ms\": %.4f, "
+        "\"kept_speedup\": %.3f}",
         s ? ", " : "", shapes[s].name, static_cast<long long>(shapes[s].in),
         static_cast<long long>(shapes[s].out), a, b, a / b, flops / a / 1e9, flops / b / 1e9,
-        parts.cast_ms, parts.scaling_ms, b - parts.cast_ms - parts.scaling_ms);
+        parts.cast_ms, parts.scaling_ms, b - parts.cast_ms - parts.scaling_ms, kept, a / kept);
     std::fflush(stdout);
   }
   std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld}\n", total_bf16 / total_fp8,

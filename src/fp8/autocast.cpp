@@ -30,6 +30,7 @@ namespace detail {
 struct RegionState {
   bool enabled = false;
   const dist::ProcessGroup* group = nullptr;
+  WeightCasts weight_casts = WeightCasts::kEveryForward;
   PendingAmaxes* pending = nullptr;  // forward amaxes awaiting the group's reduction
   PendingAmaxes* local = nullptr;    // CUDA amaxes for the region's one update launch
   const void* owner = nullptr;       // the Fp8AutocastGuard::Region this state is
@@ -144,6 +145,10 @@ const dist::ProcessGroup* region_group() {
   return t_region.group;
 }
 
+WeightCasts region_weight_casts() {
+  return t_region.weight_casts;
+}
+
 void defer_amax(std::shared_ptr<TensorScaling> state, at::Tensor amax,
                 const dist::ProcessGroup* group) {
   if (t_region.pending != nullptr && t_region.group == group) {
@@ -203,6 +208,7 @@ Fp8AutocastGuard::Fp8AutocastGuard(const Fp8AutocastOptions& options)
   region_->key_was_included = c10::impl::tls_is_dispatch_key_included(detail::kFp8LinearKey);
   t_region.enabled = options.enabled();
   t_region.group = options.enabled() ? options.amax_reduction_group() : nullptr;
+  t_region.weight_casts = options.enabled() ? options.weight_casts() : WeightCasts::kEveryForward;
   t_region.pending = t_region.group ? &region_->pending : nullptr;
   t_region.local = options.enabled() ? &region_->local : nullptr;
   t_region.owner = region_.get();

@@ -3,6 +3,7 @@
 // What the FP8 region (ampx/fp8/autocast.h) tells the rest of src/fp8: the
 // group of this thread's region, and where an amax waits for its reduction.
 
+#include "ampx/fp8/autocast.h"
 #include "ampx/fp8/scaling.h"
 
 #include <ATen/core/Tensor.h>
@@ -20,6 +21,10 @@ namespace detail {
 /// The amax_reduction_group of this thread's innermost region; null outside
 /// a region, in a disabled one, or in one without a group.
 const dist::ProcessGroup* region_group();
+
+/// The weight_casts of this thread's innermost region; kEveryForward outside
+/// a region and in a disabled one.
+WeightCasts region_weight_casts();
 
 /// Queues `state`'s `amax` for the max-reduction over `group`: with the
 /// region's forward amaxes while this thread's region has that group (reduced

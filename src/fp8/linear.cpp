@@ -112,14 +112,14 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
                             const c10::optional<at::Tensor>& bias_arg,
                             std::shared_ptr<LinearScaling> scaling,
                             c10::ScalarType out_dtype, const dist::ProcessGroup* group,
-                            bool record) {
+                            bool record, WeightCasts weight_casts) {
     // The products are FP8 in float32: autocast must not recast them.
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     at::Tensor x_t, w_t;  // defined by CUDA casts only
     const Operand xc = scaling->input->cast(x2, record, group, &x_t);
-    const Operand wc = scaling->weight->cast(weight, record, group, &w_t);
+    const Operand wc = scaling->weight->cast_weight(weight, weight_casts, record, group, &w_t);
     const at::Tensor y = product(xc, wc, bias, out_dtype, [&] {
       return at::mm(xc.dequantize(), wc.dequantize().t());
     });
@@ -178,7 +178,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     grad_x = grad_x.view(x_sizes);
     at::Tensor grad_b =
         ctx->saved_data["has_bias"].toBool() ? g.to(at::kFloat).sum(0).to(w_dtype) : at::Tensor();
-    return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x,       grad_w,       grad_b,       at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -262,7 +263,8 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
   // Inference (no grad) casts with the current scales and leaves them be.
   const bool record = at::GradMode::is_enabled();
   return Fp8LinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias), scaling,
-                                  output_dtype_for(x, output_dtype), region_group(), record);
+                                  output_dtype_for(x, output_dtype), region_group(), record,
+                                  region_weight_casts());
 }
 
 }  // namespace detail

@@ -1,4 +1,5 @@
 #include "ampx/fp8/scaling.h"
+#include "ampx/fp8/linear.h"
 #include "autocast_internal.h"
 #include "block_internal.h"
 #include "cuda_cast.h"
@@ -10,6 +11,7 @@
 #include <torch/serialize/archive.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -17,6 +19,8 @@
 namespace ampx {
 namespace fp8 {
 namespace {
+
+std::atomic<int64_t> g_weight_casts{0};  // cast_weight's new casts (detail::weight_casts)
 
 constexpr int64_t kStateVersion = 1;
 
@@ -95,6 +99,10 @@ DelayedScalingState::DelayedScalingState(const DelayedScaling& recipe, Direction
 }
 
 namespace detail {
+
+int64_t weight_casts() {
+  return g_weight_casts.load();
+}
 
 cuda::DelayedArgs delayed_args(const DelayedScalingState& state, const at::Tensor& amax) {
   cuda::DelayedArgs a;
@@ -345,11 +353,12 @@ std::vector<std::pair<std::string, at::Tensor>> TensorScaling::state_tensors() c
 
 namespace {
 
-// x's codes with `scale` in one CUDA pass, x^T's too when `transposed` asks
-// and x is 2-D, max|x| folded into `amax` when defined.
+// x's codes with `scale` in one CUDA pass, x^T's into `transposed` too when
+// `asked` and x is 2-D, max|x| folded into `amax` when defined.
 Fp8Tensor cuda_cast(const at::Tensor& x, Fp8Format format, const at::Tensor& scale,
-                    const at::Tensor& scale_inv, const at::Tensor& amax, at::Tensor* transposed) {
-  const bool transpose = transposed != nullptr && x.dim() == 2;
+                    const at::Tensor& scale_inv, const at::Tensor& amax, at::Tensor* transposed,
+                    bool asked) {
+  const bool transpose = asked && x.dim() == 2;
   detail::cuda::CastOut out = detail::cuda::cast(x, format, scale, transpose, amax);
   if (transpose) *transposed = std::move(out.transposed);
   return {std::move(out.codes), scale_inv, format};
@@ -357,48 +366,123 @@ Fp8Tensor cuda_cast(const at::Tensor& x, Fp8Format format, const at::Tensor& sca
 
 }  // namespace
 
-Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
-                              at::Tensor* transposed) {
-  at::NoGradGuard no_grad;
-  if (transposed != nullptr) *transposed = at::Tensor();
+// One cast before anything is recorded: what cast() gives, the amax it
+// records (current scaling: always; delayed: where asked), and current
+// scaling's scale.
+struct TensorScaling::Fresh {
+  Fp8Tensor out;
+  at::Tensor transposed, amax, scale;
+};
+
+TensorScaling::Fresh TensorScaling::fresh(const at::Tensor& x, bool with_amax,
+                                          at::Tensor* transposed) {
   const bool fused = detail::cuda::takes(x);
+  Fresh f;
   if (!delayed_) {
-    TORCH_CHECK(group == nullptr,
-                "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
-                "recipe is ",
-                recipe_.to_string(), " (each tensor is cast with its own amax)");
-    const at::Tensor amax = compute_amax(x);
-    at::Tensor scale, scale_inv;
+    f.amax = compute_amax(x);
     if (fused) {  // the amax reduction, the scale kernel, the cast: three launches
-      scale = at::empty({1}, amax.options());
-      scale_inv = at::empty({1}, amax.options());
-      detail::cuda::current_scale(amax, limits(format_).max,
+      f.scale = at::empty({1}, f.amax.options());
+      const at::Tensor scale_inv = at::empty({1}, f.amax.options());
+      detail::cuda::current_scale(f.amax, limits(format_).max,
                                   static_cast<float>(recipe_.current().amax_epsilon()),
-                                  recipe_.current().power_2_scale(), scale, scale_inv);
+                                  recipe_.current().power_2_scale(), f.scale, scale_inv);
+      f.out = cuda_cast(x, format_, f.scale, scale_inv, at::Tensor(), &f.transposed,
+                        transposed != nullptr);
     } else {
-      scale = current_scale(amax, format_, recipe_.current());
-      scale_inv = at::ones_like(scale).div(scale);
+      f.scale = current_scale(f.amax, format_, recipe_.current());
+      f.out = {quantize(x, format_, f.scale), at::ones_like(f.scale).div(f.scale), format_};
     }
-    if (record) {
-      last_amax_.copy_(amax);
-      scale_.copy_(scale);
-      scale_inv_.copy_(scale_inv);
-    }
-    if (fused) return cuda_cast(x, format_, scale, scale_inv, at::Tensor(), transposed);
-    return {quantize(x, format_, scale), scale_inv, format_};
+    return f;
   }
   // The scale of the steps before; clone scale_inv: the update below (or a
   // later one, before backward reads it) writes the state in place.
   const at::Tensor scale_inv = delayed_->scale_inv().clone();
   if (fused) {  // one pass: the codes, and the amax the next scale comes from
-    const at::Tensor amax = record ? at::zeros({1}, x.options().dtype(at::kFloat)) : at::Tensor();
-    Fp8Tensor out = cuda_cast(x, format_, delayed_->scale(), scale_inv, amax, transposed);
-    if (record) record_amax(amax, group);
-    return out;
+    if (with_amax) f.amax = at::zeros({1}, x.options().dtype(at::kFloat));
+    f.out = cuda_cast(x, format_, delayed_->scale(), scale_inv, f.amax, &f.transposed,
+                      transposed != nullptr);
+    return f;
   }
-  Fp8Tensor out{quantize(x, format_, delayed_->scale()), scale_inv, format_};
-  if (record) record_amax(compute_amax(x), group);
-  return out;
+  f.out = {quantize(x, format_, delayed_->scale()), scale_inv, format_};
+  if (with_amax) f.amax = compute_amax(x);
+  return f;
+}
+
+void TensorScaling::note(const Fresh& cast, const dist::ProcessGroup* group) {
+  if (delayed_) {
+    record_amax(cast.amax, group);
+    return;
+  }
+  last_amax_.copy_(cast.amax);
+  scale_.copy_(cast.scale);
+  scale_inv_.copy_(cast.out.scale_inv);
+}
+
+Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
+                              at::Tensor* transposed) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(group == nullptr || delayed_,
+              "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
+              "recipe is ",
+              recipe_.to_string(), " (each tensor is cast with its own amax)");
+  Fresh f = fresh(x, record, transposed);
+  if (record) note(f, group);
+  if (transposed != nullptr) *transposed = std::move(f.transposed);
+  return std::move(f.out);
+}
+
+// What cast_weight kept: a cast, and what it was cast from. The weight is
+// held weakly (a replaced parameter is freed as without the cast kept);
+// data, version, sizes and dtype tell an in-place change.
+struct TensorScaling::Kept {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;
+  const void* data = nullptr;
+  int64_t version = 0;
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype = at::kFloat;
+  bool transposed_asked = false;
+  Fresh cast;
+
+  Kept(const at::Tensor& w, bool asked, Fresh f)
+      : weight(w.getIntrusivePtr()),
+        data(w.data_ptr()),
+        version(w._version()),
+        sizes(w.sizes().vec()),
+        dtype(w.scalar_type()),
+        transposed_asked(asked),
+        cast(std::move(f)) {}
+
+  // Whether this is a cast of w as it is now, asked for the same outputs.
+  bool of(const at::Tensor& w, bool asked) const {
+    const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> held = weight.lock();
+    return held.get() == w.unsafeGetTensorImpl() && data == w.data_ptr() &&
+           version == w._version() && w.sizes() == sizes && w.scalar_type() == dtype &&
+           asked == transposed_asked;
+  }
+};
+
+Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, bool record,
+                                     const dist::ProcessGroup* group, at::Tensor* transposed) {
+  // An inference tensor has no version counter to tell its changes by.
+  if (casts == WeightCasts::kEveryForward || w.is_inference()) {
+    kept_.reset();
+    return cast(w, record, group, transposed);
+  }
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(group == nullptr || delayed_,
+              "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
+              "recipe is ",
+              recipe_.to_string(), " (each tensor is cast with its own amax)");
+  const bool asked = transposed != nullptr;
+  if (casts == WeightCasts::kFirstMicroBatch || !kept_ || !kept_->of(w, asked)) {
+    kept_.reset();  // the old codes go before the new ones are made
+    // With its amax: the later micro-batches record it.
+    kept_ = std::make_shared<Kept>(w, asked, fresh(w, /*with_amax=*/true, transposed));
+    g_weight_casts.fetch_add(1);
+  }
+  if (record) note(kept_->cast, group);
+  if (transposed != nullptr) *transposed = kept_->cast.transposed;
+  return kept_->cast.out;
 }
 
 void TensorScaling::record_amax(at::Tensor amax, const dist::ProcessGroup* group) {

@@ -42,6 +42,31 @@ class ProcessGroup;
 
 namespace fp8 {
 
+/// When an FP8 layer under delayed or current scaling casts its weight: with
+/// gradient accumulation, once per optimizer step rather than once per
+/// micro-batch (TE's is_first_microbatch; docs/fp8.md, "The weight's cast").
+/// The caller says where a step begins: a weight's version counter cannot,
+/// since LibTorch's own optimizers write parameters through `.data()`, which
+/// counts on a counter of its own.
+enum class WeightCasts {
+  /// Every forward casts the weight; nothing is kept (TE's is_first_microbatch
+  /// None, and torchao's only way).
+  kEveryForward,
+  /// The region's forwards begin a step: each layer casts its weight and keeps
+  /// the codes (one byte per weight element; two on CUDA, with the
+  /// transpose's) until its next cast (is_first_microbatch True).
+  kFirstMicroBatch,
+  /// The step's later micro-batches: each layer gives again the codes it kept
+  /// (is_first_microbatch False), and records the weight's amax as a cast
+  /// would. Under current scaling that is exactly what casting again gives;
+  /// under delayed scaling, the codes of the scale the step's first
+  /// micro-batch had. A layer that kept nothing, or whose weight has since
+  /// been replaced or changed in place (by ampx's optimizers, an in-place op,
+  /// a load: anything that counts on the weight's version counter), casts
+  /// and keeps anew.
+  kLaterMicroBatch,
+};
+
 /// What a region carries besides being on.
 struct Fp8AutocastOptions {
   /// A process group the caller owns (the region only points to it).
@@ -56,6 +81,10 @@ struct Fp8AutocastOptions {
   /// Null: each rank keeps its own. The group must outlive the region and the
   /// backward. Not for current scaling (each tensor scales itself).
   TORCH_ARG(GroupPtr, amax_reduction_group) = nullptr;
+  /// When the region's FP8 layers cast their weights: kFirstMicroBatch for
+  /// the region of a step's first micro-batch and kLaterMicroBatch for the
+  /// others cast each weight once per optimizer step.
+  TORCH_ARG(WeightCasts, weight_casts) = WeightCasts::kEveryForward;
 };
 
 /// Turns FP8 on for ampx::fp8::Linear layers and converted torch::nn::Linear

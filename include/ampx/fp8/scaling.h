@@ -37,6 +37,7 @@
 /// keeps per role (input, weight, output gradient) under either recipe.
 
 #include "ampx/direction.h"
+#include "ampx/fp8/autocast.h"
 #include "ampx/fp8/block_recipe.h"
 #include "ampx/fp8/cast.h"
 
@@ -270,10 +271,24 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   /// product), elsewhere it is left undefined.
   Fp8Tensor cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
                  at::Tensor* transposed = nullptr);
+  /// cast() of a weight, under `casts` (see WeightCasts): kFirstMicroBatch
+  /// casts and keeps the cast; kLaterMicroBatch gives the kept codes (and
+  /// transpose) again while w is the tensor they were cast from, unchanged
+  /// by its version counter, and `record` records the amax they were cast
+  /// with, as a cast would; kEveryForward casts and drops what was kept.
+  Fp8Tensor cast_weight(const at::Tensor& w, WeightCasts casts, bool record,
+                        const dist::ProcessGroup* group, at::Tensor* transposed = nullptr);
   /// Records an amax: delayed scaling updates the history and the next scale.
   void record(const at::Tensor& amax);
 
  private:
+  struct Fresh;
+  struct Kept;
+  // x cast with this role's scale, nothing recorded; the amax where
+  // `with_amax` or the recipe needs it (current scaling).
+  Fresh fresh(const at::Tensor& x, bool with_amax, at::Tensor* transposed);
+  // Records what `cast` saw, as cast() does after casting.
+  void note(const Fresh& cast, const dist::ProcessGroup* group);
   // Records amax now, or defers it to `group`'s reduction.
   void record_amax(at::Tensor amax, const dist::ProcessGroup* group);
 
@@ -281,6 +296,7 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   Fp8Format format_;
   std::unique_ptr<DelayedScalingState> delayed_;
   at::Tensor last_amax_, scale_, scale_inv_;  // current scaling (scale_: delayed's own)
+  std::shared_ptr<Kept> kept_;                 // cast_weight's last cast
 };
 
 /// The three roles of an FP8 linear layer, all under one recipe.
