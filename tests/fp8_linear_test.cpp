@@ -504,6 +504,29 @@ TEST(Fp8ConvertTest, InferenceLeavesTheScalingStatesAlone) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << i;
 }
 
+// A model may add into a Linear's output in place (torch::nn's GPT-style
+// blocks do): the FP8 layer's output is no view autograd would refuse that
+// for, under every recipe, and the gradient is the out-of-place one's.
+TEST(Fp8LinearTest, OutputTakesInPlaceOps) {
+  for (const Recipe& recipe :
+       {Recipe(DelayedScaling()), Recipe(CurrentScaling()), Recipe(MXFP8BlockScaling()),
+        // Without stochastic rounding: its stream follows each layer's first weights.
+        Recipe(NVFP4BlockScaling().stochastic_rounding(false)), Recipe(Float8BlockScaling())}) {
+    SCOPED_TRACE(recipe.to_string());
+    torch::manual_seed(7);
+    Linear a(LinearOptions(32, 16).recipe(recipe)), b(LinearOptions(32, 16).recipe(recipe));
+    test::copy_params(*a, *b);
+    const auto x = torch::randn({2, 16, 32});  // NVFP4's transform: tokens in 16s
+    const auto r = torch::randn({2, 16, 16}).to(torch::kBFloat16);
+    Fp8AutocastGuard fp8;
+    auto y = a->forward(x);
+    y += r;
+    y.to(torch::kFloat).square().sum().backward();
+    (b->forward(x) + r).to(torch::kFloat).square().sum().backward();
+    EXPECT_TRUE(torch::equal(a->weight.grad(), b->weight.grad()));
+  }
+}
+
 }  // namespace
 }  // namespace fp8
 }  // namespace ampx

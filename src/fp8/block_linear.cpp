@@ -138,7 +138,9 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
     auto out_sizes = x.sizes().vec();
     out_sizes.back() = weight.size(0);
-    return y.to(out_dtype).view(out_sizes);
+    // Not a view: autograd refuses in-place ops on a custom Function's view
+    // outputs, and models add into a Linear's output (x += ...).
+    return at::_unsafe_view(y.to(out_dtype), out_sizes);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {

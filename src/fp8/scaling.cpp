@@ -7,6 +7,7 @@
 #include "scaling_internal.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/nn/module.h>
 #include <torch/serialize/archive.h>
 #include <torch/torch.h>
@@ -431,11 +432,14 @@ Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::Proc
   return std::move(f.out);
 }
 
-// What cast_weight kept: a cast, and what it was cast from. The weight is
-// held weakly (a replaced parameter is freed as without the cast kept);
-// data, version, sizes and dtype tell an in-place change.
+// What cast_weight kept: a cast, and what it was cast from. The weight and
+// its storage are held weakly (a replaced parameter is freed as without the
+// cast kept; a weak reference also keeps the address from being reused, so
+// a set_data that left and came back, as module.to() there and back does,
+// is seen); data, version, sizes and dtype tell an in-place change.
 struct TensorScaling::Kept {
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
   const void* data = nullptr;
   int64_t version = 0;
   std::vector<int64_t> sizes;
@@ -445,6 +449,7 @@ struct TensorScaling::Kept {
 
   Kept(const at::Tensor& w, bool asked, Fresh f)
       : weight(w.getIntrusivePtr()),
+        storage(w.storage().getWeakStorageImpl()),
         data(w.data_ptr()),
         version(w._version()),
         sizes(w.sizes().vec()),
@@ -455,7 +460,9 @@ struct TensorScaling::Kept {
   // Whether this is a cast of w as it is now, asked for the same outputs.
   bool of(const at::Tensor& w, bool asked) const {
     const c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> held = weight.lock();
-    return held.get() == w.unsafeGetTensorImpl() && data == w.data_ptr() &&
+    const c10::intrusive_ptr<c10::StorageImpl> held_storage = storage.lock();
+    return held.get() == w.unsafeGetTensorImpl() &&
+           held_storage.get() == w.storage().unsafeGetStorageImpl() && data == w.data_ptr() &&
            version == w._version() && w.sizes() == sizes && w.scalar_type() == dtype &&
            asked == transposed_asked;
   }
@@ -463,9 +470,14 @@ struct TensorScaling::Kept {
 
 Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, bool record,
                                      const dist::ProcessGroup* group, at::Tensor* transposed) {
-  // An inference tensor has no version counter to tell its changes by.
-  if (casts == WeightCasts::kEveryForward || w.is_inference()) {
-    kept_.reset();
+  // An inference tensor has no version counter to tell its changes by, and
+  // under InferenceMode the codes would be inference tensors, which a
+  // later training forward could not save for its backward: neither keeps.
+  if (casts == WeightCasts::kEveryForward || w.is_inference() ||
+      c10::InferenceMode::is_enabled()) {
+    // A training forward drops what was kept (states are written then, so it
+    // runs on one thread); a no-grad one may run beside others and leaves it.
+    if (record && casts == WeightCasts::kEveryForward) kept_.reset();
     return cast(w, record, group, transposed);
   }
   at::NoGradGuard no_grad;

@@ -46,15 +46,17 @@ namespace fp8 {
 /// gradient accumulation, once per optimizer step rather than once per
 /// micro-batch (TE's is_first_microbatch; docs/fp8.md, "The weight's cast").
 /// The caller says where a step begins: a weight's version counter cannot,
-/// since LibTorch's own optimizers write parameters through `.data()`, which
-/// counts on a counter of its own.
+/// since LibTorch's SGD writes parameters through `.data()`, a tensor with a
+/// version counter of its own (its Adam, AdamW, RMSprop and Adagrad count
+/// their writes, as ampx's optimizers do).
 enum class WeightCasts {
   /// Every forward casts the weight; nothing is kept (TE's is_first_microbatch
   /// None, and torchao's only way).
   kEveryForward,
   /// The region's forwards begin a step: each layer casts its weight and keeps
   /// the codes (one byte per weight element; two on CUDA, with the
-  /// transpose's) until its next cast (is_first_microbatch True).
+  /// transpose's) until its next cast (is_first_microbatch True). Under
+  /// c10::InferenceMode nothing is kept or given again.
   kFirstMicroBatch,
   /// The step's later micro-batches: each layer gives again the codes it kept
   /// (is_first_microbatch False), and records the weight's amax as a cast
@@ -62,8 +64,8 @@ enum class WeightCasts {
   /// under delayed scaling, the codes of the scale the step's first
   /// micro-batch had. A layer that kept nothing, or whose weight has since
   /// been replaced or changed in place (by ampx's optimizers, an in-place op,
-  /// a load: anything that counts on the weight's version counter), casts
-  /// and keeps anew.
+  /// a load: anything that counts on the weight's version counter, or moved
+  /// by set_data), casts and keeps anew.
   kLaterMicroBatch,
 };
 

@@ -116,8 +116,8 @@ namespace detail {
 /// How many FP8 products ran on tensor cores (at::_scaled_mm) in this process.
 /// (Here only because tests/ and bench/ count them and do not see src/.)
 int64_t scaled_mm_calls();
-/// How many weight casts TensorScaling::cast_weight made (not gave again) in
-/// this process.
+/// How many weight casts TensorScaling::cast_weight made (not gave again)
+/// under WeightCasts::kFirstMicroBatch or kLaterMicroBatch in this process.
 int64_t weight_casts();
 }  // namespace detail
 

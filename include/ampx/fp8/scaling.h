@@ -273,9 +273,10 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
                  at::Tensor* transposed = nullptr);
   /// cast() of a weight, under `casts` (see WeightCasts): kFirstMicroBatch
   /// casts and keeps the cast; kLaterMicroBatch gives the kept codes (and
-  /// transpose) again while w is the tensor they were cast from, unchanged
-  /// by its version counter, and `record` records the amax they were cast
-  /// with, as a cast would; kEveryForward casts and drops what was kept.
+  /// transpose) again while w is the tensor they were cast from, with the
+  /// same storage and unchanged by its version counter, and `record` records
+  /// the amax they were cast with, as a cast would; kEveryForward casts, and
+  /// drops what was kept where it records. Under c10::InferenceMode: cast().
   Fp8Tensor cast_weight(const at::Tensor& w, WeightCasts casts, bool record,
                         const dist::ProcessGroup* group, at::Tensor* transposed = nullptr);
   /// Records an amax: delayed scaling updates the history and the next scale.
