@@ -139,6 +139,36 @@ TEST(BlockScaledTest, ANanBlockIsNanAndOthersAreUntouched) {
   }
 }
 
+// An element's code keeps the element's own sign in every block (the
+// arithmetic the CUDA kernels share, block_math.h): a NaN element's, and an
+// element's whose product with its block's factor is NaN (a NaN block's,
+// inf times float32 blocks' zero factor), whichever sign the device's NaN
+// would have had; a NaN block's float32 scale is the one quiet NaN.
+TEST(BlockScaledTest, EveryElementKeepsItsSignWhereTheProductIsNan) {
+  auto x = torch::full({1, 32}, -1.0f);
+  x[0][1] = NAN;
+  x[0][2] = -NAN;
+  x[0][3] = 2.0f;
+  for (const ElementFormat f : kFormats) {
+    SCOPED_TRACE(to_string(f));
+    const auto codes = BlockTensor::quantize(x, BlockFormat(f, ScaleRule::kRceil)).codes[0];
+    const int sign = 1 << (limits(f).bits - 1);
+    const int nan = f == ElementFormat::kE4M3 || f == ElementFormat::kE5M2 ? 0x7F : 0;
+    EXPECT_EQ(codes[0].item<uint8_t>(), sign | nan);
+    EXPECT_EQ(codes[1].item<uint8_t>(), nan);
+    EXPECT_EQ(codes[2].item<uint8_t>(), sign | nan);
+    EXPECT_EQ(codes[3].item<uint8_t>(), nan);
+  }
+  // float32 scales: amax inf gives scale 448 / inf = 0, inf * 0 is NaN.
+  auto y = torch::full({1, 4}, -1.0f);
+  y[0][0] = INFINITY;
+  y[0][1] = -INFINITY;
+  const auto t = BlockTensor::quantize(y, BlockFormat::fp8_blockwise());
+  EXPECT_TRUE(torch::equal(t.codes[0], torch::tensor({0x7F, 0xFF, 0x80, 0x80}, torch::kByte)));
+  const auto nan_block = BlockTensor::quantize(x, BlockFormat::fp8_blockwise());
+  EXPECT_EQ(test::to_bits(nan_block.scales.item<float>()), 0x7FC00000u);
+}
+
 TEST(BlockScaledTest, QuantizeAndDequantizeNameWhatIsWrong) {
   const auto error = [](auto fn) { return test::error_text(fn); };
   EXPECT_THAT(error([] {
