@@ -127,17 +127,15 @@ struct ElementCode {
     uint32_t code = a < kMinNormal ? below : normal;
     const bool top = !(a < max);  // saturated, inf or NaN: no code above
     code = top ? max_code : code;
-    // The code below a's value and 1 / (the next one's - it), a power of two:
-    // a truncated to the format's mantissa and 2^(kMantissa - e) in a
-    // normal binade e, whole quanta below the smallest normal; the
-    // difference a - low exact, its product too.
-    constexpr float kQuantum = 1.0f / kQuantaPerUnit;
-    const float low = a < kMinNormal ? static_cast<float>(below) * kQuantum
-                                     : ampx::detail::bits_float(bits & ~((1u << kShift) - 1));
-    const float inv_quantum =
-        a < kMinNormal ? kQuantaPerUnit
-                       : ampx::detail::bits_float((254u + kMantissa - (bits >> 23)) << 23);
-    const float p = (a - low) * inv_quantum;  // in [0, 1): the chance of going up
+    // a in quanta of its binade (2^(e - kMantissa) in a normal binade e, the
+    // subnormals' below the smallest normal): exact, a power of two's
+    // product; its fraction is the distance from the code below over the
+    // spacing to the next, exact too.
+    constexpr uint32_t kMinField = 128 - kBias;  // the smallest normal's float32 exponent field
+    const uint32_t field = bits >> 23 > kMinField ? bits >> 23 : kMinField;
+    const float inv_quantum = ampx::detail::bits_float((254u + kMantissa - field) << 23);
+    const float quanta = top ? 0.0f : a * inv_quantum;  // < 2^(kMantissa + 1) below max
+    const float p = quanta - static_cast<float>(static_cast<int32_t>(quanta));  // in [0, 1)
     code += !top && static_cast<float>(random >> 8) < p * 16777216.0f ? 1u : 0u;
     code = bits > 0x7F800000u ? (kNan ? 0x7Fu : 0u) : code;
     return static_cast<uint8_t>((sign << (kBits - 1)) | code);
