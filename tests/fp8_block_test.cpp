@@ -6,6 +6,7 @@
 // ampx/fp8/block.h names: blocks whose scale byte is 0.
 
 #include "ampx/fp8/block.h"
+#include "ampx/fp8/cast.h"
 #include "ampx/safetensors.h"
 
 #include "test_util.h"
@@ -167,6 +168,32 @@ TEST(BlockScaledTest, EveryElementKeepsItsSignWhereTheProductIsNan) {
   EXPECT_TRUE(torch::equal(t.codes[0], torch::tensor({0x7F, 0xFF, 0x80, 0x80}, torch::kByte)));
   const auto nan_block = BlockTensor::quantize(x, BlockFormat::fp8_blockwise());
   EXPECT_EQ(test::to_bits(nan_block.scales.item<float>()), 0x7FC00000u);
+}
+
+// block_values decodes every stored scale byte as the scalar decoders do:
+// E4M3 bytes (NVFP4) as cast.h's decode, E8M0 bytes as scale_value (the
+// arithmetic the CUDA kernel shares, block_math.h).
+TEST(BlockScaledTest, BlockValuesDecodeEveryScaleByteAsTheScalarDecoders) {
+  const auto bytes = torch::arange(256, torch::kInt).to(torch::kByte).view({256, 1});
+  for (const BlockFormat& f : {BlockFormat::nvfp4(), BlockFormat::mxfp4(ScaleRule::kFloor)}) {
+    SCOPED_TRACE(f.to_string());
+    BlockTensor t;
+    t.format = BlockFormat(f).block_cols(2);
+    t.codes = torch::full({256, 2}, 2, torch::kByte);  // E2M1 1.0
+    t.scales = bytes;
+    const auto values = t.block_values();
+    for (int b = 0; b < 256; ++b) {
+      const float want = f.rule() == ScaleRule::kNvfp4
+                             ? decode(static_cast<uint8_t>(b), Fp8Format::kE4M3)
+                             : scale_value(static_cast<uint8_t>(b));
+      const float got = values[b][1].item<float>();
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got)) << b;
+      } else {
+        EXPECT_EQ(test::to_bits(got), test::to_bits(want)) << b;
+      }
+    }
+  }
 }
 
 TEST(BlockScaledTest, QuantizeAndDequantizeNameWhatIsWrong) {
