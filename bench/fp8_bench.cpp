@@ -21,6 +21,13 @@
 // on CUDA, the GPU's kernels and runtime calls: a Chrome trace for
 // scripts/fp8_profile.py (where an FP8 layer's time goes).
 //
+// block_casts: the block-scaled casts of ampx/fp8/block.h on the same device
+// (on CUDA cuda/block_kernels.cu), each timed alone on a [tokens, 3072]
+// bf16 tensor (an fc layer's output gradient), median ms: MXFP8 1 x 32 and
+// 32 x 1 (the column-wise copy), NVFP4 1 x 16, 16 x 16 and stochastic
+// 16 x 1 (the weight gradient's operand), FP8 blockwise 1 x 128; MXFP8's
+// dequantize, and hadamard16 down the tokens.
+//
 // On CUDA with LibTorch 2.5+ on Hopper/Ada the FP8 products run on tensor
 // cores (at::_scaled_mm; the JSON says how many did); elsewhere they are the
 // float32 emulation, whose time is the cost of checking numerics, not a speed.
@@ -36,6 +43,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
@@ -151,6 +159,60 @@ void profile_block(std::vector<torch::nn::Linear>& block, const std::vector<torc
   prof::disableProfiler()->save(path);
 }
 
+// Median ms of fn() on `device`.
+template <class Fn>
+double median_ms(Fn&& fn, int iters, const torch::Device& device) {
+  std::vector<double> ms;
+  for (int i = 0; i < iters + 2; ++i) {
+    sync(device);
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    sync(device);
+    if (i >= 2) {
+      ms.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// The block_casts entries of the JSON (the header's list).
+void print_block_casts(int64_t tokens, int iters, const torch::Device& device) {
+  using ampx::fp8::BlockFormat;
+  using ampx::fp8::BlockTensor;
+  torch::manual_seed(0);
+  const auto g = torch::randn({tokens, 3072}, torch::TensorOptions().device(device))
+                     .to(torch::kBFloat16);
+  struct Cast {
+    const char* name;
+    BlockFormat format;
+    bool stochastic;
+  };
+  const Cast casts[] = {
+      {"mxfp8 1x32", BlockFormat::mxfp8(), false},
+      {"mxfp8 32x1", BlockFormat::mxfp8().block_rows(32).block_cols(1), false},
+      {"nvfp4 1x16", BlockFormat::nvfp4(), false},
+      {"nvfp4 16x16", BlockFormat::nvfp4().block_rows(16), false},
+      {"nvfp4 16x1 stochastic", BlockFormat::nvfp4().block_rows(16).block_cols(1), true},
+      {"fp8-block 1x128", BlockFormat::fp8_blockwise(), false}};
+  std::printf(", \"block_casts\": [");
+  for (size_t i = 0; i < std::size(casts); ++i) {
+    const Cast& c = casts[i];
+    const auto sr = c.stochastic ? c10::optional<ampx::fp8::StochasticRounding>(
+                                       ampx::fp8::StochasticRounding{1, 0})
+                                 : c10::nullopt;
+    const auto cast = [&] { (void)BlockTensor::quantize(g, c.format, sr); };
+    const double ms = median_ms(cast, iters, device);
+    std::printf("%s{\"name\": \"%s\", \"quantize_ms\": %.4f}", i ? ", " : "", c.name, ms);
+  }
+  const auto mx = BlockTensor::quantize(g, BlockFormat::mxfp8());
+  std::printf(", {\"name\": \"mxfp8 dequantize\", \"ms\": %.4f}",
+              median_ms([&] { (void)mx.dequantize(torch::kBFloat16); }, iters, device));
+  std::printf(", {\"name\": \"hadamard16 tokens\", \"ms\": %.4f}]",
+              median_ms([&] { (void)ampx::fp8::hadamard16(g, false, 0); }, iters, device));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -216,8 +278,10 @@ int main(int argc, char** argv) {
         parts.cast_ms, parts.scaling_ms, b - parts.cast_ms - parts.scaling_ms, kept, a / kept);
     std::fflush(stdout);
   }
-  std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld}\n", total_bf16 / total_fp8,
+  std::printf("], \"block_speedup\": %.3f, \"scaled_mm_calls\": %lld", total_bf16 / total_fp8,
               static_cast<long long>(ampx::fp8::detail::scaled_mm_calls() - calls_before));
+  print_block_casts(tokens, iters, device);
+  std::printf("}\n");
   std::fflush(stdout);
   if (!profile.empty()) {
     try {

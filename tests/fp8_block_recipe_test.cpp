@@ -223,8 +223,11 @@ TEST(BlockFormatTest, Hadamard16IsOrthogonalAndKeepsProducts) {
   const auto back = hadamard16(hadamard16(x), true);
   EXPECT_LE((back - x).abs().max().item<float>(), std::ldexp(1.0f, -20) * x.abs().max().item<float>());
   // Down the columns: each column's tiles as the rows' are.
-  const auto xt = torch::randn({64, 8});
-  EXPECT_TRUE(torch::allclose(hadamard16(xt, false, 0), hadamard16(xt.t()).t(), 1e-6, 1e-6));
+  // The same butterflies, bit for bit (eight columns at a time, then one by one).
+  const auto xt = torch::randn({64, 21});
+  for (const bool inverse : {false, true}) {
+    EXPECT_TRUE(torch::equal(hadamard16(xt, inverse, 0), hadamard16(xt.t().contiguous(), inverse).t()));
+  }
   EXPECT_THAT(test::error_text([&] { (void)hadamard16(torch::randn({20, 16}), false, 0); }),
               HasSubstr("dimension 0 must be a multiple of 16, got [20, 16]"));
   const auto product = g.mm(x.t());
@@ -370,13 +373,66 @@ TEST(BlockLinearTest, TrainingUnderEachRecipeFollowsFloat32) {
   }
 }
 
-TEST(BlockLinearTest, CudaTensorsAreRefusedByName) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  Linear fc(LinearOptions(32, 32).recipe(MXFP8BlockScaling()));
-  fc->to(torch::kCUDA);
-  Fp8AutocastGuard fp8;
-  EXPECT_THAT(test::error_text([&] { (void)fc->forward(torch::randn({4, 32}, torch::kCUDA)); }),
-              HasSubstr("runs on the CPU only for now"));
+// A CUDA layer against the CPU's: the same codes and scales (BlockCudaTest),
+// the products' float32 sums in another order (cuBLAS's, from dequantized
+// blocks). A float32 sum of K products differs from another order's by at
+// most 2 K 2^-24 sum |a_k b_k| <= 2 K 2^-24 |a| |b| (Cauchy-Schwarz), a and
+// b the quantized rows (and through NVFP4's Hadamard transform, orthogonal:
+// their norms kept); the bound taken, K 2^-20 |a| |b| of the unquantized
+// rows, leaves a factor 8 for the quantization's growth of the norms.
+at::Tensor sum_order_bound(const at::Tensor& a, const at::Tensor& b) {
+  const auto na = a.to(torch::kDouble).norm(2, {1}, true);
+  const auto nb = b.to(torch::kDouble).norm(2, {1}, true);
+  return na.mm(nb.t()) * (static_cast<double>(a.size(1)) * std::ldexp(1.0, -20));
+}
+
+// |got - want| within `bound`, plus 2^-22 |want| for the roundings after the
+// sum (the bias added, the tensor scale multiplied).
+void expect_within(const at::Tensor& got, const at::Tensor& want, const at::Tensor& sum_bound,
+                   const char* what) {
+  const auto w = want.to(torch::kDouble).view(sum_bound.sizes());
+  const auto bound = sum_bound + w.abs() * std::ldexp(1.0, -22);
+  const auto diff = (got.cpu().to(torch::kDouble).view(sum_bound.sizes()) - w).abs();
+  EXPECT_TRUE(diff.le(bound).all().item<bool>())
+      << what << ": largest difference " << diff.max().item<double>() << ", its bound "
+      << bound.view(-1)[diff.view(-1).argmax()].item<double>();
+}
+
+TEST(BlockLinearTest, CudaForwardAndBackwardAreTheCpusUpToTheSumsOrder) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+  for (const Recipe& recipe : block_recipes()) {
+    SCOPED_TRACE(recipe.to_string());
+    torch::manual_seed(3);
+    Linear cpu(LinearOptions(128, 256).recipe(recipe).output_dtype(torch::kFloat));
+    torch::manual_seed(3);
+    Linear gpu(LinearOptions(128, 256).recipe(recipe).output_dtype(torch::kFloat));
+    gpu->to(torch::kCUDA);
+    const auto x = torch::randn({4, 64, 128});
+    const auto g = torch::randn({4, 64, 256});
+    const auto run = [&](Linear& fc, const at::Tensor& input, const at::Tensor& grad) {
+      const auto xi = input.clone().requires_grad_(true);
+      at::Tensor y;
+      {
+        Fp8AutocastGuard fp8;
+        y = fc->forward(xi);
+      }
+      y.backward(grad);
+      return std::make_pair(y.detach(), xi.grad());
+    };
+    const auto [want_y, want_gx] = run(cpu, x, g);
+    const auto [got_y, got_gx] = run(gpu, x.cuda(), g.cuda());
+    ASSERT_TRUE(got_y.is_cuda() && gpu->weight.grad().is_cuda());
+    const auto x2 = x.view({-1, 128}), g2 = g.view({-1, 256}), w = cpu->weight.detach();
+    expect_within(got_y, want_y, sum_order_bound(x2, w), "y");
+    expect_within(got_gx.view({-1, 128}), want_gx.view({-1, 128}), sum_order_bound(g2, w.t()),
+                  "grad x");
+    expect_within(gpu->weight.grad(), cpu->weight.grad(), sum_order_bound(g2.t(), x2.t()), "grad w");
+    EXPECT_TRUE(torch::allclose(gpu->bias.grad().cpu(), cpu->bias.grad(), 1e-5, 1e-5));
+    // The stochastic stream moved on the device as on the CPU.
+    for (const auto& item : cpu->named_buffers()) {
+      EXPECT_TRUE(gpu->named_buffers()[item.key()].cpu().equal(item.value())) << item.key();
+    }
+  }
 }
 
 // ---- against the formulas' Python reference ----------------------------------------

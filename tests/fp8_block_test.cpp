@@ -6,6 +6,7 @@
 // ampx/fp8/block.h names: blocks whose scale byte is 0.
 
 #include "ampx/fp8/block.h"
+#include "ampx/fp8/cast.h"
 #include "ampx/safetensors.h"
 
 #include "test_util.h"
@@ -136,6 +137,62 @@ TEST(BlockScaledTest, ANanBlockIsNanAndOthersAreUntouched) {
     const auto back = mx.dequantize();
     EXPECT_TRUE(back[0].slice(0, 0, 32).isnan().all().item<bool>()) << to_string(f);
     EXPECT_FALSE(back.slice(1, 32, 64).isnan().any().item<bool>()) << to_string(f);
+  }
+}
+
+// An element's code keeps the element's own sign in every block (the
+// arithmetic the CUDA kernels share, block_math.h): a NaN element's, and an
+// element's whose product with its block's factor is NaN (a NaN block's,
+// inf times float32 blocks' zero factor), whichever sign the device's NaN
+// would have had; a NaN block's float32 scale is the one quiet NaN.
+TEST(BlockScaledTest, EveryElementKeepsItsSignWhereTheProductIsNan) {
+  auto x = torch::full({1, 32}, -1.0f);
+  x[0][1] = NAN;
+  x[0][2] = -NAN;
+  x[0][3] = 2.0f;
+  for (const ElementFormat f : kFormats) {
+    SCOPED_TRACE(to_string(f));
+    const auto codes = BlockTensor::quantize(x, BlockFormat(f, ScaleRule::kRceil)).codes[0];
+    const int sign = 1 << (limits(f).bits - 1);
+    const int nan = f == ElementFormat::kE4M3 || f == ElementFormat::kE5M2 ? 0x7F : 0;
+    EXPECT_EQ(codes[0].item<uint8_t>(), sign | nan);
+    EXPECT_EQ(codes[1].item<uint8_t>(), nan);
+    EXPECT_EQ(codes[2].item<uint8_t>(), sign | nan);
+    EXPECT_EQ(codes[3].item<uint8_t>(), nan);
+  }
+  // float32 scales: amax inf gives scale 448 / inf = 0, inf * 0 is NaN.
+  auto y = torch::full({1, 4}, -1.0f);
+  y[0][0] = INFINITY;
+  y[0][1] = -INFINITY;
+  const auto t = BlockTensor::quantize(y, BlockFormat::fp8_blockwise());
+  EXPECT_TRUE(torch::equal(t.codes[0], torch::tensor({0x7F, 0xFF, 0x80, 0x80}, torch::kByte)));
+  const auto nan_block = BlockTensor::quantize(x, BlockFormat::fp8_blockwise());
+  EXPECT_EQ(test::to_bits(nan_block.scales.item<float>()), 0x7FC00000u);
+}
+
+// block_values decodes every stored scale byte as the scalar decoders do:
+// E4M3 bytes (NVFP4) as cast.h's decode, E8M0 bytes as scale_value (the
+// arithmetic the CUDA kernel shares, block_math.h).
+TEST(BlockScaledTest, BlockValuesDecodeEveryScaleByteAsTheScalarDecoders) {
+  const auto bytes = torch::arange(256, torch::kInt).to(torch::kByte).view({256, 1});
+  for (const BlockFormat& f : {BlockFormat::nvfp4(), BlockFormat::mxfp4(ScaleRule::kFloor)}) {
+    SCOPED_TRACE(f.to_string());
+    BlockTensor t;
+    t.format = BlockFormat(f).block_cols(2);
+    t.codes = torch::full({256, 2}, 2, torch::kByte);  // E2M1 1.0
+    t.scales = bytes;
+    const auto values = t.block_values();
+    for (int b = 0; b < 256; ++b) {
+      const float want = f.rule() == ScaleRule::kNvfp4
+                             ? decode(static_cast<uint8_t>(b), Fp8Format::kE4M3)
+                             : scale_value(static_cast<uint8_t>(b));
+      const float got = values[b][1].item<float>();
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(got)) << b;
+      } else {
+        EXPECT_EQ(test::to_bits(got), test::to_bits(want)) << b;
+      }
+    }
   }
 }
 

@@ -13,7 +13,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <array>
 #include <bit>
 #include <cmath>
 
@@ -65,21 +64,6 @@ float decode_small(uint8_t code, const ElementLimits& l) {
 }
 
 }  // namespace
-
-const float* detail::element_values(ElementFormat format) {
-  static const auto tables = [] {
-    std::array<std::array<float, 256>, 5> t{};
-    for (int f = 0; f < 5; ++f) {
-      for (int c = 0; c < 256; ++c) {
-        t[f][c] = c <= limits(static_cast<ElementFormat>(f)).max_code
-                      ? decode_element(static_cast<uint8_t>(c), static_cast<ElementFormat>(f))
-                      : 0.0f;
-      }
-    }
-    return t;
-  }();
-  return tables[static_cast<int>(format)].data();
-}
 
 const ElementLimits& limits(ElementFormat format) {
   return kLimits[static_cast<int>(format)];

@@ -4,35 +4,14 @@
 
 #include "ampx/fp8/block.h"
 
+#include "block_math.h"
+
 #include <c10/util/Exception.h>
 
-#include <algorithm>
-#include <bit>
-#include <cfloat>
 #include <cmath>
-#include <limits>
 
 namespace ampx {
 namespace fp8 {
-namespace {
-
-constexpr int kScaleBias = 127;
-constexpr uint8_t kScaleNan = 0xFF;
-
-// The biased exponent field of a float32 (0 for zeros and subnormals, 255
-// for inf and NaN), and whether its mantissa is nonzero.
-int exponent_field(float v) {
-  return static_cast<int>((std::bit_cast<uint32_t>(v) >> 23) & 0xFF);
-}
-bool has_mantissa(float v) {
-  return (std::bit_cast<uint32_t>(v) & 0x7FFFFF) != 0;
-}
-
-uint8_t biased(int exponent) {
-  return static_cast<uint8_t>(std::clamp(exponent, -kScaleBias, kScaleBias + 1) + kScaleBias);
-}
-
-}  // namespace
 
 std::string to_string(ScaleRule rule) {
   switch (rule) {
@@ -62,41 +41,16 @@ bool is_e8m0(ScaleRule rule) {
 uint8_t scale_byte(float amax, ElementFormat format, ScaleRule rule) {
   TORCH_CHECK_VALUE(is_e8m0(rule), "ampx::fp8::scale_byte: rule ", to_string(rule),
                     " has no E8M0 scale (floor, ceil, even or rceil)");
-  const ElementLimits& l = limits(format);
-  if (std::isnan(amax)) return kScaleNan;
-  if (rule == ScaleRule::kRceil) {
-    if (std::isinf(amax)) return 0xFE;
-    const float descale = amax / l.max;  // float32, as torchao and TE compute it
-    if (descale == 0.0f) return 0;
-    // The exponent of the next power of two at or above descale.
-    int e = 0;
-    const float m = std::frexp(descale, &e);  // descale = m 2^e, m in [0.5, 1)
-    const int up = m == 0.5f ? e - 1 : e;
-    return static_cast<uint8_t>(std::clamp(up, -kScaleBias, kScaleBias) + kScaleBias);
-  }
-  float a = amax;
-  if (rule == ScaleRule::kEven && std::isfinite(a)) {
-    // amax rounded to the element's mantissa bits (half up, on the bits), so
-    // a block whose amax rounds to the next binade takes that binade.
-    const uint32_t half = uint32_t{1} << (23 - l.mantissa_bits - 1);
-    a = std::bit_cast<float>((std::bit_cast<uint32_t>(a) + half) & 0xFF800000u);
-  }
-  int exponent = exponent_field(a) - kScaleBias;  // zeros and subnormals: -127; inf: 128
-  if (rule == ScaleRule::kCeil && has_mantissa(a)) exponent += 1;
-  return biased(exponent - l.max_pow2);
+  const block_math::ScaleParams p = block_math::scale_params(BlockFormat(format, rule));
+  return block_math::e8m0_byte(amax, p);
 }
 
 float scale_value(uint8_t byte) {
-  if (byte == kScaleNan) return std::numeric_limits<float>::quiet_NaN();
-  return byte == 0 ? std::bit_cast<float>(uint32_t{0x00400000})
-                   : std::bit_cast<float>(static_cast<uint32_t>(byte) << 23);
+  return block_math::e8m0_value(byte);
 }
 
 float nvfp4_encode_scale(float global_amax) {
-  // TE's compute_global_encode_scaling_factor_FP4: 448 * 6 / amax, at most
-  // FLT_MAX, 1 where that is 0 (a zero tensor) or the amax is 0.
-  const float s = std::min(448.0f * 6.0f / global_amax, FLT_MAX);
-  return global_amax == 0.0f || s == 0.0f ? 1.0f : s;
+  return block_math::nvfp4_encode_scale(global_amax);
 }
 
 BlockFormat BlockFormat::mxfp8(ElementFormat element, ScaleRule rule) {

@@ -1,6 +1,8 @@
 // An FP8 layer under a block-scaled recipe (ampx/fp8/block_recipe.h): each
 // product's operands quantized in blocks along its inner dimension, from the
-// unquantized tensors, and multiplied as block-scaled products are.
+// unquantized tensors, and multiplied as block-scaled products are; on the
+// CPU or on CUDA (the casts' kernels, then float32 products of the blocks'
+// values).
 
 #include "block_internal.h"
 
@@ -89,7 +91,12 @@ at::Tensor along_tokens(const at::Tensor& t, bool hadamard) {
 
 // a's block values times b's (each transposed where asked), times their
 // tensor scales: a block-scaled product along the dimension both are in
-// blocks along.
+// blocks along. On either device the block values are float32 (exact: a
+// code times its block's scale) and at::mm sums their products in float32,
+// as a block-scaled product defines it; on CUDA in cuBLAS's order, which
+// differs from the CPU's only by the sums' roundings (docs/fp8.md). Not
+// bf16 on CUDA: float32-scaled blocks' values do not fit in bf16, and a
+// bf16 product rounds its float32 sum to 8 bits on the way out.
 at::Tensor product(const BlockTensor& a, bool a_t, const BlockTensor& b, bool b_t) {
   const at::Tensor av = a.block_values(), bv = b.block_values();
   at::Tensor y = at::mm(a_t ? av.t() : av, b_t ? bv.t() : bv);
@@ -201,9 +208,9 @@ at::Tensor detail::block_linear(const at::Tensor& x, const at::Tensor& weight,
                                 const at::Tensor& bias,
                                 const std::shared_ptr<LinearScaling>& scaling,
                                 c10::ScalarType output_dtype) {
-  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "ampx::fp8: ",
-                    scaling->recipe.to_string(),
-                    " runs on the CPU only for now (no block-scaled CUDA kernel yet), got x on ",
+  TORCH_CHECK_VALUE(x.device() == weight.device() && (x.device().is_cpu() || x.is_cuda()),
+                    "ampx::fp8: ", scaling->recipe.to_string(),
+                    " takes x and the weight on the CPU or on one CUDA device, got x on ",
                     x.device(), " and the weight on ", weight.device());
   return BlockLinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias), scaling,
                                     output_dtype);

@@ -1,49 +1,35 @@
 // BlockTensor's loops (ampx/fp8/block.h) on the CPU: quantize (each block's
 // amax, its scale by the format's rule, its elements' codes) and the way
-// back (block_values, dequantize), and the transpose of 2-D blocks.
+// back (block_values, dequantize), and the transpose of 2-D blocks; CUDA
+// tensors go to cuda/block_kernels.cu (block_cuda.h), which runs the same
+// per-block and per-element arithmetic (block_math.h).
 
 #include "ampx/fp8/block.h"
 
-#include "ampx/fp8/cast.h"
-
 #include "../kernels/function_args.h"
+#include "block_cuda.h"
 #include "block_element_code.h"
+#include "block_math.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <array>
-#include <cfloat>
 #include <cmath>
-#include <limits>
+#include <cstring>
 #include <vector>
 
 namespace ampx {
 namespace fp8 {
 namespace {
 
-// The stream's 32 random bits for element `index` (splitmix64's finaliser,
-// twice): a counter-based stream, the same on any number of threads.
-uint64_t mix_bits64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-uint64_t stream_key(uint64_t seed) {
-  return mix_bits64(seed + 0x9E3779B97F4A7C15ull);
-}
-uint32_t stream_bits(uint64_t key, uint64_t index) {
-  return static_cast<uint32_t>(mix_bits64(key + index) >> 32);
-}
-
-// Every code's value, for the decoding loops.
-std::array<float, 256> block_decode_table(ElementFormat format) {
-  std::array<float, 256> t{};
+// Every code's value, for the decoding loops (the CPU's and the kernel's).
+detail::cuda_block::DecodeTable block_decode_table(ElementFormat format) {
+  detail::cuda_block::DecodeTable t{};
   const int codes = 1 << limits(format).bits;
   for (int c = 0; c < 256; ++c)
-    t[c] = c < codes ? decode_element(static_cast<uint8_t>(c), format) : 0;
+    t.value[c] = c < codes ? decode_element(static_cast<uint8_t>(c), format) : 0;
   return t;
 }
 
@@ -51,55 +37,25 @@ bool has_fp32_scales(const BlockFormat& format) {
   return format.rule() == ScaleRule::kFloat32 || format.rule() == ScaleRule::kFloat32Pow2;
 }
 
-// A block's decoding scale and what its elements are multiplied by before
-// the cast.
-struct BlockScale {
-  float decode;  // what the codes are multiplied by
-  float encode;  // the elements' factor
-};
-
-BlockScale scale_of_block(float amax, const BlockFormat& f, float s_enc, void* stored) {
-  const ElementLimits& l = limits(f.element());
-  switch (f.rule()) {
-    case ScaleRule::kNvfp4: {
-      // One rounding of block_amax * (S_enc / 6) to E4M3; no lower clamp.
-      const uint8_t byte = encode(amax * (s_enc * (1.0f / 6.0f)), Fp8Format::kE4M3);
-      *static_cast<uint8_t*>(stored) = byte;
-      const float scale = decode(byte, Fp8Format::kE4M3);
-      const float inv = 1.0f / (scale * (1.0f / s_enc));
-      return {scale, std::isnan(inv) ? inv : std::min(inv, FLT_MAX)};
-    }
-    case ScaleRule::kFloat32:
-    case ScaleRule::kFloat32Pow2: {
-      const float a = std::max(amax, static_cast<float>(f.amax_epsilon()));
-      float scale = std::isnan(amax) ? amax : a == 0.0f ? 1.0f : l.max / a;
-      if (std::isinf(scale)) scale = FLT_MAX;
-      if (f.rule() == ScaleRule::kFloat32Pow2 && std::isfinite(scale) && scale > 0.0f) {
-        int e = 0;
-        std::frexp(scale, &e);  // scale = m 2^e, m in [0.5, 1): down to 2^(e - 1)
-        scale = std::ldexp(1.0f, e - 1);
-      }
-      const float inv = 1.0f / scale;
-      *static_cast<float*>(stored) = inv;
-      return {inv, scale};
-    }
-    default: {
-      const uint8_t byte = scale_byte(amax, f.element(), f.rule());
-      *static_cast<uint8_t*>(stored) = byte;
-      // x / 2^s is the same float32 as x * 2^-s (torchao's RCEIL and TE
-      // multiply by the reciprocal, its other rules divide): the reciprocal
-      // of a power of two from 2^-127 (a subnormal, never flushed) to 2^127
-      // is exact.
-      const float scale = scale_value(byte);
-      return {scale, 1.0f / scale};
-    }
+// A block's scale (block_math.h) written where the block's scale is stored
+// (a byte, or a float32); what its elements are multiplied by.
+float store_scale(float amax, const block_math::ScaleParams& p, float s_enc, char* stored,
+                  size_t scale_bytes) {
+  const block_math::BlockScale s = block_math::block_scale(amax, p, s_enc);
+  if (scale_bytes == sizeof(float)) {
+    std::memcpy(stored, &s.stored_float, sizeof(float));
+  } else {
+    *reinterpret_cast<uint8_t*>(stored) = s.byte;
   }
+  return s.encode;
 }
 
 void check_block_input(const at::Tensor& x, const BlockFormat& format, const char* what) {
-  TORCH_CHECK_VALUE(x.defined() && x.device().is_cpu(), "ampx::fp8::", what,
-                    ": x must be a CPU tensor, got ",
+  TORCH_CHECK_VALUE(x.defined() && (x.device().is_cpu() || x.is_cuda()), "ampx::fp8::", what,
+                    ": x must be a CPU or CUDA tensor, got ",
                     x.defined() ? x.device().str() : std::string("an undefined tensor"));
+  TORCH_CHECK_VALUE(!x.is_cuda() || detail::cuda_block::built(), "ampx::fp8::", what,
+                    ": this build of ampx has no CUDA kernels (x is on ", x.device(), ")");
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                         x.scalar_type() == at::kHalf,
                     "ampx::fp8::", what, ": x must be float32, bfloat16 or float16, got ",
@@ -119,7 +75,7 @@ int64_t blocks_over(int64_t n, int64_t block) {
 // by the stream of `key`.
 struct Rounding {
   const StochasticRounding* stochastic;  // null: nearest even
-  uint64_t key;                          // stream_key(stochastic->seed)
+  uint64_t key;                          // block_math::stream_key(stochastic->seed)
 };
 
 // out_row[c] for c in [c0, c1): the code of row[c] * factor(c), element
@@ -132,11 +88,12 @@ void encode_span(ElementFormat element, const Rounding& rounding, const float* r
     if (rounding.stochastic) {
       const uint64_t first = rounding.stochastic->offset + static_cast<uint64_t>(r * cols);
       for (int64_t c = c0; c < c1; ++c) {
-        out_row[c] =
-            encode(row[c] * factor(c), stream_bits(rounding.key, first + static_cast<uint64_t>(c)));
+        const uint32_t random =
+            block_math::stream_bits(rounding.key, first + static_cast<uint64_t>(c));
+        out_row[c] = encode.scaled(row[c], factor(c), random);
       }
     } else {
-      for (int64_t c = c0; c < c1; ++c) out_row[c] = encode(row[c] * factor(c));
+      for (int64_t c = c0; c < c1; ++c) out_row[c] = encode.scaled(row[c], factor(c));
     }
   });
 }
@@ -146,6 +103,7 @@ void encode_span(ElementFormat element, const Rounding& rounding, const float* r
 void quantize_column_blocks(const float* v, int64_t rows, int64_t cols, int64_t br,
                             const BlockFormat& format, float s_enc, const Rounding& rounding,
                             uint8_t* codes, char* scales, size_t scale_bytes) {
+  const block_math::ScaleParams params = block_math::scale_params(format);
   at::parallel_for(0, blocks_over(rows, br), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> amax(static_cast<size_t>(cols)), factor(static_cast<size_t>(cols));
     std::vector<uint8_t> nan(static_cast<size_t>(cols));
@@ -162,8 +120,8 @@ void quantize_column_blocks(const float* v, int64_t rows, int64_t cols, int64_t 
         }
       }
       for (int64_t c = 0; c < cols; ++c) {
-        const float m = nan[c] ? std::numeric_limits<float>::quiet_NaN() : amax[c];
-        factor[c] = scale_of_block(m, format, s_enc, scales + (bi * cols + c) * scale_bytes).encode;
+        factor[c] = store_scale(block_math::block_amax(amax[c], nan[c]), params, s_enc,
+                                scales + (bi * cols + c) * scale_bytes, scale_bytes);
       }
       const float* f = factor.data();
       for (int64_t r = r0; r < r1; ++r) {
@@ -180,6 +138,7 @@ void quantize_row_blocks(const float* v, int64_t rows, int64_t cols, int64_t br,
                          const BlockFormat& format, float s_enc, const Rounding& rounding,
                          uint8_t* codes, char* scales, size_t scale_bytes) {
   const int64_t nbc = blocks_over(cols, bc);
+  const block_math::ScaleParams params = block_math::scale_params(format);
   at::parallel_for(0, blocks_over(rows, br), 1, [&](int64_t begin, int64_t end) {
     for (int64_t bi = begin; bi < end; ++bi) {
       const int64_t r0 = bi * br, r1 = std::min(rows, r0 + br);
@@ -195,9 +154,8 @@ void quantize_row_blocks(const float* v, int64_t rows, int64_t cols, int64_t br,
             amax = a > amax ? a : amax;
           }
         }
-        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
-        const float factor =
-            scale_of_block(amax, format, s_enc, scales + (bi * nbc + bj) * scale_bytes).encode;
+        const float factor = store_scale(block_math::block_amax(amax, nan), params, s_enc,
+                                         scales + (bi * nbc + bj) * scale_bytes, scale_bytes);
         for (int64_t r = r0; r < r1; ++r) {
           encode_span(format.element(), rounding, v + r * cols, codes + r * cols, r, cols, c0, c1,
                       [factor](int64_t) { return factor; });
@@ -218,11 +176,9 @@ float global_amax_of(const float* v, int64_t n) {
           nan |= a != a;
           m = a > m ? a : m;
         }
-        return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+        return block_math::block_amax(m, nan);
       },
-      [](float a, float b) {
-        return a != a || b != b ? std::numeric_limits<float>::quiet_NaN() : std::max(a, b);
-      });
+      [](float a, float b) { return a != a || b != b ? block_math::quiet_nan() : std::max(a, b); });
 }
 
 }  // namespace
@@ -230,6 +186,7 @@ float global_amax_of(const float* v, int64_t n) {
 BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format,
                                   const c10::optional<StochasticRounding>& stochastic) {
   check_block_input(x, format, "BlockTensor::quantize");
+  if (x.is_cuda()) return detail::cuda_block::quantize(x, format, stochastic);
   const at::Tensor values = x.to(at::kFloat).contiguous();
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   const int64_t br = format.block_rows(), bc = format.block_cols();
@@ -245,10 +202,10 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
   const float* v = values.data_ptr<float>();
   if (format.rule() == ScaleRule::kNvfp4) {
     out.global_amax = global_amax_of(v, values.numel());
-    s_enc = nvfp4_encode_scale(out.global_amax);
+    s_enc = block_math::nvfp4_encode_scale(out.global_amax);
   }
   const Rounding rounding{stochastic ? &*stochastic : nullptr,
-                          stochastic ? stream_key(stochastic->seed) : 0};
+                          stochastic ? block_math::stream_key(stochastic->seed) : 0};
   uint8_t* codes = out.codes.data_ptr<uint8_t>();
   char* scales = static_cast<char*>(out.scales.data_ptr());
   const size_t scale_bytes = out.scales.element_size();
@@ -265,19 +222,25 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
 at::Tensor BlockTensor::block_values() const {
   const bool fp32_scales = has_fp32_scales(format);
   TORCH_CHECK_VALUE(codes.defined() && scales.defined() && codes.scalar_type() == at::kByte &&
-                        codes.device().is_cpu() && codes.dim() >= 1 &&
+                        (codes.device().is_cpu() || codes.is_cuda()) &&
+                        scales.device() == codes.device() && codes.dim() >= 1 &&
                         scales.scalar_type() == (fp32_scales ? at::kFloat : at::kByte),
-                    "ampx::fp8::BlockTensor: codes must be uint8 CPU tensors and scales ",
-                    fp32_scales ? "float32" : "uint8", " for ", format.to_string());
+                    "ampx::fp8::BlockTensor: codes must be uint8 CPU or CUDA tensors and scales ",
+                    fp32_scales ? "float32" : "uint8", " on their device, for ",
+                    format.to_string());
+  TORCH_CHECK_VALUE(!codes.is_cuda() || detail::cuda_block::built(),
+                    "ampx::fp8::BlockTensor: this build of ampx has no CUDA kernels (codes on ",
+                    codes.device(), ")");
   const int64_t cols = codes.size(-1), rows = cols == 0 ? 0 : codes.numel() / cols;
   const int64_t br = format.block_rows(), bc = format.block_cols();
   const int64_t nbr = blocks_over(rows, br), nbc = blocks_over(cols, bc);
   TORCH_CHECK_VALUE(scales.numel() == nbr * nbc, "ampx::fp8::BlockTensor: ", scales.numel(),
                     " scales for codes ", codes.sizes(), " in blocks of ", br, " x ", bc, " (want ",
                     nbr * nbc, ")");
+  const detail::cuda_block::DecodeTable table = block_decode_table(format.element());
+  if (codes.is_cuda()) return detail::cuda_block::block_values(*this, table);
   const at::Tensor c = codes.contiguous(), s = scales.contiguous();
   at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
-  const std::array<float, 256> table = block_decode_table(format.element());
   const uint8_t* cp = c.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   std::vector<float> block_scale(static_cast<size_t>(nbr * nbc));
@@ -285,9 +248,7 @@ at::Tensor BlockTensor::block_values() const {
     if (fp32_scales) {
       block_scale[b] = s.data_ptr<float>()[b];
     } else {
-      const uint8_t byte = s.data_ptr<uint8_t>()[b];
-      block_scale[b] =
-          format.rule() == ScaleRule::kNvfp4 ? decode(byte, Fp8Format::kE4M3) : scale_value(byte);
+      block_scale[b] = block_math::scale_of_byte(s.data_ptr<uint8_t>()[b], format.rule());
     }
   }
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -298,7 +259,7 @@ at::Tensor BlockTensor::block_values() const {
       for (int64_t j = 0; j < nbc; ++j) {
         const float scale = row_scales[j];
         for (int64_t c = j * bc, end_c = std::min(cols, c + bc); c < end_c; ++c) {
-          o[c] = table[in[c]] * scale;
+          o[c] = table.value[in[c]] * scale;
         }
       }
     }

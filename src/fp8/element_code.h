@@ -57,6 +57,27 @@ inline float magnitude_value(uint32_t magnitude, int bias, int mantissa_bits) {
                                  field - bias - mantissa_bits);
 }
 
+/// encode_branchless of the float32 whose sign bit is `sign` (0 or 1) and
+/// whose magnitude's bits are `bits`: what the block-scaled casts call with
+/// an element's own sign (block_math.h).
+template <int kMantissa, int kBias, int kBits, bool kNan>
+AMPX_HD uint8_t encode_magnitude_branchless(uint32_t sign, uint32_t bits, float max,
+                                            uint32_t max_code) {
+  constexpr int kShift = 23 - kMantissa;
+  constexpr float kMinNormal = 1.0f / static_cast<float>(uint64_t{1} << (kBias - 1));  // 2^(1 - kBias)
+  constexpr float kQuantaPerUnit =
+      static_cast<float>(uint64_t{1} << (kMantissa + kBias - 1));  // 1 / 2^(1 - kBias - kMantissa)
+  constexpr float kRound = 12582912.0f;                            // 1.5 x 2^23
+  const float a = ampx::detail::bits_float(bits);
+  const uint32_t rounded = bits + ((1u << (kShift - 1)) - 1) + ((bits >> kShift) & 1u);
+  const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - kBias) << kMantissa);
+  const uint32_t below = static_cast<uint32_t>(static_cast<int32_t>((a * kQuantaPerUnit + kRound) - kRound));
+  uint32_t code = a < kMinNormal ? below : normal;
+  code = a >= max ? max_code : code;
+  code = bits > 0x7F800000u ? (kNan ? 0x7Fu : 0u) : code;
+  return static_cast<uint8_t>((sign << (kBits - 1)) | code);
+}
+
 /// The code of float32 `y` in a format of `kMantissa` mantissa bits, `kBias`
 /// and `kBits` bits (sign included), whose largest magnitude `max` has the
 /// code `max_code`: saturated, rounded to nearest even, NaN to 0x7F with the
@@ -65,53 +86,12 @@ inline float magnitude_value(uint32_t magnitude, int bias, int mantissa_bits) {
 /// without branches so that loops over elements vectorise: normals round the
 /// float32 significand in place (a carry moves to the next binade), values
 /// below the smallest normal count its quanta with the 1.5 x 2^23 addition.
-/// The CUDA casts (fp8/cuda/) run it too (fp8_math.h).
+/// The CUDA casts (fp8/cuda/) run it too (fp8_math.h, block_math.h).
 template <int kMantissa, int kBias, int kBits, bool kNan>
 AMPX_HD uint8_t encode_branchless(float y, float max, uint32_t max_code) {
-  constexpr int kShift = 23 - kMantissa;
-  constexpr float kMinNormal = 1.0f / static_cast<float>(uint64_t{1} << (kBias - 1));  // 2^(1 - kBias)
-  constexpr float kQuantaPerUnit =
-      static_cast<float>(uint64_t{1} << (kMantissa + kBias - 1));  // 1 / 2^(1 - kBias - kMantissa)
-  constexpr float kRound = 12582912.0f;                            // 1.5 x 2^23
   const uint32_t u = ampx::detail::float_bits(y);
-  const uint32_t sign = (u >> 31) << (kBits - 1);
-  const uint32_t bits = u & 0x7FFFFFFFu;
-  const float a = ampx::detail::bits_float(bits);
-  const uint32_t rounded = bits + ((1u << (kShift - 1)) - 1) + ((bits >> kShift) & 1u);
-  const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - kBias) << kMantissa);
-  const uint32_t below = static_cast<uint32_t>(static_cast<int32_t>((a * kQuantaPerUnit + kRound) - kRound));
-  uint32_t code = a < kMinNormal ? below : normal;
-  code = a >= max ? max_code : code;
-  code = bits > 0x7F800000u ? (kNan ? 0x7Fu : 0u) : code;
-  return static_cast<uint8_t>(sign | code);
-}
-
-/// Stochastic rounding in the same format: |y| goes to the code below it or
-/// the next one up, up with probability (|y| - lower) / (upper - lower) at a
-/// resolution of 2^-24 (the top 24 bits of `random` against it); saturation
-/// and NaN as encode_branchless. `values` holds every code's magnitude.
-template <int kMantissa, int kBias, int kBits, bool kNan>
-AMPX_HD uint8_t encode_stochastic_branchless(float y, float max, uint32_t max_code,
-                                            const float* values, uint32_t random) {
-  constexpr int kShift = 23 - kMantissa;
-  constexpr float kMinNormal = 1.0f / static_cast<float>(uint64_t{1} << (kBias - 1));
-  constexpr float kQuantaPerUnit = static_cast<float>(uint64_t{1} << (kMantissa + kBias - 1));
-  const uint32_t u = ampx::detail::float_bits(y);
-  const uint32_t sign = (u >> 31) << (kBits - 1);
-  const uint32_t bits = u & 0x7FFFFFFFu;
-  const float a = ampx::detail::bits_float(bits);
-  // The code at or below a: the significand truncated, or whole quanta.
-  const uint32_t normal = (bits >> kShift) - (static_cast<uint32_t>(127 - kBias) << kMantissa);
-  const uint32_t below = static_cast<uint32_t>(static_cast<int32_t>(a * kQuantaPerUnit));
-  uint32_t code = a < kMinNormal ? below : normal;
-  const bool top = !(a < max);  // saturated, inf or NaN: no code above, no read past the table
-  code = top ? max_code : code;
-  const float low = values[code];
-  const float high = values[top ? code : code + 1];
-  const float p = (a - low) / (high - low);  // both differences exact
-  code += !top && static_cast<float>(random >> 8) < p * 16777216.0f ? 1u : 0u;
-  code = bits > 0x7F800000u ? (kNan ? 0x7Fu : 0u) : code;
-  return static_cast<uint8_t>(sign | code);
+  return encode_magnitude_branchless<kMantissa, kBias, kBits, kNan>(u >> 31, u & 0x7FFFFFFFu, max,
+                                                                    max_code);
 }
 
 }  // namespace detail

@@ -81,11 +81,12 @@
 /// stream (seed, offset + the element's index): the same codes for the same
 /// seed on any number of threads; saturation as in rounding to nearest.
 ///
-/// CPU tensors (float32, bfloat16, float16). Blocks that do not divide the
+/// CPU or CUDA tensors (float32, bfloat16, float16): a CUDA tensor's codes
+/// and scales are the CPU's bit for bit (one arithmetic for both devices;
+/// an element's code keeps the element's sign where its scaled value is
+/// NaN, a NaN float32 scale is 0x7FC00000). Blocks that do not divide the
 /// dimensions are cut short at the end (amax over the elements there); 2-D
-/// blocks take a 2-D tensor. Not here yet: CUDA (the products of
-/// fp8::Linear's block recipes run on the CPU only) and TE's "4over6"
-/// NVFP4 variant.
+/// blocks take a 2-D tensor. Not here yet: TE's "4over6" NVFP4 variant.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
@@ -224,8 +225,10 @@ struct BlockTensor {
   /// The format the codes and scales are in.
   BlockFormat format = BlockFormat::mxfp8();
 
-  /// x (float32, bfloat16 or float16, on the CPU) in `format`, rounded to
-  /// nearest even, or stochastically when `stochastic` is given.
+  /// x (float32, bfloat16 or float16, on the CPU or a CUDA device) in
+  /// `format`, rounded to nearest even, or stochastically when `stochastic`
+  /// is given; codes and scales on x's device. On CUDA, NVFP4 reads its
+  /// global amax back to the host once, after the launches.
   [[nodiscard]] static BlockTensor quantize(
       const at::Tensor& x, const BlockFormat& format,
       const c10::optional<StochasticRounding>& stochastic = c10::nullopt);

@@ -22,9 +22,10 @@
 /// stochastic rounding, whose stream position is a buffer of the layer
 /// (`<prefix>rounding`), so that a checkpoint resumes bit for bit.
 ///
-/// These recipes are emulated exactly on the CPU (codes and scales as the
-/// recipes define them, products in float32); CUDA tensors are refused by
-/// name for now (no block-scaled kernel yet).
+/// These recipes are emulated exactly on the CPU and on CUDA (codes and
+/// scales as the recipes define them, the same on both; products of the
+/// block values in float32, on CUDA by at::mm, whose sums' order alone
+/// differs from the CPU's).
 
 #include "ampx/fp8/block.h"
 #include "ampx/fp8/cast.h"
