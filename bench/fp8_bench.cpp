@@ -54,36 +54,6 @@ void sync(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize();
 }
 
-// Median ms of one forward + backward of `linear` on x, in bf16 autocast or
-// FP8 with `casts` (kLaterMicroBatch: the weight's codes kept by a first
-// micro-batch, as in a step's later micro-batches).
-double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, int iters,
-                   const torch::Device& device,
-                   ampx::fp8::WeightCasts casts = ampx::fp8::WeightCasts::kEveryForward) {
-  std::vector<double> ms;
-  const auto g = torch::randn({x.size(0), linear->options.out_features()},
-                              x.options().dtype(torch::kBFloat16));
-  for (int i = 0; i < iters + 3; ++i) {
-    sync(device);
-    const auto t0 = std::chrono::steady_clock::now();
-    {
-      ampx::AutocastGuard autocast(device.type(), torch::kBFloat16);
-      const bool first = casts == ampx::fp8::WeightCasts::kLaterMicroBatch && i == 0;
-      ampx::fp8::Fp8AutocastGuard region(
-          ampx::fp8::Fp8AutocastOptions().enabled(fp8).weight_casts(
-              first ? ampx::fp8::WeightCasts::kFirstMicroBatch : casts));
-      auto y = linear->forward(x);
-      y.backward(g.to(y.scalar_type()));
-    }
-    sync(device);
-    const double t =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (i >= 3) ms.push_back(t);  // after warm-up
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 // Median ms of `fn` over `iters` runs after 3 of warm-up, the device synchronised around each.
 template <class Fn>
 double time_ms(Fn&& fn, int iters, const torch::Device& device) {
@@ -99,6 +69,28 @@ double time_ms(Fn&& fn, int iters, const torch::Device& device) {
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+// Median ms of one forward + backward of `linear` on x, in bf16 autocast or
+// FP8 with `casts` (kLaterMicroBatch: the weight's codes kept by a first
+// micro-batch, the first warm-up run, as in a step's later micro-batches).
+double time_linear(torch::nn::Linear& linear, const torch::Tensor& x, bool fp8, int iters,
+                   const torch::Device& device,
+                   ampx::fp8::WeightCasts casts = ampx::fp8::WeightCasts::kEveryForward) {
+  const auto g = torch::randn({x.size(0), linear->options.out_features()},
+                              x.options().dtype(torch::kBFloat16));
+  bool first = casts == ampx::fp8::WeightCasts::kLaterMicroBatch;
+  return time_ms(
+      [&] {
+        ampx::AutocastGuard autocast(device.type(), torch::kBFloat16);
+        ampx::fp8::Fp8AutocastGuard region(
+            ampx::fp8::Fp8AutocastOptions().enabled(fp8).weight_casts(
+                first ? ampx::fp8::WeightCasts::kFirstMicroBatch : casts));
+        first = false;
+        auto y = linear->forward(x);
+        y.backward(g.to(y.scalar_type()));
+      },
+      iters, device);
 }
 
 struct Breakdown {
@@ -159,24 +151,6 @@ void profile_block(std::vector<torch::nn::Linear>& block, const std::vector<torc
   prof::disableProfiler()->save(path);
 }
 
-// Median ms of fn() on `device`.
-template <class Fn>
-double median_ms(Fn&& fn, int iters, const torch::Device& device) {
-  std::vector<double> ms;
-  for (int i = 0; i < iters + 2; ++i) {
-    sync(device);
-    const auto t0 = std::chrono::steady_clock::now();
-    fn();
-    sync(device);
-    if (i >= 2) {
-      ms.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 // The block_casts entries of the JSON (the header's list).
 void print_block_casts(int64_t tokens, int iters, const torch::Device& device) {
   using ampx::fp8::BlockFormat;
@@ -203,14 +177,14 @@ void print_block_casts(int64_t tokens, int iters, const torch::Device& device) {
                                        ampx::fp8::StochasticRounding{1, 0})
                                  : c10::nullopt;
     const auto cast = [&] { (void)BlockTensor::quantize(g, c.format, sr); };
-    const double ms = median_ms(cast, iters, device);
+    const double ms = time_ms(cast, iters, device);
     std::printf("%s{\"name\": \"%s\", \"quantize_ms\": %.4f}", i ? ", " : "", c.name, ms);
   }
   const auto mx = BlockTensor::quantize(g, BlockFormat::mxfp8());
   std::printf(", {\"name\": \"mxfp8 dequantize\", \"ms\": %.4f}",
-              median_ms([&] { (void)mx.dequantize(torch::kBFloat16); }, iters, device));
+              time_ms([&] { (void)mx.dequantize(torch::kBFloat16); }, iters, device));
   std::printf(", {\"name\": \"hadamard16 tokens\", \"ms\": %.4f}]",
-              median_ms([&] { (void)ampx::fp8::hadamard16(g, false, 0); }, iters, device));
+              time_ms([&] { (void)ampx::fp8::hadamard16(g, false, 0); }, iters, device));
 }
 
 }  // namespace

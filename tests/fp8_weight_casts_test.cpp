@@ -7,6 +7,7 @@
 
 #include "ampx/fp8/linear.h"
 
+#include "ampx/dist.h"
 #include "ampx/optim.h"
 #include "test_util.h"
 
@@ -304,6 +305,29 @@ TEST(Fp8WeightCastsTest, DelayedScalingCastOncePerStepTrainsAsEveryForwardDoes) 
   EXPECT_LT(tail(once.losses), 0.5 * (once.losses[0] + once.losses[1] + once.losses[2] +
                                       once.losses[3]));  // it learns
   EXPECT_NEAR(tail(once.losses), tail(every.losses), 0.05 * tail(every.losses));
+}
+
+// An amax reduction group is delayed scaling's: a current-scaling layer
+// refuses one by name, whether its weight's cast is kept or not.
+TEST(Fp8WeightCastsTest, CurrentScalingRefusesAnAmaxReductionGroupEitherWay) {
+  if (!dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  dist::LaunchEnv env;
+  env.master_addr = "127.0.0.1";
+  env.master_port = dist::free_loopback_port();
+  const auto group = dist::init_process_group(
+      env, dist::InitOptions().timeout(std::chrono::seconds(60)).nccl(false));
+  Linear fc(LinearOptions(16, 8).recipe(CurrentScaling()));
+  TensorScaling& weight = *fc->scaling().weight;
+  for (const WeightCasts casts : {WeightCasts::kEveryForward, WeightCasts::kFirstMicroBatch,
+                                  WeightCasts::kLaterMicroBatch}) {
+    try {
+      (void)weight.cast_weight(fc->weight, casts, /*record=*/true, &group);
+      ADD_FAILURE() << "no error under WeightCasts " << static_cast<int>(casts);
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what(), ::testing::HasSubstr("an amax_reduction_group applies to delayed "
+                                                 "scaling; this layer's recipe is current"));
+    }
+  }
 }
 
 // On CUDA the kept codes and their transpose (the backward's operand) give

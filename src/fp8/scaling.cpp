@@ -357,11 +357,11 @@ namespace {
 // x's codes with `scale` in one CUDA pass, x^T's into `transposed` too when
 // `asked` and x is 2-D, max|x| folded into `amax` when defined.
 Fp8Tensor cuda_cast(const at::Tensor& x, Fp8Format format, const at::Tensor& scale,
-                    const at::Tensor& scale_inv, const at::Tensor& amax, at::Tensor* transposed,
-                    bool asked) {
+                    const at::Tensor& scale_inv, const at::Tensor& amax, bool asked,
+                    at::Tensor& transposed) {
   const bool transpose = asked && x.dim() == 2;
   detail::cuda::CastOut out = detail::cuda::cast(x, format, scale, transpose, amax);
-  if (transpose) *transposed = std::move(out.transposed);
+  if (transpose) transposed = std::move(out.transposed);
   return {std::move(out.codes), scale_inv, format};
 }
 
@@ -375,8 +375,7 @@ struct TensorScaling::Fresh {
   at::Tensor transposed, amax, scale;
 };
 
-TensorScaling::Fresh TensorScaling::fresh(const at::Tensor& x, bool with_amax,
-                                          at::Tensor* transposed) {
+TensorScaling::Fresh TensorScaling::fresh(const at::Tensor& x, bool with_amax, bool transpose) {
   const bool fused = detail::cuda::takes(x);
   Fresh f;
   if (!delayed_) {
@@ -387,8 +386,7 @@ TensorScaling::Fresh TensorScaling::fresh(const at::Tensor& x, bool with_amax,
       detail::cuda::current_scale(f.amax, limits(format_).max,
                                   static_cast<float>(recipe_.current().amax_epsilon()),
                                   recipe_.current().power_2_scale(), f.scale, scale_inv);
-      f.out = cuda_cast(x, format_, f.scale, scale_inv, at::Tensor(), &f.transposed,
-                        transposed != nullptr);
+      f.out = cuda_cast(x, format_, f.scale, scale_inv, at::Tensor(), transpose, f.transposed);
     } else {
       f.scale = current_scale(f.amax, format_, recipe_.current());
       f.out = {quantize(x, format_, f.scale), at::ones_like(f.scale).div(f.scale), format_};
@@ -400,13 +398,19 @@ TensorScaling::Fresh TensorScaling::fresh(const at::Tensor& x, bool with_amax,
   const at::Tensor scale_inv = delayed_->scale_inv().clone();
   if (fused) {  // one pass: the codes, and the amax the next scale comes from
     if (with_amax) f.amax = at::zeros({1}, x.options().dtype(at::kFloat));
-    f.out = cuda_cast(x, format_, delayed_->scale(), scale_inv, f.amax, &f.transposed,
-                      transposed != nullptr);
+    f.out = cuda_cast(x, format_, delayed_->scale(), scale_inv, f.amax, transpose, f.transposed);
     return f;
   }
   f.out = {quantize(x, format_, delayed_->scale()), scale_inv, format_};
   if (with_amax) f.amax = compute_amax(x);
   return f;
+}
+
+void TensorScaling::check_group(const dist::ProcessGroup* group) const {
+  TORCH_CHECK(group == nullptr || delayed_,
+              "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
+              "recipe is ",
+              recipe_.to_string(), " (each tensor is cast with its own amax)");
 }
 
 void TensorScaling::note(const Fresh& cast, const dist::ProcessGroup* group) {
@@ -422,11 +426,8 @@ void TensorScaling::note(const Fresh& cast, const dist::ProcessGroup* group) {
 Fp8Tensor TensorScaling::cast(const at::Tensor& x, bool record, const dist::ProcessGroup* group,
                               at::Tensor* transposed) {
   at::NoGradGuard no_grad;
-  TORCH_CHECK(group == nullptr || delayed_,
-              "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
-              "recipe is ",
-              recipe_.to_string(), " (each tensor is cast with its own amax)");
-  Fresh f = fresh(x, record, transposed);
+  check_group(group);
+  Fresh f = fresh(x, record, transposed != nullptr);
   if (record) note(f, group);
   if (transposed != nullptr) *transposed = std::move(f.transposed);
   return std::move(f.out);
@@ -481,15 +482,12 @@ Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, boo
     return cast(w, record, group, transposed);
   }
   at::NoGradGuard no_grad;
-  TORCH_CHECK(group == nullptr || delayed_,
-              "ampx::fp8: an amax_reduction_group applies to delayed scaling; this layer's "
-              "recipe is ",
-              recipe_.to_string(), " (each tensor is cast with its own amax)");
+  check_group(group);
   const bool asked = transposed != nullptr;
   if (casts == WeightCasts::kFirstMicroBatch || !kept_ || !kept_->of(w, asked)) {
     kept_.reset();  // the old codes go before the new ones are made
     // With its amax: the later micro-batches record it.
-    kept_ = std::make_shared<Kept>(w, asked, fresh(w, /*with_amax=*/true, transposed));
+    kept_ = std::make_shared<Kept>(w, asked, fresh(w, /*with_amax=*/true, asked));
     g_weight_casts.fetch_add(1);
   }
   if (record) note(kept_->cast, group);

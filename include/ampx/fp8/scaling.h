@@ -286,8 +286,11 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   struct Fresh;
   struct Kept;
   // x cast with this role's scale, nothing recorded; the amax where
-  // `with_amax` or the recipe needs it (current scaling).
-  Fresh fresh(const at::Tensor& x, bool with_amax, at::Tensor* transposed);
+  // `with_amax` or the recipe needs it (current scaling); on CUDA the codes
+  // of x^T too where `transpose` and x is 2-D.
+  Fresh fresh(const at::Tensor& x, bool with_amax, bool transpose);
+  // Refuses an amax reduction group under current scaling.
+  void check_group(const dist::ProcessGroup* group) const;
   // Records what `cast` saw, as cast() does after casting.
   void note(const Fresh& cast, const dist::ProcessGroup* group);
   // Records amax now, or defers it to `group`'s reduction.
