@@ -183,7 +183,8 @@ TEST(PrecisionPlanTest, MeasurementIsDeterministicAndTheReferenceIsTheUsersLoop)
   const plan::Measurement b =
       plan::measure_layers(*fx.model, problem_of(fx.data), measure_options());
   ASSERT_EQ(a.layers.size(), 4u);
-  EXPECT_EQ(a.probes, 1 + 4 * 4);
+  EXPECT_EQ(a.reference, LayerFormat::kBFloat16);
+  EXPECT_EQ(a.probes, 1 + 4 * 6);  // the reference, then fp32, fp16 and 4 FP8/FP4 formats a layer
   EXPECT_GT(a.seconds, 0.0);
   EXPECT_EQ(a.reference_loss, b.reference_loss);
   const std::vector<std::string> names{"fc1", "fc2", "fc3", "head"};
@@ -193,8 +194,9 @@ TEST(PrecisionPlanTest, MeasurementIsDeterministicAndTheReferenceIsTheUsersLoop)
     EXPECT_EQ(la.module, names[l]);
     EXPECT_DOUBLE_EQ(la.flops_share, la.in_features * la.out_features / total);
     EXPECT_DOUBLE_EQ(la.flops, 6.0 * la.in_features * la.out_features * 64);
-    ASSERT_EQ(la.formats.size(), 5u) << la.module;
-    for (size_t f = 0; f < 5; ++f) {
+    ASSERT_EQ(la.formats.size(), 7u) << la.module;
+    EXPECT_EQ(la.formats[0].format, LayerFormat::kBFloat16);  // the reference
+    for (size_t f = 0; f < 7; ++f) {
       EXPECT_EQ(la.formats[f].loss_change, b.layers[l].formats[f].loss_change) << la.module;
       EXPECT_EQ(la.formats[f].grad_error, b.layers[l].formats[f].grad_error) << la.module;
     }
@@ -419,6 +421,99 @@ TEST(PrecisionPlanTest, BadInputGetsErrorsNamingTheArgumentAndValue) {
               HasSubstr("key 'layers[0].grad_error' is missing"));
   EXPECT_THAT(test::error_text([&] { (void)plan::load_plan((tmp.path / "none.json").string()); }),
               HasSubstr("cannot read '" + (tmp.path / "none.json").string() + "'"));
+}
+
+// Against an fp32 reference (every Linear in float32) bf16 is a format
+// like the others: the reference is the user's own float32 loop; fp16's
+// gradients are nearer float32's than bf16's; a budget below a layer's
+// bf16 loss change keeps that layer out of bf16, and the plan's proof run
+// holds; the plan file keeps its reference; a proof against another
+// reference is refused.
+TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
+  Measured& fx = measured_mlp();
+  const auto options = measure_options().reference(LayerFormat::kFloat32);
+  const auto m = plan::measure_layers(*fx.model, problem_of(fx.data), options);
+  EXPECT_EQ(m.reference, LayerFormat::kFloat32);
+  EXPECT_EQ(m.probes, 1 + 4 * 6);
+  for (const auto& layer : m.layers) {
+    ASSERT_EQ(layer.formats.size(), 7u) << layer.module;
+    EXPECT_EQ(layer.formats[0].format, LayerFormat::kFloat32);
+    EXPECT_EQ(layer.formats[0].loss_change, 0.0);
+    EXPECT_LT(measured(layer, LayerFormat::kFloat16).grad_error,
+              measured(layer, LayerFormat::kBFloat16).grad_error)
+        << layer.module;
+  }
+  // The reference: 6 AdamW steps of the model's own weights in float32 (the
+  // MLP's other ops, GELU and the loss, run in float32 under autocast too).
+  Mlp copy;
+  {
+    torch::NoGradGuard no_grad;
+    const auto source = fx.model->named_parameters();
+    for (auto& p : copy->named_parameters()) p.value().copy_(source[p.key()]);
+  }
+  torch::optim::AdamW opt(copy->parameters(), torch::optim::AdamWOptions(3e-3));
+  for (int64_t step = 0; step < 6; ++step) {
+    opt.zero_grad();
+    fx.data.loss(*copy, step).backward();
+    opt.step();
+  }
+  double eval = 0;
+  {
+    torch::NoGradGuard no_grad;
+    for (int64_t e = 0; e < 4; ++e) eval += fx.data.loss(*copy, 6 + e).item<double>();
+  }
+  EXPECT_EQ(m.reference_loss, eval / 4);
+
+  // The layer bf16 costs most: a budget below its change keeps it wider.
+  size_t worst = 0;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    if (measured(m.layers[l], LayerFormat::kBFloat16).loss_change >
+        measured(m.layers[worst], LayerFormat::kBFloat16).loss_change) {
+      worst = l;
+    }
+  }
+  const double bf16_change = measured(m.layers[worst], LayerFormat::kBFloat16).loss_change;
+  ASSERT_GT(bf16_change, 0) << "bf16 costs no layer anything against float32";
+  const double budget = 0.8 * bf16_change;
+  const auto proven = plan::prove_plan(*fx.model, problem_of(fx.data), m,
+                                       plan::PlanOptions(budget), options);
+  EXPECT_EQ(proven.plan.reference, LayerFormat::kFloat32);
+  // Alone it would spend more than the budget: another format (wider, or a
+  // narrower one whose probe happened to cost less) takes that layer.
+  EXPECT_NE(proven.plan.layers[worst].format, LayerFormat::kBFloat16) << m.layers[worst].module;
+  EXPECT_LE(proven.plan.predicted_loss_change, budget);
+  EXPECT_LE(proven.check.loss_change, budget);
+  EXPECT_LT(proven.plan.cost, 30.0 * proven.plan.bf16_cost);  // cheaper than every Linear fp32
+
+  TempFolder tmp;
+  const auto path = (tmp.path / "fp32.json").string();
+  plan::save_plan(proven.plan, path);
+  EXPECT_THAT(read_text(path), HasSubstr("\n  \"reference\": \"fp32\",\n"));
+  const auto loaded = plan::load_plan(path);
+  EXPECT_EQ(loaded.reference, LayerFormat::kFloat32);
+  for (size_t l = 0; l < loaded.layers.size(); ++l) {
+    EXPECT_EQ(loaded.layers[l].format, proven.plan.layers[l].format);
+  }
+  EXPECT_EQ(plan::check_plan(*fx.model, problem_of(fx.data), loaded, options).loss,
+            proven.check.loss);
+  // A version 1 file (before fp32 references) has none: bf16.
+  std::string v1 = read_text(path);
+  const std::string version = "\"version\": 2", reference = "  \"reference\": \"fp32\",\n";
+  ASSERT_NE(v1.find(version), std::string::npos);
+  v1.replace(v1.find(version), version.size(), "\"version\": 1");
+  v1.erase(v1.find(reference), reference.size());
+  write_text(tmp.path / "v1.json", v1);
+  EXPECT_EQ(plan::load_plan((tmp.path / "v1.json").string()).reference, LayerFormat::kBFloat16);
+  EXPECT_THAT(test::error_text([&] {
+                (void)plan::check_plan(*fx.model, problem_of(fx.data), loaded, measure_options());
+              }),
+              HasSubstr("the plan was made against a fp32 reference, MeasureOptions::reference "
+                        "is bf16"));
+  EXPECT_THAT(test::error_text([&] {
+                (void)plan::measure_layers(*fx.model, problem_of(fx.data),
+                                           measure_options().reference(LayerFormat::kNvfp4));
+              }),
+              HasSubstr("MeasureOptions::reference must be bf16 or fp32, got nvfp4"));
 }
 
 }  // namespace

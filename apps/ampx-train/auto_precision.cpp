@@ -48,14 +48,14 @@ struct WorkloadProblem {
 };
 
 // An assignment's predicted loss change and modelled cost, as make_plan
-// counts them: `format_of(layer)` per layer, bf16 where it was not measured
-// or the target lacks it.
+// counts them: `format_of(layer)` per layer, the reference's format where it
+// was not measured or the target lacks it.
 std::pair<double, double> predict(
     const ampx::plan::Measurement& m, const ampx::plan::CostModel& model,
     const std::function<ampx::plan::LayerFormat(const ampx::plan::LayerMeasurement&)>& format_of) {
   double loss = 0, cost = 0;
   for (const auto& layer : m.layers) {
-    const ampx::plan::FormatMeasurement* chosen = &layer.formats.front();  // bf16
+    const ampx::plan::FormatMeasurement* chosen = &layer.formats.front();  // the reference
     for (const auto& f : layer.formats) {
       if (f.format == format_of(layer) && model.throughput.count(f.format)) chosen = &f;
     }
@@ -73,14 +73,20 @@ std::string alternatives_table(const ampx::plan::Measurement& measurement,
   using ampx::plan::LayerFormat;
   std::ostringstream t;
   t << "beside uniform and fixed choices (predicted loss change, modelled product time on "
-    << model.target << " against bf16):\n";
+    << model.target << " against bf16; a layer a format cannot take counted in "
+    << ampx::plan::to_string(measurement.reference) << "):\n";
   const auto row = [&](const std::string& name, const auto& format_of) {
     const auto [loss, cost] = predict(measurement, model, format_of);
     t << "  " << std::left << std::setw(44) << name << std::right << std::setw(10) << percent(loss)
       << std::setw(8) << std::fixed << std::setprecision(3) << cost << "\n";
   };
   for (const auto f : ampx::plan::all_layer_formats()) {
-    if (!model.throughput.count(f)) continue;
+    const bool measured = std::any_of(
+        measurement.layers.begin(), measurement.layers.end(), [f](const auto& layer) {
+          return std::any_of(layer.formats.begin(), layer.formats.end(),
+                             [f](const auto& m) { return m.format == f; });
+        });
+    if (!model.throughput.count(f) || !measured) continue;
     row("all " + ampx::plan::to_string(f), [f](const auto&) { return f; });
   }
   if (model.throughput.count(LayerFormat::kNvfp4)) {
@@ -161,7 +167,8 @@ std::string proof_line(const ampx::plan::ProvenPlan& proven) {
   if (proven.rounds > 1) {
     s << ", plan " << proven.rounds << ": the proof runs of the ones before left the budget, "
       << (proven.planned_budget > 0 ? "this one was solved for " + percent(proven.planned_budget)
-                                    : std::string("so every Linear stays in bf16"));
+                                    : "so every Linear stays in " +
+                                          ampx::plan::to_string(proven.plan.reference));
   }
   s << "\n";
   return s.str();
@@ -174,7 +181,20 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   WorkloadProblem problem{workload, device, {}};
   torch::manual_seed(config.seed);
   torch::nn::AnyModule model = workload.build(device);
+  const auto cost_model = ampx::plan::cost_model_for(config.target);
+  const auto reference = ampx::plan::parse_layer_format(config.plan_reference, "--plan-reference");
+  // Only formats faster than the reference on the target can win a layer
+  // (the reference changes nothing): the others are not probed.
+  std::vector<ampx::plan::LayerFormat> formats;
+  for (const auto f : ampx::plan::all_layer_formats()) {
+    const auto it = cost_model.throughput.find(f);
+    if (it != cost_model.throughput.end() && it->second > cost_model.throughput.at(reference)) {
+      formats.push_back(f);
+    }
+  }
   const auto options = ampx::plan::MeasureOptions()
+                           .formats(formats)
+                           .reference(reference)
                            .steps(config.plan_steps)
                            .eval_batches(2)
                            .lr(config.lr)
@@ -184,7 +204,6 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   std::cout << "measuring each Linear in each format (" << config.plan_steps
             << " steps a probe) ..." << std::endl;
   const auto measurement = ampx::plan::measure_layers(*model.ptr(), problem.problem(), options);
-  const auto cost_model = ampx::plan::cost_model_for(config.target);
   // Proven on training: planned again for less while the proof run (one
   // more probe with the whole plan) leaves the budget.
   const auto proven = ampx::plan::prove_plan(

@@ -276,6 +276,12 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "--precision auto: training steps of each measurement probe")
       ->check(kPositive)
       ->capture_default_str();
+  app.add_option("--plan-reference", c.plan_reference,
+                 "--precision auto: what the loss budget is measured against: bf16 (every "
+                 "Linear as O2 runs it) or fp32 (every Linear in float32: bf16 costs budget "
+                 "too, and the plan may keep layers in fp32 or fp16)")
+      ->check(CLI::IsMember({"bf16", "fp32"}))
+      ->capture_default_str();
   app.add_option("--plan-watch", c.plan_watch,
                  "--precision auto: check the plan against bf16 every N steps while training "
                  "(a layer whose gradient its format's noise drowns, or whose range flushes it, "

@@ -97,8 +97,9 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
   for (const auto& mode : modes_of(c)) {
     if (mode == "auto") {
       rows.add("auto plan", c.precision_plan.empty()
-                                ? "measured: loss budget " + c.loss_budget + ", target " +
-                                      c.target + ", " + std::to_string(c.plan_steps) +
+                                ? "measured: loss budget " + c.loss_budget + " against " +
+                                      c.plan_reference + ", target " + c.target + ", " +
+                                      std::to_string(c.plan_steps) +
                                       " steps a probe"
                                 : c.precision_plan);
       rows.add("plan watch", c.plan_watch > 0

@@ -27,10 +27,12 @@
 ///   }
 /// ```
 ///
-/// The measurement runs one probe per (Linear, format) and one reference:
-/// each probe starts from the model's weights, quantizes only its layer (the
-/// others run under bf16 autocast, as ampx-train's FP8 modes run the Linears
-/// they keep in bf16), trains `steps` steps of AdamW on the batches
+/// The measurement runs one probe per (Linear, format) and one reference,
+/// every Linear in the reference format (MeasureOptions::reference: bf16,
+/// or fp32 for a budget against float32 training); the rest of the model
+/// runs under bf16 autocast, as ampx-train's modes run it. Each probe starts
+/// from the model's weights, puts only its layer in its format (the others
+/// in the reference's), trains `steps` steps of AdamW on the batches
 /// 0..steps-1, and evaluates the loss on the batches steps..steps+eval_batches-1.
 /// The loss change of a probe is its evaluation loss relative to the
 /// reference's; its gradient error is the relative L2 distance of its
@@ -65,6 +67,13 @@ namespace plan {
 
 /// A Linear layer's format in a plan. Named as ampx-train's modes name them.
 enum class LayerFormat {
+  /// "fp32": float32 operands and products, outside autocast (a wide product)
+  kFloat32,
+  /// "fp16": float16 operands and products (float32 accumulation), the output
+  /// widened to float32; the output gradient scaled per tensor by a power of
+  /// two into (0.5, 1] before its products, float16's loss scaling done per
+  /// layer and per step (no step skipped)
+  kFloat16,
   kBFloat16,  ///< "bf16": the layer runs under bf16 autocast (not converted)
   kFp8,       ///< "fp8": FP8 tensorwise current scaling (HYBRID: E4M3 forward, E5M2 gradients)
   kMxfp8,     ///< "mxfp8": MXFP8BlockScaling (E4M3, E8M0 per 1 x 32)
@@ -72,18 +81,20 @@ enum class LayerFormat {
   kFp8Block,  ///< "fp8-block": Float8BlockScaling (1 x 128, 128 x 128 weights)
 };
 
-/// "bf16", "fp8", "mxfp8", "nvfp4", "fp8-block".
+/// "fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4", "fp8-block".
 std::string to_string(LayerFormat format);
 /// The format named `name` (as to_string writes it); c10::Error naming
 /// `what` and the value otherwise.
 LayerFormat parse_layer_format(const std::string& name, const std::string& what = "format");
-/// Every format, widest first: bf16, fp8-block, fp8, mxfp8, nvfp4.
+/// Every format, widest first: fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4.
 std::vector<LayerFormat> all_layer_formats();
 /// The fp8::Recipe a converted layer of `format` runs (NVFP4's stochastic
-/// rounding drawn from `seed`); c10::Error for bf16, which converts nothing.
+/// rounding drawn from `seed`); c10::Error for bf16 (autocast runs it) and
+/// fp32 and fp16 (wide products).
 fp8::Recipe recipe_of(LayerFormat format, uint64_t seed = 0);
 /// The scale rule a layer of `format` is cast with, as its recipe names it
-/// ("current(hybrid)", "nvfp4(16x16 weights, ...)"); bf16: "autocast (no scale)".
+/// ("current(hybrid)", "nvfp4(16x16 weights, ...)"); bf16: "autocast (no scale)";
+/// fp32 and fp16 say how their products run.
 std::string scale_rule_of(LayerFormat format, uint64_t seed = 0);
 
 struct PrecisionPlan;
@@ -104,8 +115,12 @@ struct MeasureOptions {
   TORCH_ARG(int64_t, steps) = 4;
   /// Batches each probe's loss is evaluated on after its steps, >= 1.
   TORCH_ARG(int64_t, eval_batches) = 2;
-  /// The formats measured for each layer (bf16, the reference, is always in a plan).
+  /// The formats measured for each layer (the reference's is always in a plan).
   TORCH_ARG(std::vector<LayerFormat>, formats) = all_layer_formats();
+  /// The format of every Linear in the reference run the loss changes are
+  /// relative to: bf16 (a budget against ampx-train's O2) or fp32 (against
+  /// float32 training, where bf16 itself costs budget).
+  TORCH_ARG(LayerFormat, reference) = LayerFormat::kBFloat16;
   /// The probes' AdamW learning rate (> 0).
   TORCH_ARG(double, lr) = 1e-3;
   /// Seeds torch before each probe and NVFP4's stochastic rounding.
@@ -136,7 +151,8 @@ struct LayerMeasurement {
 
 /// The result of measure_layers().
 struct Measurement {
-  double reference_loss = 0;  ///< the reference's evaluation loss (bf16 autocast)
+  LayerFormat reference = LayerFormat::kBFloat16;  ///< every Linear's format in the reference
+  double reference_loss = 0;  ///< the reference's evaluation loss
   int64_t steps = 0;          ///< training steps of each probe
   int64_t eval_batches = 0;   ///< evaluation batches of each probe
   uint64_t seed = 0;          ///< the seed of the probes
@@ -148,21 +164,23 @@ struct Measurement {
 
 /// Measures every Linear of `model` (left unchanged) in each format of
 /// `options` (see the top of this header). Linears whose dimensions are not
-/// multiples of 16 are measured in bf16 only. Deterministic for a seed.
+/// multiples of 16 take no FP8 or FP4 format: fp32, fp16 and bf16 only.
+/// Deterministic for a seed.
 Measurement measure_layers(torch::nn::Module& model, const MeasureProblem& problem,
                            const MeasureOptions& options = MeasureOptions());
 
 /// The proof of a plan: training with it against the reference.
 struct PlanCheck {
   double loss = 0;            ///< evaluation loss of the run with the plan applied
-  double reference_loss = 0;  ///< the reference's (every Linear in bf16)
+  double reference_loss = 0;  ///< the reference's (every Linear in the reference format)
   double loss_change = 0;     ///< (loss - reference_loss) / reference_loss
 };
 
 /// Trains a copy of `model` with `plan` applied (apply_plan, seeded with
 /// options.seed) as each probe of measure_layers() trains (same steps,
 /// batches, seed and learning rate), and the reference beside it: the
-/// loss change the plan's additive model predicted, measured.
+/// loss change the plan's additive model predicted, measured. c10::Error
+/// when options.reference() is not the plan's reference.
 PlanCheck check_plan(torch::nn::Module& model, const MeasureProblem& problem,
                      const PrecisionPlan& plan, const MeasureOptions& options = MeasureOptions());
 
@@ -210,6 +228,7 @@ struct LayerPlan {
 /// A plan: one format per Linear, the fastest whose predicted loss change fits.
 struct PrecisionPlan {
   std::string target;                ///< the cost model's target
+  LayerFormat reference = LayerFormat::kBFloat16;  ///< the measurement's reference format
   double loss_budget = 0;            ///< the budget it was solved for
   double predicted_loss_change = 0;  ///< sum of the chosen formats' loss changes (>= 0 each)
   double cost = 0;                   ///< modelled product time: sum of flops_share / throughput
@@ -238,7 +257,9 @@ struct ProvenPlan {
 /// options.loss_budget(), solves again for 0.9 x the smaller of the last
 /// planned budget and the last prediction, times budget / measured change,
 /// and proves that, at most `max_rounds` plans (>= 1); if none held, the
-/// plan with every Linear in bf16 (the reference itself, a change of 0).
+/// plan with every Linear in the reference's format (the reference itself,
+/// a change of 0). c10::Error when measure_options.reference() is not the
+/// measurement's.
 ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
                       const Measurement& measurement, const PlanOptions& options,
                       const MeasureOptions& measure_options = MeasureOptions(),
@@ -261,8 +282,9 @@ PrecisionPlan load_plan(const std::string& path);
 
 /// Converts each Linear of `model` the plan gives an FP8 or FP4 format to it
 /// (fp8::convert_linears with the format's recipe, NVFP4 seeded with
-/// `seed`); bf16 layers and Linears the plan does not name stay as they
-/// are, for bf16 autocast. A plan module that is not a Linear of `model` is
+/// `seed`), and gives its fp32 and fp16 layers their wide products (inside
+/// an Fp8AutocastGuard region, as the FP8 layers); bf16 layers and Linears
+/// the plan does not name stay as they are, for bf16 autocast. A plan module that is not a Linear of `model` is
 /// a c10::Error naming it. Returns the converted paths.
 std::vector<std::string> apply_plan(torch::nn::Module& model, const PrecisionPlan& plan,
                                     uint64_t seed = 0);
@@ -313,7 +335,7 @@ struct WatchOptions {
   /// gradient's non-zero values is reported (in [0, 1)).
   TORCH_ARG(double, underflow_fraction) = 0.01;
   /// Moves a reported layer to the next wider format its plan's target runs
-  /// (nvfp4 -> mxfp8 -> fp8 -> fp8-block -> bf16). The moved layer's
+  /// (nvfp4 -> mxfp8 -> fp8 -> fp8-block -> bf16; fp16 -> fp32). The moved layer's
   /// scaling starts afresh (the plans' formats keep no state between steps);
   /// the buffers its first format registered stay in the module's state.
   TORCH_ARG(bool, widen) = false;
@@ -323,7 +345,7 @@ struct WatchOptions {
 /// step due(), after the step's backward and before the optimizer's step,
 /// check() keeps every planned layer's weight gradient, runs the caller's
 /// backward of the same batch again with FP8 off (every Linear in bf16, as
-/// the measurement's reference), compares each layer's two gradients, and
+/// the measurement's default reference, whatever the plan's), compares each layer's two gradients, and
 /// puts back every parameter's gradient, the model's buffers and the CPU
 /// generator's state: the training goes on exactly as without the check.
 ///
@@ -344,9 +366,10 @@ struct WatchOptions {
 /// backward.
 class PlanWatch {
  public:
-  /// Watches the layers `plan` gives a format other than bf16 in `model`,
-  /// which must have the plan applied (c10::Error naming a planned module
-  /// that is not a converted Linear of `model`).
+  /// Watches the layers `plan` gives a format other than bf16 and fp32 (as
+  /// wide as the bf16 gradient compared with, or wider) in `model`, which
+  /// must have the plan applied (c10::Error naming a planned module that is
+  /// not a converted Linear of `model`).
   PlanWatch(torch::nn::Module& model, PrecisionPlan plan,
             const WatchOptions& options = WatchOptions());
 
@@ -384,7 +407,8 @@ class PlanWatch {
 
 /// The next format wider than `format` that `target`'s cost model runs
 /// (h100 and b200: those cost_model_for names; any other target: every
-/// format); bf16 stays bf16.
+/// format), along nvfp4 -> mxfp8 -> fp8 -> fp8-block -> bf16; fp16 moves to
+/// fp32 (the range it lacks); bf16 and fp32 stay.
 LayerFormat wider_format(LayerFormat format, const std::string& target);
 
 }  // namespace plan

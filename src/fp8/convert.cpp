@@ -24,8 +24,9 @@ namespace {
 
 struct Converted {
   c10::weak_intrusive_ptr<c10::TensorImpl> weight;
-  std::shared_ptr<LinearScaling> scaling;
+  std::shared_ptr<LinearScaling> scaling;  // null for a wide product
   c10::optional<c10::ScalarType> output_dtype;
+  c10::optional<c10::ScalarType> wide;  // set_wide_product's product, instead of FP8
 };
 
 struct ConvertedRegistry {
@@ -107,7 +108,9 @@ void linear_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   }
   torch::jit::drop(*stack, num_args);
   c10::impl::ExcludeDispatchKeyGuard exclude(detail::kFp8LinearKey);
-  stack->emplace_back(detail::fp8_linear(input, weight, bias, layer->scaling, layer->output_dtype));
+  stack->emplace_back(layer->wide ? detail::wide_linear(input, weight, bias, *layer->wide)
+                                  : detail::fp8_linear(input, weight, bias, layer->scaling,
+                                                       layer->output_dtype));
 }
 
 }  // namespace
@@ -152,7 +155,7 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
     if (!wanted) continue;
     const at::Tensor& w = linear->weight;
     TORCH_CHECK(!lookup(w), "ampx::fp8::convert_linears: '", item.key(),
-                "' is already an FP8 layer");
+                "' is already an FP8 layer (or has a wide product)");
     auto scaling = std::make_shared<LinearScaling>(options.recipe(), w.device(), w);
     scaling->register_buffers(*linear, "fp8_");
     {
@@ -161,7 +164,7 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
       r.layers.erase(w.unsafeGetTensorImpl());  // a freed weight's address, reused
       r.layers.emplace(w.unsafeGetTensorImpl(),
                        Converted{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
-                                 scaling, options.output_dtype()});
+                                 scaling, options.output_dtype(), c10::nullopt});
     }
     converted.push_back(item.key());
   }
@@ -175,6 +178,9 @@ void reconvert_linear(torch::nn::Module& module, const c10::optional<Recipe>& re
                     ") is not a torch::nn::Linear that convert_linears converted");
   if (recipe) recipe->validate();
   const at::Tensor& w = linear->weight;
+  TORCH_CHECK_VALUE(!recipe || !lookup(w)->wide, "ampx::fp8::reconvert_linear: the module (",
+                    module.name(), ") runs a wide product, not an FP8 recipe, and has no ",
+                    "FP8 buffers to keep");
   auto scaling = recipe ? std::make_shared<LinearScaling>(*recipe, w.device(), w) : nullptr;
   auto& r = converted_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
@@ -185,6 +191,33 @@ void reconvert_linear(torch::nn::Module& module, const c10::optional<Recipe>& re
   } else {
     r.layers.erase(it);
   }
+}
+
+void detail::set_wide_product(torch::nn::LinearImpl& linear, c10::ScalarType product) {
+  TORCH_CHECK_VALUE(product == at::kFloat || product == at::kHalf,
+                    "ampx::fp8::set_wide_product: product must be float32 or float16, got ",
+                    product);
+  detail::register_linear_kernels();
+  const at::Tensor& w = linear.weight;
+  auto& r = converted_registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.layers.find(w.unsafeGetTensorImpl());
+  const bool alive =
+      it != r.layers.end() && it->second.weight.lock().get() == w.unsafeGetTensorImpl();
+  if (alive) {
+    it->second.scaling = nullptr;
+    it->second.wide = product;
+    return;
+  }
+  if (it != r.layers.end()) r.layers.erase(it);  // a freed weight's address, reused
+  r.layers.emplace(w.unsafeGetTensorImpl(),
+                   Converted{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
+                             nullptr, c10::nullopt, product});
+}
+
+c10::optional<c10::ScalarType> detail::wide_product_of(const torch::nn::LinearImpl& linear) {
+  const auto layer = lookup(linear.weight);
+  return layer ? layer->wide : c10::nullopt;
 }
 
 std::shared_ptr<LinearScaling> scaling_of(torch::nn::Module& module) {

@@ -1,7 +1,8 @@
 #pragma once
 
 // The FP8 product both layer kinds run: ampx::fp8::Linear (linear.cpp) and a
-// converted torch::nn::Linear (convert.cpp).
+// converted torch::nn::Linear (convert.cpp); the wide products a converted
+// Linear may run instead (wide_linear.cpp).
 
 #include "ampx/fp8/scaling.h"
 
@@ -20,6 +21,15 @@ namespace detail {
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const std::shared_ptr<LinearScaling>& scaling,
                       const c10::optional<c10::ScalarType>& output_dtype);
+
+/// y = x @ weight^T + bias with a wide product (src/fp8/wide_linear.cpp),
+/// autocast's casts left out: kFloat, float32 operands and output; kHalf,
+/// float16 operands and product (float32 accumulation, rounded to float16),
+/// the output widened to float32, and in the backward the output gradient
+/// scaled per tensor by the power of two that brings its largest magnitude
+/// into (0.5, 1] before it is rounded to float16 (underflow 2^24 below that).
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       c10::ScalarType product);
 
 }  // namespace detail
 }  // namespace fp8

@@ -1,6 +1,7 @@
 #include "linears.h"
 
 #include "ampx/fp8/convert.h"
+#include "../fp8/convert_internal.h"
 
 #include <torch/torch.h>
 
@@ -32,6 +33,14 @@ torch::nn::LinearImpl* find_linear(
                     "' is not a Linear of the model (its Linears: ", known, ")");
 }
 
+bool is_wide(LayerFormat format) {
+  return format == LayerFormat::kFloat32 || format == LayerFormat::kFloat16;
+}
+
+bool is_fp8(LayerFormat format) {
+  return format != LayerFormat::kBFloat16 && !is_wide(format);
+}
+
 bool fp8_eligible(int64_t in_features, int64_t out_features) {
   return in_features % 16 == 0 && out_features % 16 == 0;
 }
@@ -56,6 +65,14 @@ void copy_weights(torch::nn::Module& from, torch::nn::Module& to) {
 void convert_layers(torch::nn::Module& model, const std::vector<std::string>& paths,
                     LayerFormat format, uint64_t seed) {
   if (format == LayerFormat::kBFloat16 || paths.empty()) return;
+  if (is_wide(format)) {
+    const auto linears = linears_of(model);
+    for (const auto& path : paths) {
+      fp8::detail::set_wide_product(*find_linear(linears, path, "convert"),
+                                    format == LayerFormat::kFloat32 ? at::kFloat : at::kHalf);
+    }
+    return;
+  }
   const auto filter = [&paths](const std::string& path, const torch::nn::LinearImpl&) {
     return std::find(paths.begin(), paths.end(), path) != paths.end();
   };

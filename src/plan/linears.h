@@ -33,6 +33,11 @@ torch::nn::LinearImpl* find_linear(
     const std::vector<std::pair<std::string, torch::nn::LinearImpl*>>& linears,
     const std::string& path, const std::string& caller);
 
+/// Whether `format` runs as a wide product (fp32, fp16), not autocast or FP8.
+bool is_wide(LayerFormat format);
+/// Whether `format` is one of the FP8 and FP4 recipes.
+bool is_fp8(LayerFormat format);
+
 /// Whether a Linear of these dimensions may take an FP8 or FP4 format: both
 /// multiples of 16, what FP8 tensor cores take (ampx-train's filter too).
 bool fp8_eligible(int64_t in_features, int64_t out_features);
@@ -41,7 +46,8 @@ bool fp8_eligible(int64_t in_features, int64_t out_features);
 /// shapes, else c10::Error naming the first that differs).
 void copy_weights(torch::nn::Module& from, torch::nn::Module& to);
 
-/// Converts the Linears at `paths` of `model` to `format` (nothing for bf16).
+/// Converts the Linears at `paths` of `model` to `format`: an FP8 recipe,
+/// or a wide product for fp32 and fp16 (nothing for bf16).
 void convert_layers(torch::nn::Module& model, const std::vector<std::string>& paths,
                     LayerFormat format, uint64_t seed);
 

@@ -34,6 +34,10 @@ void check_problem(const MeasureProblem& problem, const MeasureOptions& options)
                     options.eval_batches());
   TORCH_CHECK_VALUE(options.lr() > 0 && std::isfinite(options.lr()),
                     "ampx::plan: MeasureOptions::lr must be > 0, got ", options.lr());
+  TORCH_CHECK_VALUE(options.reference() == LayerFormat::kBFloat16 ||
+                        options.reference() == LayerFormat::kFloat32,
+                    "ampx::plan: MeasureOptions::reference must be bf16 or fp32, got ",
+                    to_string(options.reference()));
   TORCH_CHECK_VALUE(options.tokens_per_step() >= 1,
                     "ampx::plan: MeasureOptions::tokens_per_step must be >= 1, got ",
                     options.tokens_per_step());
@@ -50,6 +54,35 @@ at::Tensor region_loss(torch::nn::Module& model, const MeasureProblem& problem, 
                     "ampx::plan: MeasureProblem::loss must return a scalar, got ",
                     loss.defined() ? loss.sizes() : at::IntArrayRef{});
   return loss;
+}
+
+// Readies a probe's model: every Linear but `path` in the reference format,
+// the one at `path` (none: "" matches no Linear but a bare one) in `format`.
+std::function<void(torch::nn::Module&)> probe_formats(LayerFormat reference,
+                                                      const std::string& path,
+                                                      LayerFormat format, uint64_t seed) {
+  return [=](torch::nn::Module& model) {
+    std::vector<std::string> others;
+    bool found = false;
+    for (const auto& [name, linear] : detail::linears_of(model)) {
+      if (name == path) {
+        found = true;
+      } else {
+        others.push_back(name);
+      }
+    }
+    detail::convert_layers(model, others, reference, seed);
+    if (found) detail::convert_layers(model, {path}, format, seed);
+  };
+}
+
+// The reference probe's: every Linear in the reference format.
+std::function<void(torch::nn::Module&)> reference_formats(LayerFormat reference) {
+  return [=](torch::nn::Module& model) {
+    std::vector<std::string> all;
+    for (const auto& item : detail::linears_of(model)) all.push_back(item.first);
+    detail::convert_layers(model, all, reference, 0);
+  };
 }
 
 // A fresh model holding `source`'s weights, `prepare`d (a layer converted,
@@ -113,6 +146,7 @@ Measurement measure_layers(torch::nn::Module& model, const MeasureProblem& probl
   m.steps = options.steps();
   m.eval_batches = options.eval_batches();
   m.seed = options.seed();
+  m.reference = options.reference();
   double total_flops = 0;
   std::vector<std::string> names;
   for (const auto& [name, linear] : detail::linears_of(model)) {
@@ -130,21 +164,20 @@ Measurement measure_layers(torch::nn::Module& model, const MeasureProblem& probl
     m.layers.push_back(std::move(layer));
   }
   TORCH_CHECK_VALUE(!m.layers.empty(), "ampx::plan::measure_layers: the model has no Linear");
-  const ProbeResult reference = run_probe(
-      model, problem, options, [](torch::nn::Module&) {}, names);
+  const ProbeResult reference =
+      run_probe(model, problem, options, reference_formats(options.reference()), names);
   m.reference_loss = reference.eval_loss;
   m.probes = 1;
   for (auto& layer : m.layers) {
     layer.flops_share = layer.flops / total_flops;
-    layer.formats.push_back({LayerFormat::kBFloat16, 0.0, 0.0});  // the reference itself
-    if (!detail::fp8_eligible(layer.in_features, layer.out_features)) continue;
+    layer.formats.push_back({options.reference(), 0.0, 0.0});  // the reference itself
+    const bool fp8_eligible = detail::fp8_eligible(layer.in_features, layer.out_features);
     for (const LayerFormat format : options.formats()) {
-      if (format == LayerFormat::kBFloat16) continue;
+      if (format == options.reference() || (detail::is_fp8(format) && !fp8_eligible)) continue;
       const std::string path = layer.module;
-      const auto convert = [&](torch::nn::Module& probe) {
-        detail::convert_layers(probe, {path}, format, options.seed());
-      };
-      const ProbeResult r = run_probe(model, problem, options, convert, {path});
+      const ProbeResult r = run_probe(
+          model, problem, options,
+          probe_formats(options.reference(), path, format, options.seed()), {path});
       ++m.probes;
       layer.formats.push_back(
           {format, relative_change(r.eval_loss, m.reference_loss),
@@ -175,7 +208,14 @@ PlanCheck proof_run(torch::nn::Module& model, const MeasureProblem& problem,
 
 double run_reference(torch::nn::Module& model, const MeasureProblem& problem,
                      const MeasureOptions& options) {
-  return run_probe(model, problem, options, [](torch::nn::Module&) {}, {}).eval_loss;
+  return run_probe(model, problem, options, reference_formats(options.reference()), {})
+      .eval_loss;
+}
+
+void check_reference(LayerFormat planned, const MeasureOptions& options, const char* caller) {
+  TORCH_CHECK_VALUE(planned == options.reference(), "ampx::plan::", caller,
+                    ": the plan was made against a ", to_string(planned),
+                    " reference, MeasureOptions::reference is ", to_string(options.reference()));
 }
 
 }  // namespace
@@ -183,6 +223,7 @@ double run_reference(torch::nn::Module& model, const MeasureProblem& problem,
 PlanCheck check_plan(torch::nn::Module& model, const MeasureProblem& problem,
                      const PrecisionPlan& plan, const MeasureOptions& options) {
   check_problem(problem, options);
+  check_reference(plan.reference, options, "check_plan");
   return proof_run(model, problem, plan, options, run_reference(model, problem, options));
 }
 
@@ -192,6 +233,7 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
   TORCH_CHECK_VALUE(max_rounds >= 1, "ampx::plan::prove_plan: max_rounds must be >= 1, got ",
                     max_rounds);
   check_problem(problem, measure_options);
+  check_reference(measurement.reference, measure_options, "prove_plan");
   const double reference = run_reference(model, problem, measure_options);  // once: every round's
   const double budget = options.loss_budget();
   PlanOptions round = options;
@@ -209,17 +251,17 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
     if (!(round.loss_budget() > 0)) break;  // a prediction of 0: nothing narrower to drop
   }
   if (proven.check.loss_change > budget) {
-    // Every Linear in bf16: the reference itself.
-    Measurement bf16_only = measurement;
-    for (auto& layer : bf16_only.layers) {
+    // Every Linear in the reference's format: the reference itself.
+    Measurement reference_only = measurement;
+    for (auto& layer : reference_only.layers) {
       layer.formats.erase(std::remove_if(layer.formats.begin(), layer.formats.end(),
-                                         [](const FormatMeasurement& f) {
-                                           return f.format != LayerFormat::kBFloat16;
+                                         [&](const FormatMeasurement& f) {
+                                           return f.format != measurement.reference;
                                          }),
                           layer.formats.end());
     }
     round.loss_budget(budget);
-    proven.plan = make_plan(bf16_only, round);
+    proven.plan = make_plan(reference_only, round);
     proven.planned_budget = 0;
     proven.check = proof_run(model, problem, proven.plan, measure_options, reference);
     proven.rounds = std::min(proven.rounds, max_rounds) + 1;

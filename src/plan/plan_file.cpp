@@ -19,7 +19,8 @@ namespace ampx {
 namespace plan {
 namespace {
 
-constexpr int64_t kPlanVersion = 1;
+// 2: "reference" (version 1 had none: bf16), fp32 and fp16 layers.
+constexpr int64_t kPlanVersion = 2;
 using ampx::detail::json_number;
 using ampx::detail::json_string;
 using detail::JsonValue;
@@ -96,7 +97,7 @@ LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::str
     l.format = parse_layer_format(format, "format");
   } catch (const c10::Error&) {
     TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name("format"), "' has value '", format,
-                      "', not a layer format (bf16, fp8-block, fp8, mxfp8, nvfp4)");
+                      "', not a layer format (fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4)");
   }
   l.scale_rule = f.string("scale_rule");
   l.loss_change = f.number("loss_change");
@@ -114,6 +115,7 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
   o << "{\n"
     << "  \"version\": " << kPlanVersion << ",\n"
     << "  \"target\": " << json_string(plan.target) << ",\n"
+    << "  \"reference\": " << json_string(to_string(plan.reference)) << ",\n"
     << "  \"loss_budget\": " << json_number(plan.loss_budget) << ",\n"
     << "  \"predicted_loss_change\": " << json_number(plan.predicted_loss_change) << ",\n"
     << "  \"cost\": " << json_number(plan.cost) << ",\n"
@@ -135,10 +137,18 @@ PrecisionPlan load_plan(const std::string& path) {
   const JsonValue doc = detail::parse_json(*bytes, "ampx::plan::load_plan: '" + path + "'");
   Fields top(doc, "", path);
   const double version = top.number("version");
-  TORCH_CHECK_VALUE(version == kPlanVersion, top.where(), ": key 'version' has value ", version,
-                    "; this ampx reads version ", kPlanVersion);
+  TORCH_CHECK_VALUE(version == 1 || version == kPlanVersion, top.where(),
+                    ": key 'version' has value ", version, "; this ampx reads versions 1 to ",
+                    kPlanVersion);
   PrecisionPlan plan;
   plan.target = top.string("target");
+  if (version >= 2) {
+    const std::string reference = top.string("reference");
+    const bool known = reference == "bf16" || reference == "fp32";
+    TORCH_CHECK_VALUE(known, top.where(), ": key 'reference' has value '", reference,
+                      "', not a reference format (bf16, fp32)");
+    plan.reference = parse_layer_format(reference, "reference");
+  }
   plan.loss_budget = top.number("loss_budget");
   TORCH_CHECK_VALUE(plan.loss_budget > 0 && std::isfinite(plan.loss_budget), top.where(),
                     ": key 'loss_budget' has value ", plan.loss_budget, ", must be > 0");

@@ -131,6 +131,7 @@ PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& optio
       solve_multiple_choice(weights, costs, options.loss_budget(), options.budget_steps());
   PrecisionPlan plan;
   plan.target = model.target;
+  plan.reference = measurement.reference;
   plan.loss_budget = options.loss_budget();
   plan.cost = 0;
   plan.bf16_cost = 0;

@@ -6,6 +6,7 @@
 
 #include "ampx/fp8/autocast.h"
 #include "ampx/fp8/convert.h"
+#include "../fp8/convert_internal.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
@@ -145,7 +146,10 @@ PlanWatch::PlanWatch(torch::nn::Module& model, PrecisionPlan plan, const WatchOp
   const auto linears = detail::linears_of(model);
   for (const auto& l : plan_.layers) {
     auto* linear = detail::find_linear(linears, l.module, "PlanWatch");
-    TORCH_CHECK_VALUE(l.format == LayerFormat::kBFloat16 || fp8::scaling_of(*linear),
+    const bool converted = detail::is_wide(l.format)
+                               ? fp8::detail::wide_product_of(*linear).has_value()
+                               : fp8::scaling_of(*linear) != nullptr;
+    TORCH_CHECK_VALUE(l.format == LayerFormat::kBFloat16 || converted,
                       "ampx::plan::PlanWatch: layer '", l.module, "' is planned in ",
                       to_string(l.format), " but is not converted (apply_plan first)");
   }
@@ -172,7 +176,8 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
   std::vector<std::pair<LayerPlan*, torch::nn::LinearImpl*>> watched;
   std::vector<at::Tensor> in_format;
   for (auto& l : plan_.layers) {
-    if (l.format == LayerFormat::kBFloat16) continue;
+    // bf16 is what the layer is compared with, fp32 wider still.
+    if (l.format == LayerFormat::kBFloat16 || l.format == LayerFormat::kFloat32) continue;
     auto* linear = detail::find_linear(linears, l.module, "PlanWatch::check");
     TORCH_CHECK(linear->weight.grad().defined(), "ampx::plan::PlanWatch::check: layer '", l.module,
                 "' has no weight gradient at step ", step,
@@ -232,9 +237,14 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
     e.moved_to = l.format;
     if (options_.widen()) {
       const LayerFormat wider = wider_format(l.format, plan_.target);
-      fp8::reconvert_linear(*watched[i].second, wider == LayerFormat::kBFloat16
-                                                    ? c10::optional<fp8::Recipe>()
-                                                    : c10::optional<fp8::Recipe>(recipe_of(wider)));
+      if (detail::is_wide(wider)) {
+        detail::convert_layers(*model_, {l.module}, wider, 0);
+      } else {
+        fp8::reconvert_linear(*watched[i].second,
+                              wider == LayerFormat::kBFloat16
+                                  ? c10::optional<fp8::Recipe>()
+                                  : c10::optional<fp8::Recipe>(recipe_of(wider)));
+      }
       e.moved_to = wider;
       l.format = wider;
       l.scale_rule = scale_rule_of(wider);

@@ -104,6 +104,51 @@ TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   EXPECT_TRUE(step.stepped && std::isfinite(step.loss.item<double>()));
 }
 
+// --plan-reference fp32: the budget is against every Linear in float32, so
+// bf16 is one more format a layer may take (the head, whose 9 outputs FP8
+// cannot take, too); the plan's fp32 and fp16 layers are caught by the FP8
+// region without FP8 state, and train.
+TEST(PlanModeTest, Fp32ReferencePlansAgainstFloat32) {
+  TempDir tmp("ampx-plan-fp32");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  TrainConfig config = config_of(plan_gpt(
+      tmp, {{"--precision", "auto"}, {"--plan-reference", "fp32"}, {"--target", "h100"}}));
+  auto workload = make_workload(config);
+  config.precision_plan = plan_precision(config, *workload);
+  const auto plan = ampx::plan::load_plan(config.precision_plan);
+  using ampx::plan::LayerFormat;
+  EXPECT_EQ(plan.reference, LayerFormat::kFloat32);
+  const auto h100 = ampx::plan::cost_model_for("h100");
+  for (const auto& l : plan.layers) {
+    EXPECT_TRUE(h100.throughput.count(l.format)) << l.module << ": " << to_string(l.format);
+    if (l.module == "head") {
+      EXPECT_TRUE(l.format == LayerFormat::kFloat32 || l.format == LayerFormat::kFloat16 ||
+                  l.format == LayerFormat::kBFloat16)
+          << to_string(l.format);
+    }
+  }
+  ModeSetUp setup =
+      set_up_mode(config, *workload, parse_mode("auto", config), torch::Device(torch::kCPU));
+  const auto modules = setup.model->named_modules();
+  for (const auto& l : plan.layers) {
+    const bool listed = std::find(setup.fp8_layers.begin(), setup.fp8_layers.end(), l.module) !=
+                        setup.fp8_layers.end();
+    EXPECT_EQ(listed, l.format != LayerFormat::kBFloat16) << l.module;
+    const bool wide = l.format == LayerFormat::kFloat32 || l.format == LayerFormat::kFloat16;
+    EXPECT_EQ(ampx::fp8::scaling_of(*modules[l.module]) != nullptr, listed && !wide) << l.module;
+  }
+  const StepOutcome step = train_step(setup, *workload, workload->batch(0, torch::kCPU));
+  EXPECT_TRUE(step.stepped && std::isfinite(step.loss.item<double>()));
+  // CLI11 refuses another reference (and says which flag): an exit code, no config.
+  const auto bad = plan_gpt(tmp, {{"--precision", "auto"}, {"--plan-reference", "fp8"}});
+  std::vector<const char*> argv{"ampx-train"};
+  for (const auto& a : bad) argv.push_back(a.c_str());
+  TrainConfig refused;
+  const auto code = parse_command_line(static_cast<int>(argv.size()), argv.data(), refused);
+  ASSERT_TRUE(code.has_value());
+  EXPECT_NE(*code, 0);
+}
+
 // The binary: --precision auto prints the per-layer table and writes the
 // plan; --compare O2,auto --precision-plan trains the saved plan beside O2.
 TEST(PlanModeTest, BinaryPlansThenComparesTheSavedPlanWithO2) {

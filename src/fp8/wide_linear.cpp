@@ -1,0 +1,104 @@
+// The wide products a converted Linear may run instead of FP8 (a precision
+// plan's fp32 and fp16 layers): float32, or float16 with its output
+// gradient scaled per tensor.
+
+#include "linear_internal.h"
+
+#include "../kernels/function_args.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
+
+namespace ampx {
+namespace fp8 {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// a [M, K] . b [K, N] (+ bias [N]) of float16 operands, accumulated in
+// float32 and rounded to float16, as a float16 GEMM does; on CUDA that GEMM,
+// elsewhere the float32 product of the same values.
+at::Tensor half_product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias) {
+  if (a.is_cuda()) return bias.defined() ? at::addmm(bias, a, b) : at::mm(a, b);
+  const at::Tensor af = a.to(at::kFloat), bf = b.to(at::kFloat);
+  const at::Tensor y = bias.defined() ? at::addmm(bias.to(at::kFloat), af, bf) : at::mm(af, bf);
+  return y.to(at::kHalf);
+}
+
+// The power of two that brings g's largest magnitude into (0.5, 1]; 1 where
+// g is all zeros or not finite. float32 [1] on g's device: no host wait.
+at::Tensor unit_scale(const at::Tensor& g) {
+  const at::Tensor amax = g.abs().max().to(at::kFloat).reshape({1});
+  const at::Tensor usable = at::isfinite(amax).logical_and(amax > 0);
+  const at::Tensor scale = at::exp2(at::neg(at::ceil(at::log2(amax))));
+  return at::where(usable.logical_and(at::isfinite(scale)), scale, at::ones_like(scale));
+}
+
+struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const c10::optional<at::Tensor>& bias_arg) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
+    const at::Tensor x16 = x.reshape({-1, x.size(-1)}).to(at::kHalf);
+    const at::Tensor w16 = weight.to(at::kHalf);
+    const at::Tensor y =
+        half_product(x16, w16.t(), bias.defined() ? bias.to(at::kHalf) : at::Tensor());
+    ctx->save_for_backward({x16, w16});
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+    auto out_sizes = x.sizes().vec();
+    out_sizes.back() = weight.size(0);
+    // float32 holds the float16 values exactly, and every CPU op takes it.
+    return at::_unsafe_view(y.to(at::kFloat), out_sizes);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x16 = saved[0];
+    const at::Tensor& w16 = saved[1];
+    const at::Tensor g = grads[0].reshape({-1, w16.size(0)});
+    // The gradient scaled by a power of two to a largest magnitude in
+    // (0.5, 1]: float16 keeps 2^-24 of that below it, and the products stay
+    // far from 65504 (a loss scale per tensor, with no step to skip).
+    const at::Tensor scale = unit_scale(g);
+    const at::Tensor g16 = (g.to(at::kFloat) * scale).to(at::kHalf);
+    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+    const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const at::Tensor grad_x = (half_product(g16, w16, {}).to(at::kFloat) / scale)
+                                  .to(x_dtype)
+                                  .view(ctx->saved_data["x_sizes"].toIntVector());
+    const at::Tensor grad_w = (half_product(g16.t(), x16, {}).to(at::kFloat) / scale).to(w_dtype);
+    const at::Tensor grad_b = ctx->saved_data["has_bias"].toBool()
+                                  ? g.to(at::kFloat).sum(0).to(w_dtype)
+                                  : at::Tensor();
+    return {grad_x, grad_w, grad_b};
+  }
+};
+
+}  // namespace
+
+namespace detail {
+
+at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       c10::ScalarType product) {
+  TORCH_CHECK(x.is_floating_point() && x.dim() >= 1 && x.size(-1) == weight.size(1),
+              "ampx::fp8: the input of a ", product == at::kHalf ? "float16" : "float32",
+              " linear must be floating with last dimension ", weight.size(1), ", got ",
+              x.scalar_type(), " ", x.sizes());
+  if (product == at::kHalf) {
+    return HalfLinearFunction::apply(x, weight, ampx::detail::optional_tensor(bias));
+  }
+  TORCH_CHECK(product == at::kFloat, "ampx::fp8: no wide product in ", product);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return at::linear(x.to(at::kFloat), weight.to(at::kFloat),
+                    bias.defined() ? bias.to(at::kFloat) : bias);
+}
+
+}  // namespace detail
+}  // namespace fp8
+}  // namespace ampx

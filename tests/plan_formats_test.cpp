@@ -1,0 +1,190 @@
+// A precision plan's wide formats (ampx/precision_plan.h): an fp32 layer
+// runs float32 products inside bf16 autocast, an fp16 layer float16
+// products whose output gradient it scales per tensor, so that gradients far
+// below float16's smallest subnormal keep their value; the watch moves an
+// fp16 layer whose range flushes its input to fp32.
+
+#include "ampx/precision_plan.h"
+
+#include "ampx/fp8/autocast.h"
+#include "ampx/fp8/convert.h"
+#include "test_util.h"
+
+#include <torch/torch.h>
+
+namespace ampx {
+namespace plan_formats_test {  // a name of its own: the unity build joins test files
+namespace {
+
+using plan::LayerFormat;
+using ::testing::HasSubstr;
+
+plan::PrecisionPlan one_layer_plan(LayerFormat format) {
+  plan::PrecisionPlan p;
+  p.target = "b200";
+  p.loss_budget = 0.005;
+  p.layers.push_back({"", format, plan::scale_rule_of(format), 0, 0, 1, "test"});
+  return p;
+}
+
+// A layer's output and gradients from one forward and backward of
+// `loss_scale` * mean((fc(x))^2).
+struct Pass {
+  torch::Tensor y, dx, dw, db;
+};
+
+enum class Region { kPlan, kPlanOff, kNone };
+
+Pass run(torch::nn::Linear& fc, const torch::Tensor& x, double loss_scale, Region region,
+         bool autocast = true) {
+  fc->zero_grad();
+  const auto xg = x.clone().requires_grad_(true);
+  torch::Tensor y;
+  {
+    AutocastGuard guard(torch::kCPU, torch::kBFloat16, autocast);
+    fp8::Fp8AutocastGuard fp8(region == Region::kPlan);
+    y = fc->forward(xg);
+  }
+  (y.to(torch::kFloat).pow(2).mean() * loss_scale).backward();
+  return {y.detach(), xg.grad(), fc->weight.grad().clone(), fc->bias.grad().clone()};
+}
+
+double relative_error(const torch::Tensor& a, const torch::Tensor& ref) {
+  return (a.to(torch::kDouble) - ref.to(torch::kDouble)).norm().item<double>() /
+         ref.to(torch::kDouble).norm().item<double>();
+}
+
+torch::nn::Linear layer(int64_t seed) {
+  torch::manual_seed(seed);
+  return torch::nn::Linear(64, 48);
+}
+
+// Inside bf16 autocast and an FP8 region an fp32 layer is float32 bit for
+// bit (output and every gradient); with FP8 off it is bf16 autocast's layer
+// again, bit for bit.
+TEST(PlanFormatsTest, Fp32LayerIsFloat32InsideBf16Autocast) {
+  torch::manual_seed(1);
+  const auto x = torch::randn({128, 64});
+  auto fc = layer(2);
+  auto plain = layer(2);
+  const Pass float32 = run(plain, x, 1.0, Region::kNone, /*autocast=*/false);
+  const Pass bf16 = run(plain, x, 1.0, Region::kNone);
+  ASSERT_EQ(bf16.y.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat32)),
+            std::vector<std::string>{""});
+  EXPECT_EQ(fp8::scaling_of(*fc), nullptr);  // no FP8 state
+  const Pass wide = run(fc, x, 1.0, Region::kPlan);
+  EXPECT_EQ(wide.y.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(wide.y, float32.y));
+  EXPECT_TRUE(torch::equal(wide.dx, float32.dx));
+  EXPECT_TRUE(torch::equal(wide.dw, float32.dw));
+  EXPECT_TRUE(torch::equal(wide.db, float32.db));
+  const Pass off = run(fc, x, 1.0, Region::kPlanOff);
+  EXPECT_TRUE(torch::equal(off.y, bf16.y));
+  EXPECT_TRUE(torch::equal(off.dw, bf16.dw));
+}
+
+// An fp16 layer's output holds float16 values (in float32), closer to
+// float32's than bf16 autocast's are (3 more mantissa bits); its gradients
+// too, even where the loss is scaled by 1e-12 so that every gradient lies
+// far below float16's smallest subnormal (6e-8): the output gradient's scale
+// per tensor keeps them (unscaled, float16 would flush them all to zero).
+TEST(PlanFormatsTest, Fp16LayerKeepsGradientsFarBelowFloat16sRange) {
+  torch::manual_seed(3);
+  const auto x = torch::randn({128, 64});
+  auto fc = layer(4);
+  auto plain = layer(4);
+  plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
+  for (const double loss_scale : {1.0, 1e-12}) {
+    SCOPED_TRACE(loss_scale);
+    const Pass float32 = run(plain, x, loss_scale, Region::kNone, /*autocast=*/false);
+    const Pass bf16 = run(plain, x, loss_scale, Region::kNone);
+    const Pass half = run(fc, x, loss_scale, Region::kPlan);
+    ASSERT_EQ(half.y.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(torch::equal(half.y, half.y.to(torch::kHalf).to(torch::kFloat)));
+    if (loss_scale < 1) {  // every gradient below float16's smallest subnormal
+      EXPECT_LT(float32.dw.abs().max().item<double>(), 6e-8);
+      EXPECT_LT(float32.dx.abs().max().item<double>(), 6e-8);
+    }
+    for (const auto& [got, bf, ref, name] :
+         {std::make_tuple(half.y, bf16.y, float32.y, "y"),
+          std::make_tuple(half.dx, bf16.dx, float32.dx, "dx"),
+          std::make_tuple(half.dw, bf16.dw, float32.dw, "dw"),
+          std::make_tuple(half.db, bf16.db, float32.db, "db")}) {
+      const double e16 = relative_error(got, ref);
+      const double ebf = relative_error(bf, ref);
+      EXPECT_LT(e16, 2e-3) << name;
+      EXPECT_LT(e16, ebf / 3) << name << ": bf16's error " << ebf;
+    }
+  }
+}
+
+// The watch compares an fp16 layer's gradient with bf16's: inputs of 1e-9
+// (below float16's range, within bfloat16's) reach the layer as zeros, so
+// half its weight gradient is zero where bf16's is not: reported as
+// underflow, and widen moves the layer to fp32, whose gradient is then
+// float32's bit for bit.
+TEST(PlanFormatsTest, WatchMovesAnFp16LayerWhoseRangeFlushesItsInputToFp32) {
+  torch::manual_seed(5);
+  auto x = torch::randn({128, 64});
+  x.narrow(1, 0, 32).mul_(1e-9);
+  auto fc = layer(6);
+  auto plain = layer(6);
+  plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
+  plan::PlanWatch watch(*fc, one_layer_plan(LayerFormat::kFloat16),
+                        plan::WatchOptions().every(1).widen(true));
+  const auto check = [&](int64_t step) {
+    run(fc, x, 1.0, Region::kPlan);
+    return watch.check(step, [&] {
+      AutocastGuard guard(torch::kCPU, torch::kBFloat16);
+      fc->forward(x).to(torch::kFloat).pow(2).mean().backward();
+    });
+  };
+  const auto events = check(0);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].finding, plan::WatchFinding::kUnderflow);
+  EXPECT_GT(events[0].underflow, 0.45);
+  EXPECT_EQ(events[0].moved_to, LayerFormat::kFloat32);
+  EXPECT_THAT(events[0].message(), HasSubstr("(fp16) underflow"));
+  EXPECT_EQ(watch.plan().layers[0].format, LayerFormat::kFloat32);
+  EXPECT_EQ(watch.plan().layers[0].scale_rule, plan::scale_rule_of(LayerFormat::kFloat32));
+  EXPECT_TRUE(check(1).empty());  // fp32: as wide as the comparison, or wider
+  const Pass moved = run(fc, x, 1.0, Region::kPlan);
+  const Pass float32 = run(plain, x, 1.0, Region::kNone, /*autocast=*/false);
+  EXPECT_TRUE(torch::equal(moved.dw, float32.dw));
+}
+
+// The formats' names, order and rules; a wide layer takes no FP8 recipe.
+TEST(PlanFormatsTest, WideFormatsAreNamedAndOrderedWidestFirst) {
+  const auto all = plan::all_layer_formats();
+  ASSERT_EQ(all.size(), 7u);
+  EXPECT_EQ(all[0], LayerFormat::kFloat32);
+  EXPECT_EQ(all[1], LayerFormat::kFloat16);
+  EXPECT_EQ(all[2], LayerFormat::kBFloat16);
+  EXPECT_EQ(plan::parse_layer_format("fp32"), LayerFormat::kFloat32);
+  EXPECT_EQ(plan::to_string(LayerFormat::kFloat16), "fp16");
+  EXPECT_EQ(plan::wider_format(LayerFormat::kFloat16, "b200"), LayerFormat::kFloat32);
+  EXPECT_EQ(plan::wider_format(LayerFormat::kFloat32, "b200"), LayerFormat::kFloat32);
+  EXPECT_EQ(plan::wider_format(LayerFormat::kFp8Block, "b200"), LayerFormat::kBFloat16);
+  EXPECT_THAT(test::error_text([] { (void)plan::recipe_of(LayerFormat::kFloat16); }),
+              HasSubstr("format fp16 has no FP8 recipe (a wide product runs it)"));
+  const auto h100 = plan::cost_model_for("h100");
+  EXPECT_DOUBLE_EQ(h100.throughput.at(LayerFormat::kFloat16), 1.0);
+  EXPECT_NEAR(h100.throughput.at(LayerFormat::kFloat32), 67.0 / 989.0, 1e-12);
+  EXPECT_NEAR(plan::cost_model_for("b200").throughput.at(LayerFormat::kFloat32), 1.0 / 30, 1e-12);
+  auto fc = layer(7);
+  plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
+  EXPECT_THAT(test::error_text([&] {
+                fp8::reconvert_linear(*fc, fp8::Recipe(fp8::CurrentScaling()));
+              }),
+              HasSubstr("runs a wide product, not an FP8 recipe"));
+  fp8::reconvert_linear(*fc, c10::nullopt);  // back to a plain Linear
+  auto plain = layer(7);
+  const auto x = torch::randn({16, 64});
+  EXPECT_TRUE(torch::equal(run(fc, x, 1.0, Region::kPlan).dw,
+                           run(plain, x, 1.0, Region::kPlan).dw));
+}
+
+}  // namespace
+}  // namespace plan_formats_test
+}  // namespace ampx
