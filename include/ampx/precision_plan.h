@@ -284,8 +284,9 @@ PrecisionPlan load_plan(const std::string& path);
 /// (fp8::convert_linears with the format's recipe, NVFP4 seeded with
 /// `seed`), and gives its fp32 and fp16 layers their wide products (inside
 /// an Fp8AutocastGuard region, as the FP8 layers); bf16 layers and Linears
-/// the plan does not name stay as they are, for bf16 autocast. A plan module that is not a Linear of `model` is
-/// a c10::Error naming it. Returns the converted paths.
+/// the plan does not name stay as they are, for bf16 autocast. A plan module
+/// that is not a Linear of `model` is a c10::Error naming it. Returns the
+/// converted paths.
 std::vector<std::string> apply_plan(torch::nn::Module& model, const PrecisionPlan& plan,
                                     uint64_t seed = 0);
 
@@ -345,9 +346,10 @@ struct WatchOptions {
 /// step due(), after the step's backward and before the optimizer's step,
 /// check() keeps every planned layer's weight gradient, runs the caller's
 /// backward of the same batch again with FP8 off (every Linear in bf16, as
-/// the measurement's default reference, whatever the plan's), compares each layer's two gradients, and
-/// puts back every parameter's gradient, the model's buffers and the CPU
-/// generator's state: the training goes on exactly as without the check.
+/// the measurement's default reference, whatever the plan's), compares each
+/// layer's two gradients, and puts back every parameter's gradient, the
+/// model's buffers and the CPU generator's state: the training goes on
+/// exactly as without the check.
 ///
 /// ```
 ///   ampx::plan::PlanWatch watch(*model, plan, ampx::plan::WatchOptions().every(50).widen(true));
