@@ -127,6 +127,51 @@ TEST(PlanWatchTest, UnderflowIsReportedAndWidenMovesTheLayerToTheNextFormat) {
   EXPECT_EQ(watch.events().size(), 1u);
 }
 
+// A resumed run restores where the watch left the layers: a second model
+// with the plan applied, restored to the first watch's formats, runs the
+// moved format (the same gradient, bit for bit) and reports moved(); a
+// module the plan lacks, or a format the watch does not widen to, is an
+// error naming it, and nothing moves.
+TEST(PlanWatchTest, RestorePutsTheLayersWhereTheWatchLeftThem) {
+  const Regression data(1e-7);
+  const auto plan = one_layer_plan(LayerFormat::kNvfp4);
+  Net first;
+  plan::apply_plan(*first, plan, 3);
+  plan::PlanWatch watch(*first, plan, plan::WatchOptions().every(1).widen(true));
+  ASSERT_EQ(step_and_check(first, data, watch, 0).size(), 1u);
+  ASSERT_TRUE(watch.moved());
+  const LayerFormat left = watch.plan().layers[0].format;  // mxfp8
+  ASSERT_NE(left, LayerFormat::kNvfp4);
+
+  Net second;
+  {
+    torch::NoGradGuard no_grad;
+    second->fc->weight.copy_(first->fc->weight);
+    second->fc->bias.copy_(first->fc->bias);
+  }
+  plan::apply_plan(*second, plan, 3);
+  plan::PlanWatch resumed(*second, plan, plan::WatchOptions().every(1).widen(true));
+  EXPECT_FALSE(resumed.moved());
+  EXPECT_THAT(test::error_text([&] { resumed.restore({{"fc9", left}}); }),
+              HasSubstr("module 'fc9' is not in the watched plan"));
+  EXPECT_THAT(test::error_text([&] { resumed.restore({{"fc", LayerFormat::kFloat16}}); }),
+              HasSubstr("layer 'fc' is in nvfp4, which the watch does not widen to fp16 on b200"));
+  EXPECT_FALSE(resumed.moved());
+  resumed.restore({{"fc", left}});
+  EXPECT_TRUE(resumed.moved());
+  EXPECT_EQ(resumed.plan().layers[0].format, left);
+  EXPECT_EQ(fp8::scaling_of(*second->fc)->recipe.to_string(), plan::recipe_of(left).to_string());
+  const auto gradient = [&](Net& net) {
+    net->zero_grad();
+    fp8::Fp8AutocastGuard fp8;
+    data.loss(net).backward();
+    return net->fc->weight.grad().clone();
+  };
+  EXPECT_TRUE(torch::equal(gradient(first), gradient(second)));
+  resumed.restore({{"fc", LayerFormat::kBFloat16}});  // further along the chain
+  EXPECT_EQ(fp8::scaling_of(*second->fc), nullptr);
+}
+
 // Moving to bf16 turns the layer back into a plain Linear: FP8 regions no
 // longer catch it, so its gradient is bf16 autocast's bit for bit.
 TEST(PlanWatchTest, WideningToBf16LeavesAPlainLinear) {

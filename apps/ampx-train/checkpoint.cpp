@@ -3,6 +3,7 @@
 #include "files/archive_check.h"  // ampx's src/: bounds of LibTorch archives
 #include "files/atomic_file.h"    // ampx's src/: crash-safe writes
 
+#include <ampx/precision_plan.h>
 #include <ampx/version.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -160,6 +161,22 @@ CheckpointProgress read_progress(const std::filesystem::path& path, const Checkp
     state.losses.push_back(l.is_null() ? std::numeric_limits<double>::quiet_NaN()
                                        : l.get<double>());
   }
+  if (const auto it = c.meta.find("plan_formats"); it != c.meta.end()) {
+    TORCH_CHECK(it->is_object(), where, " has plan_formats=", it->dump(),
+                "; expected the watched plan's formats by module");
+    for (const auto& [module, format] : it->items()) {
+      TORCH_CHECK(format.is_string(), where, " has plan_formats '", module, "' = ", format.dump(),
+                  "; expected a layer format's name");
+      const std::string name = format.get<std::string>();
+      try {
+        (void)ampx::plan::parse_layer_format(name);
+      } catch (const c10::Error&) {
+        TORCH_CHECK(false, where, " has plan_formats '", module, "' = '", name,
+                    "', not a layer format");
+      }
+      state.plan_formats[module] = name;
+    }
+  }
   const auto& amp = field("amp");
   TORCH_CHECK(amp.is_object(), where, " has amp=", amp.type_name(),
               "; expected the loss scalers' states as an object");
@@ -225,7 +242,7 @@ void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& id
   for (const auto& [name, dict] : objects.amp.state_dict()) {
     amp_state[name] = state_dict_to_json(dict);
   }
-  const nlohmann::json meta = {
+  nlohmann::json meta = {
       {"format", "ampx-train checkpoint"},
       {"run", identity},
       {"step", state.next_step},
@@ -236,6 +253,7 @@ void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& id
       {"amp", amp_state},
       {"torch_version", ampx::torch_version()},
   };
+  if (!state.plan_formats.empty()) meta["plan_formats"] = state.plan_formats;
   std::filesystem::create_directories(path.parent_path());
   write_checkpoint(path, meta, payload.str());
 }

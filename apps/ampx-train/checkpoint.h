@@ -42,6 +42,9 @@ struct RunState {
   int64_t next_step = 0;       // the next step to run
   int64_t skipped = 0;         // steps the loss scaler skipped so far
   std::vector<double> losses;  // one per step run (NaN where JSON has null)
+  /// --plan-widen: every planned layer's format as the watch left it
+  /// (module -> "mxfp8", ...); empty while it has moved none.
+  std::map<std::string, std::string> plan_formats;
 };
 
 /// What a checkpoint holds besides the RunState (ampx::AmpSession's loss

@@ -287,6 +287,11 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "(a layer whose gradient its format's noise drowns, or whose range flushes it, "
                  "is reported); 0: never [default: 50 in one process, 0 with --nproc > 1]")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--plan-noise-ratio", c.plan_noise_ratio,
+                 "--precision auto: the watch reports a layer whose gradient norm is below this "
+                 "times its format's noise (\"FP4 all the way\": sqrt(3))")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_flag("--plan-widen", c.plan_widen,
                "--precision auto: move each layer the watch reports to the next wider format "
                "its --target runs");
@@ -380,9 +385,6 @@ void resolve_defaults(TrainConfig& c) {
   if (c.plan_watch < 0) c.plan_watch = plan_mode && c.nproc == 1 ? 50 : 0;
   TORCH_CHECK(!c.plan_widen || c.plan_watch > 0,
               "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
-  TORCH_CHECK(!c.plan_widen || (c.save_every == 0 && !c.resume),
-              "ampx-train: --plan-widen changes layers' formats during the run, which a "
-              "checkpoint does not record; drop --save-every and --resume");
   TORCH_CHECK(!c.diagnose || c.nproc == 1,
               "ampx-train: --diagnose runs in one process; drop "
               "--nproc ",

@@ -78,6 +78,7 @@ struct TrainConfig {
   std::string plan_reference = "bf16";  // --plan-reference bf16|fp32: what the budget is against
   int64_t plan_watch = -1;  // --plan-watch N: check every N steps; 0 off; -1: 50 in one process
   bool plan_widen = false;  // --plan-widen: move a layer the watch reports to a wider format
+  double plan_noise_ratio = 1.7320508075688772;  // --plan-noise-ratio: the watch's threshold
   // Set by a --compare run on the processes it starts, one per mode, so that
   // every mode is measured in a fresh process (hidden flags).
   std::string only_mode;    // --only-mode: train this mode of --compare

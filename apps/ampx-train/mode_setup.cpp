@@ -44,7 +44,10 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
   if (config.plan_watch > 0) {
     setup.watch = std::make_unique<ampx::plan::PlanWatch>(
         *setup.model, plan,
-        ampx::plan::WatchOptions().every(config.plan_watch).widen(config.plan_widen));
+        ampx::plan::WatchOptions()
+            .every(config.plan_watch)
+            .widen(config.plan_widen)
+            .noise_ratio(config.plan_noise_ratio));
   }
   for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
     if (!dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) continue;

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -257,6 +258,16 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     TORCH_CHECK(state_.next_step <= total_steps_, "ampx-train: checkpoint '", checkpoint_path_,
                 "' is at step ", state_.next_step, ", past this run's ", total_steps_,
                 " steps; raise --steps");
+    if (!state_.plan_formats.empty()) {  // the layers the watch had moved, moved again
+      TORCH_CHECK(setup_.watch, "ampx-train: checkpoint '", checkpoint_path_,
+                  "' holds layers the plan watch moved to wider formats; resume it with the "
+                  "watch (--plan-watch N, --plan-widen) so that they train in those formats");
+      std::map<std::string, ampx::plan::LayerFormat> formats;
+      for (const auto& [module, format] : state_.plan_formats) {
+        formats[module] = ampx::plan::parse_layer_format(format, "plan_formats");
+      }
+      setup_.watch->restore(formats);
+    }
   }
 
   if (lead_) {
@@ -342,6 +353,11 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
               " asked to stop after step ", step + 1, ", but '", checkpoint_path_,
               "' holds a checkpoint this run did not write; it stays as it is, and the steps "
               "of this run are lost (pass --save-every or another --checkpoint-dir)");
+  if (setup_.watch && setup_.watch->moved()) {  // --plan-widen: where the layers now are
+    for (const auto& l : setup_.watch->plan().layers) {
+      state_.plan_formats[l.module] = ampx::plan::to_string(l.format);
+    }
+  }
   if (lead_) {
     save_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(),
                     {*setup_.model, *setup_.optimizer, *setup_.amp}, state_);

@@ -58,6 +58,7 @@
 
 namespace torch {
 namespace nn {
+class LinearImpl;
 class Module;
 }  // namespace nn
 }  // namespace torch
@@ -395,14 +396,27 @@ class PlanWatch {
   /// Every event so far, in step order.
   const std::vector<WatchEvent>& events() const { return events_; }
 
-  /// Whether the watch has moved a layer to a wider format.
+  /// Whether a layer's format is no longer the one the plan gave it (moved
+  /// by check() with widen, or by restore()).
   bool moved() const;
 
+  /// Puts the watched layers in `formats` (module -> format: the plan() of
+  /// an earlier watch of the same plan and model, as a checkpoint keeps it),
+  /// each layer whose format differs moved to it as widen moves one, so that
+  /// a resumed run trains as the one it continues; plan() then holds them.
+  /// c10::Error naming a module the plan lacks, or a format the watch could
+  /// not have moved the layer to (it only widens, along wider_format).
+  void restore(const std::map<std::string, LayerFormat>& formats);
+
  private:
+  // Moves `layer` (`linear` of the model) to `to`, as widen does.
+  void move(LayerPlan& layer, torch::nn::LinearImpl& linear, LayerFormat to);
+
   torch::nn::Module* model_;
   PrecisionPlan plan_;
   WatchOptions options_;
   std::vector<WatchEvent> events_;
+  std::vector<LayerFormat> planned_;     // each layer's format in the plan given
   int64_t begun_ = -1;                   // the step begin_step() kept the state of
   std::vector<at::Tensor> begun_state_;  // the generators' states then
 };

@@ -145,6 +145,7 @@ PlanWatch::PlanWatch(torch::nn::Module& model, PrecisionPlan plan, const WatchOp
                     options.underflow_fraction());
   const auto linears = detail::linears_of(model);
   for (const auto& l : plan_.layers) {
+    planned_.push_back(l.format);
     auto* linear = detail::find_linear(linears, l.module, "PlanWatch");
     const bool converted = detail::is_wide(l.format)
                                ? fp8::detail::wide_product_of(*linear).has_value()
@@ -160,8 +161,46 @@ bool PlanWatch::due(int64_t step) const {
 }
 
 bool PlanWatch::moved() const {
-  return std::any_of(events_.begin(), events_.end(),
-                     [](const WatchEvent& e) { return e.moved_to != e.format; });
+  for (size_t i = 0; i < plan_.layers.size(); ++i) {
+    if (plan_.layers[i].format != planned_[i]) return true;
+  }
+  return false;
+}
+
+void PlanWatch::restore(const std::map<std::string, LayerFormat>& formats) {
+  const auto linears = detail::linears_of(*model_);
+  std::vector<std::pair<LayerPlan*, LayerFormat>> moves;  // all checked before any is made
+  for (const auto& [module, format] : formats) {
+    const auto it = std::find_if(plan_.layers.begin(), plan_.layers.end(),
+                                 [&](const LayerPlan& l) { return l.module == module; });
+    TORCH_CHECK_VALUE(it != plan_.layers.end(), "ampx::plan::PlanWatch::restore: module '",
+                      module, "' is not in the watched plan");
+    LayerFormat reachable = it->format;
+    while (reachable != format) {
+      const LayerFormat wider = wider_format(reachable, plan_.target);
+      TORCH_CHECK_VALUE(wider != reachable, "ampx::plan::PlanWatch::restore: layer '", module,
+                        "' is in ", to_string(it->format), ", which the watch does not widen to ",
+                        to_string(format), " on ", plan_.target);
+      reachable = wider;
+    }
+    if (format != it->format) moves.emplace_back(&*it, format);
+  }
+  for (const auto& [layer, format] : moves) {
+    move(*layer, *detail::find_linear(linears, layer->module, "PlanWatch::restore"), format);
+    layer->reason = "moved by the watch before the checkpoint this run resumed";
+  }
+}
+
+void PlanWatch::move(LayerPlan& layer, torch::nn::LinearImpl& linear, LayerFormat to) {
+  if (detail::is_wide(to)) {
+    detail::convert_layers(*model_, {layer.module}, to, 0);
+  } else {
+    fp8::reconvert_linear(linear, to == LayerFormat::kBFloat16
+                                      ? c10::optional<fp8::Recipe>()
+                                      : c10::optional<fp8::Recipe>(recipe_of(to)));
+  }
+  layer.format = to;
+  layer.scale_rule = scale_rule_of(to);
 }
 
 void PlanWatch::begin_step(int64_t step) {
@@ -236,18 +275,8 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
     e.non_finite = c.non_finite;
     e.moved_to = l.format;
     if (options_.widen()) {
-      const LayerFormat wider = wider_format(l.format, plan_.target);
-      if (detail::is_wide(wider)) {
-        detail::convert_layers(*model_, {l.module}, wider, 0);
-      } else {
-        fp8::reconvert_linear(*watched[i].second,
-                              wider == LayerFormat::kBFloat16
-                                  ? c10::optional<fp8::Recipe>()
-                                  : c10::optional<fp8::Recipe>(recipe_of(wider)));
-      }
-      e.moved_to = wider;
-      l.format = wider;
-      l.scale_rule = scale_rule_of(wider);
+      e.moved_to = wider_format(l.format, plan_.target);
+      move(l, *watched[i].second, e.moved_to);
       l.reason = "moved by the watch at step " + std::to_string(step) + " (" +
                  to_string(e.finding) + " in " + to_string(e.format) + ")";
     }

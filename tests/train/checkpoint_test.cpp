@@ -510,6 +510,14 @@ TEST_F(TrainCheckpointTest, ProgressNamesEachDamagedField) {
             where() +
                 " has loss scaler 'scaler0' state 'scale' = [1]; expected a number, "
                 "boolean, string or null");
+  EXPECT_EQ(error_for("plan_formats", {1, 2}),
+            where() + " has plan_formats=[1,2]; expected the watched plan's formats by module");
+  EXPECT_EQ(error_for("plan_formats", {{"fc", 3}}),
+            where() + " has plan_formats 'fc' = 3; expected a layer format's name");
+  EXPECT_EQ(error_for("plan_formats", {{"fc", "fp5"}}),
+            where() + " has plan_formats 'fc' = 'fp5', not a layer format");
+  EXPECT_EQ(error_for("plan_formats", {{"fc", "mxfp8"}}), "");
+  EXPECT_EQ(read_progress(path_, read_checkpoint(path_)).state.plan_formats.at("fc"), "mxfp8");
   EXPECT_EQ(error_for("step", 2), "");  // the good description itself
 }
 

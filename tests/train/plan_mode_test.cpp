@@ -4,6 +4,7 @@
 // trains; a saved plan is applied as it is; bad flags name themselves.
 
 #include "auto_precision.h"
+#include "checkpoint.h"
 #include "config.h"
 #include "rank_agreement.h"
 #include "test_support.h"
@@ -247,10 +248,6 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
                        {"--plan-watch 3 is for --precision auto"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}}, true),
                        {"--plan-widen is for --precision auto"}));
-  EXPECT_TRUE(
-      contains(config_error({{"--precision", "auto"}, {"--save-every", "1"}}, true),
-               {"--plan-widen changes layers' formats during the run, which a checkpoint does not "
-                "record; drop --save-every and --resume"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--plan-watch", "0"}}, true),
                        {"--plan-widen moves the layers the watch reports; --plan-watch is 0"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"},
@@ -258,6 +255,64 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
                                      {"--plan-watch", "5"},
                                      {"--nproc", "2"}}),
                        {"--plan-watch 5 checks the plan in one process; drop it with --nproc 2"}));
+}
+
+// --plan-widen with checkpoints: the checkpoint keeps the formats the watch
+// moved the layers to, and a resumed run moves them there again, so that it
+// ends with the uninterrupted run's weights bit for bit and the same watched
+// plan. (--plan-noise-ratio 1e9 makes every check report the layer: it
+// widens one format a step, nvfp4 to bf16 in 4 steps.)
+TEST(PlanModeTest, WidenedLayersResumeInTheFormatsTheWatchLeftThem) {
+  TempDir tmp("ampx-plan-resume");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  ampx::plan::PrecisionPlan plan;
+  plan.target = "b200";
+  plan.loss_budget = 0.005;
+  plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
+                         ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
+                         "test"});
+  const auto file = (tmp.path() / "plan.json").string();
+  ampx::plan::save_plan(plan, file);
+  const auto run = [&](const std::string& name, int64_t steps, bool resume) {
+    std::vector<std::pair<std::string, std::string>> flags{
+        {"--precision", "auto"},      {"--precision-plan", file},
+        {"--plan-watch", "1"},        {"--plan-noise-ratio", "1e9"},
+        {"--steps", std::to_string(steps)}, {"--save-every", "2"},
+        {"--checkpoint-dir", (tmp.path() / name / "ckpt").string()},
+        {"--out-dir", (tmp.path() / name).string()}};
+    auto args = plan_gpt(tmp, flags);
+    args.push_back("--plan-widen");
+    if (resume) args.push_back("--resume");
+    TrainConfig config = config_of(args);
+    auto workload = make_workload(config);
+    return train_mode(config, *workload, "auto");
+  };
+  const RunResult whole = run("whole", 4, false);
+  ASSERT_FALSE(whole.watched_plan_path.empty());
+  EXPECT_EQ(ampx::plan::load_plan(whole.watched_plan_path).layers[0].format,
+            ampx::plan::LayerFormat::kBFloat16);
+  (void)run("parts", 2, false);
+  const auto saved = read_checkpoint((tmp.path() / "parts" / "ckpt" / "checkpoint.ampx"));
+  EXPECT_EQ(saved.meta.at("plan_formats").at("blocks.0.fc"), "fp8");  // nvfp4, mxfp8, fp8
+  const RunResult resumed = run("parts", 4, true);
+  EXPECT_EQ(resumed.weights_checksum, whole.weights_checksum);
+  ASSERT_FALSE(resumed.watched_plan_path.empty());
+  EXPECT_EQ(ampx::plan::load_plan(resumed.watched_plan_path).layers[0].format,
+            ampx::plan::LayerFormat::kBFloat16);
+
+  // Resumed without the watch, the moved layers would train in the plan's
+  // formats: refused, by name.
+  auto args = plan_gpt(tmp, {{"--precision", "auto"},
+                             {"--precision-plan", file},
+                             {"--plan-watch", "0"},
+                             {"--steps", "4"},
+                             {"--checkpoint-dir", (tmp.path() / "parts" / "ckpt").string()},
+                             {"--out-dir", (tmp.path() / "parts").string()}});
+  args.push_back("--resume");
+  TrainConfig config = config_of(args);
+  auto workload = make_workload(config);
+  EXPECT_TRUE(expect_error_contains([&] { (void)train_mode(config, *workload, "auto"); },
+                                    {"holds layers the plan watch moved to wider formats"}));
 }
 
 }  // namespace
