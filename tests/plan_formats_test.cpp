@@ -119,6 +119,44 @@ TEST(PlanFormatsTest, Fp16LayerKeepsGradientsFarBelowFloat16sRange) {
   }
 }
 
+// The scale keeps each backward product's worst case within float16's
+// range: 65536 rows whose first feature is 4 and an output gradient of 0.3
+// sum to a weight gradient of 78643 in that column, beyond 65504 (a scale
+// that only brought the gradient's largest value near 1 made it inf). With
+// no rows, the gradients are zeros.
+TEST(PlanFormatsTest, Fp16ProductsOfManyRowsDoNotOverflowAndNoRowsGiveZeros) {
+  torch::manual_seed(8);
+  auto x = torch::rand({65536, 64});
+  x.select(1, 0).fill_(4.0);
+  auto fc = layer(9);
+  auto plain = layer(9);
+  plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
+  const auto sum_backward = [&](torch::nn::Linear& l, Region region, bool autocast) {
+    l->zero_grad();
+    {
+      AutocastGuard guard(torch::kCPU, torch::kBFloat16, autocast);
+      fp8::Fp8AutocastGuard fp8(region == Region::kPlan);
+      (l->forward(x).to(torch::kFloat).sum() * 0.3).backward();
+    }
+    return l->weight.grad().clone();
+  };
+  const auto half = sum_backward(fc, Region::kPlan, true);
+  const auto float32 = sum_backward(plain, Region::kNone, false);
+  EXPECT_GT(float32.abs().max().item<double>(), 65504.0);
+  EXPECT_TRUE(torch::isfinite(half).all().item<bool>());
+  EXPECT_LT(relative_error(half, float32), 2e-3);
+
+  const auto none = torch::zeros({0, 64}, torch::requires_grad());
+  fc->zero_grad();
+  {
+    AutocastGuard guard(torch::kCPU, torch::kBFloat16);
+    fp8::Fp8AutocastGuard fp8;
+    fc->forward(none).to(torch::kFloat).sum().backward();
+  }
+  EXPECT_TRUE(torch::equal(fc->weight.grad(), torch::zeros_like(fc->weight)));
+  EXPECT_EQ(none.grad().sizes(), none.sizes());
+}
+
 // The watch compares an fp16 layer's gradient with bf16's: inputs of 1e-9
 // (below float16's range, within bfloat16's) reach the layer as zeros, so
 // half its weight gradient is zero where bf16's is not: reported as

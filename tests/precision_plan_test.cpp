@@ -342,6 +342,8 @@ TEST(PrecisionPlanTest, SavedPlanLoadsBackAndAppliesAsTheOriginal) {
   plan::save_plan(loaded, (tmp.path / "b.json").string());
   EXPECT_EQ(read_text(tmp.path / "a.json"), read_text(tmp.path / "b.json"));
   EXPECT_THAT(read_text(tmp.path / "a.json"), HasSubstr("\n      \"format\": \"nvfp4\",\n"));
+  // A bf16-reference plan without wide layers: version 1, which older ampx reads.
+  EXPECT_THAT(read_text(tmp.path / "a.json"), HasSubstr("{\n  \"version\": 1,\n"));
   EXPECT_EQ(loaded.target, original.target);
   EXPECT_EQ(loaded.loss_budget, original.loss_budget);
   EXPECT_EQ(loaded.cost, original.cost);
@@ -488,7 +490,12 @@ TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
   TempFolder tmp;
   const auto path = (tmp.path / "fp32.json").string();
   plan::save_plan(proven.plan, path);
+  EXPECT_THAT(read_text(path), HasSubstr("{\n  \"version\": 2,\n"));
   EXPECT_THAT(read_text(path), HasSubstr("\n  \"reference\": \"fp32\",\n"));
+  plan::PrecisionPlan odd = proven.plan;
+  odd.reference = LayerFormat::kNvfp4;
+  EXPECT_THAT(test::error_text([&] { plan::save_plan(odd, path); }),
+              HasSubstr("the plan's reference must be bf16 or fp32, got nvfp4"));
   const auto loaded = plan::load_plan(path);
   EXPECT_EQ(loaded.reference, LayerFormat::kFloat32);
   for (size_t l = 0; l < loaded.layers.size(); ++l) {

@@ -380,6 +380,8 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,
               " is for --precision auto");
   TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");
+  TORCH_CHECK(c.plan_reference == "bf16" || plan_mode, "ampx-train: --plan-reference ",
+              c.plan_reference, " is for --precision auto");
   TORCH_CHECK(c.plan_watch <= 0 || c.nproc == 1, "ampx-train: --plan-watch ", c.plan_watch,
               " checks the plan in one process; drop it with --nproc ", c.nproc);
   if (c.plan_watch < 0) c.plan_watch = plan_mode && c.nproc == 1 ? 50 : 0;

@@ -71,9 +71,10 @@ enum class LayerFormat {
   /// "fp32": float32 operands and products, outside autocast (a wide product)
   kFloat32,
   /// "fp16": float16 operands and products (float32 accumulation), the output
-  /// widened to float32; the output gradient scaled per tensor by a power of
-  /// two into (0.5, 1] before its products, float16's loss scaling done per
-  /// layer and per step (no step skipped)
+  /// widened to float32; before each backward product the output gradient
+  /// scaled by the largest power of two that keeps the product's worst case
+  /// within 2^15, float16's loss scaling done per layer, product and step
+  /// (no step skipped)
   kFloat16,
   kBFloat16,  ///< "bf16": the layer runs under bf16 autocast (not converted)
   kFp8,       ///< "fp8": FP8 tensorwise current scaling (HYBRID: E4M3 forward, E5M2 gradients)

@@ -12,6 +12,7 @@
 #include <torch/library.h>
 #include <torch/nn/modules/linear.h>
 
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -37,6 +38,15 @@ struct ConvertedRegistry {
 ConvertedRegistry& converted_registry() {
   static auto* r = new ConvertedRegistry();
   return *r;
+}
+
+// Drops the layers whose weight is gone (each entry keeps its TensorImpl's
+// control block): a program that converts a model per run (a plan's probes)
+// keeps the registry at the live layers. Called with r.mutex held.
+void drop_freed(ConvertedRegistry& r) {
+  for (auto it = r.layers.begin(); it != r.layers.end();) {
+    it = it->second.weight.expired() ? r.layers.erase(it) : std::next(it);
+  }
 }
 
 // The converted layer `weight` belongs to, if any.
@@ -161,6 +171,7 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
     {
       auto& r = converted_registry();
       std::lock_guard<std::mutex> lock(r.mutex);
+      drop_freed(r);
       r.layers.erase(w.unsafeGetTensorImpl());  // a freed weight's address, reused
       r.layers.emplace(w.unsafeGetTensorImpl(),
                        Converted{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
@@ -173,19 +184,20 @@ std::vector<std::string> convert_linears(torch::nn::Module& model, const Convert
 
 void reconvert_linear(torch::nn::Module& module, const c10::optional<Recipe>& recipe) {
   auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
-  TORCH_CHECK_VALUE(linear != nullptr && lookup(linear->weight),
-                    "ampx::fp8::reconvert_linear: the module (", module.name(),
+  const auto layer = linear != nullptr ? lookup(linear->weight) : c10::nullopt;
+  TORCH_CHECK_VALUE(layer, "ampx::fp8::reconvert_linear: the module (", module.name(),
                     ") is not a torch::nn::Linear that convert_linears converted");
   if (recipe) recipe->validate();
   const at::Tensor& w = linear->weight;
-  TORCH_CHECK_VALUE(!recipe || !lookup(w)->wide, "ampx::fp8::reconvert_linear: the module (",
+  TORCH_CHECK_VALUE(!recipe || !layer->wide, "ampx::fp8::reconvert_linear: the module (",
                     module.name(), ") runs a wide product, not an FP8 recipe, and has no ",
                     "FP8 buffers to keep");
   auto scaling = recipe ? std::make_shared<LinearScaling>(*recipe, w.device(), w) : nullptr;
   auto& r = converted_registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const auto it = r.layers.find(w.unsafeGetTensorImpl());
-  if (it == r.layers.end()) return;  // (not reachable: checked above)
+  // Another thread may have dropped it since: then there is nothing to change.
+  if (it == r.layers.end() || it->second.weight.lock().get() != w.unsafeGetTensorImpl()) return;
   if (scaling) {
     it->second.scaling = std::move(scaling);
   } else {
@@ -210,6 +222,7 @@ void detail::set_wide_product(torch::nn::LinearImpl& linear, c10::ScalarType pro
     return;
   }
   if (it != r.layers.end()) r.layers.erase(it);  // a freed weight's address, reused
+  drop_freed(r);
   r.layers.emplace(w.unsafeGetTensorImpl(),
                    Converted{c10::weak_intrusive_ptr<c10::TensorImpl>(w.getIntrusivePtr()),
                              nullptr, c10::nullopt, product});

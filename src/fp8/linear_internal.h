@@ -26,8 +26,9 @@ at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::T
 /// autocast's casts left out: kFloat, float32 operands and output; kHalf,
 /// float16 operands and product (float32 accumulation, rounded to float16),
 /// the output widened to float32, and in the backward the output gradient
-/// scaled per tensor by the power of two that brings its largest magnitude
-/// into (0.5, 1] before it is rounded to float16 (underflow 2^24 below that).
+/// scaled, for each of the two products, by the largest power of two that
+/// keeps it and the product's worst case (terms x amax x amax) within 2^15
+/// before it is rounded to float16, the product unscaled in float32.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                        c10::ScalarType product);
 

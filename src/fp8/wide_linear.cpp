@@ -27,13 +27,22 @@ at::Tensor half_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return y.to(at::kHalf);
 }
 
-// The power of two that brings g's largest magnitude into (0.5, 1]; 1 where
-// g is all zeros or not finite. float32 [1] on g's device: no host wait.
-at::Tensor unit_scale(const at::Tensor& g) {
-  const at::Tensor amax = g.abs().max().to(at::kFloat).reshape({1});
-  const at::Tensor usable = at::isfinite(amax).logical_and(amax > 0);
-  const at::Tensor scale = at::exp2(at::neg(at::ceil(at::log2(amax))));
-  return at::where(usable.logical_and(at::isfinite(scale)), scale, at::ones_like(scale));
+at::Tensor amax_of(const at::Tensor& t) {
+  return t.abs().max().to(at::kFloat).reshape({1});
+}
+
+// The power of two s that the output gradient G is multiplied by before its
+// float16 rounding, for a product G . B that sums k terms: the largest that
+// keeps both G's largest value and the product's worst case,
+// k x amax(G) x amax(B), at most 2^15 (float16 holds 65504), so that neither
+// overflows and G keeps the most of float16's range below; its exponent
+// clamped to float32's normal range. 1 where an amax is not finite (the inf
+// or NaN goes through). float32 [1] on G's device: no host wait.
+at::Tensor product_scale(const at::Tensor& g_amax, const at::Tensor& other_amax, int64_t k) {
+  const at::Tensor reach = g_amax * at::clamp_min(other_amax * static_cast<double>(k), 1.0);
+  const at::Tensor scale = at::exp2(at::clamp(15.0 - at::ceil(at::log2(reach)), -126.0, 126.0));
+  const at::Tensor finite = at::isfinite(g_amax).logical_and(at::isfinite(other_amax));
+  return at::where(finite, scale, at::ones_like(scale));
 }
 
 struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction> {
@@ -61,21 +70,29 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x16 = saved[0];
     const at::Tensor& w16 = saved[1];
-    const at::Tensor g = grads[0].reshape({-1, w16.size(0)});
-    // The gradient scaled by a power of two to a largest magnitude in
-    // (0.5, 1]: float16 keeps 2^-24 of that below it, and the products stay
-    // far from 65504 (a loss scale per tensor, with no step to skip).
-    const at::Tensor scale = unit_scale(g);
-    const at::Tensor g16 = (g.to(at::kFloat) * scale).to(at::kHalf);
+    const at::Tensor g = grads[0].reshape({-1, w16.size(0)}).to(at::kFloat);
     const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-    const at::Tensor grad_x = (half_product(g16, w16, {}).to(at::kFloat) / scale)
-                                  .to(x_dtype)
-                                  .view(ctx->saved_data["x_sizes"].toIntVector());
-    const at::Tensor grad_w = (half_product(g16.t(), x16, {}).to(at::kFloat) / scale).to(w_dtype);
-    const at::Tensor grad_b = ctx->saved_data["has_bias"].toBool()
-                                  ? g.to(at::kFloat).sum(0).to(w_dtype)
-                                  : at::Tensor();
+    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype)
+                                                                   : at::Tensor();
+    if (g.numel() == 0 || x16.numel() == 0) {  // no rows (or no features): nothing to sum
+      return {at::zeros(x_sizes, g.options().dtype(x_dtype)),
+              at::zeros(w16.sizes(), g.options().dtype(w_dtype)), grad_b};
+    }
+    // A loss scale per product and per step, with no step to skip: G scaled
+    // so that the product neither overflows float16 nor loses G's small
+    // values (float16 keeps 2^-24 of G's largest below it), unscaled in float32.
+    const at::Tensor g_amax = amax_of(g);
+    const at::Tensor scale_x = product_scale(g_amax, amax_of(w16), w16.size(0));
+    const at::Tensor scale_w = product_scale(g_amax, amax_of(x16), x16.size(0));
+    const at::Tensor grad_x =
+        (half_product((g * scale_x).to(at::kHalf), w16, {}).to(at::kFloat) / scale_x)
+            .to(x_dtype)
+            .view(x_sizes);
+    const at::Tensor grad_w =
+        (half_product((g * scale_w).to(at::kHalf).t(), x16, {}).to(at::kFloat) / scale_w)
+            .to(w_dtype);
     return {grad_x, grad_w, grad_b};
   }
 };

@@ -19,7 +19,8 @@ namespace ampx {
 namespace plan {
 namespace {
 
-// 2: "reference" (version 1 had none: bf16), fp32 and fp16 layers.
+// 2: "reference" (version 1 has none: bf16), fp32 and fp16 layers. A plan
+// version 1 can hold is written as version 1, which older ampx reads.
 constexpr int64_t kPlanVersion = 2;
 using ampx::detail::json_number;
 using ampx::detail::json_string;
@@ -111,12 +112,20 @@ LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::str
 }  // namespace
 
 void save_plan(const PrecisionPlan& plan, const std::string& path) {
+  TORCH_CHECK_VALUE(
+      plan.reference == LayerFormat::kBFloat16 || plan.reference == LayerFormat::kFloat32,
+      "ampx::plan::save_plan: the plan's reference must be bf16 or fp32, got ",
+      to_string(plan.reference));
+  const bool wide = std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) {
+    return l.format == LayerFormat::kFloat32 || l.format == LayerFormat::kFloat16;
+  });
+  const bool version_1 = plan.reference == LayerFormat::kBFloat16 && !wide;
   std::ostringstream o;
   o << "{\n"
-    << "  \"version\": " << kPlanVersion << ",\n"
-    << "  \"target\": " << json_string(plan.target) << ",\n"
-    << "  \"reference\": " << json_string(to_string(plan.reference)) << ",\n"
-    << "  \"loss_budget\": " << json_number(plan.loss_budget) << ",\n"
+    << "  \"version\": " << (version_1 ? 1 : kPlanVersion) << ",\n"
+    << "  \"target\": " << json_string(plan.target) << ",\n";
+  if (!version_1) o << "  \"reference\": " << json_string(to_string(plan.reference)) << ",\n";
+  o << "  \"loss_budget\": " << json_number(plan.loss_budget) << ",\n"
     << "  \"predicted_loss_change\": " << json_number(plan.predicted_loss_change) << ",\n"
     << "  \"cost\": " << json_number(plan.cost) << ",\n"
     << "  \"bf16_cost\": " << json_number(plan.bf16_cost) << ",\n"

@@ -128,10 +128,24 @@ TEST(PlanModeTest, Fp32ReferencePlansAgainstFloat32) {
           << to_string(l.format);
     }
   }
+  // Whatever this plan chose, one layer in each wide format (the head, which
+  // FP8 cannot take, in fp16), so that the run below trains both.
+  auto forced = plan;
+  for (auto& l : forced.layers) {
+    if (l.module == "head") l.format = LayerFormat::kFloat16;
+    if (l.module == "blocks.0.fc") l.format = LayerFormat::kFloat32;
+  }
+  const auto count = [&](LayerFormat f) {
+    return std::count_if(forced.layers.begin(), forced.layers.end(),
+                         [f](const auto& l) { return l.format == f; });
+  };
+  ASSERT_EQ(count(LayerFormat::kFloat16), 1);
+  ASSERT_GE(count(LayerFormat::kFloat32), 1);
+  ampx::plan::save_plan(forced, config.precision_plan);
   ModeSetUp setup =
       set_up_mode(config, *workload, parse_mode("auto", config), torch::Device(torch::kCPU));
   const auto modules = setup.model->named_modules();
-  for (const auto& l : plan.layers) {
+  for (const auto& l : forced.layers) {
     const bool listed = std::find(setup.fp8_layers.begin(), setup.fp8_layers.end(), l.module) !=
                         setup.fp8_layers.end();
     EXPECT_EQ(listed, l.format != LayerFormat::kBFloat16) << l.module;
@@ -140,7 +154,7 @@ TEST(PlanModeTest, Fp32ReferencePlansAgainstFloat32) {
   }
   const StepOutcome step = train_step(setup, *workload, workload->batch(0, torch::kCPU));
   EXPECT_TRUE(step.stepped && std::isfinite(step.loss.item<double>()));
-  // CLI11 refuses another reference (and says which flag): an exit code, no config.
+  // CLI11 refuses another reference: an exit code, no config.
   const auto bad = plan_gpt(tmp, {{"--precision", "auto"}, {"--plan-reference", "fp8"}});
   std::vector<const char*> argv{"ampx-train"};
   for (const auto& a : bad) argv.push_back(a.c_str());
@@ -183,6 +197,8 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
                        {"--loss-budget '-1%' is not a loss change > 0"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "half"}}),
                        {"--loss-budget 'half'"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-reference", "fp32"}}),
+                       {"--plan-reference fp32 is for --precision auto"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--precision-plan", "p.json"}}),
                        {"--precision-plan 'p.json' is for --precision auto"}));
   const auto missing = (tmp.path() / "none.json").string();
