@@ -192,6 +192,43 @@ TEST(PlanFormatsTest, WatchMovesAnFp16LayerWhoseRangeFlushesItsInputToFp32) {
   EXPECT_TRUE(torch::equal(moved.dw, float32.dw));
 }
 
+// On CUDA the wide layers run PyTorch's own products (cuBLAS's float32 and
+// half GEMMs): the same values as the CPU's up to the sums' order, for the
+// output and both gradients, and the fp16 layer's scale keeps gradients of
+// a loss scaled by 1e-12 (all below float16's smallest subnormal) there too.
+TEST(PlanFormatsTest, CudaWideLayersAreTheCpusUpToTheSumsOrder) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "CUDA not available";
+  torch::manual_seed(11);
+  const auto x = torch::randn({256, 64});
+  for (const LayerFormat format : {LayerFormat::kFloat32, LayerFormat::kFloat16}) {
+    for (const double loss_scale : {1.0, 1e-12}) {
+      SCOPED_TRACE(plan::to_string(format) + " x " + std::to_string(loss_scale));
+      std::vector<Pass> passes;
+      for (const c10::DeviceType device : {c10::DeviceType::CPU, c10::DeviceType::CUDA}) {
+        auto fc = layer(12);
+        fc->to(device);
+        plan::apply_plan(*fc, one_layer_plan(format));
+        const auto xd = x.to(device).requires_grad_(true);
+        torch::Tensor y;
+        {
+          AutocastGuard guard(device, torch::kBFloat16);
+          fp8::Fp8AutocastGuard fp8;
+          y = fc->forward(xd);
+        }
+        (y.to(torch::kFloat).pow(2).mean() * loss_scale).backward();
+        passes.push_back({y.detach().cpu(), xd.grad().cpu(), fc->weight.grad().cpu(),
+                          fc->bias.grad().cpu()});
+      }
+      const double bound = format == LayerFormat::kFloat32 ? 1e-5 : 1e-3;
+      EXPECT_EQ(passes[1].y.scalar_type(), torch::kFloat);
+      EXPECT_LT(relative_error(passes[1].y, passes[0].y), bound);
+      EXPECT_LT(relative_error(passes[1].dx, passes[0].dx), bound);
+      EXPECT_LT(relative_error(passes[1].dw, passes[0].dw), bound);
+      EXPECT_LT(relative_error(passes[1].db, passes[0].db), bound);
+    }
+  }
+}
+
 // The formats' names, order and rules; a wide layer takes no FP8 recipe.
 TEST(PlanFormatsTest, WideFormatsAreNamedAndOrderedWidestFirst) {
   const auto all = plan::all_layer_formats();
