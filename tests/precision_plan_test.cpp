@@ -345,6 +345,7 @@ TEST(PrecisionPlanTest, SavedPlanLoadsBackAndAppliesAsTheOriginal) {
   // A bf16-reference plan without wide layers: version 1, which older ampx reads.
   EXPECT_THAT(read_text(tmp.path / "a.json"), HasSubstr("{\n  \"version\": 1,\n"));
   EXPECT_EQ(loaded.target, original.target);
+  EXPECT_EQ(loaded.reference, LayerFormat::kBFloat16);  // version 1: bf16
   EXPECT_EQ(loaded.loss_budget, original.loss_budget);
   EXPECT_EQ(loaded.cost, original.cost);
   ASSERT_EQ(loaded.layers.size(), original.layers.size());
@@ -503,14 +504,20 @@ TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
   }
   EXPECT_EQ(plan::check_plan(*fx.model, problem_of(fx.data), loaded, options).loss,
             proven.check.loss);
-  // A version 1 file (before fp32 references) has none: bf16.
+  // Version 1 (before fp32 references) had no fp32 or fp16 layers either:
+  // such a file is refused by name.
+  plan::PrecisionPlan with_fp16 = proven.plan;
+  with_fp16.layers[0].format = LayerFormat::kFloat16;
+  plan::save_plan(with_fp16, path);
   std::string v1 = read_text(path);
   const std::string version = "\"version\": 2", reference = "  \"reference\": \"fp32\",\n";
   ASSERT_NE(v1.find(version), std::string::npos);
   v1.replace(v1.find(version), version.size(), "\"version\": 1");
   v1.erase(v1.find(reference), reference.size());
   write_text(tmp.path / "v1.json", v1);
-  EXPECT_EQ(plan::load_plan((tmp.path / "v1.json").string()).reference, LayerFormat::kBFloat16);
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan((tmp.path / "v1.json").string()); }),
+              HasSubstr("key 'layers[0].format' has value 'fp16', which version 1 files do not "
+                        "hold"));
   EXPECT_THAT(test::error_text([&] {
                 (void)plan::check_plan(*fx.model, problem_of(fx.data), loaded, measure_options());
               }),

@@ -385,6 +385,12 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(c.plan_watch <= 0 || c.nproc == 1, "ampx-train: --plan-watch ", c.plan_watch,
               " checks the plan in one process; drop it with --nproc ", c.nproc);
   if (c.plan_watch < 0) c.plan_watch = plan_mode && c.nproc == 1 ? 50 : 0;
+  TORCH_CHECK(std::isfinite(c.plan_noise_ratio) && c.plan_noise_ratio > 0,
+              "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio, " is not a number > 0");
+  TORCH_CHECK(c.plan_noise_ratio == TrainConfig().plan_noise_ratio || c.plan_watch > 0,
+              "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio,
+              " sets the plan watch's threshold; the watch is off (--plan-watch 0, or not "
+              "--precision auto in one process)");
   TORCH_CHECK(!c.plan_widen || c.plan_watch > 0,
               "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
   TORCH_CHECK(!c.diagnose || c.nproc == 1,

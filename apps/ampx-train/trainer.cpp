@@ -259,9 +259,10 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
                 "' is at step ", state_.next_step, ", past this run's ", total_steps_,
                 " steps; raise --steps");
     if (!state_.plan_formats.empty()) {  // the layers the watch had moved, moved again
-      TORCH_CHECK(setup_.watch, "ampx-train: checkpoint '", checkpoint_path_,
+      TORCH_CHECK(setup_.watch && config.plan_widen, "ampx-train: checkpoint '",
+                  checkpoint_path_,
                   "' holds layers the plan watch moved to wider formats; resume it with the "
-                  "watch (--plan-watch N, --plan-widen) so that they train in those formats");
+                  "watch (--plan-watch N --plan-widen) so that they train in those formats");
       std::map<std::string, ampx::plan::LayerFormat> formats;
       for (const auto& [module, format] : state_.plan_formats) {
         formats[module] = ampx::plan::parse_layer_format(format, "plan_formats");

@@ -10,6 +10,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
+#include <cmath>
+
 namespace ampx {
 namespace fp8 {
 namespace {
@@ -39,8 +41,12 @@ at::Tensor amax_of(const at::Tensor& t) {
 // clamped to float32's normal range. 1 where an amax is not finite (the inf
 // or NaN goes through). float32 [1] on G's device: no host wait.
 at::Tensor product_scale(const at::Tensor& g_amax, const at::Tensor& other_amax, int64_t k) {
-  const at::Tensor reach = g_amax * at::clamp_min(other_amax * static_cast<double>(k), 1.0);
-  const at::Tensor scale = at::exp2(at::clamp(15.0 - at::ceil(at::log2(reach)), -126.0, 126.0));
+  // Exponents added, not amaxes multiplied: the product of two large ones
+  // would overflow float32.
+  const at::Tensor spread =
+      at::clamp_min(at::log2(other_amax) + std::log2(static_cast<double>(k)), 0.0);
+  const at::Tensor exponent = 15.0 - at::ceil(at::log2(g_amax)) - at::ceil(spread);
+  const at::Tensor scale = at::exp2(at::clamp(exponent, -126.0, 126.0));
   const at::Tensor finite = at::isfinite(g_amax).logical_and(at::isfinite(other_amax));
   return at::where(finite, scale, at::ones_like(scale));
 }

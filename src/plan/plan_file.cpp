@@ -168,6 +168,10 @@ PrecisionPlan load_plan(const std::string& path) {
   for (size_t i = 0; i < layers.array.size(); ++i) {
     const std::string key = "layers[" + std::to_string(i) + "]";
     plan.layers.push_back(read_layer(layers.array[i], key, path));
+    const LayerFormat f = plan.layers.back().format;
+    TORCH_CHECK_VALUE(version >= 2 || (f != LayerFormat::kFloat32 && f != LayerFormat::kFloat16),
+                      top.where(), ": key '", key, ".format' has value '", to_string(f),
+                      "', which version 1 files do not hold");
     for (size_t j = 0; j < i; ++j) {
       TORCH_CHECK_VALUE(plan.layers[j].module != plan.layers[i].module, top.where(), ": key '", key,
                         ".module' repeats module '", plan.layers[i].module, "' of layers[", j, "]");

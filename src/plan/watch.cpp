@@ -195,6 +195,12 @@ void PlanWatch::move(LayerPlan& layer, torch::nn::LinearImpl& linear, LayerForma
   if (detail::is_wide(to)) {
     detail::convert_layers(*model_, {layer.module}, to, 0);
   } else {
+    // A moved layer's new scaling is not registered as buffers (checkpoints
+    // keep its first format's): fine while every format a move reaches
+    // keeps no state between steps, as recipe_of's current and block
+    // recipes do; a delayed-scaling target would resume differently.
+    TORCH_INTERNAL_ASSERT(to == LayerFormat::kBFloat16 || !recipe_of(to).is_delayed(),
+                          "ampx::plan: a watch move to a stateful recipe");
     fp8::reconvert_linear(linear, to == LayerFormat::kBFloat16
                                       ? c10::optional<fp8::Recipe>()
                                       : c10::optional<fp8::Recipe>(recipe_of(to)));

@@ -197,6 +197,8 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
                        {"--loss-budget '-1%' is not a loss change > 0"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--loss-budget", "half"}}),
                        {"--loss-budget 'half'"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-noise-ratio", "3"}}),
+                       {"--plan-noise-ratio 3 sets the plan watch's threshold; the watch is off"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-reference", "fp32"}}),
                        {"--plan-reference fp32 is for --precision auto"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--precision-plan", "p.json"}}),
