@@ -174,6 +174,34 @@ Measured& measured_mlp() {
   return *m;
 }
 
+// What the user's own loop gives from the measured model's weights: 6 AdamW
+// steps on batches 0..5, then the mean loss of batches 6..9, under bf16
+// autocast or in float32.
+double users_loop(Measured& fx, bool bf16_autocast) {
+  Mlp copy;
+  {
+    torch::NoGradGuard no_grad;
+    const auto source = fx.model->named_parameters();
+    for (auto& p : copy->named_parameters()) p.value().copy_(source[p.key()]);
+  }
+  torch::optim::AdamW opt(copy->parameters(), torch::optim::AdamWOptions(3e-3));
+  for (int64_t step = 0; step < 6; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16, bf16_autocast);
+      loss = fx.data.loss(*copy, step);
+    }
+    loss.backward();
+    opt.step();
+  }
+  torch::NoGradGuard no_grad;
+  AutocastGuard autocast(torch::kCPU, torch::kBFloat16, bf16_autocast);
+  double eval = 0;
+  for (int64_t e = 0; e < 4; ++e) eval += fx.data.loss(*copy, 6 + e).item<double>();
+  return eval / 4;
+}
+
 // Every Linear in every format; the same numbers on a second pass; 4-bit
 // gradients further from bf16's than 8-bit ones; the reference is what the
 // user's own bf16 loop gives from the model's weights.
@@ -206,28 +234,7 @@ TEST(PrecisionPlanTest, MeasurementIsDeterministicAndTheReferenceIsTheUsersLoop)
     EXPECT_GT(measured(la, LayerFormat::kFp8).grad_error, 0.0) << la.module;
   }
   // The reference: 6 AdamW steps of the model's own weights under bf16 autocast.
-  Mlp copy;
-  {
-    torch::NoGradGuard no_grad;
-    const auto source = fx.model->named_parameters();
-    for (auto& p : copy->named_parameters()) p.value().copy_(source[p.key()]);
-  }
-  torch::optim::AdamW opt(copy->parameters(), torch::optim::AdamWOptions(3e-3));
-  for (int64_t step = 0; step < 6; ++step) {
-    opt.zero_grad();
-    torch::Tensor loss;
-    {
-      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
-      loss = fx.data.loss(*copy, step);
-    }
-    loss.backward();
-    opt.step();
-  }
-  torch::NoGradGuard no_grad;
-  AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
-  double eval = 0;
-  for (int64_t e = 0; e < 4; ++e) eval += fx.data.loss(*copy, 6 + e).item<double>();
-  EXPECT_EQ(a.reference_loss, eval / 4);
+  EXPECT_EQ(a.reference_loss, users_loop(fx, /*bf16_autocast=*/true));
 }
 
 // The budget the training tests plan for: 0.3% of the loss.
@@ -448,24 +455,7 @@ TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
   }
   // The reference: 6 AdamW steps of the model's own weights in float32 (the
   // MLP's other ops, GELU and the loss, run in float32 under autocast too).
-  Mlp copy;
-  {
-    torch::NoGradGuard no_grad;
-    const auto source = fx.model->named_parameters();
-    for (auto& p : copy->named_parameters()) p.value().copy_(source[p.key()]);
-  }
-  torch::optim::AdamW opt(copy->parameters(), torch::optim::AdamWOptions(3e-3));
-  for (int64_t step = 0; step < 6; ++step) {
-    opt.zero_grad();
-    fx.data.loss(*copy, step).backward();
-    opt.step();
-  }
-  double eval = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (int64_t e = 0; e < 4; ++e) eval += fx.data.loss(*copy, 6 + e).item<double>();
-  }
-  EXPECT_EQ(m.reference_loss, eval / 4);
+  EXPECT_EQ(m.reference_loss, users_loop(fx, /*bf16_autocast=*/false));
 
   // The layer bf16 costs most: a budget below its change keeps it wider.
   size_t worst = 0;

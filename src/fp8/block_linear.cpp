@@ -5,6 +5,7 @@
 // values).
 
 #include "block_internal.h"
+#include "linear_internal.h"
 
 #include "../kernels/function_args.h"
 #include "ampx/fp8/block.h"
@@ -139,15 +140,8 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
       saved->scaling = std::move(scaling);
       ctx->saved_data["operands"] = c10::IValue::make_capsule(std::move(saved));
     }
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    auto out_sizes = x.sizes().vec();
-    out_sizes.back() = weight.size(0);
-    // Not a view: autograd refuses in-place ops on a custom Function's view
-    // outputs, and models add into a Linear's output (x += ...).
-    return at::_unsafe_view(y.to(out_dtype), out_sizes);
+    detail::LinearShape::save(ctx, x, weight, bias);
+    return detail::linear_output(y.to(out_dtype), x, weight.size(0));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -166,9 +160,10 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
       columns_rounding = StochasticRounding{stream, offset + static_cast<uint64_t>(g.numel())};
       rounding[1].fill_(static_cast<int64_t>(offset + 2 * static_cast<uint64_t>(g.numel())));
     }
-    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const detail::LinearShape shape = detail::LinearShape::load(ctx);
+    const auto& x_sizes = shape.x_sizes;
+    const auto x_dtype = shape.x_dtype;
+    const auto w_dtype = shape.w_dtype;
     // grad_x [N, in] = g [N, out] . w [out, in], along out.
     const BlockTensor g_rows = BlockTensor::quantize(g, roles.grad, rows_rounding);
     at::Tensor grad_x = product(g_rows, false, saved->w_columns, false).view(x_sizes).to(x_dtype);
@@ -176,7 +171,7 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     const BlockTensor g_columns = BlockTensor::quantize(along_tokens(g, roles.hadamard),
                                                         down_columns(roles.grad), columns_rounding);
     at::Tensor grad_w = product(g_columns, true, saved->x_columns, false).to(w_dtype);
-    at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype) : at::Tensor();
+    at::Tensor grad_b = shape.has_bias ? g.sum(0).to(w_dtype) : at::Tensor();
     return {grad_x, grad_w, grad_b, at::Tensor(), at::Tensor()};
   }
 };

@@ -130,15 +130,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     ctx->saved_data["scaling"] =
         c10::IValue::make_capsule(c10::make_intrusive<ScalingHolder>(scaling));
     ctx->saved_data["group"] = reinterpret_cast<int64_t>(group);
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    auto out_sizes = x.sizes().vec();
-    out_sizes.back() = weight.size(0);
-    // Not a view: autograd refuses in-place ops on a custom Function's view
-    // outputs, and models add into a Linear's output (x += ...).
-    return at::_unsafe_view(y, out_sizes);
+    detail::LinearShape::save(ctx, x, weight, bias);
+    return detail::linear_output(y, x, weight.size(0));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -157,9 +150,10 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor g = grads[0].reshape({-1, out_features});
     at::Tensor g_t;
     const Operand go = scaling->grad_output->cast(g, /*record=*/true, group, &g_t);
-    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+    const detail::LinearShape shape = detail::LinearShape::load(ctx);
+    const auto& x_sizes = shape.x_sizes;
+    const auto x_dtype = shape.x_dtype;
+    const auto w_dtype = shape.w_dtype;
     at::Tensor grad_x, grad_w;
     if (transposed) {
       TORCH_INTERNAL_ASSERT(g_t.defined(), "ampx::fp8: the output gradient's cast gave no transpose");
@@ -179,7 +173,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     }
     grad_x = grad_x.view(x_sizes);
     at::Tensor grad_b =
-        ctx->saved_data["has_bias"].toBool() ? g.to(at::kFloat).sum(0).to(w_dtype) : at::Tensor();
+        shape.has_bias ? g.to(at::kFloat).sum(0).to(w_dtype) : at::Tensor();
     return {grad_x,       grad_w,       grad_b,       at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -248,6 +242,29 @@ DelayedScalingState& LinearImpl::grad_output_state() {
 }
 
 namespace detail {
+
+void LinearShape::save(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& bias) {
+  ctx->saved_data["has_bias"] = bias.defined();
+  ctx->saved_data["x_sizes"] = x.sizes().vec();
+  ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+  ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
+}
+
+LinearShape LinearShape::load(AutogradContext* ctx) {
+  LinearShape s;
+  s.has_bias = ctx->saved_data["has_bias"].toBool();
+  s.x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+  s.x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+  s.w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
+  return s;
+}
+
+at::Tensor linear_output(const at::Tensor& y, const at::Tensor& x, int64_t out_features) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return at::_unsafe_view(y, sizes);
+}
 
 int64_t scaled_mm_calls() {
   return g_scaled_mm_calls.load();

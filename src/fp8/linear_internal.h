@@ -10,6 +10,13 @@
 #include <c10/util/Optional.h>
 
 #include <memory>
+#include <vector>
+
+namespace torch {
+namespace autograd {
+struct AutogradContext;
+}  // namespace autograd
+}  // namespace torch
 
 namespace ampx {
 namespace fp8 {
@@ -21,6 +28,28 @@ namespace detail {
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const std::shared_ptr<LinearScaling>& scaling,
                       const c10::optional<c10::ScalarType>& output_dtype);
+
+/// What the backward of each linear autograd Function (FP8, block-scaled,
+/// wide) needs of its forward's arguments beside the operands it saves:
+///
+///   LinearShape::save(ctx, x, weight, bias);        // in forward
+///   const LinearShape s = LinearShape::load(ctx);   // in backward
+struct LinearShape {
+  bool has_bias = false;
+  std::vector<int64_t> x_sizes;
+  c10::ScalarType x_dtype = c10::ScalarType::Float;
+  c10::ScalarType w_dtype = c10::ScalarType::Float;
+  /// Keeps them in ctx->saved_data.
+  static void save(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                   const at::Tensor& weight, const at::Tensor& bias);
+  /// What save() kept.
+  static LinearShape load(torch::autograd::AutogradContext* ctx);
+};
+
+/// A linear Function's output: y [rows, out] shaped as x's leading
+/// dimensions x out, not a view (autograd refuses in-place ops on a custom
+/// Function's view outputs, and models add into a Linear's output, x += ...).
+at::Tensor linear_output(const at::Tensor& y, const at::Tensor& x, int64_t out_features);
 
 /// y = x @ weight^T + bias with a wide product (src/fp8/wide_linear.cpp),
 /// autocast's casts left out: kFloat, float32 operands and output; kHalf,

@@ -61,14 +61,9 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     const at::Tensor y =
         half_product(x16, w16.t(), bias.defined() ? bias.to(at::kHalf) : at::Tensor());
     ctx->save_for_backward({x16, w16});
-    ctx->saved_data["has_bias"] = bias.defined();
-    ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["w_dtype"] = static_cast<int64_t>(weight.scalar_type());
-    auto out_sizes = x.sizes().vec();
-    out_sizes.back() = weight.size(0);
+    detail::LinearShape::save(ctx, x, weight, bias);
     // float32 holds the float16 values exactly, and every CPU op takes it.
-    return at::_unsafe_view(y.to(at::kFloat), out_sizes);
+    return detail::linear_output(y.to(at::kFloat), x, weight.size(0));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -77,11 +72,11 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     const at::Tensor& x16 = saved[0];
     const at::Tensor& w16 = saved[1];
     const at::Tensor g = grads[0].reshape({-1, w16.size(0)}).to(at::kFloat);
-    const auto x_dtype = static_cast<c10::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const auto w_dtype = static_cast<c10::ScalarType>(ctx->saved_data["w_dtype"].toInt());
-    const auto x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const at::Tensor grad_b = ctx->saved_data["has_bias"].toBool() ? g.sum(0).to(w_dtype)
-                                                                   : at::Tensor();
+    const detail::LinearShape shape = detail::LinearShape::load(ctx);
+    const auto& x_sizes = shape.x_sizes;
+    const auto x_dtype = shape.x_dtype;
+    const auto w_dtype = shape.w_dtype;
+    const at::Tensor grad_b = shape.has_bias ? g.sum(0).to(w_dtype) : at::Tensor();
     if (g.numel() == 0 || x16.numel() == 0) {  // no rows (or no features): nothing to sum
       return {at::zeros(x_sizes, g.options().dtype(x_dtype)),
               at::zeros(w16.sizes(), g.options().dtype(w_dtype)), grad_b};

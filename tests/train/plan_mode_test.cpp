@@ -62,6 +62,19 @@ std::string config_error_of(const TempDir& tmp,
   return error_text([&] { (void)config_of(args); });
 }
 
+// A plan file (in tmp) with blocks.0.fc in NVFP4, the other Linears in bf16.
+std::string nvfp4_fc_plan(const TempDir& tmp) {
+  ampx::plan::PrecisionPlan plan;
+  plan.target = "b200";
+  plan.loss_budget = 0.005;
+  plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
+                         ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
+                         "test"});
+  const auto file = (tmp.path() / "plan.json").string();
+  ampx::plan::save_plan(plan, file);
+  return file;
+}
+
 TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   TempDir tmp("ampx-plan-mode");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
@@ -227,14 +240,7 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
 TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselves) {
   TempDir tmp("ampx-plan-watch");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
-  ampx::plan::PrecisionPlan plan;
-  plan.target = "b200";
-  plan.loss_budget = 0.005;
-  plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
-                         ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
-                         "test"});
-  const auto file = (tmp.path() / "plan.json").string();
-  ampx::plan::save_plan(plan, file);
+  const auto file = nvfp4_fc_plan(tmp);
   const auto trained = [&](const std::string& every) {
     TrainConfig config = config_of(plan_gpt(
         tmp, {{"--precision", "auto"}, {"--precision-plan", file}, {"--plan-watch", every}}));
@@ -283,14 +289,7 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
 TEST(PlanModeTest, WidenedLayersResumeInTheFormatsTheWatchLeftThem) {
   TempDir tmp("ampx-plan-resume");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
-  ampx::plan::PrecisionPlan plan;
-  plan.target = "b200";
-  plan.loss_budget = 0.005;
-  plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
-                         ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
-                         "test"});
-  const auto file = (tmp.path() / "plan.json").string();
-  ampx::plan::save_plan(plan, file);
+  const auto file = nvfp4_fc_plan(tmp);
   const auto run = [&](const std::string& name, int64_t steps, bool resume) {
     std::vector<std::pair<std::string, std::string>> flags{
         {"--precision", "auto"},      {"--precision-plan", file},
