@@ -6,6 +6,7 @@
 #include "../files/atomic_file.h"
 #include "../files/json/writer.h"
 #include "json_value.h"
+#include "linears.h"
 
 #include <c10/util/Exception.h>
 
@@ -116,9 +117,8 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
       plan.reference == LayerFormat::kBFloat16 || plan.reference == LayerFormat::kFloat32,
       "ampx::plan::save_plan: the plan's reference must be bf16 or fp32, got ",
       to_string(plan.reference));
-  const bool wide = std::any_of(plan.layers.begin(), plan.layers.end(), [](const LayerPlan& l) {
-    return l.format == LayerFormat::kFloat32 || l.format == LayerFormat::kFloat16;
-  });
+  const bool wide = std::any_of(plan.layers.begin(), plan.layers.end(),
+                                [](const LayerPlan& l) { return detail::is_wide(l.format); });
   const bool version_1 = plan.reference == LayerFormat::kBFloat16 && !wide;
   std::ostringstream o;
   o << "{\n"
@@ -169,7 +169,7 @@ PrecisionPlan load_plan(const std::string& path) {
     const std::string key = "layers[" + std::to_string(i) + "]";
     plan.layers.push_back(read_layer(layers.array[i], key, path));
     const LayerFormat f = plan.layers.back().format;
-    TORCH_CHECK_VALUE(version >= 2 || (f != LayerFormat::kFloat32 && f != LayerFormat::kFloat16),
+    TORCH_CHECK_VALUE(version >= 2 || !detail::is_wide(f),
                       top.where(), ": key '", key, ".format' has value '", to_string(f),
                       "', which version 1 files do not hold");
     for (size_t j = 0; j < i; ++j) {
