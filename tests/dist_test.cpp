@@ -615,6 +615,25 @@ TEST_F(DistTest, Fp8AmaxReductionKeepsScalingStatesBitwiseIdenticalAcrossRanks) 
   EXPECT_GT(r0[kParams + 3], 0.f);
 }
 
+// The plan watch over ranks whose gradients differ (rank 0 at the
+// least-squares optimum, where NVFP4's gradient is noise; rank 1 far from
+// it): with WatchOptions::group every rank reports and moves the layer on
+// rank 0's numbers, so the ranks keep training one plan; without it rank 1
+// keeps NVFP4 while rank 0 moves the layer to MXFP8.
+TEST_F(DistTest, PlanWatchDecidesOnRankZerosNumbersOnEveryRank) {
+  auto agreed = run("plan-watch", 2);
+  for (const auto& w : agreed) ASSERT_EQ(w.status, 0) << w.output;
+  const auto a0 = text(agreed[0].out), a1 = text(agreed[1].out);
+  EXPECT_THAT(a0, HasSubstr("fc gradient below noise "));
+  EXPECT_THAT(a0, HasSubstr("fc in mxfp8"));
+  EXPECT_EQ(a1, a0);
+
+  auto alone = run("plan-watch-alone", 2);
+  for (const auto& w : alone) ASSERT_EQ(w.status, 0) << w.output;
+  EXPECT_EQ(text(alone[0].out), a0) << "rank 0's own numbers are the ones broadcast";
+  EXPECT_EQ(text(alone[1].out), "fc in nvfp4\n");
+}
+
 #endif  // AMPX_DIST_WORKER
 
 // A rank whose rank 0 never comes: the error says that nothing listens on

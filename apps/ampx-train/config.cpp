@@ -285,7 +285,7 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--plan-watch", c.plan_watch,
                  "--precision auto: check the plan against bf16 every N steps while training "
                  "(a layer whose gradient its format's noise drowns, or whose range flushes it, "
-                 "is reported); 0: never [default: 50 in one process, 0 with --nproc > 1]")
+                 "is reported); 0: never [default: 50]")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--plan-noise-ratio", c.plan_noise_ratio,
                  "--precision auto: the watch reports a layer whose gradient norm is below this "
@@ -371,9 +371,12 @@ void resolve_defaults(TrainConfig& c) {
                                                        "auto") != c.compare.end();
   TORCH_CHECK(c.precision_plan.empty() || plan_mode, "ampx-train: --precision-plan '",
               c.precision_plan, "' is for --precision auto");
-  TORCH_CHECK(!plan_mode || c.nproc == 1 || !c.precision_plan.empty(),
-              "ampx-train: --precision auto measures in one process; measure with --nproc 1, "
-              "then pass the plan it writes as --precision-plan");
+  // --nproc measures before it starts its ranks and hands them the plan; a
+  // rank an outside launcher started has no process before it to measure in.
+  TORCH_CHECK(!plan_mode || !c.precision_plan.empty() || !ampx::dist::launched_as_rank(),
+              "ampx-train: --precision auto measures in one process, and this is a rank a "
+              "launcher started; measure first (ampx-train --precision auto, alone or with "
+              "--nproc N), then give every rank the plan it writes as --precision-plan");
   TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
@@ -382,9 +385,7 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");
   TORCH_CHECK(c.plan_reference == "bf16" || plan_mode, "ampx-train: --plan-reference ",
               c.plan_reference, " is for --precision auto");
-  TORCH_CHECK(c.plan_watch <= 0 || c.nproc == 1, "ampx-train: --plan-watch ", c.plan_watch,
-              " checks the plan in one process; drop it with --nproc ", c.nproc);
-  if (c.plan_watch < 0) c.plan_watch = plan_mode && c.nproc == 1 ? 50 : 0;
+  if (c.plan_watch < 0) c.plan_watch = plan_mode ? 50 : 0;
   TORCH_CHECK(std::isfinite(c.plan_noise_ratio) && c.plan_noise_ratio > 0,
               "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio, " is not a number > 0");
   TORCH_CHECK(c.plan_noise_ratio == TrainConfig().plan_noise_ratio || c.plan_watch > 0,

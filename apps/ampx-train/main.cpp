@@ -92,8 +92,9 @@ constexpr const char* kStoreFileEnv = "AMPX_TRAIN_STORE_FILE";
 /// loopback); they meet in a FileStore in a fresh folder of their own, so
 /// that no rendezvous port listens (Gloo listens on 127.0.0.1). The first
 /// to fail stops the others. A preemption signal goes to every rank; they
-/// stop after the same step (kExitPreempted).
-int run_ranks(int argc, char** argv, int nproc) {
+/// stop after the same step (kExitPreempted). `extra`: arguments added to
+/// every rank's.
+int run_ranks(int argc, char** argv, int nproc, const std::vector<std::string>& extra = {}) {
   const std::string port = std::to_string(ampx::dist::free_loopback_port());
   std::string folder = (fs::temp_directory_path() / "ampx-train-ranks-XXXXXX").string();
   TORCH_CHECK(::mkdtemp(folder.data()) != nullptr,
@@ -103,7 +104,7 @@ int run_ranks(int argc, char** argv, int nproc) {
   std::vector<pid_t> pids;
   for (int r = 0; r < nproc; ++r) {
     pids.push_back(
-        spawn_self(argc, argv, {},
+        spawn_self(argc, argv, extra,
                    {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
                     "WORLD_SIZE=" + std::to_string(nproc),
                     "LOCAL_WORLD_SIZE=" + std::to_string(nproc), "MASTER_ADDR=127.0.0.1",
@@ -369,9 +370,16 @@ int run_process(int argc, char** argv, const TrainConfig& config, bool show) {
   if (show) show_settings(config);
   // A diagnosis is short and writes no checkpoint: a signal ends it as usual.
   if (!config.diagnose) install_preemption_handlers();
-  if (modes_of(config).size() == 1 && config.nproc > 1) {
+  const auto modes = modes_of(config);
+  if (modes.size() == 1 && config.nproc > 1) {
     std::cout << std::endl;
-    return run_ranks(argc, argv, config.nproc);
+    if (modes.front() != "auto" || !config.precision_plan.empty()) {
+      return run_ranks(argc, argv, config.nproc);
+    }
+    // --precision auto: measured here, once, and the plan handed to every rank.
+    auto workload = prepare(config, show);
+    const std::string plan = plan_precision(config, *workload);
+    return run_ranks(argc, argv, config.nproc, {"--precision-plan", plan});
   }
   auto workload = prepare(config, show);
   return train(argc, argv, config, *workload, nullptr);

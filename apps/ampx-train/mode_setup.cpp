@@ -34,20 +34,21 @@ torch::Tensor ModeSetUp::forward(const torch::Tensor& input) {
 namespace {
 
 /// --precision auto: the plan (--precision-plan, or the one measured for
-/// this run) applied to setup.model.
-void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
+/// this run) applied to setup.model; its watch decides over `group`'s ranks.
+void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
+                 const ampx::dist::ProcessGroup* group) {
   TORCH_CHECK(!config.precision_plan.empty(),
               "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
               "--precision-plan");
   const auto plan = ampx::plan::load_plan(config.precision_plan);
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
-    setup.watch = std::make_unique<ampx::plan::PlanWatch>(
-        *setup.model, plan,
-        ampx::plan::WatchOptions()
-            .every(config.plan_watch)
-            .widen(config.plan_widen)
-            .noise_ratio(config.plan_noise_ratio));
+    auto options = ampx::plan::WatchOptions()
+                       .every(config.plan_watch)
+                       .widen(config.plan_widen)
+                       .noise_ratio(config.plan_noise_ratio);
+    if (group) options.group(*group);
+    setup.watch = std::make_unique<ampx::plan::PlanWatch>(*setup.model, plan, options);
   }
   for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
     if (!dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) continue;
@@ -60,7 +61,7 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup) {
 }  // namespace
 
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
-                      const torch::Device& device) {
+                      const torch::Device& device, const ampx::dist::ProcessGroup* group) {
   ModeSetUp setup;
   torch::manual_seed(config.seed);
   setup.net = workload.build(device);
@@ -86,7 +87,7 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
     // O1 plus each Linear in its plan's format (bf16: not converted, as
     // --bf16-layers keeps layers in bf16).
     setup.fp8 = true;
-    set_up_plan(config, setup);
+    set_up_plan(config, setup, group);
   } else if (mode.fp8) {
     // O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
     // (dimensions multiples of 16), as torchao does, but those kept in bf16.
@@ -120,8 +121,10 @@ StepDiagnostics::Options diagnostics_options(const TrainConfig& config) {
 namespace {
 
 /// The plan's watch at a due step: the same batch again with every Linear
-/// in bf16 (no FP8 region), its gradients compared with the step's.
-void watch_step(ModeSetUp& setup, Workload& workload, const Batch& batch, StepOutcome& out) {
+/// in bf16 (no FP8 region), its gradients compared with the step's: with
+/// `ddp`, both averaged over the ranks.
+void watch_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
+                ampx::dist::DistributedDataParallel* ddp, StepOutcome& out) {
   out.watched = true;
   out.watch_events = setup.watch->check(batch.step, [&] {
     const bool fp8 = std::exchange(setup.fp8, false);  // model_output opens no region
@@ -132,6 +135,7 @@ void watch_step(ModeSetUp& setup, Workload& workload, const Batch& batch, StepOu
         loss = workload.loss(setup.forward(batch.input), batch.target);
       }
       setup.amp->scaler().scale(loss).backward();
+      if (ddp) ddp->synchronize();
     } catch (...) {
       setup.fp8 = fp8;
       throw;
@@ -162,7 +166,7 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
     scaler.scale(out.loss).backward();
   }
   if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
-  if (setup.watch && setup.watch->due(batch.step)) watch_step(setup, workload, batch, out);
+  if (setup.watch && setup.watch->due(batch.step)) watch_step(setup, workload, batch, ddp, out);
   out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
   scaler.update();
   return out;

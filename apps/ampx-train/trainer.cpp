@@ -234,10 +234,20 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
 
   base_bytes_ = allocated_bytes(device_);
   reset_peak_memory(device_);
-  setup_ = set_up_mode(config, workload, mode_, device_);
+  setup_ = set_up_mode(config, workload, mode_, device_, group);
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
-  if (group) check_ranks_agree(*group, run_fingerprint(identity_, *setup_.model, total_steps_));
+  if (group) {
+    nlohmann::json identity = identity_;
+    if (mode_.name == "auto") {  // the plan's formats, and its watch's collectives
+      for (const auto& l : ampx::plan::load_plan(config.precision_plan).layers) {
+        identity["plan"][l.module] = ampx::plan::to_string(l.format);
+      }
+      identity["plan_watch"] = config.plan_watch;
+      identity["plan_widen"] = config.plan_widen;
+    }
+    check_ranks_agree(*group, run_fingerprint(identity, *setup_.model, total_steps_));
+  }
   // After the cast: the broadcast and the buckets see the training dtypes.
   if (group) ddp_.emplace(setup_.model, *group);
   // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.

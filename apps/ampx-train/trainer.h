@@ -56,8 +56,11 @@ struct ModeSetUp {
   torch::Tensor forward(const torch::Tensor& input);
 };
 
+/// The model, optimizer and AMP session of `mode`; `group`, in data-parallel
+/// training, is what the plan's watch decides over (rank 0's numbers).
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
-                      const torch::Device& device);
+                      const torch::Device& device,
+                      const ampx::dist::ProcessGroup* group = nullptr);
 
 /// One optimizer step of `setup` on `batch` (this rank's rows of it): the
 /// forward under the mode's guard, the scaled backward, the gradients

@@ -45,6 +45,7 @@
 /// Automatic per-layer precision: the measurement, the plan, its file, its
 /// application and its proof (docs/numerics.md).
 
+#include "ampx/dist.h"
 #include "ampx/fp8/scaling.h"
 
 #include <torch/arg.h>
@@ -342,6 +343,13 @@ struct WatchOptions {
   /// scaling starts afresh (the plans' formats keep no state between steps);
   /// the buffers its first format registered stay in the module's state.
   TORCH_ARG(bool, widen) = false;
+  /// Data-parallel training: the ranks' group. check() then decides on rank
+  /// 0's numbers on every rank (one broadcast of four numbers per watched
+  /// layer), so that every rank reports and moves the same layers at the
+  /// same step even where the ranks' own numbers differ in their last bits.
+  /// The backward given to check() must average the gradients as the
+  /// step's did (DistributedDataParallel::synchronize() after it).
+  TORCH_ARG(c10::optional<dist::ProcessGroup>, group) = c10::nullopt;
 };
 
 /// Checks a plan applied to a model (apply_plan) as training runs. At a
@@ -367,7 +375,9 @@ struct WatchOptions {
 /// `backward` must run the forward without opening an FP8 region of its own
 /// (the watch runs it in one with FP8 off) and must not step; with a loss
 /// scaler, scale the loss as the step did. A check costs one forward and
-/// backward.
+/// backward. In data-parallel training the watch compares the averaged
+/// gradients: check() after DistributedDataParallel::synchronize(), a
+/// `backward` that synchronizes too, and WatchOptions::group.
 class PlanWatch {
  public:
   /// Watches the layers `plan` gives a format other than bf16 and fp32 (as

@@ -48,6 +48,24 @@ Comparison compare(const at::Tensor& in_format, const at::Tensor& bf16) {
   return c;
 }
 
+// Every rank of `group` takes rank 0's comparisons (the ranks watch the same
+// plan, so the same layers in the same order).
+void agree_on_rank0s(const dist::ProcessGroup& group, std::vector<Comparison>& comparisons) {
+  at::Tensor numbers = at::empty({static_cast<int64_t>(comparisons.size()), 4}, at::kDouble);
+  auto a = numbers.accessor<double, 2>();
+  for (size_t i = 0; i < comparisons.size(); ++i) {
+    const Comparison& c = comparisons[i];
+    a[i][0] = c.gradient_norm;
+    a[i][1] = c.noise_norm;
+    a[i][2] = c.underflow;
+    a[i][3] = c.non_finite;
+  }
+  group.broadcast(numbers, 0);
+  for (size_t i = 0; i < comparisons.size(); ++i) {
+    comparisons[i] = {a[i][0], a[i][1], a[i][2], a[i][3]};
+  }
+}
+
 // The most severe finding of one comparison, if any.
 c10::optional<WatchFinding> worst_finding(const Comparison& c, const WatchOptions& o) {
   if (c.non_finite > 0) return WatchFinding::kOverflow;
@@ -264,10 +282,14 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
   }
   restore();
 
+  std::vector<Comparison> comparisons;
+  for (size_t i = 0; i < watched.size(); ++i) comparisons.push_back(compare(in_format[i], bf16[i]));
+  if (options_.group()) agree_on_rank0s(*options_.group(), comparisons);
+
   std::vector<WatchEvent> events;
   for (size_t i = 0; i < watched.size(); ++i) {
     LayerPlan& l = *watched[i].first;
-    const Comparison c = compare(in_format[i], bf16[i]);
+    const Comparison& c = comparisons[i];
     const auto found = worst_finding(c, options_);
     if (!found) continue;
     WatchEvent e;

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -274,11 +275,127 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
                        {"--plan-widen is for --precision auto"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--plan-watch", "0"}}, true),
                        {"--plan-widen moves the layers the watch reports; --plan-watch is 0"}));
-  EXPECT_TRUE(contains(config_error({{"--precision", "auto"},
-                                     {"--precision-plan", file},
-                                     {"--plan-watch", "5"},
-                                     {"--nproc", "2"}}),
-                       {"--plan-watch 5 checks the plan in one process; drop it with --nproc 2"}));
+  // Data-parallel runs watch too (the ranks decide on rank 0's numbers).
+  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--nproc", "2"}})).plan_watch, 50);
+  // A rank an outside launcher (torchrun) started has no process before it
+  // to measure in: it needs a saved plan.
+  EnvGuard rank("RANK", "1"), world("WORLD_SIZE", "2");
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}}),
+                       {"--precision auto measures in one process, and this is a rank a launcher "
+                        "started"}));
+  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}))
+                .precision_plan,
+            file);
+}
+
+// The checksum of each rank's weights in a run's output ("[auto] rank 1 of
+// 2: weights 0x..."), in the order the ranks printed them.
+std::vector<std::string> ranks_weights(const std::string& output) {
+  static const std::regex re(R"(rank \d+ of \d+: weights (0x[0-9a-f]+))");
+  std::vector<std::string> out;
+  for (auto it = std::sregex_iterator(output.begin(), output.end(), re);
+       it != std::sregex_iterator(); ++it) {
+    out.push_back((*it)[1].str());
+  }
+  return out;
+}
+
+// --nproc 2 --precision auto: the plan is measured once, before the ranks
+// start, and handed to both; the watch compares the gradients averaged over
+// the ranks (its backward synchronizes too: without that, DDP refuses the
+// next step's gradients), so a watched run trains as an unwatched one, and
+// with --plan-widen both ranks move the same layers at the same steps.
+TEST(PlanModeTest, NprocMeasuresOnceAndItsRanksWatchTheAveragedGradients) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  TempDir tmp("ampx-plan-nproc");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto run = [&](const std::string& name,
+                       std::vector<std::pair<std::string, std::string>> flags,
+                       bool widen = false) {
+    flags.insert(flags.end(), {{"--precision", "auto"},
+                               {"--nproc", "2"},
+                               {"--steps", "3"},
+                               {"--out-dir", (tmp.path() / name).string()}});
+    auto args = plan_gpt(tmp, flags);
+    if (widen) args.push_back("--plan-widen");
+    return run_train(args, tmp.path() / (name + ".log"));
+  };
+  const auto watched = run("watched", {{"--plan-watch", "1"}});
+  ASSERT_EQ(watched.status, 0) << watched.output;
+  const auto measuring = [](const std::string& output) {
+    size_t n = 0;
+    for (size_t at = 0; (at = output.find("measuring each Linear", at)) != std::string::npos; ++at)
+      ++n;
+    return n;
+  };
+  EXPECT_EQ(measuring(watched.output), 1u) << watched.output;
+  const auto plan = (tmp.path() / "watched" / "precision-plan.json").string();
+  const auto weights = ranks_weights(watched.output);
+  ASSERT_EQ(weights.size(), 2u) << watched.output;
+  EXPECT_EQ(weights[0], weights[1]);
+
+  const auto unwatched = run("unwatched", {{"--precision-plan", plan}, {"--plan-watch", "0"}});
+  ASSERT_EQ(unwatched.status, 0) << unwatched.output;
+  EXPECT_EQ(measuring(unwatched.output), 0u);
+  EXPECT_EQ(ranks_weights(unwatched.output), weights);
+
+  // --plan-noise-ratio 1e9: every check reports every watched layer, which
+  // moves one format wider at each of steps 0, 1 and 2.
+  const auto widened = run(
+      "widened",
+      {{"--precision-plan", plan}, {"--plan-watch", "1"}, {"--plan-noise-ratio", "1e9"}}, true);
+  ASSERT_EQ(widened.status, 0) << widened.output;
+  const auto widened_weights = ranks_weights(widened.output);
+  ASSERT_EQ(widened_weights.size(), 2u) << widened.output;
+  EXPECT_EQ(widened_weights[0], widened_weights[1]);
+  EXPECT_NE(widened_weights[0], weights[0]);
+  const auto planned = ampx::plan::load_plan(plan);
+  const auto moved =
+      ampx::plan::load_plan((tmp.path() / "widened" / "precision-plan-watched.json").string());
+  ASSERT_EQ(moved.layers.size(), planned.layers.size());
+  int64_t watched_layers = 0;
+  for (size_t i = 0; i < planned.layers.size(); ++i) {
+    auto expected = planned.layers[i].format;
+    if (expected != ampx::plan::LayerFormat::kBFloat16) ++watched_layers;
+    for (int step = 0; step < 3; ++step) expected = ampx::plan::wider_format(expected, "b200");
+    EXPECT_EQ(moved.layers[i].format, expected) << planned.layers[i].module;
+  }
+  EXPECT_GT(watched_layers, 0);
+
+  // Ranks an outside launcher started with different plans fail at
+  // start-up, each naming the plans.
+  auto other = planned;
+  const auto fp8 = ampx::plan::LayerFormat::kFp8;
+  for (auto& l : other.layers) {
+    if (l.format == fp8) continue;
+    if (l.format == ampx::plan::LayerFormat::kBFloat16) continue;
+    l.format = fp8;
+    l.scale_rule = ampx::plan::scale_rule_of(fp8);
+    break;
+  }
+  const auto other_file = (tmp.path() / "other-plan.json").string();
+  ampx::plan::save_plan(other, other_file);
+  const std::string port = std::to_string(ampx::dist::free_loopback_port());
+  std::vector<std::pair<pid_t, fs::path>> ranks;
+  for (int r = 0; r < 2; ++r) {
+    const std::string name = "launched" + std::to_string(r);
+    const auto args = plan_gpt(tmp, {{"--precision", "auto"},
+                                     {"--precision-plan", r == 0 ? plan : other_file},
+                                     {"--out-dir", (tmp.path() / name).string()}});
+    const auto log = tmp.path() / (name + ".log");
+    ranks.emplace_back(spawn_train(args, log,
+                                   {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+                                    "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=2",
+                                    "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + port}),
+                       log);
+  }
+  for (const auto& [pid, log] : ranks) {
+    const Exit e = wait_train(pid, log, std::chrono::seconds(120));
+    EXPECT_NE(e.status, 0) << e.output;
+    EXPECT_TRUE(contains(e.output, {"ranks of this run were started with different settings",
+                                    "plan: {"}))
+        << e.output;
+  }
 }
 
 // --plan-widen with checkpoints: the checkpoint keeps the formats the watch
