@@ -1,8 +1,9 @@
 // A precision plan's wide formats (ampx/precision_plan.h): an fp32 layer
 // runs float32 products inside bf16 autocast, an fp16 layer float16
-// products whose output gradient it scales per tensor, so that gradients far
-// below float16's smallest subnormal keep their value; the watch moves an
-// fp16 layer whose range flushes its input to fp32.
+// products whose operands it scales per tensor, so that activations beyond
+// float16's largest value and gradients far below its smallest subnormal
+// keep their value; the watch moves an fp16 layer whose inputs span more
+// than float16's range to fp32.
 
 #include "ampx/precision_plan.h"
 
@@ -84,30 +85,37 @@ TEST(PlanFormatsTest, Fp32LayerIsFloat32InsideBf16Autocast) {
   EXPECT_TRUE(torch::equal(off.dw, bf16.dw));
 }
 
-// An fp16 layer's output holds float16 values (in float32), closer to
-// float32's than bf16 autocast's are (3 more mantissa bits); its gradients
-// too, even where the loss is scaled by 1e-12 so that every gradient lies
-// far below float16's smallest subnormal (6e-8): the output gradient's scale
-// per tensor keeps them (unscaled, float16 would flush them all to zero).
-TEST(PlanFormatsTest, Fp16LayerKeepsGradientsFarBelowFloat16sRange) {
+// An fp16 layer's output and gradients are closer to float32's than bf16
+// autocast's are (3 more mantissa bits), even where the loss is scaled by
+// 1e-12 so that every gradient lies far below float16's smallest subnormal
+// (6e-8), and where the inputs are scaled by 1e6 so that they lie beyond
+// its largest value (65504): each product's operands are scaled per tensor
+// (unscaled, float16 would flush the gradients to zero and make the
+// activations inf; the planted test saw both).
+TEST(PlanFormatsTest, Fp16LayerKeepsValuesFarOutsideFloat16sRange) {
   torch::manual_seed(3);
   const auto x = torch::randn({128, 64});
   auto fc = layer(4);
   auto plain = layer(4);
   plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
-  for (const double loss_scale : {1.0, 1e-12}) {
-    SCOPED_TRACE(loss_scale);
-    const Pass float32 = run(plain, x, loss_scale, Region::kNone, /*autocast=*/false);
-    const Pass bf16 = run(plain, x, loss_scale, Region::kNone);
-    const Pass half = run(fc, x, loss_scale, Region::kPlan);
+  for (const auto& [loss_scale, input_scale] :
+       {std::make_pair(1.0, 1.0), std::make_pair(1e-12, 1.0), std::make_pair(1.0, 1e6)}) {
+    SCOPED_TRACE(::testing::Message() << "loss x " << loss_scale << ", input x " << input_scale);
+    const auto xs = x * input_scale;
+    const Pass float32 = run(plain, xs, loss_scale, Region::kNone, /*autocast=*/false);
+    const Pass bf16 = run(plain, xs, loss_scale, Region::kNone);
+    const Pass half = run(fc, xs, loss_scale, Region::kPlan);
     ASSERT_EQ(half.y.scalar_type(), torch::kFloat);
-    EXPECT_TRUE(torch::equal(half.y, half.y.to(torch::kHalf).to(torch::kFloat)));
+    if (input_scale > 1) {  // every input beyond float16's largest value, but zeros
+      EXPECT_GT(xs.abs().max().item<double>(), 65504.0);
+      EXPECT_GT(float32.y.abs().max().item<double>(), 65504.0);
+    }
     if (loss_scale < 1) {  // every gradient below float16's smallest subnormal
       EXPECT_LT(float32.dw.abs().max().item<double>(), 6e-8);
       EXPECT_LT(float32.dx.abs().max().item<double>(), 6e-8);
     }
     for (const auto& [got, bf, ref, name] :
-         {std::make_tuple(half.y, bf16.y, float32.y, "y"),
+         {std::make_tuple(half.y, bf16.y.to(torch::kFloat), float32.y, "y"),
           std::make_tuple(half.dx, bf16.dx, float32.dx, "dx"),
           std::make_tuple(half.dw, bf16.dw, float32.dw, "dw"),
           std::make_tuple(half.db, bf16.db, float32.db, "db")}) {
@@ -157,15 +165,16 @@ TEST(PlanFormatsTest, Fp16ProductsOfManyRowsDoNotOverflowAndNoRowsGiveZeros) {
   EXPECT_EQ(none.grad().sizes(), none.sizes());
 }
 
-// The watch compares an fp16 layer's gradient with bf16's: inputs of 1e-9
-// (below float16's range, within bfloat16's) reach the layer as zeros, so
-// half its weight gradient is zero where bf16's is not: reported as
-// underflow, and widen moves the layer to fp32, whose gradient is then
-// float32's bit for bit.
+// The watch compares an fp16 layer's gradient with bf16's: half the inputs
+// 1e-13 of the others (a span of 2^43, beyond float16's 2^40 from its
+// largest value to its smallest subnormal, within bfloat16's) reach the
+// layer as zeros, whatever the scale, so half its weight gradient is zero
+// where bf16's is not: reported as underflow, and widen moves the layer to
+// fp32, whose gradient is then float32's bit for bit.
 TEST(PlanFormatsTest, WatchMovesAnFp16LayerWhoseRangeFlushesItsInputToFp32) {
   torch::manual_seed(5);
   auto x = torch::randn({128, 64});
-  x.narrow(1, 0, 32).mul_(1e-9);
+  x.narrow(1, 0, 32).mul_(1e-13);
   auto fc = layer(6);
   auto plain = layer(6);
   plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
