@@ -615,11 +615,12 @@ TEST_F(DistTest, Fp8AmaxReductionKeepsScalingStatesBitwiseIdenticalAcrossRanks) 
   EXPECT_GT(r0[kParams + 3], 0.f);
 }
 
-// The plan watch over ranks whose gradients differ (rank 0 at the
-// least-squares optimum, where NVFP4's gradient is noise; rank 1 far from
-// it): with WatchOptions::group every rank reports and moves the layer on
-// rank 0's numbers, so the ranks keep training one plan; without it rank 1
-// keeps NVFP4 while rank 0 moves the layer to MXFP8.
+// The plan watch over ranks whose gradients and thresholds differ (rank 0
+// at the least-squares optimum, where NVFP4's gradient is noise; rank 1 far
+// from it, with a noise ratio that never reports): with WatchOptions::group
+// every rank reports and moves the layer on rank 0's numbers and decision,
+// so the ranks keep training one plan; without it rank 1 keeps NVFP4 while
+// rank 0 moves the layer to MXFP8.
 TEST_F(DistTest, PlanWatchDecidesOnRankZerosNumbersOnEveryRank) {
   auto agreed = run("plan-watch", 2);
   for (const auto& w : agreed) ASSERT_EQ(w.status, 0) << w.output;

@@ -88,27 +88,41 @@ TEST(PlanFormatsTest, Fp32LayerIsFloat32InsideBf16Autocast) {
 // An fp16 layer's output and gradients are closer to float32's than bf16
 // autocast's are (3 more mantissa bits), even where the loss is scaled by
 // 1e-12 so that every gradient lies far below float16's smallest subnormal
-// (6e-8), and where the inputs are scaled by 1e6 so that they lie beyond
-// its largest value (65504): each product's operands are scaled per tensor
-// (unscaled, float16 would flush the gradients to zero and make the
-// activations inf; the planted test saw both).
+// (6e-8), where the inputs are scaled by 1e6 or the weights by 1e7 so that
+// most lie beyond its largest value (65504), and where the weights are scaled by
+// 1e-7 so that they all lie below its smallest subnormal: each product's
+// operands are scaled per tensor (unscaled, float16 would flush the
+// gradients and weights to zero and make the activations inf; the planted
+// tests saw each).
 TEST(PlanFormatsTest, Fp16LayerKeepsValuesFarOutsideFloat16sRange) {
   torch::manual_seed(3);
   const auto x = torch::randn({128, 64});
-  auto fc = layer(4);
-  auto plain = layer(4);
-  plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
-  for (const auto& [loss_scale, input_scale] :
-       {std::make_pair(1.0, 1.0), std::make_pair(1e-12, 1.0), std::make_pair(1.0, 1e6)}) {
-    SCOPED_TRACE(::testing::Message() << "loss x " << loss_scale << ", input x " << input_scale);
+  for (const auto& [loss_scale, input_scale, weight_scale] :
+       {std::make_tuple(1.0, 1.0, 1.0), std::make_tuple(1e-12, 1.0, 1.0),
+        std::make_tuple(1.0, 1e6, 1.0), std::make_tuple(1.0, 1.0, 1e7),
+        std::make_tuple(1.0, 1.0, 1e-7)}) {
+    SCOPED_TRACE(::testing::Message() << "loss x " << loss_scale << ", input x " << input_scale
+                                      << ", weight x " << weight_scale);
+    auto fc = layer(4);
+    auto plain = layer(4);
+    {
+      torch::NoGradGuard no_grad;
+      fc->weight.mul_(weight_scale);
+      plain->weight.mul_(weight_scale);
+    }
+    plan::apply_plan(*fc, one_layer_plan(LayerFormat::kFloat16));
     const auto xs = x * input_scale;
     const Pass float32 = run(plain, xs, loss_scale, Region::kNone, /*autocast=*/false);
     const Pass bf16 = run(plain, xs, loss_scale, Region::kNone);
     const Pass half = run(fc, xs, loss_scale, Region::kPlan);
     ASSERT_EQ(half.y.scalar_type(), torch::kFloat);
-    if (input_scale > 1) {  // every input beyond float16's largest value, but zeros
-      EXPECT_GT(xs.abs().max().item<double>(), 65504.0);
+    if (input_scale > 1 || weight_scale > 1) {  // beyond float16's largest value
+      const auto& big = input_scale > 1 ? xs : fc->weight;
+      EXPECT_GT((big.abs() > 65504).to(torch::kFloat).mean().item<double>(), 0.5);
       EXPECT_GT(float32.y.abs().max().item<double>(), 65504.0);
+    }
+    if (weight_scale < 1) {  // below float16's smallest subnormal
+      EXPECT_LT(fc->weight.abs().max().item<double>(), 3e-8);
     }
     if (loss_scale < 1) {  // every gradient below float16's smallest subnormal
       EXPECT_LT(float32.dw.abs().max().item<double>(), 6e-8);

@@ -373,7 +373,9 @@ void resolve_defaults(TrainConfig& c) {
               c.precision_plan, "' is for --precision auto");
   // --nproc measures before it starts its ranks and hands them the plan; a
   // rank an outside launcher started has no process before it to measure in.
-  TORCH_CHECK(!plan_mode || !c.precision_plan.empty() || !ampx::dist::launched_as_rank(),
+  // (This process's modes: --compare's children of other modes get no plan.)
+  const bool trains_auto = std::find(modes.begin(), modes.end(), "auto") != modes.end();
+  TORCH_CHECK(!trains_auto || !c.precision_plan.empty() || !ampx::dist::launched_as_rank(),
               "ampx-train: --precision auto measures in one process, and this is a rank a "
               "launcher started; measure first (ampx-train --precision auto, alone or with "
               "--nproc N), then give every rank the plan it writes as --precision-plan");
@@ -391,7 +393,7 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(c.plan_noise_ratio == TrainConfig().plan_noise_ratio || c.plan_watch > 0,
               "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio,
               " sets the plan watch's threshold; the watch is off (--plan-watch 0, or not "
-              "--precision auto in one process)");
+              "--precision auto)");
   TORCH_CHECK(!c.plan_widen || c.plan_watch > 0,
               "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
   TORCH_CHECK(!c.diagnose || c.nproc == 1,

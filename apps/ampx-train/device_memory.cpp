@@ -84,4 +84,11 @@ void reset_peak_memory(const c10::Device& device) {
   ampx::reset_peak_cpu_memory();
 }
 
+void release_cached_memory(const c10::Device& device) {
+#if defined(AMPX_TRAIN_WITH_CUDA)
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+  (void)device;
+}
+
 }  // namespace ampx::train

@@ -15,5 +15,9 @@ void enable_memory_tracking(const c10::Device& device);
 int64_t allocated_bytes(const c10::Device& device);
 int64_t peak_allocated_bytes(const c10::Device& device);
 void reset_peak_memory(const c10::Device& device);
+/// Hands the memory the caching allocator keeps for freed tensors back to
+/// the device (CUDA's emptyCache), so that the processes a measuring parent
+/// starts next find it free; nothing on the CPU.
+void release_cached_memory(const c10::Device& device);
 
 }  // namespace ampx::train

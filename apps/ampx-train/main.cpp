@@ -359,6 +359,7 @@ int train(int argc, char** argv, TrainConfig config, Workload& workload,
   if (std::find(modes.begin(), modes.end(), "auto") != modes.end() &&
       config.precision_plan.empty()) {
     config.precision_plan = measured_plan = plan_precision(config, workload);
+    if (modes.size() > 1) release_cached_memory(config.torch_device());  // for the children
   }
   if (modes.size() == 1) return train_one(config, workload, modes.front(), group);
   return compare(argc, argv, config, workload, modes, measured_plan);
@@ -376,9 +377,20 @@ int run_process(int argc, char** argv, const TrainConfig& config, bool show) {
     if (modes.front() != "auto" || !config.precision_plan.empty()) {
       return run_ranks(argc, argv, config.nproc);
     }
-    // --precision auto: measured here, once, and the plan handed to every rank.
-    auto workload = prepare(config, show);
-    const std::string plan = plan_precision(config, *workload);
+    // --precision auto: measured here, once (at the ranks' thread count, at
+    // which --target cpu times the formats), and the plan handed to every
+    // rank; the workload and the device's cached memory freed before they start.
+    std::string plan;
+    {
+      auto workload = prepare(config, show);
+      plan = plan_precision(config, *workload);
+    }
+    release_cached_memory(config.torch_device());
+    if (const int signal = preemption_signal(); signal != 0) {
+      std::fprintf(stderr, "ampx-train: %s: the run stops after measuring its plan (%s)\n",
+                   signal_name(signal).c_str(), plan.c_str());
+      return kExitPreempted;
+    }
     return run_ranks(argc, argv, config.nproc, {"--precision-plan", plan});
   }
   auto workload = prepare(config, show);

@@ -72,10 +72,12 @@ enum class LayerFormat {
   /// "fp32": float32 operands and products, outside autocast (a wide product)
   kFloat32,
   /// "fp16": float16 operands and products (float32 accumulation), the output
-  /// widened to float32; before each backward product the output gradient
-  /// scaled by the largest power of two that keeps the product's worst case
-  /// within 2^15, float16's loss scaling done per layer, product and step
-  /// (no step skipped)
+  /// unscaled in float32 and the bias added there; the weight scaled by a
+  /// power of two to a largest value in (0.5, 1], and before each product
+  /// the other operand (the input forward, the output gradient backward) by
+  /// the largest power of two that keeps it and the product's worst case
+  /// within 2^15: float16's loss scaling done per layer, product and step
+  /// (no step skipped), for the activations too
   kFloat16,
   kBFloat16,  ///< "bf16": the layer runs under bf16 autocast (not converted)
   kFp8,       ///< "fp8": FP8 tensorwise current scaling (HYBRID: E4M3 forward, E5M2 gradients)
@@ -343,12 +345,14 @@ struct WatchOptions {
   /// scaling starts afresh (the plans' formats keep no state between steps);
   /// the buffers its first format registered stay in the module's state.
   TORCH_ARG(bool, widen) = false;
-  /// Data-parallel training: the ranks' group. check() then decides on rank
-  /// 0's numbers on every rank (one broadcast of four numbers per watched
-  /// layer), so that every rank reports and moves the same layers at the
-  /// same step even where the ranks' own numbers differ in their last bits.
-  /// The backward given to check() must average the gradients as the
-  /// step's did (DistributedDataParallel::synchronize() after it).
+  /// Data-parallel training: the ranks' group. Every rank then takes rank
+  /// 0's numbers, findings and moves (one broadcast of six numbers per
+  /// watched layer), so that every rank reports and moves the same layers
+  /// at the same step even where its own numbers differ in their last bits
+  /// (or its thresholds differ). Every rank must call check() at the same
+  /// steps with the same plan: the broadcast pairs up by order. The
+  /// backward given to check() must average the gradients as the step's
+  /// did (DistributedDataParallel::synchronize() after it).
   TORCH_ARG(c10::optional<dist::ProcessGroup>, group) = c10::nullopt;
 };
 

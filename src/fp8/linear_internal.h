@@ -53,11 +53,12 @@ at::Tensor linear_output(const at::Tensor& y, const at::Tensor& x, int64_t out_f
 
 /// y = x @ weight^T + bias with a wide product (src/fp8/wide_linear.cpp),
 /// autocast's casts left out: kFloat, float32 operands and output; kHalf,
-/// float16 operands and product (float32 accumulation, rounded to float16),
-/// the output widened to float32, and in the backward the output gradient
-/// scaled, for each of the two products, by the largest power of two that
-/// keeps it and the product's worst case (terms x amax x amax) within 2^15
-/// before it is rounded to float16, the product unscaled in float32.
+/// float16 operands and product (float32 accumulation, rounded to float16):
+/// the weight scaled by a power of two to a largest value in (0.5, 1], and
+/// for each of the three products the other operand (the input, the output
+/// gradient) by the largest power of two that keeps it and the product's
+/// worst case (terms x amax x amax) within 2^15 before it is rounded to
+/// float16; the product unscaled in float32, the bias added there.
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                        c10::ScalarType product);
 

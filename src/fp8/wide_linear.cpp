@@ -51,10 +51,12 @@ at::Tensor product_scale(const at::Tensor& g_amax, const at::Tensor& other_amax,
   return at::where(finite, scale, at::ones_like(scale));
 }
 
-// The power of two that brings a weight whose largest value is beyond
-// float16's range within it (at most 2^15), else 1.
+// The power of two that brings a weight's largest value into (0.5, 1]: its
+// small values keep 2^24 of float16's range below it, whatever its size,
+// and the input's scale (product_scale) has the rest of 2^15. Its exponent
+// clamped to float32's normal range; 1 where the amax is not finite.
 at::Tensor weight_scale(const at::Tensor& w_amax) {
-  const at::Tensor exponent = at::clamp(15.0 - at::ceil(at::log2(w_amax)), -126.0, 0.0);
+  const at::Tensor exponent = at::clamp(-at::ceil(at::log2(w_amax)), -126.0, 126.0);
   return at::where(at::isfinite(w_amax), at::exp2(exponent), at::ones_like(w_amax));
 }
 
@@ -63,9 +65,9 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
                             const c10::optional<at::Tensor>& bias_arg) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
-    const at::Tensor x2 = x.reshape({-1, x.size(-1)});
+    const at::Tensor x2 = x.dim() == 1 ? x.unsqueeze(0) : x.flatten(0, -2);
     at::Tensor y;
-    if (x2.numel() == 0) {  // no rows (or no features): the bias alone, or zeros
+    if (x2.numel() == 0 || weight.numel() == 0) {  // no rows, features or outputs
       y = at::zeros({x2.size(0), weight.size(0)}, x2.options().dtype(at::kFloat));
       if (bias.defined()) y = y + bias.to(at::kFloat);
       ctx->save_for_backward({x2.to(at::kHalf), weight.to(at::kHalf)});
@@ -77,7 +79,8 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     // Each operand scaled by a power of two before its float16 rounding, so
     // that neither it nor the product overflows float16 (an activation of
     // 1e5, or many terms of large ones, would be inf) and small values keep
-    // the most of float16's range; the bias is added in float32.
+    // the most of float16's range; the bias is added in float32. (Powers of
+    // two: the values round as unscaled ones do, but at the range's ends.)
     const at::Tensor scale_w = weight_scale(amax_of(weight));
     const at::Tensor w16 = (weight.to(at::kFloat) * scale_w).to(at::kHalf);
     const at::Tensor scale_x = product_scale(amax_of(x2), amax_of(w16), x2.size(1));
@@ -98,7 +101,9 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     const at::Tensor& w16 = saved[1];  // weight x scale_w
     const at::Tensor scale_x = ctx->saved_data["scale_x"].toTensor();
     const at::Tensor scale_w = ctx->saved_data["scale_w"].toTensor();
-    const at::Tensor g = grads[0].reshape({-1, w16.size(0)}).to(at::kFloat);
+    const at::Tensor& g_out = grads[0];
+    const at::Tensor g = (g_out.dim() == 1 ? g_out.unsqueeze(0) : g_out.flatten(0, -2))
+                             .to(at::kFloat);
     const detail::LinearShape shape = detail::LinearShape::load(ctx);
     const auto& x_sizes = shape.x_sizes;
     const auto x_dtype = shape.x_dtype;

@@ -79,7 +79,7 @@ std::string scale_rule_of(LayerFormat format, uint64_t seed) {
     case LayerFormat::kFloat32:
       return "float32 products (no scale)";
     case LayerFormat::kFloat16:
-      return "float16 products, output gradient scaled per product to a worst case of 2^15";
+      return "float16 products, operands scaled per product to a worst case of 2^15";
     default:
       return recipe_of(format, seed).to_string();
   }

@@ -48,21 +48,36 @@ Comparison compare(const at::Tensor& in_format, const at::Tensor& bf16) {
   return c;
 }
 
-// Every rank of `group` takes rank 0's comparisons (the ranks watch the same
-// plan, so the same layers in the same order).
-void agree_on_rank0s(const dist::ProcessGroup& group, std::vector<Comparison>& comparisons) {
-  at::Tensor numbers = at::empty({static_cast<int64_t>(comparisons.size()), 4}, at::kDouble);
-  auto a = numbers.accessor<double, 2>();
-  for (size_t i = 0; i < comparisons.size(); ++i) {
-    const Comparison& c = comparisons[i];
-    a[i][0] = c.gradient_norm;
-    a[i][1] = c.noise_norm;
-    a[i][2] = c.underflow;
-    a[i][3] = c.non_finite;
+// What a check decided for one layer: its numbers, its finding (if any) and
+// the format it moves to (its own when it stays).
+struct Decision {
+  Comparison numbers;
+  c10::optional<WatchFinding> finding;
+  LayerFormat moved_to = LayerFormat::kBFloat16;
+};
+
+// Every rank of `group` takes rank 0's decisions, numbers, findings and
+// moves alike (the ranks watch the same plan: the same layers in the same
+// order), whatever its own numbers, thresholds or target.
+void agree_on_rank0s(const dist::ProcessGroup& group, std::vector<Decision>& decisions) {
+  at::Tensor t = at::empty({static_cast<int64_t>(decisions.size()), 6}, at::kDouble);
+  auto a = t.accessor<double, 2>();
+  for (size_t i = 0; i < decisions.size(); ++i) {
+    const Decision& d = decisions[i];
+    a[i][0] = d.numbers.gradient_norm;
+    a[i][1] = d.numbers.noise_norm;
+    a[i][2] = d.numbers.underflow;
+    a[i][3] = d.numbers.non_finite;
+    a[i][4] = d.finding ? static_cast<double>(*d.finding) : -1.0;
+    a[i][5] = static_cast<double>(d.moved_to);
   }
-  group.broadcast(numbers, 0);
-  for (size_t i = 0; i < comparisons.size(); ++i) {
-    comparisons[i] = {a[i][0], a[i][1], a[i][2], a[i][3]};
+  group.broadcast(t, 0);
+  for (size_t i = 0; i < decisions.size(); ++i) {
+    Decision& d = decisions[i];
+    d.numbers = {a[i][0], a[i][1], a[i][2], a[i][3]};
+    d.finding = a[i][4] < 0 ? c10::nullopt
+                            : c10::optional<WatchFinding>(static_cast<WatchFinding>(a[i][4]));
+    d.moved_to = static_cast<LayerFormat>(a[i][5]);
   }
 }
 
@@ -282,28 +297,33 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
   }
   restore();
 
-  std::vector<Comparison> comparisons;
-  for (size_t i = 0; i < watched.size(); ++i) comparisons.push_back(compare(in_format[i], bf16[i]));
-  if (options_.group()) agree_on_rank0s(*options_.group(), comparisons);
+  std::vector<Decision> decisions;
+  for (size_t i = 0; i < watched.size(); ++i) {
+    Decision d;
+    d.numbers = compare(in_format[i], bf16[i]);
+    d.finding = worst_finding(d.numbers, options_);
+    const LayerFormat format = watched[i].first->format;
+    d.moved_to = d.finding && options_.widen() ? wider_format(format, plan_.target) : format;
+    decisions.push_back(d);
+  }
+  if (options_.group()) agree_on_rank0s(*options_.group(), decisions);
 
   std::vector<WatchEvent> events;
   for (size_t i = 0; i < watched.size(); ++i) {
     LayerPlan& l = *watched[i].first;
-    const Comparison& c = comparisons[i];
-    const auto found = worst_finding(c, options_);
-    if (!found) continue;
+    const Decision& d = decisions[i];
+    if (!d.finding) continue;
     WatchEvent e;
     e.step = step;
     e.module = l.module;
     e.format = l.format;
-    e.finding = *found;
-    e.gradient_norm = c.gradient_norm;
-    e.noise_norm = c.noise_norm;
-    e.underflow = c.underflow;
-    e.non_finite = c.non_finite;
-    e.moved_to = l.format;
-    if (options_.widen()) {
-      e.moved_to = wider_format(l.format, plan_.target);
+    e.finding = *d.finding;
+    e.gradient_norm = d.numbers.gradient_norm;
+    e.noise_norm = d.numbers.noise_norm;
+    e.underflow = d.numbers.underflow;
+    e.non_finite = d.numbers.non_finite;
+    e.moved_to = d.moved_to;
+    if (e.moved_to != l.format) {
       move(l, *watched[i].second, e.moved_to);
       l.reason = "moved by the watch at step " + std::to_string(step) + " (" +
                  to_string(e.finding) + " in " + to_string(e.format) + ")";

@@ -341,15 +341,13 @@ int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::Proce
   return 0;
 }
 
-// FP8 Linears (every layer converted, delayed scaling, history 4) under DDP:
-// "fp8" max-reduces the amaxes over the group (TE's reduce_amax), "fp8-local"
-// keeps each rank's. Writes the parameters, then every FP8 buffer (float32).
 // plan-watch: one NVFP4 Linear (64 -> 32) on a noisy regression, checked by
 // a PlanWatch with widen. Rank 0 sits at the least-squares solution (its
 // gradient is NVFP4's noise: reported), rank 1 at zero weights (a large
-// gradient: nothing to report); no DDP, so the ranks' numbers differ, as
-// they could in their last bits in real data-parallel training. With the
-// group (plan-watch) every rank takes rank 0's numbers and decision;
+// gradient: nothing to report), and with a threshold that never reports;
+// no DDP, so the ranks' numbers differ, as they could in their last bits in
+// real data-parallel training. With the
+// group (plan-watch) every rank takes rank 0's numbers and decisions;
 // plan-watch-alone leaves the group out. Writes each event and the
 // layer's final format.
 int run_plan_watch(const std::string& scenario, const std::string& out,
@@ -380,6 +378,7 @@ int run_plan_watch(const std::string& scenario, const std::string& out,
   plan.layers.push_back({"fc", nvfp4, ampx::plan::scale_rule_of(nvfp4), 0, 0, 1, "test"});
   ampx::plan::apply_plan(*net, plan, 3);
   auto options = ampx::plan::WatchOptions().widen(true);
+  if (pg.rank() == 1) options.noise_ratio(1e-9);
   if (scenario == "plan-watch") options.group(pg);
   ampx::plan::PlanWatch watch(*net, plan, options);
   const auto backward = [&] {
@@ -400,6 +399,9 @@ int run_plan_watch(const std::string& scenario, const std::string& out,
   return 0;
 }
 
+// FP8 Linears (every layer converted, delayed scaling, history 4) under DDP:
+// "fp8" max-reduces the amaxes over the group (TE's reduce_amax), "fp8-local"
+// keeps each rank's. Writes the parameters, then every FP8 buffer (float32).
 int run_fp8(const std::string& scenario, const std::string& out,
             const ampx::dist::ProcessGroup& pg) {
   const int64_t rank = pg.rank(), world = pg.world_size();

@@ -362,6 +362,16 @@ TEST(PlanModeTest, NprocMeasuresOnceAndItsRanksWatchTheAveragedGradients) {
   }
   EXPECT_GT(watched_layers, 0);
 
+  // --compare O2,auto over two ranks: measured once in the parent, which
+  // hands the plan to auto's ranks; O2's ranks need none.
+  const auto compared = run_train(plan_gpt(tmp, {{"--compare", "O2,auto"},
+                                                 {"--nproc", "2"},
+                                                 {"--out-dir", (tmp.path() / "compared").string()}}),
+                                  tmp.path() / "compared.log");
+  ASSERT_EQ(compared.status, 0) << compared.output;
+  EXPECT_EQ(measuring(compared.output), 1u) << compared.output;
+  EXPECT_EQ(ranks_weights(compared.output).size(), 4u) << compared.output;
+
   // Ranks an outside launcher started with different plans fail at
   // start-up, each naming the plans.
   auto other = planned;

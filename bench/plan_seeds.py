@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Issue 44's B200 comparison over many seeds: the automatic plan against the
+fixed rule (first and last blocks and the head in bf16, the rest NVFP4).
+
+For each workload and seed, one `ampx-train --compare O2,auto,nvfp4` run
+(measure, plan, prove, train the plan; then O2 and the rule from the same
+seed), then a table of each mode's test loss against O2's and the paired
+difference plan - rule, with its mean, spread and 95% confidence interval
+over the seeds. Plain Python 3 (no torch): it runs the ampx-train binary.
+
+  python3 bench/plan_seeds.py --binary build/host/apps/ampx-train/ampx-train \\
+      --seeds 1337-1346 --workloads gpt,gpt-nn --out /tmp/plan-seeds
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+
+# Two-sided 95% Student t quantiles by degrees of freedom (1..30), then 1.96.
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+       2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+       2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+SHAPE = ["--layers", "4", "--d-model", "128", "--heads", "4", "--block-size", "64",
+         "--batch-size", "16"]
+RULE = re.compile(r"first/last blocks and head bf16, rest nvfp4\s+[-+0-9.]+%\s+([0-9.]+)")
+
+
+def seeds_of(text):
+    if "-" in text:
+        first, last = text.split("-")
+        return list(range(int(first), int(last) + 1))
+    return [int(s) for s in text.split(",")]
+
+
+def run_one(args, workload, seed):
+    out = os.path.join(args.out, f"{workload}-{seed}")
+    os.makedirs(out, exist_ok=True)
+    command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
+               "--seed", str(seed), "--compare", "O2,auto,nvfp4",
+               "--loss-budget", args.budget, "--target", args.target, "--out-dir", out]
+    log_path = os.path.join(out, "run.log")
+    with open(log_path, "w") as log:
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+    with open(os.path.join(out, "compare.json")) as f:
+        modes = {m["mode"]: m for m in json.load(f)["modes"]}
+    with open(os.path.join(out, "precision-plan.json")) as f:
+        plan = json.load(f)
+    with open(log_path) as f:
+        rule = RULE.search(f.read())
+    o2 = modes["O2"]["test_loss"]
+    return {
+        "workload": workload,
+        "seed": seed,
+        "plan_time": plan["cost"] / plan["bf16_cost"],
+        "rule_time": float(rule.group(1)) if rule else float("nan"),
+        "auto": 100 * (modes["auto"]["test_loss"] / o2 - 1),
+        "rule": 100 * (modes["nvfp4"]["test_loss"] / o2 - 1),
+    }
+
+
+def summary(label, rows):
+    d = [r["auto"] - r["rule"] for r in rows]
+    n = len(d)
+    mean = statistics.mean(d)
+    sd = statistics.stdev(d) if n > 1 else float("nan")
+    half = (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n) if n > 1 else math.nan
+    no_worse = sum(1 for x in d if x <= 0.005)  # equal to the table's 0.01 points
+    return (f"| {label} | {n} | {statistics.mean(r['auto'] for r in rows):+.3f}% | "
+            f"{statistics.mean(r['rule'] for r in rows):+.3f}% | {mean:+.3f} | {sd:.3f} | "
+            f"[{mean - half:+.3f}, {mean + half:+.3f}] | {no_worse} of {n} |")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--binary", required=True, help="the ampx-train binary")
+    p.add_argument("--seeds", default="1337-1346", help="first-last, or a comma list")
+    p.add_argument("--workloads", default="gpt,gpt-nn")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--budget", default="0.5%")
+    p.add_argument("--target", default="b200")
+    p.add_argument("--out", required=True, help="a folder for the runs and results.json")
+    args = p.parse_args()
+    rows = []
+    for workload in args.workloads.split(","):
+        for seed in seeds_of(args.seeds):
+            rows.append(run_one(args, workload, seed))
+            r = rows[-1]
+            print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}% "
+                  f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\n| workload | seed | plan's modelled time | rule's | auto vs O2 | rule vs O2 | "
+          "auto - rule |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['workload']} | {r['seed']} | {r['plan_time']:.3f} | {r['rule_time']:.3f} | "
+              f"{r['auto']:+.2f}% | {r['rule']:+.2f}% | {r['auto'] - r['rule']:+.2f} |")
+    print("\n| runs | n | mean auto | mean rule | mean auto - rule (points) | sd | 95% CI | "
+          "auto <= rule |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    for workload in args.workloads.split(","):
+        print(summary(workload, [r for r in rows if r["workload"] == workload]))
+    print(summary("all", rows))
+
+
+if __name__ == "__main__":
+    main()
