@@ -177,6 +177,20 @@ TEST(PlanFormatsTest, Fp16ProductsOfManyRowsDoNotOverflowAndNoRowsGiveZeros) {
   }
   EXPECT_TRUE(torch::equal(fc->weight.grad(), torch::zeros_like(fc->weight)));
   EXPECT_EQ(none.grad().sizes(), none.sizes());
+
+  // No outputs: an empty output, and zero gradients for the input.
+  torch::nn::Linear empty(64, 0);
+  plan::apply_plan(*empty, one_layer_plan(LayerFormat::kFloat16));
+  const auto xs = torch::randn({4, 3, 64}, torch::requires_grad());
+  torch::Tensor y;
+  {
+    AutocastGuard guard(torch::kCPU, torch::kBFloat16);
+    fp8::Fp8AutocastGuard fp8;
+    y = empty->forward(xs);
+  }
+  EXPECT_EQ(y.sizes(), (std::vector<int64_t>{4, 3, 0}));
+  y.to(torch::kFloat).sum().backward();
+  EXPECT_TRUE(torch::equal(xs.grad(), torch::zeros_like(xs)));
 }
 
 // The watch compares an fp16 layer's gradient with bf16's: half the inputs
