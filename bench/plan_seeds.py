@@ -7,6 +7,11 @@ For each workload and seed, one `ampx-train --compare O2,auto,nvfp4` run
 seed), then a table of each mode's test loss against O2's and the paired
 difference plan - rule, with its mean, spread and 95% confidence interval
 over the seeds. Plain Python 3 (no torch): it runs the ampx-train binary.
+Seeds go in turn over the workloads; a run whose folder already holds its
+results is read again, not run, so an interrupted study continues, and
+--summarize prints the tables of the runs done so far. AMPX_CPU_PRODUCTS is
+pinned (native unless set): left to auto, each mode's process times the
+bf16 products anew and may take the other path on a loaded machine.
 
   python3 bench/plan_seeds.py --binary build/host/apps/ampx-train/ampx-train \\
       --seeds 1337-1346 --workloads gpt,gpt-nn --out /tmp/plan-seeds
@@ -38,17 +43,21 @@ def seeds_of(text):
     return [int(s) for s in text.split(",")]
 
 
-def run_one(args, workload, seed):
+def run_one(args, workload, seed, run=True):
     out = os.path.join(args.out, f"{workload}-{seed}")
-    os.makedirs(out, exist_ok=True)
-    command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
-               "--seed", str(seed), "--compare", "O2,auto,nvfp4",
-               "--loss-budget", args.budget, "--target", args.target, "--out-dir", out]
     log_path = os.path.join(out, "run.log")
-    with open(log_path, "w") as log:
-        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-    if code != 0:
-        sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+    done = os.path.exists(os.path.join(out, "compare.json"))
+    if not done and not run:
+        return None
+    if not done:
+        os.makedirs(out, exist_ok=True)
+        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
+                   "--seed", str(seed), "--compare", "O2,auto,nvfp4",
+                   "--loss-budget", args.budget, "--target", args.target, "--out-dir", out]
+        with open(log_path, "w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
     with open(os.path.join(out, "compare.json")) as f:
         modes = {m["mode"]: m for m in json.load(f)["modes"]}
     with open(os.path.join(out, "precision-plan.json")) as f:
@@ -80,7 +89,8 @@ def summary(label, rows):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--binary", required=True, help="the ampx-train binary")
+    p.add_argument("--binary", help="the ampx-train binary (not needed with --summarize)")
+    p.add_argument("--summarize", action="store_true", help="only the runs already done")
     p.add_argument("--seeds", default="1337-1346", help="first-last, or a comma list")
     p.add_argument("--workloads", default="gpt,gpt-nn")
     p.add_argument("--steps", type=int, default=200)
@@ -88,11 +98,16 @@ def main():
     p.add_argument("--target", default="b200")
     p.add_argument("--out", required=True, help="a folder for the runs and results.json")
     args = p.parse_args()
+    if not args.summarize and not args.binary:
+        p.error("--binary is needed to run")
+    os.environ.setdefault("AMPX_CPU_PRODUCTS", "native")
     rows = []
-    for workload in args.workloads.split(","):
-        for seed in seeds_of(args.seeds):
-            rows.append(run_one(args, workload, seed))
-            r = rows[-1]
+    for seed in seeds_of(args.seeds):
+        for workload in args.workloads.split(","):
+            r = run_one(args, workload, seed, run=not args.summarize)
+            if r is None:
+                continue
+            rows.append(r)
             print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}% "
                   f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
@@ -107,7 +122,9 @@ def main():
           "auto <= rule |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     for workload in args.workloads.split(","):
-        print(summary(workload, [r for r in rows if r["workload"] == workload]))
+        mine = [r for r in rows if r["workload"] == workload]
+        if mine:
+            print(summary(workload, mine))
     print(summary("all", rows))
 
 
