@@ -40,7 +40,7 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
   TORCH_CHECK(!config.precision_plan.empty(),
               "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
               "--precision-plan");
-  const auto plan = ampx::plan::load_plan(config.precision_plan);
+  const auto& plan = setup.plan.emplace(ampx::plan::load_plan(config.precision_plan));
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
     auto options = ampx::plan::WatchOptions()

@@ -239,12 +239,11 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   // model shape or precision fails here, on every rank, naming the difference.
   if (group) {
     nlohmann::json identity = identity_;
-    if (mode_.name == "auto") {  // the plan, and its watch's steps and settings
-      const auto plan = ampx::plan::load_plan(config.precision_plan);
-      for (const auto& l : plan.layers) {
+    if (setup_.plan) {  // the plan, and its watch's steps and settings
+      for (const auto& l : setup_.plan->layers) {
         identity["plan"][l.module] = ampx::plan::to_string(l.format);
       }
-      identity["plan_target"] = plan.target;
+      identity["plan_target"] = setup_.plan->target;
       identity["plan_watch"] = config.plan_watch;
       identity["plan_widen"] = config.plan_widen;
       identity["plan_noise_ratio"] = config.plan_noise_ratio;

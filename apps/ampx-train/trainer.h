@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,9 @@ struct ModeSetUp {
   /// FP8 modes: the Linears --bf16-layers kept in bf16 (paths).
   std::vector<std::string> bf16_layers;
   const ampx::dist::ProcessGroup* fp8_group = nullptr;
+  /// --precision auto: the plan applied, as loaded (the watch's moves are
+  /// in watch->plan()).
+  std::optional<ampx::plan::PrecisionPlan> plan;
   /// --precision auto with --plan-watch: the plan's watch (null otherwise).
   std::unique_ptr<ampx::plan::PlanWatch> watch;
 

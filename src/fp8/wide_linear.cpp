@@ -60,33 +60,37 @@ at::Tensor weight_scale(const at::Tensor& w_amax) {
   return at::where(at::isfinite(w_amax), at::exp2(exponent), at::ones_like(w_amax));
 }
 
+// `t`'s rows: a matrix of its last dimension (one row for a vector); also
+// where that dimension is 0, which reshape({-1, 0}) refuses.
+at::Tensor rows_of(const at::Tensor& t) {
+  return t.dim() == 1 ? t.unsqueeze(0) : t.flatten(0, -2);
+}
+
 struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const c10::optional<at::Tensor>& bias_arg) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const at::Tensor bias = ampx::detail::tensor_or_undefined(bias_arg);
-    const at::Tensor x2 = x.dim() == 1 ? x.unsqueeze(0) : x.flatten(0, -2);
-    at::Tensor y;
+    const at::Tensor x2 = rows_of(x);
+    at::Tensor x16, w16, scale_x, scale_w, y;
     if (x2.numel() == 0 || weight.numel() == 0) {  // no rows, features or outputs
+      x16 = x2.to(at::kHalf);
+      w16 = weight.to(at::kHalf);
+      scale_x = scale_w = at::ones({1}, x2.options().dtype(at::kFloat));
       y = at::zeros({x2.size(0), weight.size(0)}, x2.options().dtype(at::kFloat));
-      if (bias.defined()) y = y + bias.to(at::kFloat);
-      ctx->save_for_backward({x2.to(at::kHalf), weight.to(at::kHalf)});
-      ctx->saved_data["scale_x"] = at::ones({1}, y.options());
-      ctx->saved_data["scale_w"] = at::ones({1}, y.options());
-      detail::LinearShape::save(ctx, x, weight, bias);
-      return detail::linear_output(y, x, weight.size(0));
+    } else {
+      // Each operand scaled by a power of two before its float16 rounding,
+      // so that neither it nor the product overflows float16 (an activation
+      // of 1e5, or many terms of large ones, would be inf) and small values
+      // keep the most of float16's range. (Powers of two: the values round
+      // as unscaled ones do, but at the range's ends.)
+      scale_w = weight_scale(amax_of(weight));
+      w16 = (weight.to(at::kFloat) * scale_w).to(at::kHalf);
+      scale_x = product_scale(amax_of(x2), amax_of(w16), x2.size(1));
+      x16 = (x2.to(at::kFloat) * scale_x).to(at::kHalf);
+      y = half_product(x16, w16.t()).to(at::kFloat) / scale_x / scale_w;
     }
-    // Each operand scaled by a power of two before its float16 rounding, so
-    // that neither it nor the product overflows float16 (an activation of
-    // 1e5, or many terms of large ones, would be inf) and small values keep
-    // the most of float16's range; the bias is added in float32. (Powers of
-    // two: the values round as unscaled ones do, but at the range's ends.)
-    const at::Tensor scale_w = weight_scale(amax_of(weight));
-    const at::Tensor w16 = (weight.to(at::kFloat) * scale_w).to(at::kHalf);
-    const at::Tensor scale_x = product_scale(amax_of(x2), amax_of(w16), x2.size(1));
-    const at::Tensor x16 = (x2.to(at::kFloat) * scale_x).to(at::kHalf);
-    y = half_product(x16, w16.t()).to(at::kFloat) / scale_x / scale_w;
-    if (bias.defined()) y = y + bias.to(at::kFloat);
+    if (bias.defined()) y = y + bias.to(at::kFloat);  // the bias added in float32
     ctx->save_for_backward({x16, w16});
     ctx->saved_data["scale_x"] = scale_x;
     ctx->saved_data["scale_w"] = scale_w;
@@ -101,9 +105,7 @@ struct HalfLinearFunction : public torch::autograd::Function<HalfLinearFunction>
     const at::Tensor& w16 = saved[1];  // weight x scale_w
     const at::Tensor scale_x = ctx->saved_data["scale_x"].toTensor();
     const at::Tensor scale_w = ctx->saved_data["scale_w"].toTensor();
-    const at::Tensor& g_out = grads[0];
-    const at::Tensor g = (g_out.dim() == 1 ? g_out.unsqueeze(0) : g_out.flatten(0, -2))
-                             .to(at::kFloat);
+    const at::Tensor g = rows_of(grads[0]).to(at::kFloat);
     const detail::LinearShape shape = detail::LinearShape::load(ctx);
     const auto& x_sizes = shape.x_sizes;
     const auto x_dtype = shape.x_dtype;
