@@ -1,6 +1,10 @@
 #include "auto_precision.h"
 
+#include "checkpoint.h"
 #include "fp8_layers.h"
+#include "trainer.h"
+
+#include "files/atomic_file.h"  // ampx's src/: write_file_atomically
 
 #include <torch/torch.h>
 
@@ -177,6 +181,7 @@ std::string proof_line(const ampx::plan::ProvenPlan& proven) {
 }  // namespace
 
 std::string plan_precision(const TrainConfig& config, Workload& workload) {
+  check_checkpoint_rules(config, checkpoint_path_for(config, "auto"));
   const torch::Device device = config.torch_device();
   WorkloadProblem problem{workload, device, {}};
   torch::manual_seed(config.seed);
@@ -223,6 +228,22 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   const std::string path = measured_plan_path(config);
   ampx::plan::save_plan(plan, path);
   std::cout << proof_line(proven) << "plan:    " << path << "\n" << std::endl;
+  return path;
+}
+
+std::string resumed_plan(const TrainConfig& config) {
+  const std::filesystem::path checkpoint = checkpoint_path_for(config, "auto");
+  check_checkpoint_rules(config, checkpoint.string());
+  const std::string text = read_progress(checkpoint, read_checkpoint(checkpoint)).state.plan_file;
+  TORCH_CHECK(!text.empty(), "ampx-train: --resume --precision auto: checkpoint '",
+              checkpoint.string(),
+              "' holds no plan (another --precision wrote it, or an older ampx-train); "
+              "pass the plan it trained with as --precision-plan");
+  const std::string path = (checkpoint.parent_path() / "precision-plan.json").string();
+  ampx::detail::write_file_atomically(path, text.data(), text.size(), "ampx-train: plan");
+  std::cout << "auto plan: " << path << " (the plan checkpoint '" << checkpoint.string()
+            << "' trained with)\n"
+            << std::endl;
   return path;
 }
 

@@ -40,7 +40,15 @@ std::string alternatives_table(const ampx::plan::Measurement& measurement,
 /// Measures the workload's fresh model (config.seed) over --plan-steps
 /// steps of its batches, makes the plan for --loss-budget and --target,
 /// prints the table and writes the plan to measured_plan_path(). Returns
-/// that path.
+/// that path. The checkpoint rules are checked first (check_checkpoint_rules
+/// for the auto mode's checkpoint): a fresh run they refuse measures nothing
+/// and leaves the plan file a checkpointed run trained with as it was.
 std::string plan_precision(const TrainConfig& config, Workload& workload);
+
+/// --resume with --precision auto and no --precision-plan: the plan the
+/// auto mode's checkpoint trained with (it keeps the plan file's text),
+/// written next to it as `precision-plan.json` for the run to apply again.
+/// Returns that path; c10::Error naming the checkpoint when it has none.
+std::string resumed_plan(const TrainConfig& config);
 
 }  // namespace ampx::train

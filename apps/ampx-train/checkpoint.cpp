@@ -177,6 +177,11 @@ CheckpointProgress read_progress(const std::filesystem::path& path, const Checkp
       state.plan_formats[module] = name;
     }
   }
+  if (const auto it = c.meta.find("plan_file"); it != c.meta.end()) {
+    TORCH_CHECK(it->is_string(), where, " has plan_file of type ", it->type_name(),
+                "; expected the text of the run's plan file");
+    state.plan_file = it->get<std::string>();
+  }
   const auto& amp = field("amp");
   TORCH_CHECK(amp.is_object(), where, " has amp=", amp.type_name(),
               "; expected the loss scalers' states as an object");
@@ -254,6 +259,7 @@ void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& id
       {"torch_version", ampx::torch_version()},
   };
   if (!state.plan_formats.empty()) meta["plan_formats"] = state.plan_formats;
+  if (!state.plan_file.empty()) meta["plan_file"] = state.plan_file;
   std::filesystem::create_directories(path.parent_path());
   write_checkpoint(path, meta, payload.str());
 }

@@ -45,6 +45,9 @@ struct RunState {
   /// --plan-widen: every planned layer's format as the watch left it
   /// (module -> "mxfp8", ...); empty while it has moved none.
   std::map<std::string, std::string> plan_formats;
+  /// --precision auto: the text of the plan file the run applies, which
+  /// --resume without --precision-plan applies again (empty otherwise).
+  std::string plan_file;
 };
 
 /// What a checkpoint holds besides the RunState (ampx::AmpSession's loss

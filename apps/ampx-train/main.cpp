@@ -354,11 +354,13 @@ int train(int argc, char** argv, TrainConfig config, Workload& workload,
           const ampx::dist::ProcessGroup* group) {
   const auto modes = modes_of(config);
   if (config.diagnose) return print_diagnosis(config, workload);
-  // --precision auto without --precision-plan: measure and plan first.
+  // --precision auto without --precision-plan: measure and plan first (or,
+  // resuming, take the plan the checkpoint trained with).
   std::string measured_plan;
   if (std::find(modes.begin(), modes.end(), "auto") != modes.end() &&
       config.precision_plan.empty()) {
-    config.precision_plan = measured_plan = plan_precision(config, workload);
+    config.precision_plan = measured_plan =
+        config.resume ? resumed_plan(config) : plan_precision(config, workload);
     if (modes.size() > 1) release_cached_memory(config.torch_device());  // for the children
   }
   if (modes.size() == 1) return train_one(config, workload, modes.front(), group);
@@ -381,7 +383,9 @@ int run_process(int argc, char** argv, const TrainConfig& config, bool show) {
     // which --target cpu times the formats), and the plan handed to every
     // rank; the workload and the device's cached memory freed before they start.
     std::string plan;
-    {
+    if (config.resume) {
+      plan = resumed_plan(config);
+    } else {
       auto workload = prepare(config, show);
       plan = plan_precision(config, *workload);
     }

@@ -2,6 +2,7 @@
 // and one training step on it; trainer.cpp runs the steps.
 #include "trainer.h"
 
+#include "files/atomic_file.h"  // ampx's src/: read_file
 #include "fp8_layers.h"
 
 #include <ampx/ampx.h>
@@ -41,6 +42,9 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
               "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
               "--precision-plan");
   const auto& plan = setup.plan.emplace(ampx::plan::load_plan(config.precision_plan));
+  auto text = ampx::detail::read_file(config.precision_plan);
+  TORCH_CHECK(text, "ampx-train: cannot read --precision-plan '", config.precision_plan, "'");
+  setup.plan_text = std::move(*text);
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
     auto options = ampx::plan::WatchOptions()

@@ -96,12 +96,14 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
   }
   for (const auto& mode : modes_of(c)) {
     if (mode == "auto") {
-      rows.add("auto plan", c.precision_plan.empty()
-                                ? "measured: loss budget " + c.loss_budget + " against " +
-                                      c.plan_reference + ", target " + c.target + ", " +
-                                      std::to_string(c.plan_steps) +
-                                      " steps a probe"
-                                : c.precision_plan);
+      std::string plan = c.precision_plan;
+      if (plan.empty() && c.resume) {
+        plan = "the one its checkpoint trained with";
+      } else if (plan.empty()) {
+        plan = "measured: loss budget " + c.loss_budget + " against " + c.plan_reference +
+               ", target " + c.target + ", " + std::to_string(c.plan_steps) + " steps a probe";
+      }
+      rows.add("auto plan", plan);
       rows.add("plan watch", c.plan_watch > 0
                                  ? "every " + std::to_string(c.plan_watch) +
                                        " steps against bf16 (left out of the timing), " +

@@ -56,9 +56,6 @@ std::string checkpoint_path_for(const TrainConfig& config, const std::string& mo
   return (dir / "checkpoint.ampx").string();
 }
 
-namespace {
-
-/// Refuses to overwrite a checkpoint, or to resume without one.
 void check_checkpoint_rules(const TrainConfig& config, const std::string& ckpt) {
   if (config.resume) {
     TORCH_CHECK(fs::exists(ckpt), "ampx-train: --resume, but there is no checkpoint at '", ckpt,
@@ -70,6 +67,8 @@ void check_checkpoint_rules(const TrainConfig& config, const std::string& ckpt) 
                 "--checkpoint-dir");
   }
 }
+
+namespace {
 
 /// This rank's rows of the global batch.
 Batch rank_rows(Batch batch, int64_t rank, int64_t world) {
@@ -235,15 +234,17 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   base_bytes_ = allocated_bytes(device_);
   reset_peak_memory(device_);
   setup_ = set_up_mode(config, workload, mode_, device_, group);
+  if (setup_.plan) {  // a checkpoint resumes under the plan it trained with
+    for (const auto& l : setup_.plan->layers) {
+      identity_["plan"][l.module] = ampx::plan::to_string(l.format);
+    }
+    identity_["plan_target"] = setup_.plan->target;
+  }
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
   if (group) {
     nlohmann::json identity = identity_;
-    if (setup_.plan) {  // the plan, and its watch's steps and settings
-      for (const auto& l : setup_.plan->layers) {
-        identity["plan"][l.module] = ampx::plan::to_string(l.format);
-      }
-      identity["plan_target"] = setup_.plan->target;
+    if (setup_.plan) {  // and the plan's watch: its steps and settings
       identity["plan_watch"] = config.plan_watch;
       identity["plan_widen"] = config.plan_widen;
       identity["plan_noise_ratio"] = config.plan_noise_ratio;
@@ -282,6 +283,7 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
       setup_.watch->restore(formats);
     }
   }
+  state_.plan_file = setup_.plan_text;  // this run's plan, which its checkpoints keep
 
   if (lead_) {
     fs::create_directories(config.out_dir);

@@ -30,6 +30,9 @@ namespace ampx::train {
 /// Where mode `mode`'s checkpoint lives: --checkpoint-dir itself for a
 /// single run, a folder per mode under it for --compare.
 std::string checkpoint_path_for(const TrainConfig& config, const std::string& mode);
+/// Refuses to resume without a checkpoint at `checkpoint`, and (with
+/// --save-every) to start a fresh run over one: c10::Error naming it.
+void check_checkpoint_rules(const TrainConfig& config, const std::string& checkpoint);
 
 /// What a mode trains: the workload's fresh model (from config.seed), its
 /// ampx::optim::AdamW, and ampx's opt level over both, as the mode defines
@@ -49,6 +52,8 @@ struct ModeSetUp {
   /// --precision auto: the plan applied, as loaded (the watch's moves are
   /// in watch->plan()).
   std::optional<ampx::plan::PrecisionPlan> plan;
+  /// --precision auto: the plan file's text, as read (its checkpoints keep it).
+  std::string plan_text;
   /// --precision auto with --plan-watch: the plan's watch (null otherwise).
   std::unique_ptr<ampx::plan::PlanWatch> watch;
 

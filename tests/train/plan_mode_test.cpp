@@ -459,4 +459,65 @@ TEST(PlanModeTest, WidenedLayersResumeInTheFormatsTheWatchLeftThem) {
                                     {"holds layers the plan watch moved to wider formats"}));
 }
 
+// --resume with --precision auto and no --precision-plan trains with the
+// plan the checkpoint trained with (it keeps the plan file's text), measures
+// nothing, and ends as the uninterrupted run under that plan ends, even when
+// the out-dir's precision-plan.json was replaced meanwhile; another plan
+// given by --precision-plan is refused, by name; and a fresh run refused
+// over the checkpoint measures nothing and leaves the plan file as it was.
+TEST(PlanModeTest, ResumeTrainsWithTheCheckpointsPlanWithoutMeasuringAgain) {
+  TempDir tmp("ampx-plan-resume-auto");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  ampx::train::test::EnvGuard products("AMPX_CPU_PRODUCTS", "native");  // one path in every run
+  const auto parts = tmp.path() / "parts";
+  const auto flags = [&](const fs::path& out, int64_t steps,
+                         std::vector<std::pair<std::string, std::string>> more) {
+    more.insert(more.begin(), {{"--precision", "auto"},
+                               {"--steps", std::to_string(steps)},
+                               {"--out-dir", out.string()},
+                               {"--checkpoint-dir", (out / "ckpt").string()}});
+    return plan_gpt(tmp, more);
+  };
+  const auto first = run_train(flags(parts, 2, {{"--save-every", "2"}}), tmp.path() / "1.log");
+  ASSERT_EQ(first.status, 0) << first.output;
+  ASSERT_TRUE(contains(first.output, {"measuring each Linear"})) << first.output;
+  const auto measured = (tmp.path() / "measured.json").string();
+  fs::copy_file(parts / "precision-plan.json", measured);
+  const auto whole = run_train(
+      flags(tmp.path() / "whole", 4, {{"--precision-plan", measured}, {"--save-every", "4"}}),
+      tmp.path() / "whole.log");
+  ASSERT_EQ(whole.status, 0) << whole.output;
+
+  // A fresh run over the checkpoint is refused before it measures.
+  fs::copy_file(nvfp4_fc_plan(tmp), parts / "precision-plan.json",
+                fs::copy_options::overwrite_existing);
+  const auto refused = run_train(flags(parts, 4, {{"--save-every", "2"}}), tmp.path() / "2.log");
+  EXPECT_NE(refused.status, 0);
+  EXPECT_TRUE(contains(refused.output, {"already holds a checkpoint"})) << refused.output;
+  EXPECT_FALSE(contains(refused.output, {"measuring each Linear"})) << refused.output;
+  EXPECT_EQ(read_bytes(parts / "precision-plan.json"), read_bytes(tmp.path() / "plan.json"));
+
+  // Resumed: the checkpoint's plan, not the out-dir's file, and no measurement.
+  auto resume_args = flags(parts, 4, {{"--save-every", "2"}});
+  resume_args.push_back("--resume");
+  const auto resumed = run_train(resume_args, tmp.path() / "3.log");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_FALSE(contains(resumed.output, {"measuring each Linear"})) << resumed.output;
+  EXPECT_TRUE(contains(resumed.output, {"trained with"})) << resumed.output;
+  EXPECT_EQ(read_bytes(parts / "ckpt" / "precision-plan.json"), read_bytes(measured));
+  const auto losses = [](const fs::path& out) {  // bit for bit: JSON doubles round-trip
+    return read_checkpoint(out / "ckpt" / "checkpoint.ampx").meta.at("losses");
+  };
+  EXPECT_EQ(losses(parts).size(), 4u);
+  EXPECT_EQ(losses(parts), losses(tmp.path() / "whole"));
+
+  // Another plan, named by --precision-plan: refused, naming the plan.
+  auto other = flags(parts, 6, {{"--precision-plan", (tmp.path() / "plan.json").string()}});
+  other.push_back("--resume");
+  const auto mismatch = run_train(other, tmp.path() / "4.log");
+  EXPECT_NE(mismatch.status, 0);
+  EXPECT_TRUE(contains(mismatch.output, {"was written by a run with plan=", "blocks.0.fc"}))
+      << mismatch.output;
+}
+
 }  // namespace
