@@ -15,6 +15,13 @@ bf16 products anew and may take the other path on a loaded machine.
 
   python3 bench/plan_seeds.py --binary build/host/apps/ampx-train/ampx-train \\
       --seeds 1337-1346 --workloads gpt,gpt-nn --out /tmp/plan-seeds
+
+--widen-above G --widen-to F adds one run per seed: the seed's measured plan
+with every NVFP4 layer whose measured weight-gradient error exceeds G moved
+to format F, trained alone (--precision auto --precision-plan), and the
+tables compare that variant (in place of the plan) with the rule and with
+the plan. It asks whether the gradient error the probes measure picks the
+layers whose format matters over a whole run.
 """
 
 import argparse
@@ -72,18 +79,56 @@ def run_one(args, workload, seed, run=True):
         "rule_time": float(rule.group(1)) if rule else float("nan"),
         "auto": 100 * (modes["auto"]["test_loss"] / o2 - 1),
         "rule": 100 * (modes["nvfp4"]["test_loss"] / o2 - 1),
+        "o2_loss": o2,
     }
 
 
-def summary(label, rows):
-    d = [r["auto"] - r["rule"] for r in rows]
+def run_variant(args, workload, seed, row, run=True):
+    """The --widen-above variant of one seed's plan, trained alone."""
+    base = os.path.join(args.out, f"{workload}-{seed}")
+    out = os.path.join(base, f"widened-{args.widen_above}-{args.widen_to}")
+    result = os.path.join(out, "compare.json")
+    if not os.path.exists(result):
+        if not run:
+            return None
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(base, "precision-plan.json")) as f:
+            plan = json.load(f)
+        for layer in plan["layers"]:
+            if layer["format"] == "nvfp4" and layer["grad_error"] > args.widen_above:
+                layer["format"] = args.widen_to
+                layer["scale_rule"] = f"{args.widen_to} (plan_seeds.py --widen-above)"
+        plan_path = os.path.join(out, "variant-plan.json")
+        with open(plan_path, "w") as f:
+            json.dump(plan, f, indent=2)
+        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
+                   "--seed", str(seed), "--precision", "auto", "--precision-plan", plan_path,
+                   "--out-dir", out]
+        log_path = os.path.join(out, "run.log")
+        with open(log_path, "w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+    with open(os.path.join(out, "variant-plan.json")) as f:
+        plan = json.load(f)
+    speed = {"bf16": 1.0, "fp8": 2.0, "fp8-block": 2.0, "mxfp8": 2.0, "nvfp4": 4.0}  # B200
+    shares = [l["flops_share"] for l in plan["layers"]]
+    time = sum(l["flops_share"] / speed[l["format"]] for l in plan["layers"]) / sum(shares)
+    with open(result) as f:
+        loss = json.load(f)["modes"][0]["test_loss"]
+    o2 = row["o2_loss"]
+    return {**row, "plan_time": time, "plan": row["auto"], "auto": 100 * (loss / o2 - 1)}
+
+
+def summary(label, rows, other="rule"):
+    d = [r["auto"] - r[other] for r in rows]
     n = len(d)
     mean = statistics.mean(d)
     sd = statistics.stdev(d) if n > 1 else float("nan")
     half = (T95[n - 2] if n - 1 <= len(T95) else 1.96) * sd / math.sqrt(n) if n > 1 else math.nan
     no_worse = sum(1 for x in d if x <= 0.005)  # equal to the table's 0.01 points
     return (f"| {label} | {n} | {statistics.mean(r['auto'] for r in rows):+.3f}% | "
-            f"{statistics.mean(r['rule'] for r in rows):+.3f}% | {mean:+.3f} | {sd:.3f} | "
+            f"{statistics.mean(r[other] for r in rows):+.3f}% | {mean:+.3f} | {sd:.3f} | "
             f"[{mean - half:+.3f}, {mean + half:+.3f}] | {no_worse} of {n} |")
 
 
@@ -97,6 +142,9 @@ def main():
     p.add_argument("--budget", default="0.5%")
     p.add_argument("--target", default="b200")
     p.add_argument("--out", required=True, help="a folder for the runs and results.json")
+    p.add_argument("--widen-above", type=float, help="a variant: NVFP4 layers whose measured "
+                   "gradient error exceeds this move to --widen-to")
+    p.add_argument("--widen-to", default="bf16", choices=["bf16", "fp8", "fp8-block", "mxfp8"])
     args = p.parse_args()
     if not args.summarize and not args.binary:
         p.error("--binary is needed to run")
@@ -105,12 +153,20 @@ def main():
     for seed in seeds_of(args.seeds):
         for workload in args.workloads.split(","):
             r = run_one(args, workload, seed, run=not args.summarize)
+            if r is not None and args.widen_above is not None:
+                r = run_variant(args, workload, seed, r, run=not args.summarize)
             if r is None:
                 continue
             rows.append(r)
-            print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}% "
+            extra = f" (the plan {r['plan']:+.3f}%)" if "plan" in r else ""
+            print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}%{extra} "
                   f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    if args.widen_above is not None:
+        print(f"\n'auto' below is the variant: NVFP4 layers with gradient error above "
+              f"{args.widen_above} in {args.widen_to}; 'plan' is the measured plan")
+    name = "results.json" if args.widen_above is None else \
+        f"results-widened-{args.widen_above}-{args.widen_to}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n| workload | seed | plan's modelled time | rule's | auto vs O2 | rule vs O2 | "
           "auto - rule |")
@@ -126,6 +182,15 @@ def main():
         if mine:
             print(summary(workload, mine))
     print(summary("all", rows))
+    if args.widen_above is not None:
+        print("\n| runs | n | mean variant | mean plan | mean variant - plan (points) | sd | "
+              "95% CI | variant <= plan |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+        for workload in args.workloads.split(","):
+            mine = [r for r in rows if r["workload"] == workload]
+            if mine:
+                print(summary(workload, mine, "plan"))
+        print(summary("all", rows, "plan"))
 
 
 if __name__ == "__main__":

@@ -367,10 +367,29 @@ int train(int argc, char** argv, TrainConfig config, Workload& workload,
   return compare(argc, argv, config, workload, modes, measured_plan);
 }
 
+/// A process that starts others (--compare's modes, --nproc's ranks) hands
+/// them its choice of 16-bit CPU products in AMPX_CPU_PRODUCTS, so that
+/// they all multiply as it timed them to rather than each timing anew.
+void hand_cpu_products_to_children(const TrainConfig& config) {
+  const auto modes = modes_of(config);
+  if (config.device != "cpu" || config.diagnose || (modes.size() == 1 && config.nproc == 1)) {
+    return;
+  }
+  std::vector<c10::ScalarType> dtypes;
+  for (const auto& name : modes) {
+    const Mode mode = parse_mode(name, config);
+    if (mode.mixed()) dtypes.push_back(mode.dtype);
+  }
+  at::set_num_threads(config.threads);  // the thread count the children train at
+  const std::string value = cpu_products_for_children(dtypes);
+  if (!value.empty()) ::setenv("AMPX_CPU_PRODUCTS", value.c_str(), 1);
+}
+
 /// Role::kMain and Role::kModeProcess: a process of its own, which starts
 /// --nproc's ranks when asked for them.
 int run_process(int argc, char** argv, const TrainConfig& config, bool show) {
   if (show) show_settings(config);
+  hand_cpu_products_to_children(config);
   // A diagnosis is short and writes no checkpoint: a signal ends it as usual.
   if (!config.diagnose) install_preemption_handlers();
   const auto modes = modes_of(config);

@@ -11,6 +11,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("mode", r.mode);
   visit("dtype", r.dtype);
   visit("blas", r.blas);
+  visit("cpu_products", r.cpu_products);
   visit("steps", r.steps);
   visit("timed_steps", r.timed_steps);
   visit("items_per_s", r.items_per_s);
@@ -32,7 +33,8 @@ void for_each_field(Result& r, Visit&& visit) {
 
 // Fields results written before them do not have.
 bool came_later(const std::string& name) {
-  return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path";
+  return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
+         name == "cpu_products";
 }
 
 template <typename T>

@@ -21,6 +21,8 @@ struct RunResult {
   std::string mode;         // fp32 | O1 | O2 | O3
   std::string dtype;        // fp32, bf16 or fp16
   std::string blas;         // the BLAS build the training process ran on (machine.h)
+  /// 16-bit CPU products: cpu_products_used() (machine.h); "" for fp32 and GPUs.
+  std::string cpu_products;
   int64_t steps = 0;        // steps of the whole run (resumed ones included)
   int64_t timed_steps = 0;  // steps timed in this process, after warm-up
   double items_per_s = 0;   // tokens or samples per second over the timed steps

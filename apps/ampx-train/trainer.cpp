@@ -205,6 +205,9 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   result_.mode = mode_.name;
   result_.dtype = mode_.dtype_name();
   result_.blas = blas_library();
+  if (config.device == "cpu" && mode_.mixed()) {
+    result_.cpu_products = cpu_products_used(mode_.dtype);
+  }
   total_steps_ =
       config.steps > 0
           ? config.steps

@@ -120,6 +120,22 @@ std::string cpu_products_setting(c10::ScalarType dtype) {
   return path + rates.str() + other;
 }
 
+std::string cpu_products_used(c10::ScalarType dtype) {
+  const bool timed = ampx::get_cpu_products() == ampx::CpuProducts::kAuto &&
+                     ampx::cpu_products_probe(dtype).native_kernels;
+  return std::string(ampx::cpu_products_are_wide(dtype) ? "wide" : "native") +
+         (timed ? " (timed)" : "");
+}
+
+std::string cpu_products_for_children(const std::vector<c10::ScalarType>& dtypes) {
+  if (ampx::get_cpu_products() != ampx::CpuProducts::kAuto || dtypes.empty()) return {};
+  const bool wide = ampx::cpu_products_are_wide(dtypes.front());
+  for (const auto dtype : dtypes) {
+    if (ampx::cpu_products_are_wide(dtype) != wide) return {};
+  }
+  return wide ? "wide" : "native";
+}
+
 std::string blas_warning(int threads) {
   if (threads < 2 || blas_library() != "OpenBLAS (pthread)") return {};
   return std::string(

@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <string>
+#include <vector>
 
 namespace ampx::train {
 
@@ -48,6 +49,20 @@ std::string blas_setting();
 /// run in ampx's regions on this CPU: LibTorch's kernels, or the float32 BLAS
 /// (ampx::cpu_products_are_wide), and why.
 std::string cpu_products_setting(c10::ScalarType dtype);
+
+/// How this process multiplies `dtype` (bf16, fp16) matrices on the CPU in
+/// ampx's regions: "wide" or "native" (ampx::cpu_products_are_wide), with
+/// " (timed)" where auto chose by timing them in this process.
+std::string cpu_products_used(c10::ScalarType dtype);
+
+/// The AMPX_CPU_PRODUCTS value ("wide" or "native") that makes the processes
+/// this one starts multiply each of `dtypes` (bf16, fp16) as it does, so
+/// that they need not time the products anew (on a loaded machine they
+/// could choose otherwise, and so sum in another order and run at another
+/// speed); "" where nothing needs handing on: AMPX_CPU_PRODUCTS already set
+/// (they inherit it), no 16-bit dtype, or dtypes whose choices differ
+/// (one value cannot say both).
+std::string cpu_products_for_children(const std::vector<c10::ScalarType>& dtypes);
 
 /// A warning when the BLAS build is known to slow fp32 down here (empty
 /// otherwise): OpenBLAS's pthreads build with more than one thread competes

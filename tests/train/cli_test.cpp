@@ -377,6 +377,31 @@ TEST_F(TrainCliTest, BinaryRefusesToOverwriteACheckpoint) {
 #endif
 }
 
+// --compare's modes multiply their 16-bit CPU products as the parent chose
+// to (AMPX_CPU_PRODUCTS unset: the parent timed them once and handed its
+// choice on), not each after timing them anew, which on a loaded machine
+// could choose otherwise (other sums, other speeds in one table).
+TEST_F(TrainCliTest, BinaryComparisonsModesMultiplyAsTheParentChose) {
+  AMPX_REQUIRE_BINARY();
+#ifdef AMPX_TRAIN_BINARY
+  EnvGuard unset("AMPX_CPU_PRODUCTS", nullptr);
+  const fs::path data = text_data(), out = dir_ / "out";
+  std::vector<std::string> args = kTinyGpt;
+  args.insert(args.end(), {"--data-dir", data.string(), "--out-dir", out.string(), "--compare",
+                           "fp32,O2,O1"});
+  const BinaryRun r = run_binary(args);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const auto report = nlohmann::json::parse(read_bytes(out / "compare.json"));
+  const std::string parent = report.at("settings").at("cpu_products");
+  ASSERT_TRUE(parent == "wide" || parent == "native") << parent;
+  ASSERT_EQ(report.at("modes").size(), 3u);
+  for (const auto& m : report.at("modes")) {
+    const std::string used = m.at("cpu_products");
+    EXPECT_EQ(used, m.at("mode") == "fp32" ? "" : parent) << m.at("mode");  // not "(timed)"
+  }
+#endif
+}
+
 TEST_F(TrainCliTest, BinaryHelpListsEveryFlag) {
   AMPX_REQUIRE_BINARY();
 #ifdef AMPX_TRAIN_BINARY
