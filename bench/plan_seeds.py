@@ -40,6 +40,13 @@ T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
 
 SHAPE = ["--layers", "4", "--d-model", "128", "--heads", "4", "--block-size", "64",
          "--batch-size", "16"]
+# The cost models' products per second against bf16 (ampx::plan::cost_model_for).
+SPEEDS = {
+    "b200": {"fp32": 0.075 / 2.25, "fp16": 1.0, "bf16": 1.0, "fp8": 2.0, "fp8-block": 2.0,
+             "mxfp8": 2.0, "nvfp4": 4.0},
+    "h100": {"fp32": 67.0 / 989.0, "fp16": 1.0, "bf16": 1.0, "fp8": 1979.0 / 989.0,
+             "fp8-block": 1979.0 / 989.0},
+}
 RULE = re.compile(r"first/last blocks and head bf16, rest nvfp4\s+[-+0-9.]+%\s+([0-9.]+)")
 
 
@@ -95,7 +102,8 @@ def run_variant(args, workload, seed, row, run=True):
         with open(os.path.join(base, "precision-plan.json")) as f:
             plan = json.load(f)
         for layer in plan["layers"]:
-            if layer["format"] == "nvfp4" and layer["grad_error"] > args.widen_above:
+            error = layer["grad_error"]
+            if layer["format"] == "nvfp4" and error is not None and error > args.widen_above:
                 layer["format"] = args.widen_to
                 layer["scale_rule"] = f"{args.widen_to} (plan_seeds.py --widen-above)"
         plan_path = os.path.join(out, "variant-plan.json")
@@ -111,7 +119,10 @@ def run_variant(args, workload, seed, row, run=True):
             sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
     with open(os.path.join(out, "variant-plan.json")) as f:
         plan = json.load(f)
-    speed = {"bf16": 1.0, "fp8": 2.0, "fp8-block": 2.0, "mxfp8": 2.0, "nvfp4": 4.0}  # B200
+    if args.target not in SPEEDS:
+        sys.exit(f"plan_seeds: --widen-above models the variant on {', '.join(SPEEDS)}, "
+                 f"not --target {args.target}")
+    speed = SPEEDS[args.target]
     shares = [l["flops_share"] for l in plan["layers"]]
     time = sum(l["flops_share"] / speed[l["format"]] for l in plan["layers"]) / sum(shares)
     with open(result) as f:

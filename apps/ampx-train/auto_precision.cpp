@@ -234,11 +234,16 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
 std::string resumed_plan(const TrainConfig& config) {
   const std::filesystem::path checkpoint = checkpoint_path_for(config, "auto");
   check_checkpoint_rules(config, checkpoint.string());
-  const std::string text = read_progress(checkpoint, read_checkpoint(checkpoint)).state.plan_file;
+  const Checkpoint saved = read_checkpoint(checkpoint);
+  const auto precision = saved.meta.at("run").value("precision", std::string());
+  TORCH_CHECK(precision == "auto", "ampx-train: --resume --precision auto: checkpoint '",
+              checkpoint.string(), "' was written by a run with precision=\"", precision,
+              "\"; resume it with that --precision, or pass another --checkpoint-dir");
+  const std::string text = read_progress(checkpoint, saved).state.plan_file;
   TORCH_CHECK(!text.empty(), "ampx-train: --resume --precision auto: checkpoint '",
               checkpoint.string(),
-              "' holds no plan (another --precision wrote it, or an older ampx-train); "
-              "pass the plan it trained with as --precision-plan");
+              "' holds no plan (an older ampx-train wrote it); pass the plan it trained with "
+              "as --precision-plan");
   const std::string path = (checkpoint.parent_path() / "precision-plan.json").string();
   ampx::detail::write_file_atomically(path, text.data(), text.size(), "ampx-train: plan");
   std::cout << "auto plan: " << path << " (the plan checkpoint '" << checkpoint.string()

@@ -294,6 +294,9 @@ void check_compatible(const std::filesystem::path& path, const nlohmann::json& s
                       const nlohmann::json& expected) {
   for (const auto& [key, value] : expected.items()) {
     const auto it = saved.find(key);
+    // Settings checkpoints have recorded since: an older one is not refused for lacking them.
+    const bool came_later = key == "plan" || key == "plan_target";
+    if (came_later && it == saved.end()) continue;
     const std::string have = it == saved.end() ? std::string("(none)") : it->dump();
     TORCH_CHECK(it != saved.end() && *it == value, "ampx-train: checkpoint '", path.string(),
                 "' was written by a run with ", key, "=", have, ", this run has ", key, "=",

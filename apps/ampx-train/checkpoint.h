@@ -117,7 +117,8 @@ nlohmann::json state_dict_to_json(const ampx::StateDict& dict);
 /// Errors unless every key of `expected` has the same value in `saved` (the
 /// `run` object of a checkpoint's meta); the message names the key and both
 /// values as JSON, e.g. `was written by a run with precision="O2", this run
-/// has precision="O1"`.
+/// has precision="O1"`. Keys checkpoints record only since a later version
+/// (`plan`, `plan_target`) are compared where the checkpoint has them.
 void check_compatible(const std::filesystem::path& path, const nlohmann::json& saved,
                       const nlohmann::json& expected);
 

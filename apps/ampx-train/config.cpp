@@ -371,14 +371,18 @@ void resolve_defaults(TrainConfig& c) {
                                                        "auto") != c.compare.end();
   TORCH_CHECK(c.precision_plan.empty() || plan_mode, "ampx-train: --precision-plan '",
               c.precision_plan, "' is for --precision auto");
-  // --nproc measures before it starts its ranks and hands them the plan; a
-  // rank an outside launcher started has no process before it to measure in.
-  // (This process's modes: --compare's children of other modes get no plan.)
+  // --nproc measures before it starts its ranks and hands them the plan, and
+  // ranks an outside launcher started with --precision auto measure on rank
+  // 0 and hand it on; a --compare on such ranks has no process to measure in
+  // once for all. (This process's modes: --compare's children of other
+  // modes get no plan.)
   const bool trains_auto = std::find(modes.begin(), modes.end(), "auto") != modes.end();
-  TORCH_CHECK(!trains_auto || !c.precision_plan.empty() || !ampx::dist::launched_as_rank(),
-              "ampx-train: --precision auto measures in one process, and this is a rank a "
-              "launcher started; measure first (ampx-train --precision auto, alone or with "
-              "--nproc N), then give every rank the plan it writes as --precision-plan");
+  TORCH_CHECK(!trains_auto || modes.size() == 1 || !c.precision_plan.empty() ||
+                  !ampx::dist::launched_as_rank(),
+              "ampx-train: --compare with auto on ranks a launcher started has no process to "
+              "measure the plan in once for all; measure first (ampx-train --precision auto, "
+              "alone or with --nproc N or a launcher), then give every rank the plan it writes "
+              "as --precision-plan");
   TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag

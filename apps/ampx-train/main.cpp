@@ -21,6 +21,7 @@
 #include "machine.h"
 #include "output_file.h"
 #include "preemption.h"
+#include "rank_agreement.h"
 #include "report.h"
 #include "step_diagnostics.h"
 #include "trainer.h"
@@ -348,12 +349,52 @@ int compare(int argc, char** argv, const TrainConfig& config, Workload& workload
   return 0;
 }
 
+/// A rank's copy of the plan rank 0 measured, in a file of its own (the
+/// ranks may not share a file system), removed when the rank is done.
+class RankPlanFile {
+ public:
+  explicit RankPlanFile(const std::string& text) {
+    path_ = (fs::temp_directory_path() / "ampx-train-plan-XXXXXX").string();
+    const int fd = ::mkstemp(path_.data());
+    TORCH_CHECK(fd >= 0, "ampx-train: cannot make a file for rank 0's plan in ",
+                fs::temp_directory_path().string(), ": ", std::strerror(errno));
+    ::close(fd);
+    write_output_file(path_, text);
+  }
+  ~RankPlanFile() {
+    std::error_code ignored;
+    fs::remove(path_, ignored);
+  }
+  RankPlanFile(const RankPlanFile&) = delete;
+  RankPlanFile& operator=(const RankPlanFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 /// What the process trains once it knows its place: a diagnosis, one mode,
 /// or a comparison. `group`: the ranks of a data-parallel run.
 int train(int argc, char** argv, TrainConfig config, Workload& workload,
           const ampx::dist::ProcessGroup* group) {
   const auto modes = modes_of(config);
   if (config.diagnose) return print_diagnosis(config, workload);
+  // --precision auto without --precision-plan, on ranks an outside launcher
+  // (torchrun) started: rank 0 measures (or, resuming, takes the plan the
+  // checkpoint trained with) while the others wait, and hands them its plan.
+  std::optional<RankPlanFile> rank_plan;
+  if (group && modes.size() == 1 && modes.front() == "auto" && config.precision_plan.empty()) {
+    std::string path;
+    const std::string text = from_rank0(group, [&] {
+      path = config.resume ? resumed_plan(config) : plan_precision(config, workload);
+      std::ifstream in(path, std::ios::binary);
+      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      TORCH_CHECK(in.good() || in.eof(), "ampx-train: cannot read the plan '", path, "'");
+      return bytes;
+    });
+    if (group->rank() != 0) path = rank_plan.emplace(text).path();
+    config.precision_plan = path;
+  }
   // --precision auto without --precision-plan: measure and plan first (or,
   // resuming, take the plan the checkpoint trained with).
   std::string measured_plan;
@@ -441,6 +482,15 @@ int run_rank(int argc, char** argv, TrainConfig config, Role role) {
     if (role == Role::kRank && store_file != nullptr) options.store_file(store_file);
     group.emplace(ampx::dist::init_process_group(env, options));
     print_placement(env, *group, config.threads);
+    const Mode mode = parse_mode(modes_of(config).front(), config);
+    if (config.device == "cpu" && mode.mixed() &&
+        ampx::get_cpu_products() == ampx::CpuProducts::kAuto) {
+      // Ranks an outside launcher started multiply as rank 0 timed its products to.
+      at::set_num_threads(config.threads);
+      const std::string wide = from_rank0(
+          &*group, [&] { return std::string(ampx::cpu_products_are_wide(mode.dtype) ? "1" : ""); });
+      ampx::set_cpu_products(wide.empty() ? ampx::CpuProducts::kNative : ampx::CpuProducts::kWide);
+    }
   }
   auto workload = prepare(config, show && (!group || group->rank() == 0));
   return train(argc, argv, config, *workload, group ? &*group : nullptr);

@@ -423,6 +423,27 @@ TEST_F(TrainCheckpointTest, AcceptsTheSameRun) {
   EXPECT_NO_THROW(check_compatible(path_, run, json{{"precision", "O2"}}));
 }
 
+// A precision plan's formats and target are run settings checkpoints
+// record only since they keep the plan: an older auto checkpoint, without
+// them, resumes; one that has them must match.
+TEST_F(TrainCheckpointTest, ComparesThePlanWhereTheCheckpointRecordsIt) {
+  const json older = {{"precision", "auto"}};
+  json run = older;
+  run["plan"] = {{"blocks.0.fc", "nvfp4"}};
+  run["plan_target"] = "b200";
+  EXPECT_NO_THROW(check_compatible(path_, older, run));
+  EXPECT_NO_THROW(check_compatible(path_, run, run));
+  json other = run;
+  other["plan"]["blocks.0.fc"] = "mxfp8";
+  EXPECT_TRUE(
+      expect_error_contains([&] { check_compatible(path_, run, other); },
+                            {"was written by a run with plan={\"blocks.0.fc\":\"nvfp4\"}"}));
+  // Any other setting a checkpoint lacks is still refused.
+  EXPECT_TRUE(
+      expect_error_contains([&] { check_compatible(path_, older, json{{"dtype", "bf16"}}); },
+                            {"was written by a run with dtype=(none)"}));
+}
+
 TEST_F(TrainCheckpointTest, NamesADifferentPrecisionAndBothValues) {
   const json saved = {{"workload", "gpt"}, {"precision", "O2"}, {"dtype", "bf16"}};
   json run = saved;

@@ -277,12 +277,13 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
                        {"--plan-widen moves the layers the watch reports; --plan-watch is 0"}));
   // Data-parallel runs watch too (the ranks decide on rank 0's numbers).
   EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--nproc", "2"}})).plan_watch, 50);
-  // A rank an outside launcher (torchrun) started has no process before it
-  // to measure in: it needs a saved plan.
+  // Ranks an outside launcher (torchrun) started measure on rank 0, but a
+  // --compare on them has no process to measure in once for all.
   EnvGuard rank("RANK", "1"), world("WORLD_SIZE", "2");
-  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}}),
-                       {"--precision auto measures in one process, and this is a rank a launcher "
-                        "started"}));
+  EXPECT_TRUE(config_of(plan_gpt(tmp, {{"--precision", "auto"}})).precision_plan.empty());
+  EXPECT_TRUE(contains(config_error({{"--compare", "O2,auto"}}),
+                       {"--compare with auto on ranks a launcher started has no process to "
+                        "measure the plan in once for all"}));
   EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}))
                 .precision_plan,
             file);
@@ -371,6 +372,38 @@ TEST(PlanModeTest, NprocMeasuresOnceAndItsRanksWatchTheAveragedGradients) {
   ASSERT_EQ(compared.status, 0) << compared.output;
   EXPECT_EQ(measuring(compared.output), 1u) << compared.output;
   EXPECT_EQ(ranks_weights(compared.output).size(), 4u) << compared.output;
+
+  // Ranks an outside launcher started without a plan: rank 0 measures it,
+  // once, and both train it (equal weights, those of --nproc 2 with the plan).
+  {
+    const std::string port = std::to_string(ampx::dist::free_loopback_port());
+    std::vector<std::pair<pid_t, fs::path>> ranks;
+    for (int r = 0; r < 2; ++r) {
+      const std::string name = "measured" + std::to_string(r);
+      const auto args = plan_gpt(tmp, {{"--precision", "auto"},
+                                       {"--plan-watch", "1"},
+                                       {"--steps", "3"},
+                                       {"--out-dir", (tmp.path() / name).string()}});
+      const auto log = tmp.path() / (name + ".log");
+      ranks.emplace_back(
+          spawn_train(args, log,
+                      {"RANK=" + std::to_string(r), "LOCAL_RANK=" + std::to_string(r),
+                       "WORLD_SIZE=2", "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1",
+                       "MASTER_PORT=" + port}),
+          log);
+    }
+    std::vector<std::string> outputs;
+    for (const auto& [pid, log] : ranks) {
+      const Exit e = wait_train(pid, log, std::chrono::seconds(120));
+      EXPECT_EQ(e.status, 0) << e.output;
+      outputs.push_back(e.output);
+    }
+    EXPECT_EQ(measuring(outputs[0]), 1u) << outputs[0];
+    EXPECT_EQ(measuring(outputs[1]), 0u) << outputs[1];
+    EXPECT_EQ(read_bytes(tmp.path() / "measured0" / "precision-plan.json"), read_bytes(plan));
+    EXPECT_FALSE(fs::exists(tmp.path() / "measured1" / "precision-plan.json"));
+    EXPECT_EQ(ranks_weights(outputs[0] + outputs[1]), weights);
+  }
 
   // Ranks an outside launcher started with different plans fail at
   // start-up, each naming the plans.
