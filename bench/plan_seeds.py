@@ -10,8 +10,9 @@ over the seeds. Plain Python 3 (no torch): it runs the ampx-train binary.
 Seeds go in turn over the workloads; a run whose folder already holds its
 results is read again, not run, so an interrupted study continues, and
 --summarize prints the tables of the runs done so far. AMPX_CPU_PRODUCTS is
-pinned (native unless set): left to auto, each mode's process times the
-bf16 products anew and may take the other path on a loaded machine.
+pinned (native unless set): left to auto, each run times the bf16
+products anew (ampx-train before ed6943f: each mode's process), and runs on
+a loaded machine may take different paths.
 
   python3 bench/plan_seeds.py --binary build/host/apps/ampx-train/ampx-train \\
       --seeds 1337-1346 --workloads gpt,gpt-nn --out /tmp/plan-seeds
