@@ -22,7 +22,9 @@ with every NVFP4 layer whose measured weight-gradient error exceeds G moved
 to format F, trained alone (--precision auto --precision-plan), and the
 tables compare that variant (in place of the plan) with the rule and with
 the plan. It asks whether the gradient error the probes measure picks the
-layers whose format matters over a whole run.
+layers whose format matters over a whole run. --widen-modules P1,P2 --widen-to
+F makes the variant by position instead: the layers whose names start with
+one of the prefixes (e.g. blocks.3.) move to F, whatever their format.
 """
 
 import argparse
@@ -91,10 +93,24 @@ def run_one(args, workload, seed, run=True):
     }
 
 
+def variant_label(args):
+    if args.widen_modules:
+        return f"modules-{args.widen_modules.replace(',', '+')}-{args.widen_to}"
+    return f"{args.widen_above}-{args.widen_to}"
+
+
+def widened(args, layer):
+    """Whether the variant moves `layer` (a plan file's entry) to --widen-to."""
+    if args.widen_modules:
+        return any(layer["module"].startswith(p) for p in args.widen_modules.split(","))
+    error = layer["grad_error"]
+    return layer["format"] == "nvfp4" and error is not None and error > args.widen_above
+
+
 def run_variant(args, workload, seed, row, run=True):
-    """The --widen-above variant of one seed's plan, trained alone."""
+    """The --widen-above or --widen-modules variant of one seed's plan, trained alone."""
     base = os.path.join(args.out, f"{workload}-{seed}")
-    out = os.path.join(base, f"widened-{args.widen_above}-{args.widen_to}")
+    out = os.path.join(base, f"widened-{variant_label(args)}")
     result = os.path.join(out, "compare.json")
     if not os.path.exists(result):
         if not run:
@@ -103,10 +119,9 @@ def run_variant(args, workload, seed, row, run=True):
         with open(os.path.join(base, "precision-plan.json")) as f:
             plan = json.load(f)
         for layer in plan["layers"]:
-            error = layer["grad_error"]
-            if layer["format"] == "nvfp4" and error is not None and error > args.widen_above:
+            if widened(args, layer):
                 layer["format"] = args.widen_to
-                layer["scale_rule"] = f"{args.widen_to} (plan_seeds.py --widen-above)"
+                layer["scale_rule"] = f"{args.widen_to} (plan_seeds.py variant)"
         plan_path = os.path.join(out, "variant-plan.json")
         with open(plan_path, "w") as f:
             json.dump(plan, f, indent=2)
@@ -121,7 +136,7 @@ def run_variant(args, workload, seed, row, run=True):
     with open(os.path.join(out, "variant-plan.json")) as f:
         plan = json.load(f)
     if args.target not in SPEEDS:
-        sys.exit(f"plan_seeds: --widen-above models the variant on {', '.join(SPEEDS)}, "
+        sys.exit(f"plan_seeds: a variant is modelled on {', '.join(SPEEDS)}, "
                  f"not --target {args.target}")
     speed = SPEEDS[args.target]
     shares = [l["flops_share"] for l in plan["layers"]]
@@ -156,8 +171,13 @@ def main():
     p.add_argument("--out", required=True, help="a folder for the runs and results.json")
     p.add_argument("--widen-above", type=float, help="a variant: NVFP4 layers whose measured "
                    "gradient error exceeds this move to --widen-to")
+    p.add_argument("--widen-modules", help="a variant: layers whose names start with one of "
+                   "these comma-separated prefixes move to --widen-to")
     p.add_argument("--widen-to", default="bf16", choices=["bf16", "fp8", "fp8-block", "mxfp8"])
     args = p.parse_args()
+    variant = args.widen_above is not None or bool(args.widen_modules)
+    if args.widen_above is not None and args.widen_modules:
+        p.error("--widen-above and --widen-modules make different variants: pass one")
     if not args.summarize and not args.binary:
         p.error("--binary is needed to run")
     os.environ.setdefault("AMPX_CPU_PRODUCTS", "native")
@@ -165,7 +185,7 @@ def main():
     for seed in seeds_of(args.seeds):
         for workload in args.workloads.split(","):
             r = run_one(args, workload, seed, run=not args.summarize)
-            if r is not None and args.widen_above is not None:
+            if r is not None and variant:
                 r = run_variant(args, workload, seed, r, run=not args.summarize)
             if r is None:
                 continue
@@ -173,11 +193,14 @@ def main():
             extra = f" (the plan {r['plan']:+.3f}%)" if "plan" in r else ""
             print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}%{extra} "
                   f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
-    if args.widen_above is not None:
-        print(f"\n'auto' below is the variant: NVFP4 layers with gradient error above "
-              f"{args.widen_above} in {args.widen_to}; 'plan' is the measured plan")
-    name = "results.json" if args.widen_above is None else \
-        f"results-widened-{args.widen_above}-{args.widen_to}.json"
+    if variant:
+        moved = (f"layers {args.widen_modules}*" if args.widen_modules else
+                 f"NVFP4 layers with gradient error above {args.widen_above}")
+        print(f"\n'auto' below is the variant: {moved} in {args.widen_to}; 'plan' is the "
+              f"measured plan")
+    if not rows:
+        sys.exit(f"plan_seeds: no runs done in {args.out} yet")
+    name = f"results-widened-{variant_label(args)}.json" if variant else "results.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n| workload | seed | plan's modelled time | rule's | auto vs O2 | rule vs O2 | "
@@ -194,7 +217,7 @@ def main():
         if mine:
             print(summary(workload, mine))
     print(summary("all", rows))
-    if args.widen_above is not None:
+    if variant:
         print("\n| runs | n | mean variant | mean plan | mean variant - plan (points) | sd | "
               "95% CI | variant <= plan |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
