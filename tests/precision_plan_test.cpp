@@ -431,6 +431,17 @@ TEST(PrecisionPlanTest, BadInputGetsErrorsNamingTheArgumentAndValue) {
               HasSubstr("key 'layers[0].grad_error' is missing"));
   EXPECT_THAT(test::error_text([&] { (void)plan::load_plan((tmp.path / "none.json").string()); }),
               HasSubstr("cannot read '" + (tmp.path / "none.json").string() + "'"));
+  // The same file's text, parsed: the same plan; errors name the source given.
+  const auto parsed = plan::parse_plan(text, "mine");
+  const auto loaded = plan::load_plan(good.string());
+  ASSERT_EQ(parsed.layers.size(), loaded.layers.size());
+  for (size_t i = 0; i < parsed.layers.size(); ++i) {
+    EXPECT_EQ(parsed.layers[i].module, loaded.layers[i].module);
+    EXPECT_EQ(parsed.layers[i].format, loaded.layers[i].format);
+  }
+  EXPECT_EQ(parsed.cost, loaded.cost);
+  EXPECT_THAT(test::error_text([&] { (void)plan::parse_plan(text.substr(0, 10), "mine"); }),
+              HasSubstr("ampx::plan::parse_plan: 'mine': not valid JSON at byte"));
 }
 
 // Against an fp32 reference (every Linear in float32) bf16 is a format

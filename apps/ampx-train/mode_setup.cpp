@@ -41,10 +41,11 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
   TORCH_CHECK(!config.precision_plan.empty(),
               "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
               "--precision-plan");
-  const auto& plan = setup.plan.emplace(ampx::plan::load_plan(config.precision_plan));
   auto text = ampx::detail::read_file(config.precision_plan);
   TORCH_CHECK(text, "ampx-train: cannot read --precision-plan '", config.precision_plan, "'");
-  setup.plan_text = std::move(*text);
+  setup.plan_text = std::move(*text);  // read once: the text is the plan applied
+  const auto& plan =
+      setup.plan.emplace(ampx::plan::parse_plan(setup.plan_text, config.precision_plan));
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
     auto options = ampx::plan::WatchOptions()

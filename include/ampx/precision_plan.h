@@ -284,6 +284,10 @@ void save_plan(const PrecisionPlan& plan, const std::string& path);
 /// Reads a plan save_plan() wrote; c10::Error naming the file, the key and
 /// the value on anything else (unreadable file, corrupt JSON, unknown format).
 PrecisionPlan load_plan(const std::string& path);
+/// The plan in `text`, the content of a file save_plan() wrote (read once,
+/// e.g. to keep beside what it applies); c10::Error as load_plan's, naming
+/// `source` where it names the file.
+PrecisionPlan parse_plan(const std::string& text, const std::string& source = "plan");
 
 /// Converts each Linear of `model` the plan gives an FP8 or FP4 format to it
 /// (fp8::convert_linears with the format's recipe, NVFP4 seeded with

@@ -39,12 +39,12 @@ void write_layer(std::ostringstream& o, const LayerPlan& l) {
     << "    }";
 }
 
-// The fields of one JSON object, read by key with errors naming the file,
-// the key's path and the value.
+// The fields of one JSON object, read by key with errors naming the file
+// (`where`: "ampx::plan::load_plan: 'plan.json'"), the key's path and the value.
 class Fields {
  public:
-  Fields(const JsonValue& v, std::string path, const std::string& file)
-      : path_(std::move(path)), file_(file) {
+  Fields(const JsonValue& v, std::string path, const std::string& where_text)
+      : path_(std::move(path)), where_(where_text) {
     TORCH_CHECK_VALUE(v.kind == JsonValue::Kind::kObject, where(), ": ", path_or_top(),
                       " must be an object, got a ", detail::kind_name(v.kind));
     object_ = &v.object;
@@ -79,18 +79,18 @@ class Fields {
     }
   }
   std::string name(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
-  std::string where() const { return "ampx::plan::load_plan: '" + file_ + "'"; }
+  const std::string& where() const { return where_; }
 
  private:
   std::string path_or_top() const { return path_.empty() ? "the file" : "'" + path_ + "'"; }
   std::string path_;
-  const std::string& file_;
+  const std::string& where_;
   const std::vector<std::pair<std::string, JsonValue>>* object_ = nullptr;
   std::vector<std::string> seen_;
 };
 
-LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::string& file) {
-  Fields f(v, path, file);
+LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::string& where) {
+  Fields f(v, path, where);
   LayerPlan l;
   l.module = f.string("module");
   TORCH_CHECK_VALUE(!l.module.empty(), f.where(), ": key '", f.name("module"), "' is empty");
@@ -108,6 +108,46 @@ LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::str
   l.reason = f.string("reason");
   f.no_others();
   return l;
+}
+
+// A plan from its JSON text; errors start with `where`.
+PrecisionPlan read_plan(const std::string& text, const std::string& where) {
+  const JsonValue doc = detail::parse_json(text, where);
+  Fields top(doc, "", where);
+  const double version = top.number("version");
+  TORCH_CHECK_VALUE(version == 1 || version == kPlanVersion, top.where(),
+                    ": key 'version' has value ", version, "; this ampx reads versions 1 to ",
+                    kPlanVersion);
+  PrecisionPlan plan;
+  plan.target = top.string("target");
+  if (version >= 2) {
+    const std::string reference = top.string("reference");
+    const bool known = reference == "bf16" || reference == "fp32";
+    TORCH_CHECK_VALUE(known, top.where(), ": key 'reference' has value '", reference,
+                      "', not a reference format (bf16, fp32)");
+    plan.reference = parse_layer_format(reference, "reference");
+  }
+  plan.loss_budget = top.number("loss_budget");
+  TORCH_CHECK_VALUE(plan.loss_budget > 0 && std::isfinite(plan.loss_budget), top.where(),
+                    ": key 'loss_budget' has value ", plan.loss_budget, ", must be > 0");
+  plan.predicted_loss_change = top.number("predicted_loss_change");
+  plan.cost = top.number("cost");
+  plan.bf16_cost = top.number("bf16_cost");
+  const JsonValue& layers = top.at("layers", JsonValue::Kind::kArray);
+  for (size_t i = 0; i < layers.array.size(); ++i) {
+    const std::string key = "layers[" + std::to_string(i) + "]";
+    plan.layers.push_back(read_layer(layers.array[i], key, where));
+    const LayerFormat f = plan.layers.back().format;
+    TORCH_CHECK_VALUE(version >= 2 || !detail::is_wide(f),
+                      top.where(), ": key '", key, ".format' has value '", to_string(f),
+                      "', which version 1 files do not hold");
+    for (size_t j = 0; j < i; ++j) {
+      TORCH_CHECK_VALUE(plan.layers[j].module != plan.layers[i].module, top.where(), ": key '", key,
+                        ".module' repeats module '", plan.layers[i].module, "' of layers[", j, "]");
+    }
+  }
+  top.no_others();
+  return plan;
 }
 
 }  // namespace
@@ -143,42 +183,11 @@ PrecisionPlan load_plan(const std::string& path) {
   const auto bytes = ampx::detail::read_file(path);
   TORCH_CHECK_VALUE(bytes.has_value(), "ampx::plan::load_plan: cannot read '", path,
                     "': ", std::strerror(errno));
-  const JsonValue doc = detail::parse_json(*bytes, "ampx::plan::load_plan: '" + path + "'");
-  Fields top(doc, "", path);
-  const double version = top.number("version");
-  TORCH_CHECK_VALUE(version == 1 || version == kPlanVersion, top.where(),
-                    ": key 'version' has value ", version, "; this ampx reads versions 1 to ",
-                    kPlanVersion);
-  PrecisionPlan plan;
-  plan.target = top.string("target");
-  if (version >= 2) {
-    const std::string reference = top.string("reference");
-    const bool known = reference == "bf16" || reference == "fp32";
-    TORCH_CHECK_VALUE(known, top.where(), ": key 'reference' has value '", reference,
-                      "', not a reference format (bf16, fp32)");
-    plan.reference = parse_layer_format(reference, "reference");
-  }
-  plan.loss_budget = top.number("loss_budget");
-  TORCH_CHECK_VALUE(plan.loss_budget > 0 && std::isfinite(plan.loss_budget), top.where(),
-                    ": key 'loss_budget' has value ", plan.loss_budget, ", must be > 0");
-  plan.predicted_loss_change = top.number("predicted_loss_change");
-  plan.cost = top.number("cost");
-  plan.bf16_cost = top.number("bf16_cost");
-  const JsonValue& layers = top.at("layers", JsonValue::Kind::kArray);
-  for (size_t i = 0; i < layers.array.size(); ++i) {
-    const std::string key = "layers[" + std::to_string(i) + "]";
-    plan.layers.push_back(read_layer(layers.array[i], key, path));
-    const LayerFormat f = plan.layers.back().format;
-    TORCH_CHECK_VALUE(version >= 2 || !detail::is_wide(f),
-                      top.where(), ": key '", key, ".format' has value '", to_string(f),
-                      "', which version 1 files do not hold");
-    for (size_t j = 0; j < i; ++j) {
-      TORCH_CHECK_VALUE(plan.layers[j].module != plan.layers[i].module, top.where(), ": key '", key,
-                        ".module' repeats module '", plan.layers[i].module, "' of layers[", j, "]");
-    }
-  }
-  top.no_others();
-  return plan;
+  return read_plan(*bytes, "ampx::plan::load_plan: '" + path + "'");
+}
+
+PrecisionPlan parse_plan(const std::string& text, const std::string& source) {
+  return read_plan(text, "ampx::plan::parse_plan: '" + source + "'");
 }
 
 }  // namespace plan
