@@ -4,7 +4,7 @@
 #include "fp8_layers.h"
 #include "trainer.h"
 
-#include "files/atomic_file.h"  // ampx's src/: write_file_atomically
+#include "files/atomic_file.h"  // ampx's src/: read_file, write_file_atomically
 
 #include <torch/torch.h>
 
@@ -229,6 +229,12 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   ampx::plan::save_plan(plan, path);
   std::cout << proof_line(proven) << "plan:    " << path << "\n" << std::endl;
   return path;
+}
+
+std::string read_plan_text(const std::string& path) {
+  auto text = ampx::detail::read_file(path);
+  TORCH_CHECK(text, "ampx-train: cannot read the plan '", path, "'");
+  return std::move(*text);
 }
 
 std::string resumed_plan(const TrainConfig& config) {

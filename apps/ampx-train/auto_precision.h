@@ -45,6 +45,10 @@ std::string alternatives_table(const ampx::plan::Measurement& measurement,
 /// and leaves the plan file a checkpointed run trained with as it was.
 std::string plan_precision(const TrainConfig& config, Workload& workload);
 
+/// The text of the plan file at `path` (what checkpoints keep, and what rank
+/// 0 hands the other ranks); c10::Error naming it when it cannot be read.
+std::string read_plan_text(const std::string& path);
+
 /// --resume with --precision auto and no --precision-plan: the plan the
 /// auto mode's checkpoint trained with (it keeps the plan file's text),
 /// written next to it as `precision-plan.json` for the run to apply again.

@@ -387,10 +387,7 @@ int train(int argc, char** argv, TrainConfig config, Workload& workload,
     std::string path;
     const std::string text = from_rank0(group, [&] {
       path = config.resume ? resumed_plan(config) : plan_precision(config, workload);
-      std::ifstream in(path, std::ios::binary);
-      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      TORCH_CHECK(in.good() || in.eof(), "ampx-train: cannot read the plan '", path, "'");
-      return bytes;
+      return read_plan_text(path);
     });
     if (group->rank() != 0) path = rank_plan.emplace(text).path();
     config.precision_plan = path;

@@ -2,7 +2,7 @@
 // and one training step on it; trainer.cpp runs the steps.
 #include "trainer.h"
 
-#include "files/atomic_file.h"  // ampx's src/: read_file
+#include "auto_precision.h"
 #include "fp8_layers.h"
 
 #include <ampx/ampx.h>
@@ -41,9 +41,7 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
   TORCH_CHECK(!config.precision_plan.empty(),
               "ampx-train: --precision auto has no plan: measure one (plan_precision) or pass "
               "--precision-plan");
-  auto text = ampx::detail::read_file(config.precision_plan);
-  TORCH_CHECK(text, "ampx-train: cannot read --precision-plan '", config.precision_plan, "'");
-  setup.plan_text = std::move(*text);  // read once: the text is the plan applied
+  setup.plan_text = read_plan_text(config.precision_plan);  // once: the text is the plan applied
   const auto& plan =
       setup.plan.emplace(ampx::plan::parse_plan(setup.plan_text, config.precision_plan));
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
