@@ -25,6 +25,12 @@ the plan. It asks whether the gradient error the probes measure picks the
 layers whose format matters over a whole run. --widen-modules P1,P2 --widen-to
 F makes the variant by position instead: the layers whose names start with
 one of the prefixes (e.g. blocks.3.) move to F, whatever their format.
+--tail T makes the variant in time: the seed's plan with its last T of the
+steps in bf16 (the plan file's "tail", ampx-train's --plan-tail); with a
+--widen option, both. The study's own runs measure with --plan-tail 0, the
+plan as the probes choose it, so that the variants start from it; a
+variant's modelled time is averaged over the run, its tail counted at
+bf16's.
 """
 
 import argparse
@@ -69,7 +75,7 @@ def run_one(args, workload, seed, run=True):
     if not done:
         os.makedirs(out, exist_ok=True)
         command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
-                   "--seed", str(seed), "--compare", "O2,auto,nvfp4",
+                   "--seed", str(seed), "--compare", "O2,auto,nvfp4", "--plan-tail", "0",
                    "--loss-budget", args.budget, "--target", args.target, "--out-dir", out]
         with open(log_path, "w") as log:
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
@@ -85,7 +91,8 @@ def run_one(args, workload, seed, run=True):
     return {
         "workload": workload,
         "seed": seed,
-        "plan_time": plan["cost"] / plan["bf16_cost"],
+        "plan_time": ((1 - plan.get("tail", 0.0)) * plan["cost"] / plan["bf16_cost"]
+                      + plan.get("tail", 0.0)),
         "rule_time": float(rule.group(1)) if rule else float("nan"),
         "auto": 100 * (modes["auto"]["test_loss"] / o2 - 1),
         "rule": 100 * (modes["nvfp4"]["test_loss"] / o2 - 1),
@@ -94,21 +101,52 @@ def run_one(args, workload, seed, run=True):
 
 
 def variant_label(args):
+    parts = []
     if args.widen_modules:
-        return f"modules-{args.widen_modules.replace(',', '+')}-{args.widen_to}"
-    return f"{args.widen_above}-{args.widen_to}"
+        parts.append(f"modules-{args.widen_modules.replace(',', '+')}-{args.widen_to}")
+    elif args.widen_above is not None:
+        parts.append(f"{args.widen_above}-{args.widen_to}")
+    if args.tail is not None:
+        parts.append(f"tail-{args.tail:g}")
+    return "-".join(parts)
 
 
 def widened(args, layer):
     """Whether the variant moves `layer` (a plan file's entry) to --widen-to."""
     if args.widen_modules:
         return any(layer["module"].startswith(p) for p in args.widen_modules.split(","))
+    if args.widen_above is None:
+        return False
     error = layer["grad_error"]
     return layer["format"] == "nvfp4" and error is not None and error > args.widen_above
 
 
+def with_tail(plan, tail):
+    """A plan file's content with its last `tail` of the steps in bf16 (version 3)."""
+    out = {}
+    for key, value in plan.items():
+        if key == "tail":
+            continue
+        out[key] = 3 if key == "version" else value
+        if key == "target" and "reference" not in plan:
+            out["reference"] = "bf16"  # version 1 files have none: bf16
+        if key == "bf16_cost":
+            out["tail"] = tail
+    return out
+
+
+def run_time(plan, speed):
+    """A plan file's modelled product time over a run against bf16's, its tail in bf16."""
+    if plan.get("reference", "bf16") != "bf16":
+        sys.exit("plan_seeds: the study models plans against a bf16 reference")
+    shares = [l["flops_share"] for l in plan["layers"]]
+    step = sum(l["flops_share"] / speed[l["format"]] for l in plan["layers"]) / sum(shares)
+    tail = plan.get("tail", 0.0)
+    return (1 - tail) * step + tail
+
+
 def run_variant(args, workload, seed, row, run=True):
-    """The --widen-above or --widen-modules variant of one seed's plan, trained alone."""
+    """The --widen-above, --widen-modules or --tail variant of one seed's plan, trained alone."""
     base = os.path.join(args.out, f"{workload}-{seed}")
     out = os.path.join(base, f"widened-{variant_label(args)}")
     result = os.path.join(out, "compare.json")
@@ -122,6 +160,8 @@ def run_variant(args, workload, seed, row, run=True):
             if widened(args, layer):
                 layer["format"] = args.widen_to
                 layer["scale_rule"] = f"{args.widen_to} (plan_seeds.py variant)"
+        if args.tail is not None:
+            plan = with_tail(plan, args.tail)
         plan_path = os.path.join(out, "variant-plan.json")
         with open(plan_path, "w") as f:
             json.dump(plan, f, indent=2)
@@ -138,9 +178,7 @@ def run_variant(args, workload, seed, row, run=True):
     if args.target not in SPEEDS:
         sys.exit(f"plan_seeds: a variant is modelled on {', '.join(SPEEDS)}, "
                  f"not --target {args.target}")
-    speed = SPEEDS[args.target]
-    shares = [l["flops_share"] for l in plan["layers"]]
-    time = sum(l["flops_share"] / speed[l["format"]] for l in plan["layers"]) / sum(shares)
+    time = run_time(plan, SPEEDS[args.target])
     with open(result) as f:
         loss = json.load(f)["modes"][0]["test_loss"]
     o2 = row["o2_loss"]
@@ -174,8 +212,12 @@ def main():
     p.add_argument("--widen-modules", help="a variant: layers whose names start with one of "
                    "these comma-separated prefixes move to --widen-to")
     p.add_argument("--widen-to", default="bf16", choices=["bf16", "fp8", "fp8-block", "mxfp8"])
+    p.add_argument("--tail", type=float, help="a variant: the plan with its last TAIL of the "
+                   "steps (a share in (0, 1)) in bf16; with a --widen option, both")
     args = p.parse_args()
-    variant = args.widen_above is not None or bool(args.widen_modules)
+    if args.tail is not None and not 0 < args.tail < 1:
+        p.error(f"--tail {args.tail} is not a share of the steps in (0, 1)")
+    variant = args.widen_above is not None or bool(args.widen_modules) or args.tail is not None
     if args.widen_above is not None and args.widen_modules:
         p.error("--widen-above and --widen-modules make different variants: pass one")
     if not args.summarize and not args.binary:
@@ -194,10 +236,15 @@ def main():
             print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}%{extra} "
                   f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
     if variant:
-        moved = (f"layers {args.widen_modules}*" if args.widen_modules else
-                 f"NVFP4 layers with gradient error above {args.widen_above}")
-        print(f"\n'auto' below is the variant: {moved} in {args.widen_to}; 'plan' is the "
-              f"measured plan")
+        moved = []
+        if args.widen_modules:
+            moved.append(f"layers {args.widen_modules}* in {args.widen_to}")
+        elif args.widen_above is not None:
+            moved.append(f"NVFP4 layers with gradient error above {args.widen_above} in "
+                         f"{args.widen_to}")
+        if args.tail is not None:
+            moved.append(f"the last {100 * args.tail:g}% of the steps in bf16")
+        print(f"\n'auto' below is the variant: {', '.join(moved)}; 'plan' is the measured plan")
     if not rows:
         sys.exit(f"plan_seeds: no runs done in {args.out} yet")
     name = f"results-widened-{variant_label(args)}.json" if variant else "results.json"

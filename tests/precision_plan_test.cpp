@@ -4,6 +4,7 @@
 
 #include "ampx/precision_plan.h"
 
+#include "ampx/fp8/autocast.h"
 #include "ampx/fp8/convert.h"
 #include "test_util.h"
 
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 
@@ -529,6 +531,114 @@ TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
                                            measure_options().reference(LayerFormat::kNvfp4));
               }),
               HasSubstr("MeasureOptions::reference must be bf16 or fp32, got nvfp4"));
+}
+
+
+// `steps` AdamW steps of `model` from `from`'s weights on batches 0.., each
+// under bf16 autocast inside an FP8 region (as ampx-train runs a plan);
+// `between(step)` runs before each. Returns the losses.
+std::vector<double> train_planned(Mlp& model, Measured& from, int64_t steps,
+                                  const std::function<void(int64_t)>& between) {
+  {
+    torch::NoGradGuard no_grad;
+    const auto source = from.model->named_parameters();
+    for (auto& p : model->named_parameters()) p.value().copy_(source[p.key()]);
+  }
+  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3));
+  std::vector<double> losses;
+  for (int64_t step = 0; step < steps; ++step) {
+    between(step);
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+      fp8::Fp8AutocastGuard region;
+      loss = from.data.loss(*model, step);
+    }
+    loss.backward();
+    opt.step();
+    losses.push_back(loss.item<double>());
+  }
+  return losses;
+}
+
+// The plan's tail (NVIDIA's NVFP4 recipe's late switch): kept in the plan
+// file (version 3), placed at the end of a run, counted in the run's
+// modelled cost. Entering it puts every planned Linear in the reference's
+// format: from there the model trains bit for bit as one never converted
+// (bf16 reference) or one with every Linear planned fp32 (fp32 reference).
+TEST(PrecisionPlanTest, TailIsKeptInThePlanFileAndTrainsInTheReferenceFormat) {
+  Measured& fx = measured_mlp();
+  TempFolder tmp;
+  const auto plan = plan::make_plan(fx.m, plan::PlanOptions(kBudget).tail(0.1));
+  EXPECT_EQ(plan.tail, 0.1);
+  ASSERT_TRUE(has_format(plan, LayerFormat::kNvfp4));
+  const auto path = (tmp.path / "tail.json").string();
+  plan::save_plan(plan, path);
+  const std::string text = read_text(path);
+  EXPECT_THAT(text, HasSubstr("{\n  \"version\": 3,\n"));
+  EXPECT_THAT(text, HasSubstr("\n  \"tail\": 0.1"));
+  const auto loaded = plan::load_plan(path);
+  EXPECT_EQ(loaded.tail, 0.1);
+  plan::save_plan(loaded, (tmp.path / "again.json").string());
+  EXPECT_EQ(read_text(tmp.path / "again.json"), text);
+
+  EXPECT_EQ(plan::tail_start(plan, 200), 180);
+  EXPECT_EQ(plan::tail_start(plan, 4), 4);  // 0.4 of a step: none
+  EXPECT_EQ(plan::tail_start(plan::make_plan(fx.m, plan::PlanOptions(kBudget)), 200), 200);
+  const auto b200 = plan::cost_model_for("b200");
+  EXPECT_DOUBLE_EQ(plan::run_cost(plan, b200), 0.9 * plan.cost + 0.1 * plan.bf16_cost);
+  auto against_fp32 = plan;
+  against_fp32.reference = LayerFormat::kFloat32;
+  EXPECT_DOUBLE_EQ(plan::run_cost(against_fp32, b200),
+                   0.9 * plan.cost +
+                       0.1 * plan.bf16_cost / b200.throughput.at(LayerFormat::kFloat32));
+
+  // Training: with the tail entered before the first step, the plan's model
+  // trains as one never converted; without it, in the plan's formats.
+  Mlp tailed, plain, planned;
+  (void)plan::apply_plan(*tailed, plan, 7);
+  const auto in_tail = train_planned(tailed, fx, 4, [&](int64_t step) {
+    if (step == 0) plan::enter_tail(*tailed, plan);
+  });
+  for (const auto& m : tailed->named_modules()) {
+    EXPECT_EQ(fp8::scaling_of(*m.value()), nullptr) << m.key();
+  }
+  EXPECT_EQ(in_tail, train_planned(plain, fx, 4, [](int64_t) {}));
+  EXPECT_TRUE(torch::equal(tailed->fc2->weight, plain->fc2->weight));
+  (void)plan::apply_plan(*planned, plan, 7);
+  EXPECT_NE(train_planned(planned, fx, 4, [](int64_t) {}), in_tail);
+
+  // An fp32 reference: every Linear in float32 products, as a plan of fp32 layers.
+  auto all_fp32 = plan;
+  for (auto& l : all_fp32.layers) l.format = LayerFormat::kFloat32;
+  Mlp tailed32, wide;
+  (void)plan::apply_plan(*tailed32, against_fp32, 7);
+  const auto in_tail32 = train_planned(tailed32, fx, 3, [&](int64_t step) {
+    if (step == 0) plan::enter_tail(*tailed32, against_fp32);
+  });
+  (void)plan::apply_plan(*wide, all_fp32, 7);
+  EXPECT_EQ(in_tail32, train_planned(wide, fx, 3, [](int64_t) {}));
+  EXPECT_NE(in_tail32, in_tail);
+
+  // Bad tails name themselves.
+  EXPECT_THAT(test::error_text([&] {
+                (void)plan::make_plan(fx.m, plan::PlanOptions(kBudget).tail(1));
+              }),
+              HasSubstr("make_plan: tail must be in [0, 1), got 1"));
+  const auto edited = [&](const std::string& from, const std::string& to) {
+    std::string t = text;
+    EXPECT_NE(t.find(from), std::string::npos) << from;
+    t.replace(t.find(from), from.size(), to);
+    write_text(tmp.path / "edited.json", t);
+    return (tmp.path / "edited.json").string();
+  };
+  const auto out_of_range = edited("\"tail\": 0.1", "\"tail\": 1.5");
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(out_of_range); }),
+              HasSubstr("key 'tail' has value 1.5, must be in [0, 1)"));
+  const auto version_2 = edited("\"version\": 3", "\"version\": 2");
+  EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(version_2); }),
+              HasSubstr("unknown key 'tail'"));
 }
 
 }  // namespace

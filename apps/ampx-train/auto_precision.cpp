@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -103,16 +104,33 @@ std::string alternatives_table(const ampx::plan::Measurement& measurement,
   return t.str();
 }
 
-double parse_loss_budget(const std::string& text) {
+namespace {
+
+// "0.5%" or "0.005" -> 0.005; NaN when `text` is neither.
+double parse_share(const std::string& text) {
   std::string number = text;
   const bool is_percent = !number.empty() && number.back() == '%';
   if (is_percent) number.pop_back();
   char* end = nullptr;
-  const double v = number.empty() ? 0 : std::strtod(number.c_str(), &end);
-  TORCH_CHECK(!number.empty() && end == number.c_str() + number.size() && v > 0 && std::isfinite(v),
-              "ampx-train: --loss-budget '", text,
-              "' is not a loss change > 0 (e.g. 0.5% or 0.005)");
+  const double v = number.empty() ? NAN : std::strtod(number.c_str(), &end);
+  if (number.empty() || end != number.c_str() + number.size() || !std::isfinite(v)) return NAN;
   return is_percent ? v / 100.0 : v;
+}
+
+}  // namespace
+
+double parse_loss_budget(const std::string& text) {
+  const double v = parse_share(text);
+  TORCH_CHECK(v > 0, "ampx-train: --loss-budget '", text,
+              "' is not a loss change > 0 (e.g. 0.5% or 0.005)");
+  return v;
+}
+
+double parse_plan_tail(const std::string& text) {
+  const double v = parse_share(text);
+  TORCH_CHECK(v >= 0 && v < 1, "ampx-train: --plan-tail '", text,
+              "' is not a share of the steps in [0, 1) (e.g. 10%, 0.1 or 0)");
+  return v;
 }
 
 std::string measured_plan_path(const TrainConfig& config) {
@@ -120,7 +138,7 @@ std::string measured_plan_path(const TrainConfig& config) {
 }
 
 std::string plan_table(const ampx::plan::Measurement& measurement,
-                       const ampx::plan::PrecisionPlan& plan) {
+                       const ampx::plan::PrecisionPlan& plan, const ampx::plan::CostModel& model) {
   std::ostringstream t;
   t << std::left << std::setw(22) << "layer" << std::setw(8) << "flops";
   // The columns: the formats of the layer measured in the most (some take bf16 only).
@@ -150,7 +168,13 @@ std::string plan_table(const ampx::plan::Measurement& measurement,
   }
   t << "loss change: predicted " << percent(plan.predicted_loss_change) << " (budget "
     << percent(plan.loss_budget) << "); modelled product time on " << plan.target << ": "
-    << std::fixed << std::setprecision(3) << plan.cost / plan.bf16_cost << " of bf16's\n";
+    << std::fixed << std::setprecision(3) << plan.cost / plan.bf16_cost << " of bf16's";
+  if (plan.tail > 0) {
+    t << "; " << ampx::plan::run_cost(plan, model) / plan.bf16_cost << " over the run, its last "
+      << std::setprecision(1) << 100.0 * plan.tail << "% of steps in "
+      << ampx::plan::to_string(plan.reference) << std::setprecision(3);
+  }
+  t << "\n";
   t << "measured in " << std::setprecision(1) << measurement.seconds << " s, " << measurement.probes
     << " probes of " << measurement.steps << " steps + " << measurement.eval_batches
     << " evaluation batches";
@@ -215,7 +239,8 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
       *model.ptr(), problem.problem(), measurement,
       ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
           .cost_model(cost_model)
-          .seed(config.seed),
+          .seed(config.seed)
+          .tail(parse_plan_tail(config.plan_tail)),
       options);
   const auto& plan = proven.plan;
   // The fixed rule beside it: --precision nvfp4's --bf16-layers auto.
@@ -223,7 +248,8 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
   fixed.bf16_layers = "auto";
   const auto kept = bf16_layers_of(fixed, "nvfp4", *model.ptr());
   std::cout << "\n"
-            << plan_table(measurement, plan) << alternatives_table(measurement, cost_model, kept);
+            << plan_table(measurement, plan, cost_model)
+            << alternatives_table(measurement, cost_model, kept);
   std::filesystem::create_directories(config.out_dir);
   const std::string path = measured_plan_path(config);
   ampx::plan::save_plan(plan, path);

@@ -22,14 +22,19 @@ namespace ampx::train {
 /// the value when it is not a number > 0.
 double parse_loss_budget(const std::string& text);
 
+/// "10%" -> 0.1, "0.1" -> 0.1, "0" -> 0; c10::Error naming --plan-tail and
+/// the value when it is not a share in [0, 1).
+double parse_plan_tail(const std::string& text);
+
 /// Where --precision auto's measured plan is written: <out-dir>/precision-plan.json.
 std::string measured_plan_path(const TrainConfig& config);
 
 /// The per-layer table: module, share of the Linear FLOPs, each measured
 /// format's loss change (and gradient error), the chosen format; then the
-/// plan's predicted loss change and modelled cost against bf16.
+/// plan's predicted loss change and modelled cost against bf16 (per step, and
+/// over the run with its tail on `model`).
 std::string plan_table(const ampx::plan::Measurement& measurement,
-                       const ampx::plan::PrecisionPlan& plan);
+                       const ampx::plan::PrecisionPlan& plan, const ampx::plan::CostModel& model);
 
 /// Uniform formats and the fixed rule (`fixed_rule_bf16` in bf16, the rest
 /// NVFP4) as the plan's model predicts them: loss change and modelled cost.

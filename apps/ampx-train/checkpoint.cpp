@@ -295,7 +295,7 @@ void check_compatible(const std::filesystem::path& path, const nlohmann::json& s
   for (const auto& [key, value] : expected.items()) {
     const auto it = saved.find(key);
     // Settings checkpoints have recorded since: an older one is not refused for lacking them.
-    const bool came_later = key == "plan" || key == "plan_target";
+    const bool came_later = key == "plan" || key == "plan_target" || key == "plan_tail";
     if (came_later && it == saved.end()) continue;
     const std::string have = it == saved.end() ? std::string("(none)") : it->dump();
     TORCH_CHECK(it != saved.end() && *it == value, "ampx-train: checkpoint '", path.string(),

@@ -282,6 +282,11 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "too, and the plan may keep layers in fp32 or fp16)")
       ->check(CLI::IsMember({"bf16", "fp32"}))
       ->capture_default_str();
+  app.add_option("--plan-tail", c.plan_tail,
+                 "--precision auto: the share of the run's last steps in which every Linear "
+                 "trains in the --plan-reference format (NVIDIA's NVFP4 recipe's late switch; "
+                 "0: none); kept in the plan file, whose own a --precision-plan run takes")
+      ->capture_default_str();
   app.add_option("--plan-watch", c.plan_watch,
                  "--precision auto: check the plan against bf16 every N steps while training "
                  "(a layer whose gradient its format's noise drowns, or whose range flushes it, "
@@ -386,6 +391,9 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
+  if (plan_mode) (void)parse_plan_tail(c.plan_tail);
+  TORCH_CHECK(c.plan_tail == TrainConfig().plan_tail || plan_mode, "ampx-train: --plan-tail ",
+              c.plan_tail, " is for --precision auto");
   TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,
               " is for --precision auto");
   TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");

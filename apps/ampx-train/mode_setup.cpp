@@ -153,7 +153,8 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
                        ampx::dist::DistributedDataParallel* ddp, StepDiagnostics* diagnostics) {
   setup.optimizer->zero_grad();
   StepOutcome out;
-  if (setup.watch) setup.watch->begin_step(batch.step);
+  const bool watching = setup.watch && !setup.in_tail;
+  if (watching) setup.watch->begin_step(batch.step);
   auto& scaler = setup.amp->scaler();
   {
     std::optional<StepDiagnostics::Watch> watch;
@@ -169,7 +170,7 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
     scaler.scale(out.loss).backward();
   }
   if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
-  if (setup.watch && setup.watch->due(batch.step)) watch_step(setup, workload, batch, ddp, out);
+  if (watching && setup.watch->due(batch.step)) watch_step(setup, workload, batch, ddp, out);
   out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
   scaler.update();
   return out;

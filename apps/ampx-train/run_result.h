@@ -46,6 +46,9 @@ struct RunResult {
   /// plan as the watch left it when it moved a layer (--plan-widen).
   std::vector<std::string> plan_watch;
   std::string watched_plan_path;
+  /// --precision auto: the first step of the plan's tail (every Linear in its
+  /// reference's format to the end); -1: none.
+  int64_t plan_tail_start = -1;
   /// > 0: a preemption signal (here or on another rank) stopped the run
   /// after this many steps, and its checkpoint holds them; nothing after the
   /// last step (timing, evaluation, peak memory) is filled in.

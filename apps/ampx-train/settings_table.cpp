@@ -101,7 +101,8 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
         plan = "the one its checkpoint trained with";
       } else if (plan.empty()) {
         plan = "measured: loss budget " + c.loss_budget + " against " + c.plan_reference +
-               ", target " + c.target + ", " + std::to_string(c.plan_steps) + " steps a probe";
+               ", target " + c.target + ", " + std::to_string(c.plan_steps) +
+               " steps a probe, the last " + c.plan_tail + " of steps in " + c.plan_reference;
       }
       rows.add("auto plan", plan);
       rows.add("plan watch", c.plan_watch > 0

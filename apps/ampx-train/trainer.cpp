@@ -171,6 +171,7 @@ class ModeRun {
   const bool lead_;  // rank 0: writes files, shows progress, evaluates
   const torch::Device device_;
   int64_t total_steps_ = 0;
+  int64_t tail_start_ = 0;  // --precision auto: the plan's tail's first step (total_steps_: none)
   nlohmann::json identity_;  // what a checkpoint must share with the run resuming it
   std::string checkpoint_path_;
   bool may_write_checkpoint_ = false;
@@ -242,6 +243,9 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
       identity_["plan"][l.module] = ampx::plan::to_string(l.format);
     }
     identity_["plan_target"] = setup_.plan->target;
+    identity_["plan_tail"] = setup_.plan->tail;
+    tail_start_ = ampx::plan::tail_start(*setup_.plan, total_steps_);
+    result_.plan_tail_start = tail_start_ < total_steps_ ? tail_start_ : -1;
   }
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
@@ -312,6 +316,15 @@ StepResult ModeRun::step(int64_t step) {
   if (step == profile_step_) profile.emplace(profile_path_);
   const auto t0 = std::chrono::steady_clock::now();
   const Batch batch = rank_rows(workload_.batch(step, device_), rank_, world_);
+  if (setup_.plan && !setup_.in_tail && step >= tail_start_) {  // also where a resume starts
+    ampx::plan::enter_tail(*setup_.model, *setup_.plan);
+    setup_.in_tail = true;
+    if (lead_) {
+      std::cout << "\n[" << mode_.name << "] plan tail: steps " << tail_start_ << "-"
+                << total_steps_ - 1 << " with every Linear in "
+                << ampx::plan::to_string(setup_.plan->reference) << std::endl;
+    }
+  }
   StepOutcome outcome;
   try {
     outcome = train_step(setup_, workload_, batch, ddp_ ? &*ddp_ : nullptr, &diagnostics_);

@@ -56,6 +56,9 @@ struct ModeSetUp {
   std::string plan_text;
   /// --precision auto with --plan-watch: the plan's watch (null otherwise).
   std::unique_ptr<ampx::plan::PlanWatch> watch;
+  /// --precision auto: in the plan's tail (every Linear in its reference's
+  /// format, ampx::plan::enter_tail), where the watch has nothing to check.
+  bool in_tail = false;
 
   /// The model's output for `input` (cast to the model's dtype), in the
   /// dtype the mode's forward made it: call under amp->forward_guard(). In

@@ -217,6 +217,9 @@ struct PlanOptions {
   TORCH_ARG(int64_t, budget_steps) = 2000;
   /// Seed of NVFP4's stochastic rounding in the plan's scale rules.
   TORCH_ARG(uint64_t, seed) = 0;
+  /// The plan's tail (PrecisionPlan::tail), in [0, 1): the share of a run's
+  /// last steps in which every Linear trains in the reference's format.
+  TORCH_ARG(double, tail) = 0;
 };
 
 /// One layer of a plan.
@@ -238,6 +241,11 @@ struct PrecisionPlan {
   double predicted_loss_change = 0;  ///< sum of the chosen formats' loss changes (>= 0 each)
   double cost = 0;                   ///< modelled product time: sum of flops_share / throughput
   double bf16_cost = 1;              ///< the same for every layer in bf16 (1)
+  /// The share of a run's steps, at its end, in which every Linear trains in
+  /// `reference`, in [0, 1) (0: none): the late switch of NVIDIA's NVFP4
+  /// pretraining recipe and torchtitan's (tail_start(), enter_tail()). Not
+  /// in `cost` (one step's) nor in the predicted loss change; run_cost().
+  double tail = 0;
   std::vector<LayerPlan> layers;     ///< in module order
 };
 
@@ -298,6 +306,26 @@ PrecisionPlan parse_plan(const std::string& text, const std::string& source = "p
 /// converted paths.
 std::vector<std::string> apply_plan(torch::nn::Module& model, const PrecisionPlan& plan,
                                     uint64_t seed = 0);
+
+/// The first step of `plan`'s tail in a run of steps 0..total_steps-1:
+/// total_steps - round(plan.tail x total_steps) (total_steps: no tail).
+/// c10::Error for a tail outside [0, 1) or total_steps < 0.
+int64_t tail_start(const PrecisionPlan& plan, int64_t total_steps);
+
+/// Enters `plan`'s tail: every Linear the plan names in `model` (applied by
+/// apply_plan, perhaps moved by a PlanWatch since) trains in plan.reference
+/// from now on: a bf16 reference turns them back into plain Linears (bf16
+/// autocast, as if never converted), an fp32 one gives them float32
+/// products. Call before the step tail_start() returns; a PlanWatch has
+/// nothing left to check after it (stop calling check()). The buffers of
+/// their first formats stay, so checkpoints keep loading.
+void enter_tail(torch::nn::Module& model, const PrecisionPlan& plan);
+
+/// The plan's modelled product time averaged over a run, relative to
+/// bf16_cost's units: (1 - tail) x cost + tail x the cost of every Linear in
+/// plan.reference on `model` (bf16_cost for a bf16 reference). c10::Error
+/// when `model` lacks the reference's format.
+double run_cost(const PrecisionPlan& plan, const CostModel& model);
 
 /// What the watch found wrong with a planned layer.
 enum class WatchFinding {

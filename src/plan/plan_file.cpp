@@ -20,9 +20,10 @@ namespace ampx {
 namespace plan {
 namespace {
 
-// 2: "reference" (version 1 has none: bf16), fp32 and fp16 layers. A plan
-// version 1 can hold is written as version 1, which older ampx reads.
-constexpr int64_t kPlanVersion = 2;
+// 2: "reference" (version 1 has none: bf16), fp32 and fp16 layers. 3:
+// "tail" (versions 1 and 2 have none: 0). A plan an older version can hold
+// is written as that version, which older ampx reads.
+constexpr int64_t kPlanVersion = 3;
 using ampx::detail::json_number;
 using ampx::detail::json_string;
 using detail::JsonValue;
@@ -115,7 +116,7 @@ PrecisionPlan read_plan(const std::string& text, const std::string& where) {
   const JsonValue doc = detail::parse_json(text, where);
   Fields top(doc, "", where);
   const double version = top.number("version");
-  TORCH_CHECK_VALUE(version == 1 || version == kPlanVersion, top.where(),
+  TORCH_CHECK_VALUE(version == 1 || version == 2 || version == kPlanVersion, top.where(),
                     ": key 'version' has value ", version, "; this ampx reads versions 1 to ",
                     kPlanVersion);
   PrecisionPlan plan;
@@ -133,6 +134,11 @@ PrecisionPlan read_plan(const std::string& text, const std::string& where) {
   plan.predicted_loss_change = top.number("predicted_loss_change");
   plan.cost = top.number("cost");
   plan.bf16_cost = top.number("bf16_cost");
+  if (version >= 3) {
+    plan.tail = top.number("tail");
+    TORCH_CHECK_VALUE(plan.tail >= 0 && plan.tail < 1, top.where(), ": key 'tail' has value ",
+                      plan.tail, ", must be in [0, 1)");
+  }
   const JsonValue& layers = top.at("layers", JsonValue::Kind::kArray);
   for (size_t i = 0; i < layers.array.size(); ++i) {
     const std::string key = "layers[" + std::to_string(i) + "]";
@@ -159,17 +165,21 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
       to_string(plan.reference));
   const bool wide = std::any_of(plan.layers.begin(), plan.layers.end(),
                                 [](const LayerPlan& l) { return detail::is_wide(l.format); });
-  const bool version_1 = plan.reference == LayerFormat::kBFloat16 && !wide;
+  TORCH_CHECK_VALUE(plan.tail >= 0 && plan.tail < 1,
+                    "ampx::plan::save_plan: the plan's tail must be in [0, 1), got ", plan.tail);
+  const int64_t version =
+      plan.tail > 0 ? 3 : (plan.reference == LayerFormat::kBFloat16 && !wide ? 1 : 2);
   std::ostringstream o;
   o << "{\n"
-    << "  \"version\": " << (version_1 ? 1 : kPlanVersion) << ",\n"
+    << "  \"version\": " << version << ",\n"
     << "  \"target\": " << json_string(plan.target) << ",\n";
-  if (!version_1) o << "  \"reference\": " << json_string(to_string(plan.reference)) << ",\n";
+  if (version >= 2) o << "  \"reference\": " << json_string(to_string(plan.reference)) << ",\n";
   o << "  \"loss_budget\": " << json_number(plan.loss_budget) << ",\n"
     << "  \"predicted_loss_change\": " << json_number(plan.predicted_loss_change) << ",\n"
     << "  \"cost\": " << json_number(plan.cost) << ",\n"
-    << "  \"bf16_cost\": " << json_number(plan.bf16_cost) << ",\n"
-    << "  \"layers\": [";
+    << "  \"bf16_cost\": " << json_number(plan.bf16_cost) << ",\n";
+  if (version >= 3) o << "  \"tail\": " << json_number(plan.tail) << ",\n";
+  o << "  \"layers\": [";
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     o << (i ? ",\n" : "\n");
     write_layer(o, plan.layers[i]);

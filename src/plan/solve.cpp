@@ -110,6 +110,8 @@ std::string reason_for(const LayerMeasurement& layer, const FormatMeasurement& c
 PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& options) {
   TORCH_CHECK_VALUE(options.loss_budget() > 0 && std::isfinite(options.loss_budget()),
                     "ampx::plan::make_plan: loss_budget must be > 0, got ", options.loss_budget());
+  TORCH_CHECK_VALUE(options.tail() >= 0 && options.tail() < 1,
+                    "ampx::plan::make_plan: tail must be in [0, 1), got ", options.tail());
   const CostModel& model = options.cost_model();
   std::vector<std::vector<double>> weights, costs;
   std::vector<std::vector<const FormatMeasurement*>> candidates;
@@ -133,6 +135,7 @@ PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& optio
   plan.target = model.target;
   plan.reference = measurement.reference;
   plan.loss_budget = options.loss_budget();
+  plan.tail = options.tail();
   plan.cost = 0;
   plan.bf16_cost = 0;
   for (size_t l = 0; l < measurement.layers.size(); ++l) {

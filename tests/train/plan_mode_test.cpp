@@ -63,15 +63,17 @@ std::string config_error_of(const TempDir& tmp,
   return error_text([&] { (void)config_of(args); });
 }
 
-// A plan file (in tmp) with blocks.0.fc in NVFP4, the other Linears in bf16.
-std::string nvfp4_fc_plan(const TempDir& tmp) {
+// A plan file (in tmp) with blocks.0.fc in NVFP4, the other Linears in bf16,
+// and the last `tail` of a run's steps in bf16.
+std::string nvfp4_fc_plan(const TempDir& tmp, double tail = 0) {
   ampx::plan::PrecisionPlan plan;
   plan.target = "b200";
   plan.loss_budget = 0.005;
+  plan.tail = tail;
   plan.layers.push_back({"blocks.0.fc", ampx::plan::LayerFormat::kNvfp4,
                          ampx::plan::scale_rule_of(ampx::plan::LayerFormat::kNvfp4), 0, 0, 0,
                          "test"});
-  const auto file = (tmp.path() / "plan.json").string();
+  const auto file = (tmp.path() / (tail > 0 ? "tail-plan.json" : "plan.json")).string();
   ampx::plan::save_plan(plan, file);
   return file;
 }
@@ -88,6 +90,7 @@ TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   EXPECT_DOUBLE_EQ(plan.loss_budget, 0.005);
   EXPECT_LE(plan.predicted_loss_change, 0.005);
   EXPECT_LT(plan.cost, plan.bf16_cost);
+  EXPECT_EQ(plan.tail, 0.1);  // --plan-tail's default
 
   ModeSetUp setup =
       set_up_mode(config, *workload, parse_mode("auto", config), torch::Device(torch::kCPU));
@@ -215,6 +218,10 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
                        {"--plan-noise-ratio 3 sets the plan watch's threshold; the watch is off"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-reference", "fp32"}}),
                        {"--plan-reference fp32 is for --precision auto"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--plan-tail", "20%"}}),
+                       {"--plan-tail 20% is for --precision auto"}));
+  EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--plan-tail", "100%"}}),
+                       {"--plan-tail '100%' is not a share of the steps in [0, 1)"}));
   EXPECT_TRUE(contains(config_error({{"--precision", "O2"}, {"--precision-plan", "p.json"}}),
                        {"--precision-plan 'p.json' is for --precision auto"}));
   const auto missing = (tmp.path() / "none.json").string();
@@ -551,6 +558,50 @@ TEST(PlanModeTest, ResumeTrainsWithTheCheckpointsPlanWithoutMeasuringAgain) {
   EXPECT_NE(mismatch.status, 0);
   EXPECT_TRUE(contains(mismatch.output, {"was written by a run with plan=", "blocks.0.fc"}))
       << mismatch.output;
+}
+
+// The plan's tail (--plan-tail, kept in the plan file): its last steps
+// train with every Linear in bf16, from the step the plan places it at
+// (tail 0.4: step 2 of 4, and of 3), and a run resumed past that step
+// enters it again: it ends with the uninterrupted run's weights.
+TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
+  TempDir tmp("ampx-plan-tail");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto run = [&](const std::string& name, const std::string& plan, int64_t steps,
+                       bool resume) {
+    auto args = plan_gpt(tmp, {{"--precision", "auto"},
+                               {"--precision-plan", plan},
+                               {"--steps", std::to_string(steps)},
+                               {"--save-every", "3"},
+                               {"--checkpoint-dir", (tmp.path() / name / "ckpt").string()},
+                               {"--out-dir", (tmp.path() / name).string()}});
+    if (resume) args.push_back("--resume");
+    TrainConfig config = config_of(args);
+    auto workload = make_workload(config);
+    return train_mode(config, *workload, "auto");
+  };
+  const auto tailed = nvfp4_fc_plan(tmp, 0.4);
+  const RunResult whole = run("whole", tailed, 4, false);
+  EXPECT_EQ(whole.plan_tail_start, 2);
+  const RunResult none = run("none", nvfp4_fc_plan(tmp), 4, false);
+  EXPECT_EQ(none.plan_tail_start, -1);
+  ASSERT_EQ(whole.losses.size(), 4u);
+  ASSERT_EQ(none.losses.size(), 4u);
+  EXPECT_EQ(whole.losses[1], none.losses[1]);  // NVFP4 before the tail
+  EXPECT_NE(whole.losses[2], none.losses[2]);  // the same weights, in bf16
+  EXPECT_NE(whole.weights_checksum, none.weights_checksum);
+
+  const RunResult first = run("parts", tailed, 3, false);  // steps 0-2, checkpoint after 2
+  EXPECT_EQ(first.plan_tail_start, 2);
+  const RunResult resumed = run("parts", tailed, 4, true);  // step 3, in the tail again
+  EXPECT_EQ(resumed.weights_checksum, whole.weights_checksum);
+  // Another tail is another plan: refused by name.
+  const auto other = (tmp.path() / "other-tail.json").string();
+  auto plan = ampx::plan::load_plan(tailed);
+  plan.tail = 0.2;
+  ampx::plan::save_plan(plan, other);
+  EXPECT_TRUE(expect_error_contains([&] { (void)run("parts", other, 4, true); },
+                                    {"plan_tail=0.4, this run has plan_tail=0.2"}));
 }
 
 }  // namespace
