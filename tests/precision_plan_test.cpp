@@ -533,7 +533,6 @@ TEST(PrecisionPlanTest, Fp32ReferenceMeasuresBf16AndKeepsSensitiveLayersWide) {
               HasSubstr("MeasureOptions::reference must be bf16 or fp32, got nvfp4"));
 }
 
-
 // `steps` AdamW steps of `model` from `from`'s weights on batches 0.., each
 // under bf16 autocast inside an FP8 region (as ampx-train runs a plan);
 // `between(step)` runs before each. Returns the losses.
@@ -577,7 +576,7 @@ TEST(PrecisionPlanTest, TailIsKeptInThePlanFileAndTrainsInTheReferenceFormat) {
   plan::save_plan(plan, path);
   const std::string text = read_text(path);
   EXPECT_THAT(text, HasSubstr("{\n  \"version\": 3,\n"));
-  EXPECT_THAT(text, HasSubstr("\n  \"tail\": 0.1"));
+  EXPECT_THAT(text, HasSubstr("\n  \"tail\": 0.10000000000000001,\n"));  // 0.1, 17 digits
   const auto loaded = plan::load_plan(path);
   EXPECT_EQ(loaded.tail, 0.1);
   plan::save_plan(loaded, (tmp.path / "again.json").string());
@@ -633,7 +632,7 @@ TEST(PrecisionPlanTest, TailIsKeptInThePlanFileAndTrainsInTheReferenceFormat) {
     write_text(tmp.path / "edited.json", t);
     return (tmp.path / "edited.json").string();
   };
-  const auto out_of_range = edited("\"tail\": 0.1", "\"tail\": 1.5");
+  const auto out_of_range = edited("\"tail\": 0.10000000000000001", "\"tail\": 1.5");
   EXPECT_THAT(test::error_text([&] { (void)plan::load_plan(out_of_range); }),
               HasSubstr("key 'tail' has value 1.5, must be in [0, 1)"));
   const auto version_2 = edited("\"version\": 3", "\"version\": 2");

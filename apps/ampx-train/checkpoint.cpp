@@ -295,10 +295,13 @@ void check_compatible(const std::filesystem::path& path, const nlohmann::json& s
   for (const auto& [key, value] : expected.items()) {
     const auto it = saved.find(key);
     // Settings checkpoints have recorded since: an older one is not refused for lacking them.
-    const bool came_later = key == "plan" || key == "plan_target" || key == "plan_tail";
+    const bool came_later = key == "plan" || key == "plan_target";
     if (came_later && it == saved.end()) continue;
-    const std::string have = it == saved.end() ? std::string("(none)") : it->dump();
-    TORCH_CHECK(it != saved.end() && *it == value, "ampx-train: checkpoint '", path.string(),
+    // Plans before the tail had none: such a checkpoint trained with a tail of 0.
+    const bool present = it != saved.end() || key == "plan_tail";
+    const nlohmann::json was = it != saved.end() ? *it : nlohmann::json(0.0);
+    const std::string have = present ? was.dump() : std::string("(none)");
+    TORCH_CHECK(present && was == value, "ampx-train: checkpoint '", path.string(),
                 "' was written by a run with ", key, "=", have, ", this run has ", key, "=",
                 value.dump(),
                 "; resume it with the same settings, or pass another --checkpoint-dir");

@@ -1,4 +1,5 @@
 // The table ampx-train prints before it trains: what it will do, on what.
+#include "auto_precision.h"
 #include "config.h"
 
 #include "machine.h"
@@ -102,7 +103,10 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
       } else if (plan.empty()) {
         plan = "measured: loss budget " + c.loss_budget + " against " + c.plan_reference +
                ", target " + c.target + ", " + std::to_string(c.plan_steps) +
-               " steps a probe, the last " + c.plan_tail + " of steps in " + c.plan_reference;
+               " steps a probe, " +
+               (parse_plan_tail(c.plan_tail) > 0
+                    ? "the last " + c.plan_tail + " of steps in " + c.plan_reference
+                    : std::string("no tail"));
       }
       rows.add("auto plan", plan);
       rows.add("plan watch", c.plan_watch > 0

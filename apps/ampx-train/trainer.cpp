@@ -320,9 +320,11 @@ StepResult ModeRun::step(int64_t step) {
     ampx::plan::enter_tail(*setup_.model, *setup_.plan);
     setup_.in_tail = true;
     if (lead_) {
+      // A bf16 reference's layers run under the mode's autocast (fp16 on CUDA by default).
+      const bool wide = setup_.plan->reference == ampx::plan::LayerFormat::kFloat32;
       std::cout << "\n[" << mode_.name << "] plan tail: steps " << tail_start_ << "-"
-                << total_steps_ - 1 << " with every Linear in "
-                << ampx::plan::to_string(setup_.plan->reference) << std::endl;
+                << total_steps_ - 1 << " with every planned Linear in "
+                << (wide ? std::string("fp32") : result_.dtype) << std::endl;
     }
   }
   StepOutcome outcome;

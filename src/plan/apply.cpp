@@ -68,7 +68,7 @@ void enter_tail(torch::nn::Module& model, const PrecisionPlan& plan) {
 double run_cost(const PrecisionPlan& plan, const CostModel& model) {
   check_tail(plan, "run_cost");
   double reference = plan.bf16_cost;
-  if (plan.reference != LayerFormat::kBFloat16) {
+  if (plan.reference != LayerFormat::kBFloat16 && plan.tail > 0) {
     const auto it = model.throughput.find(plan.reference);
     TORCH_CHECK_VALUE(it != model.throughput.end() && it->second > 0, "ampx::plan::run_cost: the ",
                       model.target, " cost model has no throughput for the plan's reference, ",

@@ -442,6 +442,15 @@ TEST_F(TrainCheckpointTest, ComparesThePlanWhereTheCheckpointRecordsIt) {
   EXPECT_TRUE(
       expect_error_contains([&] { check_compatible(path_, older, json{{"dtype", "bf16"}}); },
                             {"was written by a run with dtype=(none)"}));
+  // A plan without a tail (before plans had one) resumes under a tail of 0 only.
+  run["plan_tail"] = 0.0;
+  EXPECT_NO_THROW(check_compatible(path_, older, run));
+  EXPECT_NO_THROW(check_compatible(path_, run, run));
+  json tailed = run;
+  tailed["plan_tail"] = 0.1;
+  EXPECT_TRUE(expect_error_contains([&] { check_compatible(path_, older, tailed); },
+                                    {"was written by a run with plan_tail=0.0, this run has "
+                                     "plan_tail=0.1"}));
 }
 
 TEST_F(TrainCheckpointTest, NamesADifferentPrecisionAndBothValues) {

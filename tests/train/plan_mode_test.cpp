@@ -569,9 +569,12 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
   const auto run = [&](const std::string& name, const std::string& plan, int64_t steps,
                        bool resume) {
+    // The watch checks every step and, its threshold planted, reports each check.
     auto args = plan_gpt(tmp, {{"--precision", "auto"},
                                {"--precision-plan", plan},
                                {"--steps", std::to_string(steps)},
+                               {"--plan-watch", "1"},
+                               {"--plan-noise-ratio", "1e9"},
                                {"--save-every", "3"},
                                {"--checkpoint-dir", (tmp.path() / name / "ckpt").string()},
                                {"--out-dir", (tmp.path() / name).string()}});
@@ -590,6 +593,16 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
   EXPECT_EQ(whole.losses[1], none.losses[1]);  // NVFP4 before the tail
   EXPECT_NE(whole.losses[2], none.losses[2]);  // the same weights, in bf16
   EXPECT_NE(whole.weights_checksum, none.weights_checksum);
+  // The watch reports steps 0-3 without the tail, 0-1 with it: in the tail its layers are bf16,
+  // as its reference (ampx-train skips the check there, unseen from here).
+  const auto steps_reported = [](const RunResult& r) {
+    std::vector<std::string> steps;
+    for (const auto& line : r.plan_watch) steps.push_back(line.substr(0, line.find(':')));
+    return steps;
+  };
+  EXPECT_EQ(steps_reported(none),
+            (std::vector<std::string>{"step 0", "step 1", "step 2", "step 3"}));
+  EXPECT_EQ(steps_reported(whole), (std::vector<std::string>{"step 0", "step 1"}));
 
   const RunResult first = run("parts", tailed, 3, false);  // steps 0-2, checkpoint after 2
   EXPECT_EQ(first.plan_tail_start, 2);
