@@ -27,7 +27,9 @@ F makes the variant by position instead: the layers whose names start with
 one of the prefixes (e.g. blocks.3.) move to F, whatever their format.
 --tail T makes the variant in time: the seed's plan with its last T of the
 steps in bf16 (the plan file's "tail", ampx-train's --plan-tail); with a
---widen option, both. The study's own runs measure with --plan-tail 0, the
+--widen option, both. It also trains the rule with the same tail
+(--precision nvfp4 --fp8-tail T) and adds the table of the variant against
+it, where both sides end, and are evaluated, in bf16. The study's own runs measure with --plan-tail 0, the
 plan as the probes choose it, so that the variants start from it; a
 variant's modelled time is averaged over the run, its tail counted at
 bf16's.
@@ -185,6 +187,29 @@ def run_variant(args, workload, seed, row, run=True):
     return {**row, "plan_time": time, "plan": row["auto"], "auto": 100 * (loss / o2 - 1)}
 
 
+def run_rule_tail(args, workload, seed, row, run=True):
+    """The fixed rule with the same tail as the --tail variant: --precision nvfp4
+    --fp8-tail T, so that both end in one format."""
+    out = os.path.join(args.out, f"{workload}-{seed}", f"rule-tail-{args.tail:g}")
+    result = os.path.join(out, "compare.json")
+    if not os.path.exists(result):
+        if not run:
+            return None
+        os.makedirs(out, exist_ok=True)
+        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
+                   "--seed", str(seed), "--precision", "nvfp4", "--fp8-tail", str(args.tail),
+                   "--out-dir", out]
+        log_path = os.path.join(out, "run.log")
+        with open(log_path, "w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+    with open(result) as f:
+        loss = json.load(f)["modes"][0]["test_loss"]
+    return {**row, "rule+tail": 100 * (loss / row["o2_loss"] - 1),
+            "rule_tail_time": (1 - args.tail) * row["rule_time"] + args.tail}
+
+
 def summary(label, rows, other="rule"):
     d = [r["auto"] - r[other] for r in rows]
     n = len(d)
@@ -229,10 +254,15 @@ def main():
             r = run_one(args, workload, seed, run=not args.summarize)
             if r is not None and variant:
                 r = run_variant(args, workload, seed, r, run=not args.summarize)
+            if r is not None and args.tail is not None:
+                r = run_rule_tail(args, workload, seed, r, run=not args.summarize)
             if r is None:
                 continue
             rows.append(r)
             extra = f" (the plan {r['plan']:+.3f}%)" if "plan" in r else ""
+            if "rule+tail" in r:
+                extra += (f" (the rule with the tail {r['rule+tail']:+.3f}%, modelled "
+                          f"{r['rule_tail_time']:.3f})")
             print(f"{workload} {seed}: auto {r['auto']:+.3f}% rule {r['rule']:+.3f}%{extra} "
                   f"(modelled {r['plan_time']:.3f} vs {r['rule_time']:.3f})", flush=True)
     if variant:
@@ -257,7 +287,10 @@ def main():
         print(f"| {r['workload']} | {r['seed']} | {r['plan_time']:.3f} | {r['rule_time']:.3f} | "
               f"{r['auto']:+.2f}% | {r['rule']:+.2f}% | {r['auto'] - r['rule']:+.2f} |")
     # auto (or the variant) against the rule, and the variant against the plan.
-    for name, other in [("auto", "rule")] + ([("variant", "plan")] if variant else []):
+    # With --tail, the variant against the rule given the same tail too: one final format.
+    others = [("auto", "rule")] + ([("variant", "plan")] if variant else [])
+    others += [("variant", "rule+tail")] if args.tail is not None else []
+    for name, other in others:
         print(f"\n| runs | n | mean {name} | mean {other} | mean {name} - {other} (points) | sd | "
               f"95% CI | {name} <= {other} |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")

@@ -126,9 +126,9 @@ double parse_loss_budget(const std::string& text) {
   return v;
 }
 
-double parse_plan_tail(const std::string& text) {
+double parse_tail(const std::string& text, const std::string& flag) {
   const double v = parse_share(text);
-  TORCH_CHECK(v >= 0 && v < 1, "ampx-train: --plan-tail '", text,
+  TORCH_CHECK(v >= 0 && v < 1, "ampx-train: ", flag, " '", text,
               "' is not a share of the steps in [0, 1) (e.g. 10%, 0.1 or 0)");
   return v;
 }
@@ -240,7 +240,7 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
       ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
           .cost_model(cost_model)
           .seed(config.seed)
-          .tail(parse_plan_tail(config.plan_tail)),
+          .tail(parse_tail(config.plan_tail, "--plan-tail")),
       options);
   const auto& plan = proven.plan;
   // The fixed rule beside it: --precision nvfp4's --bf16-layers auto.

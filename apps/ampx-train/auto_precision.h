@@ -22,9 +22,10 @@ namespace ampx::train {
 /// the value when it is not a number > 0.
 double parse_loss_budget(const std::string& text);
 
-/// "10%" -> 0.1, "0.1" -> 0.1, "0" -> 0; c10::Error naming --plan-tail and
-/// the value when it is not a share in [0, 1).
-double parse_plan_tail(const std::string& text);
+/// A tail's share of the steps (--plan-tail, --fp8-tail): "10%" -> 0.1,
+/// "0.1" -> 0.1, "0" -> 0; c10::Error naming `flag` and the value when it is
+/// not a share in [0, 1).
+double parse_tail(const std::string& text, const std::string& flag);
 
 /// Where --precision auto's measured plan is written: <out-dir>/precision-plan.json.
 std::string measured_plan_path(const TrainConfig& config);

@@ -297,8 +297,8 @@ void check_compatible(const std::filesystem::path& path, const nlohmann::json& s
     // Settings checkpoints have recorded since: an older one is not refused for lacking them.
     const bool came_later = key == "plan" || key == "plan_target";
     if (came_later && it == saved.end()) continue;
-    // Plans before the tail had none: such a checkpoint trained with a tail of 0.
-    const bool present = it != saved.end() || key == "plan_tail";
+    // Runs before the tails had none: such a checkpoint trained with a tail of 0.
+    const bool present = it != saved.end() || key == "plan_tail" || key == "fp8_tail";
     const nlohmann::json was = it != saved.end() ? *it : nlohmann::json(0.0);
     const std::string have = present ? was.dump() : std::string("(none)");
     TORCH_CHECK(present && was == value, "ampx-train: checkpoint '", path.string(),

@@ -261,6 +261,11 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "mxfp8, nvfp4, fp8-block, fp8: the Linears kept in bf16, comma-separated paths "
                  "or prefixes (blocks.0 keeps blocks.0.*), 'none', or 'auto': nvfp4 keeps the "
                  "first and last blocks and the head (the published choice), the others the head");
+  app.add_option("--fp8-tail", c.fp8_tail,
+                 "mxfp8, nvfp4, fp8-block, fp8: the share of the run's last steps in which every "
+                 "Linear trains in bf16, the FP8 region closed (NVIDIA's NVFP4 recipe's late "
+                 "switch; 0: none)")
+      ->capture_default_str();
   app.add_option("--loss-budget", c.loss_budget,
                  "--precision auto: the largest loss change the plan may predict, relative "
                  "(0.5% or 0.005)")
@@ -391,9 +396,18 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(!plan_mode || c.precision_plan.empty() || std::filesystem::exists(c.precision_plan),
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
-  if (plan_mode) (void)parse_plan_tail(c.plan_tail);
+  if (plan_mode) (void)parse_tail(c.plan_tail, "--plan-tail");
   TORCH_CHECK(c.plan_tail == TrainConfig().plan_tail || plan_mode, "ampx-train: --plan-tail ",
               c.plan_tail, " is for --precision auto");
+  // (--compare's list again: the children of other modes get the flag too)
+  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
+  const bool fp8_modes = std::any_of(listed.begin(), listed.end(), [](const std::string& m) {
+    return is_fp8_mode(m) && m != "auto";
+  });
+  if (fp8_modes) (void)parse_tail(c.fp8_tail, "--fp8-tail");
+  TORCH_CHECK(c.fp8_tail == TrainConfig().fp8_tail || fp8_modes, "ampx-train: --fp8-tail ",
+              c.fp8_tail, " is for the FP8 modes (fp8, mxfp8, nvfp4, fp8-block; --precision auto "
+              "has --plan-tail)");
   TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,
               " is for --precision auto");
   TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");

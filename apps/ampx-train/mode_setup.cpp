@@ -113,6 +113,17 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   return setup;
 }
 
+void enter_tail(ModeSetUp& setup) {
+  if (setup.in_tail) return;
+  if (setup.plan) {
+    ampx::plan::enter_tail(*setup.model, *setup.plan);
+  } else {
+    TORCH_CHECK(setup.fp8, "ampx-train: a tail is for --precision auto and the FP8 modes");
+    setup.fp8 = false;  // model_output opens no FP8 region: plain Linears under autocast
+  }
+  setup.in_tail = true;
+}
+
 StepDiagnostics::Options diagnostics_options(const TrainConfig& config) {
   StepDiagnostics::Options options;
   if (config.detect_nonfinite == "throw") options.nonfinite = ampx::debug::NonFiniteAction::kThrow;

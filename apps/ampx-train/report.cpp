@@ -85,9 +85,9 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"final_loss_scale", r.final_scale},
         {"metrics", r.metrics_path},
     });
-    if (r.mode == "auto") {  // the plan watch's findings, the plan it left, the tail
+    if (is_fp8_mode(r.mode)) modes.back()["tail_start"] = r.tail_start;
+    if (r.mode == "auto") {  // the plan watch's findings, the plan it left
       modes.back()["plan_watch"] = r.plan_watch;
-      modes.back()["plan_tail_start"] = r.plan_tail_start;
       if (!r.watched_plan_path.empty()) modes.back()["watched_plan"] = r.watched_plan_path;
     }
   }

@@ -29,13 +29,13 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("weights_path", r.weights_path);
   visit("plan_watch", r.plan_watch);
   visit("watched_plan_path", r.watched_plan_path);
-  visit("plan_tail_start", r.plan_tail_start);
+  visit("tail_start", r.tail_start);
 }
 
 // Fields results written before them do not have.
 bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
-         name == "cpu_products" || name == "plan_tail_start";
+         name == "cpu_products" || name == "tail_start";
 }
 
 template <typename T>

@@ -46,9 +46,10 @@ struct RunResult {
   /// plan as the watch left it when it moved a layer (--plan-widen).
   std::vector<std::string> plan_watch;
   std::string watched_plan_path;
-  /// --precision auto: the first step of the plan's tail (every Linear in its
-  /// reference's format to the end); -1: none.
-  int64_t plan_tail_start = -1;
+  /// The first step of the tail (--precision auto: the plan's, every Linear
+  /// in its reference's format to the end; FP8 modes: --fp8-tail's, every
+  /// Linear in bf16); -1: none.
+  int64_t tail_start = -1;
   /// > 0: a preemption signal (here or on another rank) stopped the run
   /// after this many steps, and its checkpoint holds them; nothing after the
   /// last step (timing, evaluation, peak memory) is filled in.

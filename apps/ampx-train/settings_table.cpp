@@ -104,7 +104,7 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
         plan = "measured: loss budget " + c.loss_budget + " against " + c.plan_reference +
                ", target " + c.target + ", " + std::to_string(c.plan_steps) +
                " steps a probe, " +
-               (parse_plan_tail(c.plan_tail) > 0
+               (parse_tail(c.plan_tail, "--plan-tail") > 0
                     ? "the last " + c.plan_tail + " of steps in " + c.plan_reference
                     : std::string("no tail"));
       }
@@ -121,7 +121,10 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
     rows.add(mode + " recipe",
              recipe.to_string() + (c.device == "cpu" ? ", emulated" : "") +
                  (recipe.is_block() || c.bf16_layers != "auto" ? "; bf16 layers: " + c.bf16_layers
-                                                               : ""));
+                                                               : "") +
+                 (parse_tail(c.fp8_tail, "--fp8-tail") > 0
+                      ? "; the last " + c.fp8_tail + " of steps in bf16"
+                      : std::string()));
   }
   if (c.range_stats) {
     rows.add("range statistics", "collected (slower), " + c.out_dir + "/range-stats-<mode>.json");

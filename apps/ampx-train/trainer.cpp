@@ -1,5 +1,6 @@
 #include "trainer.h"
 
+#include "auto_precision.h"
 #include "checkpoint.h"
 #include "device_memory.h"
 #include "fp8_trace.h"
@@ -20,6 +21,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <functional>
 #include <iostream>
@@ -171,7 +173,7 @@ class ModeRun {
   const bool lead_;  // rank 0: writes files, shows progress, evaluates
   const torch::Device device_;
   int64_t total_steps_ = 0;
-  int64_t tail_start_ = 0;  // --precision auto: the plan's tail's first step (total_steps_: none)
+  int64_t tail_start_ = 0;  // the tail's first step (the plan's, --fp8-tail's; total_steps_: none)
   nlohmann::json identity_;  // what a checkpoint must share with the run resuming it
   std::string checkpoint_path_;
   bool may_write_checkpoint_ = false;
@@ -244,9 +246,16 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     }
     identity_["plan_target"] = setup_.plan->target;
     identity_["plan_tail"] = setup_.plan->tail;
-    tail_start_ = ampx::plan::tail_start(*setup_.plan, total_steps_);
-    result_.plan_tail_start = tail_start_ < total_steps_ ? tail_start_ : -1;
   }
+  tail_start_ = total_steps_;
+  if (setup_.plan) {
+    tail_start_ = ampx::plan::tail_start(*setup_.plan, total_steps_);
+  } else if (setup_.fp8) {  // as ampx::plan::tail_start rounds the plan's
+    const double tail = parse_tail(config.fp8_tail, "--fp8-tail");
+    identity_["fp8_tail"] = tail;
+    tail_start_ = total_steps_ - std::llround(tail * static_cast<double>(total_steps_));
+  }
+  result_.tail_start = tail_start_ < total_steps_ ? tail_start_ : -1;
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
   if (group) {
@@ -316,14 +325,15 @@ StepResult ModeRun::step(int64_t step) {
   if (step == profile_step_) profile.emplace(profile_path_);
   const auto t0 = std::chrono::steady_clock::now();
   const Batch batch = rank_rows(workload_.batch(step, device_), rank_, world_);
-  if (setup_.plan && !setup_.in_tail && step >= tail_start_) {  // also where a resume starts
-    ampx::plan::enter_tail(*setup_.model, *setup_.plan);
-    setup_.in_tail = true;
+  if (!setup_.in_tail && step >= tail_start_) {  // also where a resume starts
+    enter_tail(setup_);
     if (lead_) {
       // A bf16 reference's layers run under the mode's autocast (fp16 on CUDA by default).
-      const bool wide = setup_.plan->reference == ampx::plan::LayerFormat::kFloat32;
-      std::cout << "\n[" << mode_.name << "] plan tail: steps " << tail_start_ << "-"
-                << total_steps_ - 1 << " with every planned Linear in "
+      const bool wide =
+          setup_.plan && setup_.plan->reference == ampx::plan::LayerFormat::kFloat32;
+      std::cout << "\n[" << mode_.name << "] " << (setup_.plan ? "plan tail" : "fp8 tail")
+                << ": steps " << tail_start_ << "-" << total_steps_ - 1 << " with every "
+                << (setup_.plan ? "planned " : "") << "Linear in "
                 << (wide ? std::string("fp32") : result_.dtype) << std::endl;
     }
   }
@@ -372,7 +382,7 @@ void ModeRun::record(int64_t step, const StepResult& r) {
     record["eval_" + workload_.metric_name()] = e.metric;
   }
   if (!r.watch.empty()) record["plan_watch"] = r.watch;
-  if (fp8_trace_) fp8_trace_->add(step, record);
+  if (fp8_trace_ && !setup_.in_tail) fp8_trace_->add(step, record);  // the tail: no FP8
   if (metrics_) metrics_->write(record);
   progress_->update(step, r.loss, scale, workload_.items_per_step() * 1000.0 / r.ms);
 }

@@ -56,8 +56,8 @@ struct ModeSetUp {
   std::string plan_text;
   /// --precision auto with --plan-watch: the plan's watch (null otherwise).
   std::unique_ptr<ampx::plan::PlanWatch> watch;
-  /// --precision auto: in the plan's tail (every Linear in its reference's
-  /// format, ampx::plan::enter_tail), where the watch has nothing to check.
+  /// In the tail (enter_tail()): the plan's Linears in its reference's
+  /// format, where the watch has nothing to check; an FP8 mode's in bf16.
   bool in_tail = false;
 
   /// The model's output for `input` (cast to the model's dtype), in the
@@ -73,6 +73,13 @@ struct ModeSetUp {
 ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode& mode,
                       const torch::Device& device,
                       const ampx::dist::ProcessGroup* group = nullptr);
+
+/// Enters the run's tail: under --precision auto every Linear of the plan in
+/// its reference's format (ampx::plan::enter_tail); in an FP8 mode
+/// (--fp8-tail) every Linear in bf16, the FP8 region closed (the converted
+/// Linears and their scaling state stay, so checkpoints keep loading).
+/// Sets in_tail; nothing once it is set.
+void enter_tail(ModeSetUp& setup);
 
 /// One optimizer step of `setup` on `batch` (this rank's rows of it): the
 /// forward under the mode's guard, the scaled backward, the gradients

@@ -451,6 +451,14 @@ TEST_F(TrainCheckpointTest, ComparesThePlanWhereTheCheckpointRecordsIt) {
   EXPECT_TRUE(expect_error_contains([&] { check_compatible(path_, older, tailed); },
                                     {"was written by a run with plan_tail=0.0, this run has "
                                      "plan_tail=0.1"}));
+  // So does an FP8 mode's checkpoint from before --fp8-tail.
+  const json fp8 = {{"precision", "nvfp4"}};
+  EXPECT_NO_THROW(check_compatible(path_, fp8, json{{"precision", "nvfp4"}, {"fp8_tail", 0.0}}));
+  EXPECT_TRUE(expect_error_contains(
+      [&] {
+        check_compatible(path_, fp8, json{{"precision", "nvfp4"}, {"fp8_tail", 0.1}});
+      },
+      {"was written by a run with fp8_tail=0.0, this run has fp8_tail=0.1"}));
 }
 
 TEST_F(TrainCheckpointTest, NamesADifferentPrecisionAndBothValues) {

@@ -188,4 +188,88 @@ TEST(BlockModeTest, ConvertsTheLinearsOutsideTheBf16Layers) {
                                     {"--bf16-layers 'blocks.7' names no Linear of this model"}));
 }
 
+// The config of tiny_gpt(flags) on the data in `tmp` (its errors thrown).
+TrainConfig block_config(const TempDir& tmp,
+                         std::vector<std::pair<std::string, std::string>> flags) {
+  flags.insert(flags.begin(), {{"--data-dir", (tmp.path() / "data").string()},
+                               {"--out-dir", (tmp.path() / "out").string()},
+                               {"--bf16-layers", "none"}});
+  std::vector<std::string> args = {"ampx-train"};
+  for (auto& a : tiny_gpt(flags)) args.push_back(std::move(a));
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  TrainConfig config;
+  EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
+  resolve_defaults(config);
+  return config;
+}
+
+// --fp8-tail: in the tail an FP8 mode's Linears run as O1's, forward and
+// backward, bit for bit (the FP8 region closed); the run's last steps train
+// there from the step the share places (0.4: step 2 of 4, and of 3), and a
+// run resumed past that step enters it again, ending with the
+// uninterrupted run's weights; another share is refused by name.
+TEST(BlockModeTest, Fp8TailTrainsTheLastStepsAsO1AndAResumeEntersItAgain) {
+  TempDir tmp("ampx-fp8-tail");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const torch::Device cpu(torch::kCPU);
+  const TrainConfig config = block_config(tmp, {{"--precision", "nvfp4"}});
+  auto workload = make_workload(config);
+  const Batch batch = workload->batch(0, cpu);
+  const auto step_of = [&](const std::string& mode, bool tail) {
+    ModeSetUp setup = set_up_mode(config, *workload, parse_mode(mode, config), cpu);
+    if (tail) enter_tail(setup);
+    const StepOutcome out = train_step(setup, *workload, batch);
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : setup.model->parameters()) grads.push_back(p.grad().clone());
+    return std::make_pair(out.loss.item<double>(), grads);
+  };
+  const auto [o1_loss, o1_grads] = step_of("O1", false);
+  const auto [tail_loss, tail_grads] = step_of("nvfp4", true);
+  const auto [fp4_loss, fp4_grads] = step_of("nvfp4", false);
+  EXPECT_EQ(tail_loss, o1_loss);
+  EXPECT_NE(fp4_loss, o1_loss);
+  ASSERT_EQ(tail_grads.size(), o1_grads.size());
+  bool fp4_differs = false;
+  for (size_t i = 0; i < o1_grads.size(); ++i) {
+    EXPECT_TRUE(torch::equal(tail_grads[i], o1_grads[i])) << "parameter " << i;
+    fp4_differs = fp4_differs || !torch::equal(fp4_grads[i], o1_grads[i]);
+  }
+  EXPECT_TRUE(fp4_differs);
+
+  const auto run = [&](const std::string& name, const std::string& tail, int64_t steps,
+                       bool resume) {
+    TrainConfig c = block_config(tmp, {{"--precision", "nvfp4"},
+                                       {"--fp8-tail", tail},
+                                       {"--steps", std::to_string(steps)},
+                                       {"--save-every", "3"},
+                                       {"--checkpoint-dir", (tmp.path() / name / "ckpt").string()},
+                                       {"--out-dir", (tmp.path() / name).string()}});
+    c.resume = resume;
+    return train_mode(c, *workload, "nvfp4");
+  };
+  const RunResult whole = run("whole", "40%", 4, false);
+  const RunResult none = run("none", "0", 4, false);
+  EXPECT_EQ(whole.tail_start, 2);
+  EXPECT_EQ(none.tail_start, -1);
+  ASSERT_EQ(whole.losses.size(), 4u);
+  ASSERT_EQ(none.losses.size(), 4u);
+  EXPECT_EQ(whole.losses[1], none.losses[1]);  // NVFP4 before the tail
+  EXPECT_NE(whole.losses[2], none.losses[2]);  // the same weights, in bf16
+  EXPECT_NE(whole.weights_checksum, none.weights_checksum);
+  const RunResult first = run("parts", "0.4", 3, false);  // steps 0-2, checkpoint after 2
+  EXPECT_EQ(first.tail_start, 2);
+  const RunResult resumed = run("parts", "0.4", 4, true);  // step 3, in the tail again
+  EXPECT_EQ(resumed.weights_checksum, whole.weights_checksum);
+  EXPECT_TRUE(expect_error_contains([&] { (void)run("parts", "0.2", 4, true); },
+                                    {"fp8_tail=0.4, this run has fp8_tail=0.2"}));
+  // The flag names itself: for the FP8 modes only, a share in [0, 1).
+  EXPECT_TRUE(contains(error_text([&] { (void)block_config(tmp, {{"--fp8-tail", "10%"}}); }),
+                       {"--fp8-tail 10% is for the FP8 modes"}));
+  EXPECT_TRUE(contains(error_text([&] {
+                         (void)block_config(tmp, {{"--precision", "nvfp4"}, {"--fp8-tail", "1"}});
+                       }),
+                       {"--fp8-tail '1' is not a share of the steps in [0, 1)"}));
+}
+
 }  // namespace

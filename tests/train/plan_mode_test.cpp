@@ -585,9 +585,9 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
   };
   const auto tailed = nvfp4_fc_plan(tmp, 0.4);
   const RunResult whole = run("whole", tailed, 4, false);
-  EXPECT_EQ(whole.plan_tail_start, 2);
+  EXPECT_EQ(whole.tail_start, 2);
   const RunResult none = run("none", nvfp4_fc_plan(tmp), 4, false);
-  EXPECT_EQ(none.plan_tail_start, -1);
+  EXPECT_EQ(none.tail_start, -1);
   ASSERT_EQ(whole.losses.size(), 4u);
   ASSERT_EQ(none.losses.size(), 4u);
   EXPECT_EQ(whole.losses[1], none.losses[1]);  // NVFP4 before the tail
@@ -605,7 +605,7 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
   EXPECT_EQ(steps_reported(whole), (std::vector<std::string>{"step 0", "step 1"}));
 
   const RunResult first = run("parts", tailed, 3, false);  // steps 0-2, checkpoint after 2
-  EXPECT_EQ(first.plan_tail_start, 2);
+  EXPECT_EQ(first.tail_start, 2);
   const RunResult resumed = run("parts", tailed, 4, true);  // step 3, in the tail again
   EXPECT_EQ(resumed.weights_checksum, whole.weights_checksum);
   // Another tail is another plan: refused by name.
