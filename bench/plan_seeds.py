@@ -29,10 +29,10 @@ one of the prefixes (e.g. blocks.3.) move to F, whatever their format.
 steps in bf16 (the plan file's "tail", ampx-train's --plan-tail); with a
 --widen option, both. It also trains the rule with the same tail
 (--precision nvfp4 --fp8-tail T) and adds the table of the variant against
-it, where both sides end, and are evaluated, in bf16. The study's own runs measure with --plan-tail 0, the
-plan as the probes choose it, so that the variants start from it; a
-variant's modelled time is averaged over the run, its tail counted at
-bf16's.
+it, where both sides end, and are evaluated, in bf16. The study's own
+runs measure with --plan-tail 0, the plan as the probes choose it, so that
+the variants start from it; a variant's modelled time is averaged over the
+run, its tail counted at bf16's.
 """
 
 import argparse
