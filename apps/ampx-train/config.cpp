@@ -290,7 +290,8 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
   app.add_option("--plan-tail", c.plan_tail,
                  "--precision auto: the share of the run's last steps in which every Linear "
                  "trains in the --plan-reference format (NVIDIA's NVFP4 recipe's late switch; "
-                 "0: none); kept in the plan file, whose own a --precision-plan run takes")
+                 "0: none); kept in the plan file: a --precision-plan (or --resume) run takes the "
+                 "plan's own, and refuses another")
       ->capture_default_str();
   app.add_option("--plan-watch", c.plan_watch,
                  "--precision auto: check the plan against bf16 every N steps while training "
@@ -333,6 +334,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   app.add_option("--result-file", c.result_file)->group("");
   try {
     app.parse(argc, argv);
+    c.plan_tail_given = app.count("--plan-tail") > 0;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }

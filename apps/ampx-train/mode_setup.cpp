@@ -44,6 +44,11 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
   setup.plan_text = read_plan_text(config.precision_plan);  // once: the text is the plan applied
   const auto& plan =
       setup.plan.emplace(ampx::plan::parse_plan(setup.plan_text, config.precision_plan));
+  // A saved plan (--precision-plan, a checkpoint's) trains with its own tail.
+  TORCH_CHECK(!config.plan_tail_given || parse_tail(config.plan_tail, "--plan-tail") == plan.tail,
+              "ampx-train: --plan-tail ", config.plan_tail, ", but the plan '",
+              config.precision_plan, "' has a tail of ", plan.tail,
+              ", which it trains with; drop --plan-tail, or measure a plan with it");
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
     auto options = ampx::plan::WatchOptions()

@@ -615,6 +615,16 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
   ampx::plan::save_plan(plan, other);
   EXPECT_TRUE(expect_error_contains([&] { (void)run("parts", other, 4, true); },
                                     {"plan_tail=0.4, this run has plan_tail=0.2"}));
+  // A saved plan trains with its own tail: --plan-tail may repeat it, not change it.
+  const auto set_up = [&](const std::string& tail) {
+    const TrainConfig c = config_of(plan_gpt(
+        tmp, {{"--precision", "auto"}, {"--precision-plan", tailed}, {"--plan-tail", tail}}));
+    auto workload = make_workload(c);
+    (void)set_up_mode(c, *workload, parse_mode("auto", c), torch::Device(torch::kCPU));
+  };
+  EXPECT_NO_THROW(set_up("40%"));
+  EXPECT_TRUE(expect_error_contains([&] { set_up("20%"); },
+                                    {"--plan-tail 20%, but the plan '", "has a tail of 0.4"}));
 }
 
 }  // namespace
