@@ -254,8 +254,8 @@ def main():
             r = run_one(args, workload, seed, run=not args.summarize)
             if r is not None and variant:
                 r = run_variant(args, workload, seed, r, run=not args.summarize)
-            if r is not None and args.tail is not None:
-                r = run_rule_tail(args, workload, seed, r, run=not args.summarize)
+            if r is not None and args.tail is not None:  # (a study without them keeps its rows)
+                r = run_rule_tail(args, workload, seed, r, run=not args.summarize) or r
             if r is None:
                 continue
             rows.append(r)
@@ -291,14 +291,17 @@ def main():
     others = [("auto", "rule")] + ([("variant", "plan")] if variant else [])
     others += [("variant", "rule+tail")] if args.tail is not None else []
     for name, other in others:
+        rows_with = [r for r in rows if other in r]
+        if not rows_with:
+            continue
         print(f"\n| runs | n | mean {name} | mean {other} | mean {name} - {other} (points) | sd | "
               f"95% CI | {name} <= {other} |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
         for workload in args.workloads.split(","):
-            mine = [r for r in rows if r["workload"] == workload]
+            mine = [r for r in rows_with if r["workload"] == workload]
             if mine:
                 print(summary(workload, mine, other))
-        print(summary("all", rows, other))
+        print(summary("all", rows_with, other))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@
 #include <torch/torch.h>
 
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -818,6 +820,48 @@ ampx::dist::ProcessGroup group_of_one(bool nccl = true) {
   env.master_port = ampx::dist::free_loopback_port();
   return ampx::dist::init_process_group(
       env, ampx::dist::InitOptions().timeout(std::chrono::seconds(60)).nccl(nccl));
+}
+
+// Gloo writes to a lost peer's socket with writev(2): with SIGPIPE at its
+// default the rank died of the signal, silently, instead of failing the
+// collective (DistTest.AKilledRankMakesTheOthersFailWithinTheTimeout, once
+// in ctest -j2: status "killed", an empty log). init_process_group ignores
+// it, as Python does, and keeps a handler the program set.
+void count_sigpipe(int) {
+  static volatile sig_atomic_t seen = 0;
+  seen = seen + 1;
+}
+
+TEST(DistBackendTest, IgnoresSigpipeLeftAtTheDefaultAndKeepsAProgramsHandler) {
+  if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+  struct sigaction saved {};
+  ASSERT_EQ(::sigaction(SIGPIPE, nullptr, &saved), 0);
+  const auto set = [](void (*handler)(int)) {
+    struct sigaction a {};
+    a.sa_handler = handler;
+    sigemptyset(&a.sa_mask);
+    ASSERT_EQ(::sigaction(SIGPIPE, &a, nullptr), 0);
+  };
+  const auto handler_now = [] {
+    struct sigaction a {};
+    ::sigaction(SIGPIPE, nullptr, &a);
+    return a.sa_handler;
+  };
+  set(SIG_DFL);
+  (void)group_of_one(/*nccl=*/false);
+  EXPECT_EQ(handler_now(), SIG_IGN);
+  // A write to a socket whose peer has closed is then EPIPE, not the end of this process.
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  ::close(fds[1]);
+  const char byte = 0;
+  EXPECT_EQ(::write(fds[0], &byte, 1), -1);
+  EXPECT_EQ(errno, EPIPE);
+  ::close(fds[0]);
+  set(&count_sigpipe);
+  (void)group_of_one(/*nccl=*/false);
+  EXPECT_EQ(handler_now(), &count_sigpipe);
+  ASSERT_EQ(::sigaction(SIGPIPE, &saved, nullptr), 0);
 }
 
 TEST(DistBackendTest, CpuTensorsGoThroughGlooAndNcclOnlyWhereBuiltAndAsked) {

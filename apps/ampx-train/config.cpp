@@ -263,8 +263,8 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "first and last blocks and the head (the published choice), the others the head");
   app.add_option("--fp8-tail", c.fp8_tail,
                  "mxfp8, nvfp4, fp8-block, fp8: the share of the run's last steps in which every "
-                 "Linear trains in bf16, the FP8 region closed (NVIDIA's NVFP4 recipe's late "
-                 "switch; 0: none)")
+                 "Linear trains in the run's autocast dtype (--dtype), the FP8 region closed "
+                 "(NVIDIA's NVFP4 recipe's late switch to bf16; 0: none)")
       ->capture_default_str();
   app.add_option("--loss-budget", c.loss_budget,
                  "--precision auto: the largest loss change the plan may predict, relative "

@@ -70,7 +70,7 @@ struct TrainConfig {
   int64_t amax_history = 1024;         // delayed scaling's history length
   std::string fp8_trace_layer;         // the layer whose amax/scale the report plots; "": first
   std::string bf16_layers = "auto";    // FP8 modes: Linears kept in bf16 (paths, prefixes, none, auto)
-  std::string fp8_tail = "0";          // FP8 modes: the last steps' share with every Linear in bf16
+  std::string fp8_tail = "0";          // FP8 modes: the last steps' share without FP8 (--dtype)
   // --precision auto (ampx/precision_plan.h, docs/numerics.md)
   std::string loss_budget = "0.5%";  // --loss-budget: the plan's largest predicted loss change
   std::string target = "b200";       // --target h100|b200|cpu: whose throughput the plan models

@@ -123,7 +123,7 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
                  (recipe.is_block() || c.bf16_layers != "auto" ? "; bf16 layers: " + c.bf16_layers
                                                                : "") +
                  (parse_tail(c.fp8_tail, "--fp8-tail") > 0
-                      ? "; the last " + c.fp8_tail + " of steps in bf16"
+                      ? "; the last " + c.fp8_tail + " of steps in " + c.dtype
                       : std::string()));
   }
   if (c.range_stats) {

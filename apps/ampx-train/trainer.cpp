@@ -255,6 +255,12 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     identity_["fp8_tail"] = tail;
     tail_start_ = total_steps_ - std::llround(tail * static_cast<double>(total_steps_));
   }
+  TORCH_CHECK(tail_start_ > 0 || tail_start_ == total_steps_, "ampx-train: ",
+              setup_.plan ? "the plan's tail (" + std::to_string(setup_.plan->tail) + ")"
+                          : "--fp8-tail " + config.fp8_tail,
+              " covers every one of the run's ", total_steps_,
+              " steps, which would then all train with every Linear in ", result_.dtype,
+              "; give a smaller share or more --steps");
   result_.tail_start = tail_start_ < total_steps_ ? tail_start_ : -1;
   // Before DDP's broadcast of the parameters: a rank started with another
   // model shape or precision fails here, on every rank, naming the difference.
@@ -428,6 +434,9 @@ RunResult ModeRun::finish() {
   RunResult result = std::move(result_);
   result.losses = std::move(state_.losses);
   if (result.preempted_after > 0) return result;  // the process is asked to end
+  // A run resumed with no step left has not entered its tail in step(): the
+  // model ends, and is evaluated and exported, as the uninterrupted run's.
+  if (tail_start_ < total_steps_) enter_tail(setup_);
   result.peak_bytes = peak_allocated_bytes(device_) - base_bytes_;
   result.nonfinite_summary = diagnostics_.nonfinite_summary();
   if (config_.range_stats && lead_) {

@@ -188,7 +188,10 @@ void synchronize_found_inf(GradScaler& scaler, ProcessGroup group);
 /// naming GLOO_SOCKET_IFNAME. A collective that fails (a rank died, a host
 /// fell off the network, a rank was stopped) fails within the timeout,
 /// naming the ranks that no longer answer, that are stopped, or that have
-/// not reached the collective, and their addresses.
+/// not reached the collective, and their addresses. SIGPIPE left at its
+/// default disposition is set to ignored, as Python sets it for
+/// torch.distributed: Gloo's writes to a lost peer raise it, and it would end
+/// the process without a word (a handler, or SIG_IGN, the program set stays).
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options = {});
 /// The same, from launch_env_from_environment().
 ProcessGroup init_process_group(const InitOptions& options = {});

@@ -32,6 +32,7 @@
 #endif
 
 #include <arpa/inet.h>
+#include <signal.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -398,9 +399,27 @@ c10::intrusive_ptr<c10d::ProcessGroupGloo> connect_gloo(
   return gloo;
 }
 
+// Gloo writes to its sockets with writev(2), which raises SIGPIPE when the
+// peer has gone; Gloo then expects EPIPE. Python ignores SIGPIPE at start-up,
+// so torch.distributed never sees the signal; a C++ program left at the
+// default would die of it, silently, where the collective should fail
+// naming the lost rank. A disposition the program chose stays.
+void ignore_sigpipe_left_at_default() {
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) != 0) return;
+  const bool is_default =
+      (current.sa_flags & SA_SIGINFO) == 0 && current.sa_handler == SIG_DFL;
+  if (!is_default) return;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ::sigaction(SIGPIPE, &ignore, nullptr);
+}
+
 }  // namespace
 
 ProcessGroup init_process_group(const LaunchEnv& env, const InitOptions& options) {
+  ignore_sigpipe_left_at_default();
   TORCH_CHECK(env.world_size >= 1 && env.rank >= 0 && env.rank < env.world_size,
               "ampx::dist::init_process_group: rank ", env.rank, " of world size ", env.world_size,
               " is not a position in the group");

@@ -207,8 +207,9 @@ TrainConfig block_config(const TempDir& tmp,
 // --fp8-tail: in the tail an FP8 mode's Linears run as O1's, forward and
 // backward, bit for bit (the FP8 region closed); the run's last steps train
 // there from the step the share places (0.4: step 2 of 4, and of 3), and a
-// run resumed past that step enters it again, ending with the
-// uninterrupted run's weights; another share is refused by name.
+// run resumed past that step (or with none left) enters it again, ending
+// with the uninterrupted run's weights and evaluation; another share, or
+// one that covers every step, is refused by name.
 TEST(BlockModeTest, Fp8TailTrainsTheLastStepsAsO1AndAResumeEntersItAgain) {
   TempDir tmp("ampx-fp8-tail");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
@@ -263,6 +264,13 @@ TEST(BlockModeTest, Fp8TailTrainsTheLastStepsAsO1AndAResumeEntersItAgain) {
   EXPECT_EQ(resumed.weights_checksum, whole.weights_checksum);
   EXPECT_TRUE(expect_error_contains([&] { (void)run("parts", "0.2", 4, true); },
                                     {"fp8_tail=0.4, this run has fp8_tail=0.2"}));
+  // Resumed with no step left: evaluated in the tail, as the run that wrote it was.
+  const RunResult again = run("whole", "40%", 4, true);
+  EXPECT_EQ(again.losses, whole.losses);  // the checkpoint's, none trained
+  EXPECT_EQ(again.eval.loss, whole.eval.loss);
+  // A share that leaves no FP8 step is refused.
+  EXPECT_TRUE(expect_error_contains([&] { (void)run("short", "50%", 1, false); },
+                                    {"--fp8-tail 50% covers every one of the run's 1 steps"}));
   // The flag names itself: for the FP8 modes only, a share in [0, 1).
   EXPECT_TRUE(contains(error_text([&] { (void)block_config(tmp, {{"--fp8-tail", "10%"}}); }),
                        {"--fp8-tail 10% is for the FP8 modes"}));
