@@ -68,6 +68,19 @@ def seeds_of(text):
     return [int(s) for s in text.split(",")]
 
 
+def train(args, workload, seed, out, flags):
+    """Runs ampx-train on the study's shape with `flags`, its output in
+    `out`/run.log; stops the study if it fails."""
+    os.makedirs(out, exist_ok=True)
+    command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
+               "--seed", str(seed), *flags, "--out-dir", out]
+    log_path = os.path.join(out, "run.log")
+    with open(log_path, "w") as log:
+        code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+
+
 def run_one(args, workload, seed, run=True):
     out = os.path.join(args.out, f"{workload}-{seed}")
     log_path = os.path.join(out, "run.log")
@@ -75,14 +88,8 @@ def run_one(args, workload, seed, run=True):
     if not done and not run:
         return None
     if not done:
-        os.makedirs(out, exist_ok=True)
-        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
-                   "--seed", str(seed), "--compare", "O2,auto,nvfp4", "--plan-tail", "0",
-                   "--loss-budget", args.budget, "--target", args.target, "--out-dir", out]
-        with open(log_path, "w") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        if code != 0:
-            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+        train(args, workload, seed, out, ["--compare", "O2,auto,nvfp4", "--plan-tail", "0",
+                                          "--loss-budget", args.budget, "--target", args.target])
     with open(os.path.join(out, "compare.json")) as f:
         modes = {m["mode"]: m for m in json.load(f)["modes"]}
     with open(os.path.join(out, "precision-plan.json")) as f:
@@ -167,14 +174,7 @@ def run_variant(args, workload, seed, row, run=True):
         plan_path = os.path.join(out, "variant-plan.json")
         with open(plan_path, "w") as f:
             json.dump(plan, f, indent=2)
-        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
-                   "--seed", str(seed), "--precision", "auto", "--precision-plan", plan_path,
-                   "--out-dir", out]
-        log_path = os.path.join(out, "run.log")
-        with open(log_path, "w") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        if code != 0:
-            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+        train(args, workload, seed, out, ["--precision", "auto", "--precision-plan", plan_path])
     with open(os.path.join(out, "variant-plan.json")) as f:
         plan = json.load(f)
     if args.target not in SPEEDS:
@@ -195,15 +195,7 @@ def run_rule_tail(args, workload, seed, row, run=True):
     if not os.path.exists(result):
         if not run:
             return None
-        os.makedirs(out, exist_ok=True)
-        command = [args.binary, "--workload", workload, *SHAPE, "--steps", str(args.steps),
-                   "--seed", str(seed), "--precision", "nvfp4", "--fp8-tail", str(args.tail),
-                   "--out-dir", out]
-        log_path = os.path.join(out, "run.log")
-        with open(log_path, "w") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        if code != 0:
-            sys.exit(f"plan_seeds: {' '.join(command)} failed ({code}); see {log_path}")
+        train(args, workload, seed, out, ["--precision", "nvfp4", "--fp8-tail", str(args.tail)])
     with open(result) as f:
         loss = json.load(f)["modes"][0]["test_loss"]
     return {**row, "rule+tail": 100 * (loss / row["o2_loss"] - 1),

@@ -378,9 +378,8 @@ void resolve_defaults(TrainConfig& c) {
               ", which has no fp16 CPU autocast or fp16 CPU matrix "
               "products. Use --dtype bf16.");
   // (--compare's list, not this process's --only-mode: every child gets the flags)
-  const bool plan_mode = c.compare.empty() ? c.precision == "auto"
-                                           : std::find(c.compare.begin(), c.compare.end(),
-                                                       "auto") != c.compare.end();
+  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
+  const bool plan_mode = std::find(listed.begin(), listed.end(), "auto") != listed.end();
   TORCH_CHECK(c.precision_plan.empty() || plan_mode, "ampx-train: --precision-plan '",
               c.precision_plan, "' is for --precision auto");
   // --nproc measures before it starts its ranks and hands them the plan, and
@@ -401,8 +400,6 @@ void resolve_defaults(TrainConfig& c) {
   if (plan_mode) (void)parse_tail(c.plan_tail, "--plan-tail");
   TORCH_CHECK(c.plan_tail == TrainConfig().plan_tail || plan_mode, "ampx-train: --plan-tail ",
               c.plan_tail, " is for --precision auto");
-  // (--compare's list again: the children of other modes get the flag too)
-  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
   const bool fp8_modes = std::any_of(listed.begin(), listed.end(), [](const std::string& m) {
     return is_fp8_mode(m) && m != "auto";
   });

@@ -240,15 +240,13 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   base_bytes_ = allocated_bytes(device_);
   reset_peak_memory(device_);
   setup_ = set_up_mode(config, workload, mode_, device_, group);
+  tail_start_ = total_steps_;
   if (setup_.plan) {  // a checkpoint resumes under the plan it trained with
     for (const auto& l : setup_.plan->layers) {
       identity_["plan"][l.module] = ampx::plan::to_string(l.format);
     }
     identity_["plan_target"] = setup_.plan->target;
     identity_["plan_tail"] = setup_.plan->tail;
-  }
-  tail_start_ = total_steps_;
-  if (setup_.plan) {
     tail_start_ = ampx::plan::tail_start(*setup_.plan, total_steps_);
   } else if (setup_.fp8) {  // as ampx::plan::tail_start rounds the plan's
     const double tail = parse_tail(config.fp8_tail, "--fp8-tail");

@@ -65,17 +65,6 @@ class ExportWeightsTest : public testing::Test {
     return tiny_gpt(all);
   }
 
-  /// ampx-train's settings for `args`, as the binary resolves them.
-  static TrainConfig config_of(std::vector<std::string> args) {
-    args.insert(args.begin(), "ampx-train");
-    std::vector<const char*> argv;
-    for (const auto& a : args) argv.push_back(a.c_str());
-    TrainConfig config;
-    EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
-    resolve_defaults(config);
-    return config;
-  }
-
   TempDir dir_{"ampx-export-test"};
   fs::path data_ = dir_.path() / "data";
 };
@@ -134,7 +123,7 @@ TEST_F(ExportWeightsTest, PythonLoadsTheExportAndComputesTheSameLogitsBitwise) {
 
     // ampx's logits: the trained weights in the workload's model as
     // ampx-train builds it, one batch, fp32, one thread (as Python runs).
-    const auto trained = trained_weights(config_of(args), mode);
+    const auto trained = trained_weights(resolved_config(args), mode);
     const int threads = at::get_num_threads();
     at::set_num_threads(1);
     torch::NoGradGuard no_grad;
@@ -142,7 +131,7 @@ TEST_F(ExportWeightsTest, PythonLoadsTheExportAndComputesTheSameLogitsBitwise) {
     for (const std::string attention : {"explicit", "fused"}) {
       auto argv = args;
       argv.insert(argv.end(), {"--attention", attention});
-      auto workload = make_workload(config_of(argv));
+      auto workload = make_workload(resolved_config(argv));
       torch::nn::AnyModule model = workload->build(torch::kCPU);
       for (const auto& p : model.ptr()->named_parameters()) p.value().copy_(trained.at(p.key()));
       for (const auto& b : model.ptr()->named_buffers()) b.value().copy_(trained.at(b.key()));

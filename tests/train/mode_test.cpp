@@ -146,20 +146,13 @@ TEST(BlockModeTest, ConvertsTheLinearsOutsideTheBf16Layers) {
   TempDir tmp("ampx-block-mode");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
   const auto set_up = [&](const std::string& mode, const std::string& bf16_layers) {
-    std::vector<std::string> args = {"ampx-train"};
-    for (auto& a : tiny_gpt({{"--precision", mode},
-                             {"--layers", "3"},
-                             {"--bf16-layers", bf16_layers},
-                             {"--data-dir", (tmp.path() / "data").string()},
-                             {"--out-dir", (tmp.path() / "out").string()},
-                             {"--steps", "2"}})) {
-      args.push_back(std::move(a));
-    }
-    std::vector<const char*> argv;
-    for (const auto& a : args) argv.push_back(a.c_str());
-    TrainConfig config;
-    EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
-    resolve_defaults(config);
+    const TrainConfig config =
+        resolved_config(tiny_gpt({{"--precision", mode},
+                                  {"--layers", "3"},
+                                  {"--bf16-layers", bf16_layers},
+                                  {"--data-dir", (tmp.path() / "data").string()},
+                                  {"--out-dir", (tmp.path() / "out").string()},
+                                  {"--steps", "2"}}));
     auto workload = make_workload(config);
     ModeSetUp setup =
         set_up_mode(config, *workload, parse_mode(mode, config), torch::Device(torch::kCPU));
@@ -194,14 +187,7 @@ TrainConfig block_config(const TempDir& tmp,
   flags.insert(flags.begin(), {{"--data-dir", (tmp.path() / "data").string()},
                                {"--out-dir", (tmp.path() / "out").string()},
                                {"--bf16-layers", "none"}});
-  std::vector<std::string> args = {"ampx-train"};
-  for (auto& a : tiny_gpt(flags)) args.push_back(std::move(a));
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  TrainConfig config;
-  EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
-  resolve_defaults(config);
-  return config;
+  return resolved_config(tiny_gpt(flags));
 }
 
 // --fp8-tail: in the tail an FP8 mode's Linears run as O1's, forward and

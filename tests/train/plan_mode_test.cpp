@@ -42,17 +42,6 @@ std::vector<std::string> plan_gpt(const TempDir& tmp,
   return tiny_gpt(flags);
 }
 
-TrainConfig config_of(const std::vector<std::string>& flags) {
-  std::vector<std::string> args = {"ampx-train"};
-  args.insert(args.end(), flags.begin(), flags.end());
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  TrainConfig config;
-  EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
-  resolve_defaults(config);
-  return config;
-}
-
 // The error resolving plan_gpt(tmp, flags) and then `switches` (flags
 // without a value) gives.
 std::string config_error_of(const TempDir& tmp,
@@ -60,7 +49,7 @@ std::string config_error_of(const TempDir& tmp,
                             const std::vector<std::string>& switches = {}) {
   auto args = plan_gpt(tmp, flags);
   args.insert(args.end(), switches.begin(), switches.end());
-  return error_text([&] { (void)config_of(args); });
+  return error_text([&] { (void)resolved_config(args); });
 }
 
 // A plan file (in tmp) with blocks.0.fc in NVFP4, the other Linears in bf16,
@@ -81,7 +70,7 @@ std::string nvfp4_fc_plan(const TempDir& tmp, double tail = 0) {
 TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   TempDir tmp("ampx-plan-mode");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
-  TrainConfig config = config_of(plan_gpt(tmp, {{"--precision", "auto"}}));
+  TrainConfig config = resolved_config(plan_gpt(tmp, {{"--precision", "auto"}}));
   auto workload = make_workload(config);
   config.precision_plan = plan_precision(config, *workload);
   EXPECT_EQ(config.precision_plan, (tmp.path() / "out" / "precision-plan.json").string());
@@ -129,7 +118,7 @@ TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
 TEST(PlanModeTest, Fp32ReferencePlansAgainstFloat32) {
   TempDir tmp("ampx-plan-fp32");
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
-  TrainConfig config = config_of(plan_gpt(
+  TrainConfig config = resolved_config(plan_gpt(
       tmp, {{"--precision", "auto"}, {"--plan-reference", "fp32"}, {"--target", "h100"}}));
   auto workload = make_workload(config);
   config.precision_plan = plan_precision(config, *workload);
@@ -235,7 +224,7 @@ TEST(PlanModeTest, BadFlagsAndPlansNameTheFlagAndTheValue) {
   const auto file = (tmp.path() / "bad-plan.json").string();
   ampx::plan::save_plan(plan, file);
   TrainConfig config =
-      config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
+      resolved_config(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
   auto workload = make_workload(config);
   EXPECT_TRUE(expect_error_contains(
       [&] { (void)set_up_mode(config, *workload, parse_mode("auto", config), torch::kCPU); },
@@ -250,7 +239,7 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
   write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
   const auto file = nvfp4_fc_plan(tmp);
   const auto trained = [&](const std::string& every) {
-    TrainConfig config = config_of(plan_gpt(
+    TrainConfig config = resolved_config(plan_gpt(
         tmp, {{"--precision", "auto"}, {"--precision-plan", file}, {"--plan-watch", every}}));
     auto workload = make_workload(config);
     ModeSetUp setup = set_up_mode(config, *workload, parse_mode("auto", config), torch::kCPU);
@@ -264,13 +253,13 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
   EXPECT_EQ(trained("1"), trained("0"));
 
   const TrainConfig defaults =
-      config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
+      resolved_config(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}));
   EXPECT_EQ(defaults.plan_watch, 50);
   EXPECT_TRUE(
       contains(settings_table(defaults), {"plan watch",
                                           "every 50 steps against bf16 (left out of the timing), "
                                           "reports"}));
-  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "O2"}})).plan_watch, 0);
+  EXPECT_EQ(resolved_config(plan_gpt(tmp, {{"--precision", "O2"}})).plan_watch, 0);
   const auto config_error = [&](std::vector<std::pair<std::string, std::string>> flags,
                                 bool widen = false) {
     return config_error_of(tmp, flags, widen ? std::vector<std::string>{"--plan-widen"}
@@ -283,15 +272,17 @@ TEST(PlanModeTest, WatchedStepsTrainAsUnwatchedOnesAndBadWatchFlagsNameThemselve
   EXPECT_TRUE(contains(config_error({{"--precision", "auto"}, {"--plan-watch", "0"}}, true),
                        {"--plan-widen moves the layers the watch reports; --plan-watch is 0"}));
   // Data-parallel runs watch too (the ranks decide on rank 0's numbers).
-  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--nproc", "2"}})).plan_watch, 50);
+  EXPECT_EQ(
+      resolved_config(plan_gpt(tmp, {{"--precision", "auto"}, {"--nproc", "2"}})).plan_watch,
+      50);
   // Ranks an outside launcher (torchrun) started measure on rank 0, but a
   // --compare on them has no process to measure in once for all.
   EnvGuard rank("RANK", "1"), world("WORLD_SIZE", "2");
-  EXPECT_TRUE(config_of(plan_gpt(tmp, {{"--precision", "auto"}})).precision_plan.empty());
+  EXPECT_TRUE(resolved_config(plan_gpt(tmp, {{"--precision", "auto"}})).precision_plan.empty());
   EXPECT_TRUE(contains(config_error({{"--compare", "O2,auto"}}),
                        {"--compare with auto on ranks a launcher started has no process to "
                         "measure the plan in once for all"}));
-  EXPECT_EQ(config_of(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}))
+  EXPECT_EQ(resolved_config(plan_gpt(tmp, {{"--precision", "auto"}, {"--precision-plan", file}}))
                 .precision_plan,
             file);
 }
@@ -467,7 +458,7 @@ TEST(PlanModeTest, WidenedLayersResumeInTheFormatsTheWatchLeftThem) {
     auto args = plan_gpt(tmp, flags);
     args.push_back("--plan-widen");
     if (resume) args.push_back("--resume");
-    TrainConfig config = config_of(args);
+    TrainConfig config = resolved_config(args);
     auto workload = make_workload(config);
     return train_mode(config, *workload, "auto");
   };
@@ -493,7 +484,7 @@ TEST(PlanModeTest, WidenedLayersResumeInTheFormatsTheWatchLeftThem) {
                              {"--checkpoint-dir", (tmp.path() / "parts" / "ckpt").string()},
                              {"--out-dir", (tmp.path() / "parts").string()}});
   args.push_back("--resume");
-  TrainConfig config = config_of(args);
+  TrainConfig config = resolved_config(args);
   auto workload = make_workload(config);
   EXPECT_TRUE(expect_error_contains([&] { (void)train_mode(config, *workload, "auto"); },
                                     {"holds layers the plan watch moved to wider formats"}));
@@ -579,7 +570,7 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
                                {"--checkpoint-dir", (tmp.path() / name / "ckpt").string()},
                                {"--out-dir", (tmp.path() / name).string()}});
     if (resume) args.push_back("--resume");
-    TrainConfig config = config_of(args);
+    TrainConfig config = resolved_config(args);
     auto workload = make_workload(config);
     return train_mode(config, *workload, "auto");
   };
@@ -617,7 +608,7 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
                                     {"plan_tail=0.4, this run has plan_tail=0.2"}));
   // A saved plan trains with its own tail: --plan-tail may repeat it, not change it.
   const auto set_up = [&](const std::string& tail) {
-    const TrainConfig c = config_of(plan_gpt(
+    const TrainConfig c = resolved_config(plan_gpt(
         tmp, {{"--precision", "auto"}, {"--precision-plan", tailed}, {"--plan-tail", tail}}));
     auto workload = make_workload(c);
     (void)set_up_mode(c, *workload, parse_mode("auto", c), torch::Device(torch::kCPU));

@@ -4,6 +4,7 @@
 // environment variables, generated text data.
 
 #include "checkpoint.h"
+#include "config.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -36,6 +37,18 @@
 namespace ampx::train::test {
 
 namespace fs = std::filesystem;
+
+/// ampx-train's settings for `flags` (without the program's name), parsed
+/// and resolved as the binary does: a flag CLI11 refuses fails the test,
+/// resolve_defaults' errors are thrown.
+inline TrainConfig resolved_config(const std::vector<std::string>& flags) {
+  std::vector<const char*> argv = {"ampx-train"};
+  for (const auto& f : flags) argv.push_back(f.c_str());
+  TrainConfig config;
+  EXPECT_FALSE(parse_command_line(static_cast<int>(argv.size()), argv.data(), config));
+  resolve_defaults(config);
+  return config;
+}
 
 /// ampx-train's flags for a gpt small enough to train in a moment (1 layer,
 /// d 16, 2 heads, context 8, batch 4, one eval batch, one thread, no
