@@ -32,7 +32,10 @@ steps in bf16 (the plan file's "tail", ampx-train's --plan-tail); with a
 it, where both sides end, and are evaluated, in bf16. The study's own
 runs measure with --plan-tail 0, the plan as the probes choose it, so that
 the variants start from it; a variant's modelled time is averaged over the
-run, its tail counted at bf16's.
+run, its tail counted at bf16's. They measure with ampx-train's default
+--plan-ends fp8 (the first and last blocks in 8-bit formats or wider);
+--plan-ends none gives the plan as the probes alone choose it (use another
+--out: a folder's runs are read again, not run).
 """
 
 import argparse
@@ -89,6 +92,7 @@ def run_one(args, workload, seed, run=True):
         return None
     if not done:
         train(args, workload, seed, out, ["--compare", "O2,auto,nvfp4", "--plan-tail", "0",
+                                          "--plan-ends", args.plan_ends,
                                           "--loss-budget", args.budget, "--target", args.target])
     with open(os.path.join(out, "compare.json")) as f:
         modes = {m["mode"]: m for m in json.load(f)["modes"]}
@@ -131,12 +135,12 @@ def widened(args, layer):
 
 
 def with_tail(plan, tail):
-    """A plan file's content with its last `tail` of the steps in bf16 (version 3)."""
+    """A plan file's content with its last `tail` of the steps in bf16 (version 3 or later)."""
     out = {}
     for key, value in plan.items():
         if key == "tail":
             continue
-        out[key] = 3 if key == "version" else value
+        out[key] = max(3, value) if key == "version" else value
         if key == "target" and "reference" not in plan:
             out["reference"] = "bf16"  # version 1 files have none: bf16
         if key == "bf16_cost":
@@ -223,6 +227,8 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--budget", default="0.5%")
     p.add_argument("--target", default="b200")
+    p.add_argument("--plan-ends", default="fp8", help="ampx-train's --plan-ends for the measured "
+                   "plans (none: no floor at the first and last blocks)")
     p.add_argument("--out", required=True, help="a folder for the runs and results.json")
     p.add_argument("--widen-above", type=float, help="a variant: NVFP4 layers whose measured "
                    "gradient error exceeds this move to --widen-to")

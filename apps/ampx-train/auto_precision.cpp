@@ -133,6 +133,32 @@ double parse_tail(const std::string& text, const std::string& flag) {
   return v;
 }
 
+std::vector<ampx::plan::Floor> plan_end_floors(const TrainConfig& config,
+                                               torch::nn::Module& model) {
+  if (config.plan_ends == "none") return {};
+  const auto format = ampx::plan::parse_layer_format(config.plan_ends, "--plan-ends");
+  std::vector<ampx::plan::Floor> floors;
+  for (const auto& end : end_blocks(model)) floors.push_back({end, format});
+  return floors;
+}
+
+std::string floors_text(const std::vector<ampx::plan::Floor>& floors) {
+  std::string text;
+  std::vector<ampx::plan::LayerFormat> done;
+  for (const auto& floor : floors) {
+    if (std::find(done.begin(), done.end(), floor.format) != done.end()) continue;
+    done.push_back(floor.format);
+    std::string prefixes;
+    for (const auto& f : floors) {
+      if (f.format == floor.format) prefixes += (prefixes.empty() ? "" : ", ") + f.prefix;
+    }
+    text += (text.empty() ? "" : "; ") + prefixes + " at " +
+            std::to_string(ampx::plan::element_bits(floor.format)) + "-bit elements or wider (" +
+            ampx::plan::to_string(floor.format) + ")";
+  }
+  return text.empty() ? "none" : text;
+}
+
 std::string measured_plan_path(const TrainConfig& config) {
   return (std::filesystem::path(config.out_dir) / "precision-plan.json").string();
 }
@@ -175,6 +201,7 @@ std::string plan_table(const ampx::plan::Measurement& measurement,
       << ampx::plan::to_string(plan.reference) << std::setprecision(3);
   }
   t << "\n";
+  if (!plan.floors.empty()) t << "floors: " << floors_text(plan.floors) << "\n";
   t << "measured in " << std::setprecision(1) << measurement.seconds << " s, " << measurement.probes
     << " probes of " << measurement.steps << " steps + " << measurement.eval_batches
     << " evaluation batches";
@@ -240,7 +267,8 @@ std::string plan_precision(const TrainConfig& config, Workload& workload) {
       ampx::plan::PlanOptions(parse_loss_budget(config.loss_budget))
           .cost_model(cost_model)
           .seed(config.seed)
-          .tail(parse_tail(config.plan_tail, "--plan-tail")),
+          .tail(parse_tail(config.plan_tail, "--plan-tail"))
+          .floors(plan_end_floors(config, *model.ptr())),
       options);
   const auto& plan = proven.plan;
   // The fixed rule beside it: --precision nvfp4's --bf16-layers auto.

@@ -6,7 +6,8 @@
 // --precision-plan FILE loads a saved one instead.
 //
 //   auto plan = plan_precision(config, *workload);  // measures, prints, writes
-//   <out-dir>/precision-plan.json parse_loss_budget("0.5%");                       // 0.005
+//                                                   // <out-dir>/precision-plan.json
+//   parse_loss_budget("0.5%");                      // 0.005
 
 #include "config.h"
 #include "workloads.h"
@@ -26,6 +27,14 @@ double parse_loss_budget(const std::string& text);
 /// "0.1" -> 0.1, "0" -> 0; c10::Error naming `flag` and the value when it is
 /// not a share in [0, 1).
 double parse_tail(const std::string& text, const std::string& flag);
+
+/// The floors --plan-ends puts on `model`'s first and last blocks
+/// (end_blocks): each at config.plan_ends; none for "none".
+std::vector<ampx::plan::Floor> plan_end_floors(const TrainConfig& config,
+                                               torch::nn::Module& model);
+
+/// The floors in words: "blocks.0, blocks.3 at 8-bit elements or wider (fp8)"; "none".
+std::string floors_text(const std::vector<ampx::plan::Floor>& floors);
 
 /// Where --precision auto's measured plan is written: <out-dir>/precision-plan.json.
 std::string measured_plan_path(const TrainConfig& config);

@@ -293,6 +293,15 @@ void add_fp8_options(CLI::App& app, TrainConfig& c) {
                  "0: none); kept in the plan file: a --precision-plan (or --resume) run takes the "
                  "plan's own, and refuses another")
       ->capture_default_str();
+  app.add_option("--plan-ends", c.plan_ends,
+                 "--precision auto: the narrowest format the Linears of the first and last "
+                 "blocks may take (their element width: fp8 allows fp8, fp8-block, mxfp8 and "
+                 "wider, not nvfp4), by position, as NVIDIA's NVFP4 recipe keeps them; none: no "
+                 "floor. Kept in the plan file: a --precision-plan (or --resume) run takes the "
+                 "plan's own, and refuses another")
+      ->check(CLI::IsMember(
+          {"none", "fp32", "fp16", "bf16", "fp8-block", "fp8", "mxfp8", "nvfp4"}))
+      ->capture_default_str();
   app.add_option("--plan-watch", c.plan_watch,
                  "--precision auto: check the plan against bf16 every N steps while training "
                  "(a layer whose gradient its format's noise drowns, or whose range flushes it, "
@@ -335,6 +344,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   try {
     app.parse(argc, argv);
     c.plan_tail_given = app.count("--plan-tail") > 0;
+    c.plan_ends_given = app.count("--plan-ends") > 0;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
@@ -412,6 +422,9 @@ void resolve_defaults(TrainConfig& c) {
   TORCH_CHECK(!c.plan_widen || plan_mode, "ampx-train: --plan-widen is for --precision auto");
   TORCH_CHECK(c.plan_reference == "bf16" || plan_mode, "ampx-train: --plan-reference ",
               c.plan_reference, " is for --precision auto");
+  TORCH_CHECK(c.plan_ends == TrainConfig().plan_ends || plan_mode, "ampx-train: --plan-ends ",
+              c.plan_ends,
+              " is for --precision auto");
   if (c.plan_watch < 0) c.plan_watch = plan_mode ? 50 : 0;
   TORCH_CHECK(std::isfinite(c.plan_noise_ratio) && c.plan_noise_ratio > 0,
               "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio, " is not a number > 0");

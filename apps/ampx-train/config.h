@@ -79,6 +79,8 @@ struct TrainConfig {
   std::string plan_reference = "bf16";  // --plan-reference bf16|fp32: what the budget is against
   std::string plan_tail = "10%";  // --plan-tail: the last steps' share in the reference format
   bool plan_tail_given = false;   // --plan-tail was on the command line (a saved plan has its own)
+  std::string plan_ends = "fp8";  // --plan-ends: the floor of the first and last blocks, or none
+  bool plan_ends_given = false;   // --plan-ends was on the command line (a saved plan has its own)
   int64_t plan_watch = -1;  // --plan-watch N: check every N steps; 0 off; -1: 50 under auto
   bool plan_widen = false;  // --plan-widen: move a layer the watch reports to a wider format
   double plan_noise_ratio = 1.7320508075688772;  // --plan-noise-ratio: the watch's threshold

@@ -28,38 +28,57 @@ bool under(const std::string& path, const std::string& prefix) {
   return path == prefix || path.rfind(prefix + ".", 0) == 0;
 }
 
-std::vector<std::string> auto_layers(const std::string& mode,
-                                     const std::vector<std::string>& linears) {
-  if (mode == "fp8") return {};
-  std::vector<std::string> blocks, keep;
+// The first and last numbered blocks of `linears`, or without any, the
+// first and last of them (each its own block); one when they are the same.
+std::vector<std::string> ends_of(const std::vector<std::string>& linears) {
+  std::vector<std::string> blocks;
   for (const auto& l : linears) {
     const std::string b = numbered_block(l);
     if (!b.empty() && std::find(blocks.begin(), blocks.end(), b) == blocks.end()) {
       blocks.push_back(b);
     }
   }
-  if (blocks.empty()) {  // every Linear its own block
+  if (blocks.empty()) blocks = linears;
+  if (blocks.size() <= 1) return blocks;
+  return {blocks.front(), blocks.back()};
+}
+
+std::vector<std::string> auto_layers(const std::string& mode,
+                                     const std::vector<std::string>& linears) {
+  if (mode == "fp8") return {};
+  const bool numbered = std::any_of(linears.begin(), linears.end(), [](const std::string& l) {
+    return !numbered_block(l).empty();
+  });
+  if (!numbered) {  // every Linear its own block
     if (linears.empty()) return {};
-    if (mode == "nvfp4") keep.push_back(linears.front());
-    if (linears.size() > 1 || mode != "nvfp4") keep.push_back(linears.back());
-    return keep;
+    return mode == "nvfp4" ? ends_of(linears) : std::vector<std::string>{linears.back()};
   }
+  const auto ends = mode == "nvfp4" ? ends_of(linears) : std::vector<std::string>();
+  std::vector<std::string> keep;
   for (const auto& l : linears) {
     const std::string b = numbered_block(l);
-    const bool edge = mode == "nvfp4" && (b == blocks.front() || b == blocks.back());
-    if (b.empty() || edge) keep.push_back(l);
+    if (b.empty() || std::find(ends.begin(), ends.end(), b) != ends.end()) keep.push_back(l);
   }
   return keep;
 }
 
-}  // namespace
-
-std::vector<std::string> bf16_layers_of(const TrainConfig& config, const std::string& mode,
-                                        torch::nn::Module& model) {
+std::vector<std::string> linear_paths(torch::nn::Module& model) {
   std::vector<std::string> linears;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     if (dynamic_cast<torch::nn::LinearImpl*>(item.value().get())) linears.push_back(item.key());
   }
+  return linears;
+}
+
+}  // namespace
+
+std::vector<std::string> end_blocks(torch::nn::Module& model) {
+  return ends_of(linear_paths(model));
+}
+
+std::vector<std::string> bf16_layers_of(const TrainConfig& config, const std::string& mode,
+                                        torch::nn::Module& model) {
+  const std::vector<std::string> linears = linear_paths(model);
   if (config.bf16_layers == "auto") return auto_layers(mode, linears);
   if (config.bf16_layers == "none") return {};
   std::vector<std::string> keep;

@@ -23,4 +23,10 @@ namespace ampx::train {
 std::vector<std::string> bf16_layers_of(const TrainConfig& config, const std::string& mode,
                                         torch::nn::Module& model);
 
+/// The paths of `model`'s first and last numbered blocks ("blocks.0",
+/// "blocks.3"; one when it has one), or, without numbered blocks, of its
+/// first and last Linears: the ends nvfp4's --bf16-layers auto keeps in
+/// bf16, and those --plan-ends floors.
+std::vector<std::string> end_blocks(torch::nn::Module& model);
+
 }  // namespace ampx::train

@@ -49,6 +49,13 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
               "ampx-train: --plan-tail ", config.plan_tail, ", but the plan '",
               config.precision_plan, "' has a tail of ", plan.tail,
               ", which it trains with; drop --plan-tail, or measure a plan with it");
+  if (config.plan_ends_given) {
+    const auto asked = floors_text(plan_end_floors(config, *setup.model));
+    TORCH_CHECK(asked == floors_text(plan.floors), "ampx-train: --plan-ends ", config.plan_ends,
+                " (floors: ", asked, "), but the plan '", config.precision_plan,
+                "' was solved with floors: ", floors_text(plan.floors),
+                "; drop --plan-ends, or measure a plan with it");
+  }
   setup.fp8_layers = ampx::plan::apply_plan(*setup.model, plan, config.seed);
   if (config.plan_watch > 0) {
     auto options = ampx::plan::WatchOptions()

@@ -106,7 +106,9 @@ void add_numerics_rows(const TrainConfig& c, Rows& rows) {
                " steps a probe, " +
                (parse_tail(c.plan_tail, "--plan-tail") > 0
                     ? "the last " + c.plan_tail + " of steps in " + c.plan_reference
-                    : std::string("no tail"));
+                    : std::string("no tail")) +
+               (c.plan_ends == "none" ? ", no floor at the ends"
+                                      : ", first and last blocks " + c.plan_ends + " or wider");
       }
       rows.add("auto plan", plan);
       rows.add("plan watch", c.plan_watch > 0

@@ -205,6 +205,23 @@ CostModel cost_model_for(const std::string& target);
 /// 256 rows) per format on this machine's CPU: throughput relative to bf16.
 CostModel measure_cpu_cost_model();
 
+/// The bits of one element of `format`: 32 (fp32), 16 (fp16, bf16), 8
+/// (fp8, fp8-block, mxfp8), 4 (nvfp4). What a Floor compares.
+int element_bits(LayerFormat format);
+
+/// The narrowest format the Linears at or under `prefix` may take: a layer
+/// whose path is `prefix` or starts with `prefix` + "." ("blocks.0" holds
+/// "blocks.0.attn.qkv") takes only formats whose elements are at least as
+/// wide as `format`'s (element_bits): {"blocks.0", kFp8} keeps that block in
+/// 8 bits or more, out of NVFP4, and leaves the plan its choice among the
+/// 8-bit formats and the wider ones. The published NVFP4 recipe keeps the
+/// first and last blocks wide by position; the probes' few steps do not see
+/// why (docs/numerics.md).
+struct Floor {
+  std::string prefix;                           ///< a Linear's path, or a module above some
+  LayerFormat format = LayerFormat::kBFloat16;  ///< the narrowest allowed
+};
+
 /// What make_plan() solves for.
 struct PlanOptions {
   /// Plans within `loss_budget`, a relative loss change (0.005: 0.5%).
@@ -220,6 +237,10 @@ struct PlanOptions {
   /// The plan's tail (PrecisionPlan::tail), in [0, 1): the share of a run's
   /// last steps in which every Linear trains in the reference's format.
   TORCH_ARG(double, tail) = 0;
+  /// Floors the plan keeps (PrecisionPlan::floors): a layer under two takes
+  /// the wider. A prefix naming no measured Linear, or a floor that leaves a
+  /// layer no format the target runs, is a c10::Error naming it.
+  TORCH_ARG(std::vector<Floor>, floors) = {};
 };
 
 /// One layer of a plan.
@@ -246,14 +267,18 @@ struct PrecisionPlan {
   /// pretraining recipe and torchtitan's (tail_start(), enter_tail()). Not
   /// in `cost` (one step's) nor in the predicted loss change; run_cost().
   double tail = 0;
+  /// The floors it was solved under (PlanOptions::floors), in their order;
+  /// every layer under one holds a format at least as wide.
+  std::vector<Floor> floors;
   std::vector<LayerPlan> layers;     ///< in module order
 };
 
 /// The fastest plan (least modelled cost) whose predicted loss change is
 /// within the budget: a multiple-choice knapsack solved exactly by dynamic
 /// programming over the budget cut into budget_steps (each loss change
-/// rounded up, so the plan's true sum is within the budget). Ties go to the
-/// smaller loss change, then the wider format.
+/// rounded up, so the plan's true sum is within the budget), among the
+/// formats options.floors() leave each layer. Ties go to the smaller loss
+/// change, then the wider format.
 PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& options);
 
 /// A plan whose proof run held it within its budget.
@@ -269,10 +294,12 @@ struct ProvenPlan {
 /// outside it: while the proof run's loss change exceeds
 /// options.loss_budget(), solves again for 0.9 x the smaller of the last
 /// planned budget and the last prediction, times budget / measured change,
-/// and proves that, at most `max_rounds` plans (>= 1); if none held, the
+/// and proves that, at most `max_rounds` plans (>= 1; a smaller budget that
+/// the floors' layers alone exceed ends the rounds early); if none held, the
 /// plan with every Linear in the reference's format (the reference itself,
-/// a change of 0). c10::Error when measure_options.reference() is not the
-/// measurement's.
+/// a change of 0; a layer whose floor is wider than the reference in the
+/// fastest format its floor allows). c10::Error when
+/// measure_options.reference() is not the measurement's.
 ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
                       const Measurement& measurement, const PlanOptions& options,
                       const MeasureOptions& measure_options = MeasureOptions(),

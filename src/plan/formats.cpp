@@ -52,6 +52,23 @@ std::vector<LayerFormat> all_layer_formats() {
   return all;
 }
 
+int element_bits(LayerFormat format) {
+  switch (format) {
+    case LayerFormat::kFloat32:
+      return 32;
+    case LayerFormat::kFloat16:
+    case LayerFormat::kBFloat16:
+      return 16;
+    case LayerFormat::kFp8:
+    case LayerFormat::kFp8Block:
+    case LayerFormat::kMxfp8:
+      return 8;
+    case LayerFormat::kNvfp4:
+      return 4;
+  }
+  TORCH_CHECK(false, "ampx::plan: unknown LayerFormat ", static_cast<int>(format));
+}
+
 fp8::Recipe recipe_of(LayerFormat format, uint64_t seed) {
   switch (format) {
     case LayerFormat::kFp8:

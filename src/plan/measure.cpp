@@ -239,7 +239,16 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
   PlanOptions round = options;
   ProvenPlan proven;
   for (proven.rounds = 1; proven.rounds <= max_rounds; ++proven.rounds) {
-    proven.plan = make_plan(measurement, round);
+    if (proven.rounds == 1) {
+      proven.plan = make_plan(measurement, round);
+    } else {
+      try {
+        proven.plan = make_plan(measurement, round);
+      } catch (const c10::ValueError&) {  // the floors' layers alone exceed the smaller budget
+        --proven.rounds;
+        break;
+      }
+    }
     proven.planned_budget = round.loss_budget();
     proven.check = proof_run(model, problem, proven.plan, measure_options, reference);
     if (proven.check.loss_change <= budget) break;
@@ -251,16 +260,21 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
     if (!(round.loss_budget() > 0)) break;  // a prediction of 0: nothing narrower to drop
   }
   if (proven.check.loss_change > budget) {
-    // Every Linear in the reference's format: the reference itself.
+    // Every Linear in the reference's format: the reference itself (fp32
+    // kept for a floor above a bf16 reference, whatever its loss change).
     Measurement reference_only = measurement;
+    const int reference_bits = element_bits(measurement.reference);
+    double wider_changes = 0;
     for (auto& layer : reference_only.layers) {
       layer.formats.erase(std::remove_if(layer.formats.begin(), layer.formats.end(),
                                          [&](const FormatMeasurement& f) {
-                                           return f.format != measurement.reference;
+                                           return f.format != measurement.reference &&
+                                                  element_bits(f.format) <= reference_bits;
                                          }),
                           layer.formats.end());
+      for (const auto& f : layer.formats) wider_changes += std::max(0.0, f.loss_change);
     }
-    round.loss_budget(budget);
+    round.loss_budget(budget + wider_changes);
     proven.plan = make_plan(reference_only, round);
     proven.planned_budget = 0;
     proven.check = proof_run(model, problem, proven.plan, measure_options, reference);

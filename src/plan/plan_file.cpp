@@ -21,9 +21,10 @@ namespace plan {
 namespace {
 
 // 2: "reference" (version 1 has none: bf16), fp32 and fp16 layers. 3:
-// "tail" (versions 1 and 2 have none: 0). A plan an older version can hold
-// is written as that version, which older ampx reads.
-constexpr int64_t kPlanVersion = 3;
+// "tail" (versions 1 and 2 have none: 0). 4: "floors" (versions 1 to 3 have
+// none). A plan an older version can hold is written as that version, which
+// older ampx reads.
+constexpr int64_t kPlanVersion = 4;
 using ampx::detail::json_number;
 using ampx::detail::json_string;
 using detail::JsonValue;
@@ -111,12 +112,29 @@ LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::str
   return l;
 }
 
+Floor read_floor(const JsonValue& v, const std::string& path, const std::string& where) {
+  Fields f(v, path, where);
+  Floor floor;
+  floor.prefix = f.string("prefix");
+  TORCH_CHECK_VALUE(!floor.prefix.empty(), f.where(), ": key '", f.name("prefix"), "' is empty");
+  const std::string format = f.string("format");
+  try {
+    floor.format = parse_layer_format(format, "format");
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name("format"), "' has value '", format,
+                      "', not a layer format (fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4)");
+  }
+  f.no_others();
+  return floor;
+}
+
 // A plan from its JSON text; errors start with `where`.
 PrecisionPlan read_plan(const std::string& text, const std::string& where) {
   const JsonValue doc = detail::parse_json(text, where);
   Fields top(doc, "", where);
   const double version = top.number("version");
-  TORCH_CHECK_VALUE(version == 1 || version == 2 || version == kPlanVersion, top.where(),
+  TORCH_CHECK_VALUE(version >= 1 && version <= kPlanVersion && version == std::floor(version),
+                    top.where(),
                     ": key 'version' has value ", version, "; this ampx reads versions 1 to ",
                     kPlanVersion);
   PrecisionPlan plan;
@@ -139,6 +157,13 @@ PrecisionPlan read_plan(const std::string& text, const std::string& where) {
     TORCH_CHECK_VALUE(plan.tail >= 0 && plan.tail < 1, top.where(), ": key 'tail' has value ",
                       plan.tail, ", must be in [0, 1)");
   }
+  if (version >= 4) {
+    const JsonValue& floors = top.at("floors", JsonValue::Kind::kArray);
+    for (size_t i = 0; i < floors.array.size(); ++i) {
+      const std::string key = "floors[" + std::to_string(i) + "]";
+      plan.floors.push_back(read_floor(floors.array[i], key, where));
+    }
+  }
   const JsonValue& layers = top.at("layers", JsonValue::Kind::kArray);
   for (size_t i = 0; i < layers.array.size(); ++i) {
     const std::string key = "layers[" + std::to_string(i) + "]";
@@ -150,6 +175,15 @@ PrecisionPlan read_plan(const std::string& text, const std::string& where) {
     for (size_t j = 0; j < i; ++j) {
       TORCH_CHECK_VALUE(plan.layers[j].module != plan.layers[i].module, top.where(), ": key '", key,
                         ".module' repeats module '", plan.layers[i].module, "' of layers[", j, "]");
+    }
+    for (size_t j = 0; j < plan.floors.size(); ++j) {
+      const Floor& floor = plan.floors[j];
+      const std::string& path = plan.layers[i].module;
+      const bool under = path == floor.prefix || path.rfind(floor.prefix + ".", 0) == 0;
+      TORCH_CHECK_VALUE(!under || element_bits(f) >= element_bits(floor.format), top.where(),
+                        ": key '", key, ".format' has value '", to_string(f),
+                        "', narrower than floors[", j, "] ('", floor.prefix, "', ",
+                        to_string(floor.format), ")");
     }
   }
   top.no_others();
@@ -167,8 +201,10 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
                                 [](const LayerPlan& l) { return detail::is_wide(l.format); });
   TORCH_CHECK_VALUE(plan.tail >= 0 && plan.tail < 1,
                     "ampx::plan::save_plan: the plan's tail must be in [0, 1), got ", plan.tail);
-  const int64_t version =
-      plan.tail > 0 ? 3 : (plan.reference == LayerFormat::kBFloat16 && !wide ? 1 : 2);
+  const int64_t version = !plan.floors.empty() ? 4
+                          : plan.tail > 0       ? 3
+                          : plan.reference == LayerFormat::kBFloat16 && !wide ? 1
+                                                                              : 2;
   std::ostringstream o;
   o << "{\n"
     << "  \"version\": " << version << ",\n"
@@ -179,6 +215,14 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
     << "  \"cost\": " << json_number(plan.cost) << ",\n"
     << "  \"bf16_cost\": " << json_number(plan.bf16_cost) << ",\n";
   if (version >= 3) o << "  \"tail\": " << json_number(plan.tail) << ",\n";
+  if (version >= 4) {
+    o << "  \"floors\": [";
+    for (size_t i = 0; i < plan.floors.size(); ++i) {
+      o << (i ? ",\n" : "\n") << "    {\"prefix\": " << json_string(plan.floors[i].prefix)
+        << ", \"format\": " << json_string(to_string(plan.floors[i].format)) << "}";
+    }
+    o << "\n  ],\n";
+  }
   o << "  \"layers\": [";
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     o << (i ? ",\n" : "\n");

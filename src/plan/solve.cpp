@@ -81,28 +81,65 @@ std::vector<size_t> solve_multiple_choice(const std::vector<std::vector<double>>
 
 namespace {
 
-// Why `chosen` of `layer`: what was faster and did not fit, or that nothing was.
+// Why `chosen` of `layer`: what was faster and did not fit, what was faster
+// and below the layer's `floor` (nullptr: none), or that nothing was.
 std::string reason_for(const LayerMeasurement& layer, const FormatMeasurement& chosen,
-                       const CostModel& model) {
+                       const CostModel& model, const Floor* floor) {
   const double speed = model.throughput.at(chosen.format);
-  std::string slower;
+  std::string unfit, floored;
   for (const auto& f : layer.formats) {
     const auto it = model.throughput.find(f.format);
     if (it == model.throughput.end() || it->second <= speed) continue;
-    slower += (slower.empty() ? "" : ", ") + to_string(f.format) + " " + percent(f.loss_change);
+    if (floor && element_bits(f.format) < element_bits(floor->format)) {
+      floored += (floored.empty() ? "" : ", ") + to_string(f.format);
+    } else {
+      unfit += (unfit.empty() ? "" : ", ") + to_string(f.format) + " " + percent(f.loss_change);
+    }
   }
   std::ostringstream s;
   s << to_string(chosen.format) << " (" << std::setprecision(3) << speed << "x bf16 on "
     << model.target << ", loss " << percent(chosen.loss_change) << ")";
-  if (!slower.empty()) {
-    s << ": faster formats did not fit the budget (" << slower << ")";
-  } else if (layer.formats.size() == 1) {
+  if (!unfit.empty()) s << ": faster formats did not fit the budget (" << unfit << ")";
+  if (!floored.empty()) {
+    s << (unfit.empty() ? ": " : "; ") << "the floor '" << floor->prefix << "' keeps it at "
+      << element_bits(floor->format) << "-bit elements or wider (" << to_string(floor->format)
+      << "), ruling out " << floored;
+  }
+  if (!unfit.empty() || !floored.empty()) return s.str();
+  if (layer.formats.size() == 1) {
     s << ": no other format measured (dimensions " << layer.in_features << " x "
       << layer.out_features << ", FP8 needs multiples of 16)";
   } else {
     s << ": the fastest format measured that " << model.target << " runs";
   }
   return s.str();
+}
+
+// The floor that binds each measured layer (the widest of those over it;
+// nullptr: none); c10::Error for a floor over no measured Linear.
+std::vector<const Floor*> floors_of(const Measurement& measurement,
+                                    const std::vector<Floor>& floors) {
+  std::vector<const Floor*> binding(measurement.layers.size(), nullptr);
+  for (const auto& floor : floors) {
+    TORCH_CHECK_VALUE(!floor.prefix.empty(), "ampx::plan::make_plan: a floor (",
+                      to_string(floor.format), ") has an empty prefix");
+    bool any = false;
+    for (size_t l = 0; l < measurement.layers.size(); ++l) {
+      const std::string& path = measurement.layers[l].module;
+      if (path != floor.prefix && path.rfind(floor.prefix + ".", 0) != 0) continue;
+      any = true;
+      const Floor*& b = binding[l];
+      if (!b || element_bits(floor.format) > element_bits(b->format)) b = &floor;
+    }
+    if (any) continue;
+    std::string known;
+    for (const auto& layer : measurement.layers) {
+      known += (known.empty() ? "" : ", ") + layer.module;
+    }
+    TORCH_CHECK_VALUE(false, "ampx::plan::make_plan: the floor '", floor.prefix, "' (",
+                      to_string(floor.format), ") names no measured Linear (", known, ")");
+  }
+  return binding;
 }
 
 }  // namespace
@@ -113,21 +150,27 @@ PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& optio
   TORCH_CHECK_VALUE(options.tail() >= 0 && options.tail() < 1,
                     "ampx::plan::make_plan: tail must be in [0, 1), got ", options.tail());
   const CostModel& model = options.cost_model();
+  const auto floors = floors_of(measurement, options.floors());
   std::vector<std::vector<double>> weights, costs;
   std::vector<std::vector<const FormatMeasurement*>> candidates;
-  for (const auto& layer : measurement.layers) {
+  for (size_t l = 0; l < measurement.layers.size(); ++l) {
+    const LayerMeasurement& layer = measurement.layers[l];
     weights.emplace_back();
     costs.emplace_back();
     candidates.emplace_back();
     for (const auto& f : layer.formats) {
       const auto it = model.throughput.find(f.format);
       if (it == model.throughput.end() || !(it->second > 0)) continue;  // not on this target
+      if (floors[l] && element_bits(f.format) < element_bits(floors[l]->format)) continue;
       weights.back().push_back(f.loss_change);
       costs.back().push_back(layer.flops_share / it->second);
       candidates.back().push_back(&f);
     }
     TORCH_CHECK_VALUE(!candidates.back().empty(), "ampx::plan::make_plan: layer '", layer.module,
-                      "' has no format the ", model.target, " cost model runs");
+                      "' has no format the ", model.target, " cost model runs",
+                      floors[l] ? " at or above its floor '" + floors[l]->prefix + "' (" +
+                                      to_string(floors[l]->format) + ")"
+                                : std::string());
   }
   const auto picked =
       solve_multiple_choice(weights, costs, options.loss_budget(), options.budget_steps());
@@ -136,6 +179,7 @@ PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& optio
   plan.reference = measurement.reference;
   plan.loss_budget = options.loss_budget();
   plan.tail = options.tail();
+  plan.floors = options.floors();
   plan.cost = 0;
   plan.bf16_cost = 0;
   for (size_t l = 0; l < measurement.layers.size(); ++l) {
@@ -143,7 +187,7 @@ PrecisionPlan make_plan(const Measurement& measurement, const PlanOptions& optio
     const FormatMeasurement& f = *candidates[l][picked[l]];
     plan.layers.push_back({layer.module, f.format, scale_rule_of(f.format, options.seed()),
                            f.loss_change, f.grad_error, layer.flops_share,
-                           reason_for(layer, f, model)});
+                           reason_for(layer, f, model, floors[l])});
     plan.predicted_loss_change += std::max(0.0, f.loss_change);
     plan.cost += costs[l][picked[l]];
     plan.bf16_cost += layer.flops_share;

@@ -618,4 +618,74 @@ TEST(PlanModeTest, TailTrainsTheLastStepsInBf16AndAResumeEntersItAgain) {
                                     {"--plan-tail 20%, but the plan '", "has a tail of 0.4"}));
 }
 
+// --plan-ends (default fp8) floors the first and last blocks by position:
+// with a budget every Linear fits in NVFP4, the ends' Linears take an 8-bit
+// format (and their reasons say why) while the middle block takes NVFP4;
+// --plan-ends none leaves them NVFP4 too. The plan file keeps the floors;
+// a saved plan takes --plan-ends only as it was solved.
+TEST(PlanModeTest, PlanEndsKeepTheFirstAndLastBlocksOutOfNvfp4) {
+  TempDir tmp("ampx-plan-ends");
+  write_text_data(tmp.path() / "data", "abcdefgh ", 20000, 3);
+  const auto measure = [&](const std::string& name, const std::string& ends) {
+    std::vector<std::pair<std::string, std::string>> flags = {
+        {"--precision", "auto"},
+        {"--layers", "3"},
+        {"--loss-budget", "50%"},
+        {"--plan-tail", "0"},
+        {"--out-dir", (tmp.path() / name).string()}};
+    if (!ends.empty()) flags.push_back({"--plan-ends", ends});
+    TrainConfig config = resolved_config(plan_gpt(tmp, flags));
+    auto workload = make_workload(config);
+    return ampx::plan::load_plan(plan_precision(config, *workload));
+  };
+  const auto bits = [](const ampx::plan::LayerPlan& l) {
+    return ampx::plan::element_bits(l.format);
+  };
+  const auto floored = measure("floored", "");  // the default
+  ASSERT_EQ(floored.floors.size(), 2u);
+  EXPECT_EQ(floored.floors[0].prefix, "blocks.0");
+  EXPECT_EQ(floored.floors[1].prefix, "blocks.2");
+  EXPECT_EQ(floored.floors[1].format, ampx::plan::LayerFormat::kFp8);
+  const auto none = measure("none", "none");
+  EXPECT_TRUE(none.floors.empty());
+  ASSERT_EQ(none.layers.size(), floored.layers.size());
+  size_t ends = 0, middle = 0;
+  for (size_t i = 0; i < floored.layers.size(); ++i) {
+    const auto& l = floored.layers[i];
+    if (l.module == "head") continue;  // 9 outputs: bf16 only
+    EXPECT_EQ(none.layers[i].format, ampx::plan::LayerFormat::kNvfp4) << l.module;
+    if (l.module.rfind("blocks.1.", 0) == 0) {
+      EXPECT_EQ(l.format, ampx::plan::LayerFormat::kNvfp4) << l.module;
+      ++middle;
+    } else {
+      EXPECT_EQ(bits(l), 8) << l.module;
+      EXPECT_TRUE(contains(l.reason, {"the floor 'blocks.", "' keeps it at 8-bit elements or "
+                                      "wider (fp8), ruling out nvfp4"}))
+          << l.reason;
+      ++ends;
+    }
+  }
+  EXPECT_EQ(ends, 2 * middle);
+  EXPECT_GT(middle, 0u);
+  EXPECT_GT(floored.cost, none.cost);
+
+  // A saved plan: --plan-ends may repeat its floors, not change them.
+  const auto plan_file = (tmp.path() / "floored" / "precision-plan.json").string();
+  const auto set_up = [&](const std::string& ends) {
+    const TrainConfig c = resolved_config(plan_gpt(tmp, {{"--precision", "auto"},
+                                                         {"--layers", "3"},
+                                                         {"--precision-plan", plan_file},
+                                                         {"--plan-ends", ends}}));
+    auto workload = make_workload(c);
+    (void)set_up_mode(c, *workload, parse_mode("auto", c), torch::Device(torch::kCPU));
+  };
+  EXPECT_NO_THROW(set_up("fp8"));
+  EXPECT_TRUE(expect_error_contains(
+      [&] { set_up("none"); },
+      {"--plan-ends none (floors: none), but the plan '" + plan_file,
+       "was solved with floors: blocks.0, blocks.2 at 8-bit elements or wider (fp8)"}));
+  EXPECT_TRUE(contains(config_error_of(tmp, {{"--precision", "O2"}, {"--plan-ends", "bf16"}}),
+                       {"--plan-ends bf16 is for --precision auto"}));
+}
+
 }  // namespace
