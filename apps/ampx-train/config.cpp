@@ -408,13 +408,21 @@ void resolve_defaults(TrainConfig& c) {
               "ampx-train: --precision-plan '", c.precision_plan, "': no such file");
   if (plan_mode) (void)parse_loss_budget(c.loss_budget);  // its error names the flag
   if (plan_mode) (void)parse_tail(c.plan_tail, "--plan-tail");
-  TORCH_CHECK(c.plan_tail == TrainConfig().plan_tail || plan_mode, "ampx-train: --plan-tail ",
-              c.plan_tail, " is for --precision auto");
+  // A share of 0 is no tail, whatever the modes.
+  const auto no_tail = [](const std::string& text) {
+    try {
+      return parse_tail(text, "") == 0;
+    } catch (const c10::Error&) {
+      return false;
+    }
+  };
+  TORCH_CHECK(c.plan_tail == TrainConfig().plan_tail || plan_mode || no_tail(c.plan_tail),
+              "ampx-train: --plan-tail ", c.plan_tail, " is for --precision auto");
   const bool fp8_modes = std::any_of(listed.begin(), listed.end(), [](const std::string& m) {
     return is_fp8_mode(m) && m != "auto";
   });
   if (fp8_modes) (void)parse_tail(c.fp8_tail, "--fp8-tail");
-  TORCH_CHECK(c.fp8_tail == TrainConfig().fp8_tail || fp8_modes, "ampx-train: --fp8-tail ",
+  TORCH_CHECK(fp8_modes || no_tail(c.fp8_tail), "ampx-train: --fp8-tail ",
               c.fp8_tail, " is for the FP8 modes (fp8, mxfp8, nvfp4, fp8-block; --precision auto "
               "has --plan-tail)");
   TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,

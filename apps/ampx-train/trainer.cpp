@@ -248,10 +248,19 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     identity_["plan_target"] = setup_.plan->target;
     identity_["plan_tail"] = setup_.plan->tail;
     tail_start_ = ampx::plan::tail_start(*setup_.plan, total_steps_);
-  } else if (setup_.fp8) {  // as ampx::plan::tail_start rounds the plan's
-    const double tail = parse_tail(config.fp8_tail, "--fp8-tail");
-    identity_["fp8_tail"] = tail;
-    tail_start_ = total_steps_ - std::llround(tail * static_cast<double>(total_steps_));
+  } else if (setup_.fp8) {
+    ampx::plan::PrecisionPlan fixed;  // no layers: its tail placed as a plan's
+    fixed.tail = parse_tail(config.fp8_tail, "--fp8-tail");
+    identity_["fp8_tail"] = fixed.tail;
+    tail_start_ = ampx::plan::tail_start(fixed, total_steps_);
+  }
+  const double tail = setup_.plan ? setup_.plan->tail
+                      : setup_.fp8 ? parse_tail(config.fp8_tail, "--fp8-tail")
+                                   : 0.0;
+  if (tail > 0 && tail_start_ == total_steps_ && lead_) {
+    std::cout << "[" << mode_.name << "] " << (setup_.plan ? "the plan's tail " : "--fp8-tail ")
+              << 100.0 * tail << "% of " << total_steps_
+              << " steps rounds to no step: it trains without one" << std::endl;
   }
   TORCH_CHECK(tail_start_ > 0 || tail_start_ == total_steps_, "ampx-train: ",
               setup_.plan ? "the plan's tail (" + std::to_string(setup_.plan->tail) + ")"

@@ -257,9 +257,18 @@ TEST(BlockModeTest, Fp8TailTrainsTheLastStepsAsO1AndAResumeEntersItAgain) {
   // A share that leaves no FP8 step is refused.
   EXPECT_TRUE(expect_error_contains([&] { (void)run("short", "50%", 1, false); },
                                     {"--fp8-tail 50% covers every one of the run's 1 steps"}));
-  // The flag names itself: for the FP8 modes only, a share in [0, 1).
+  // A share that rounds to no step trains without a tail, and says so.
+  testing::internal::CaptureStdout();
+  const RunResult rounded = run("rounded", "10%", 4, false);
+  const std::string said = testing::internal::GetCapturedStdout();
+  EXPECT_EQ(rounded.tail_start, -1);
+  EXPECT_EQ(rounded.losses, none.losses);
+  EXPECT_TRUE(contains(said, {"[nvfp4] --fp8-tail 10% of 4 steps rounds to no step"})) << said;
+  // The flag names itself: for the FP8 modes only (a share of 0 is no tail
+  // in any mode), a share in [0, 1).
   EXPECT_TRUE(contains(error_text([&] { (void)block_config(tmp, {{"--fp8-tail", "10%"}}); }),
                        {"--fp8-tail 10% is for the FP8 modes"}));
+  EXPECT_NO_THROW((void)block_config(tmp, {{"--fp8-tail", "0%"}}));
   EXPECT_TRUE(contains(error_text([&] {
                          (void)block_config(tmp, {{"--precision", "nvfp4"}, {"--fp8-tail", "1"}});
                        }),
