@@ -49,10 +49,16 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
               "ampx-train: --plan-tail ", config.plan_tail, ", but the plan '",
               config.precision_plan, "' has a tail of ", plan.tail,
               ", which it trains with; drop --plan-tail, or measure a plan with it");
-  if (config.plan_ends_given) {
-    const auto asked = floors_text(plan_end_floors(config, *setup.model));
-    TORCH_CHECK(asked == floors_text(plan.floors), "ampx-train: --plan-ends ", config.plan_ends,
-                " (floors: ", asked, "), but the plan '", config.precision_plan,
+  if (config.plan_ends_given) {  // the same floors, in any order
+    const auto named = [](const std::vector<ampx::plan::Floor>& floors) {
+      std::vector<std::pair<std::string, std::string>> out;
+      for (const auto& f : floors) out.emplace_back(f.prefix, ampx::plan::to_string(f.format));
+      std::sort(out.begin(), out.end());
+      return out;
+    };
+    const auto asked = plan_end_floors(config, *setup.model);
+    TORCH_CHECK(named(asked) == named(plan.floors), "ampx-train: --plan-ends ", config.plan_ends,
+                " (floors: ", floors_text(asked), "), but the plan '", config.precision_plan,
                 "' was solved with floors: ", floors_text(plan.floors),
                 "; drop --plan-ends, or measure a plan with it");
   }

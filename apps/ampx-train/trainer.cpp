@@ -254,13 +254,17 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     identity_["fp8_tail"] = fixed.tail;
     tail_start_ = ampx::plan::tail_start(fixed, total_steps_);
   }
-  const double tail = setup_.plan ? setup_.plan->tail
-                      : setup_.fp8 ? parse_tail(config.fp8_tail, "--fp8-tail")
-                                   : 0.0;
-  if (tail > 0 && tail_start_ == total_steps_ && lead_) {
-    std::cout << "[" << mode_.name << "] " << (setup_.plan ? "the plan's tail " : "--fp8-tail ")
-              << 100.0 * tail << "% of " << total_steps_
-              << " steps rounds to no step: it trains without one" << std::endl;
+  const bool some_tail =
+      setup_.plan ? setup_.plan->tail > 0 : setup_.fp8 && identity_["fp8_tail"].get<double>() > 0;
+  if (some_tail && tail_start_ == total_steps_ && total_steps_ > 0 && lead_) {
+    std::cout << "[" << mode_.name << "] ";
+    if (setup_.plan) {
+      std::cout << "the plan's tail " << setup_.plan->tail;
+    } else {
+      std::cout << "--fp8-tail " << config.fp8_tail;
+    }
+    std::cout << " of " << total_steps_ << " steps rounds to no step: it trains without one"
+              << std::endl;
   }
   TORCH_CHECK(tail_start_ > 0 || tail_start_ == total_steps_, "ampx-train: ",
               setup_.plan ? "the plan's tail (" + std::to_string(setup_.plan->tail) + ")"

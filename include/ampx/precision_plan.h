@@ -268,7 +268,9 @@ struct PrecisionPlan {
   /// in `cost` (one step's) nor in the predicted loss change; run_cost().
   double tail = 0;
   /// The floors it was solved under (PlanOptions::floors), in their order;
-  /// every layer under one holds a format at least as wide.
+  /// every layer under one holds a format at least as wide (save_plan and
+  /// load_plan refuse another). The tail is the reference's: there every
+  /// planned Linear trains in `reference`, a layer floored wider too.
   std::vector<Floor> floors;
   std::vector<LayerPlan> layers;     ///< in module order
 };

@@ -33,6 +33,10 @@ torch::nn::LinearImpl* find_linear(
                     "' is not a Linear of the model (its Linears: ", known, ")");
 }
 
+bool is_under(const std::string& path, const std::string& prefix) {
+  return path == prefix || path.rfind(prefix + ".", 0) == 0;
+}
+
 bool is_wide(LayerFormat format) {
   return format == LayerFormat::kFloat32 || format == LayerFormat::kFloat16;
 }

@@ -33,6 +33,10 @@ torch::nn::LinearImpl* find_linear(
     const std::vector<std::pair<std::string, torch::nn::LinearImpl*>>& linears,
     const std::string& path, const std::string& caller);
 
+/// Whether the module at `path` is at or under `prefix` (a Floor's): "blocks.0"
+/// holds "blocks.0" and "blocks.0.fc", not "blocks.01".
+bool is_under(const std::string& path, const std::string& prefix);
+
 /// Whether `format` runs as a wide product (fp32, fp16), not autocast or FP8.
 bool is_wide(LayerFormat format);
 /// Whether `format` is one of the FP8 and FP4 recipes.

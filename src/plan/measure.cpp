@@ -260,21 +260,36 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
     if (!(round.loss_budget() > 0)) break;  // a prediction of 0: nothing narrower to drop
   }
   if (proven.check.loss_change > budget) {
-    // Every Linear in the reference's format: the reference itself (fp32
-    // kept for a floor above a bf16 reference, whatever its loss change).
+    // Every Linear in the reference's format: the reference itself; a layer
+    // whose floor is wider than the reference (fp32 over bf16) in the formats
+    // its floor allows, whatever their loss change.
     Measurement reference_only = measurement;
     const int reference_bits = element_bits(measurement.reference);
     double wider_changes = 0;
     for (auto& layer : reference_only.layers) {
+      int floor_bits = 0;
+      for (const auto& floor : options.floors()) {
+        if (detail::is_under(layer.module, floor.prefix)) {
+          floor_bits = std::max(floor_bits, element_bits(floor.format));
+        }
+      }
+      const bool forced = floor_bits > reference_bits;
       layer.formats.erase(std::remove_if(layer.formats.begin(), layer.formats.end(),
                                          [&](const FormatMeasurement& f) {
-                                           return f.format != measurement.reference &&
-                                                  element_bits(f.format) <= reference_bits;
+                                           return forced ? element_bits(f.format) < floor_bits
+                                                         : f.format != measurement.reference;
                                          }),
                           layer.formats.end());
-      for (const auto& f : layer.formats) wider_changes += std::max(0.0, f.loss_change);
+      double most = 0;
+      for (const auto& f : layer.formats) most = std::max(most, f.loss_change);
+      wider_changes += most;
     }
-    round.loss_budget(budget + wider_changes);
+    // Room for all of them: the solver rounds each layer's change up by at
+    // most one of its steps, so one more step per layer.
+    const auto steps = static_cast<double>(round.budget_steps());
+    const auto layers = static_cast<double>(reference_only.layers.size());
+    round.budget_steps(round.budget_steps() + static_cast<int64_t>(layers));
+    round.loss_budget((budget + wider_changes) * (steps + layers) / steps);
     proven.plan = make_plan(reference_only, round);
     proven.planned_budget = 0;
     proven.check = proof_run(model, problem, proven.plan, measure_options, reference);

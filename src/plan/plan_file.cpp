@@ -178,9 +178,9 @@ PrecisionPlan read_plan(const std::string& text, const std::string& where) {
     }
     for (size_t j = 0; j < plan.floors.size(); ++j) {
       const Floor& floor = plan.floors[j];
-      const std::string& path = plan.layers[i].module;
-      const bool under = path == floor.prefix || path.rfind(floor.prefix + ".", 0) == 0;
-      TORCH_CHECK_VALUE(!under || element_bits(f) >= element_bits(floor.format), top.where(),
+      TORCH_CHECK_VALUE(!detail::is_under(plan.layers[i].module, floor.prefix) ||
+                            element_bits(f) >= element_bits(floor.format),
+                        top.where(),
                         ": key '", key, ".format' has value '", to_string(f),
                         "', narrower than floors[", j, "] ('", floor.prefix, "', ",
                         to_string(floor.format), ")");
@@ -201,6 +201,18 @@ void save_plan(const PrecisionPlan& plan, const std::string& path) {
                                 [](const LayerPlan& l) { return detail::is_wide(l.format); });
   TORCH_CHECK_VALUE(plan.tail >= 0 && plan.tail < 1,
                     "ampx::plan::save_plan: the plan's tail must be in [0, 1), got ", plan.tail);
+  // What load_plan refuses is not written.
+  for (const auto& floor : plan.floors) {
+    TORCH_CHECK_VALUE(!floor.prefix.empty(), "ampx::plan::save_plan: a floor (",
+                      to_string(floor.format), ") has an empty prefix");
+    for (const auto& l : plan.layers) {
+      TORCH_CHECK_VALUE(!detail::is_under(l.module, floor.prefix) ||
+                            element_bits(l.format) >= element_bits(floor.format),
+                        "ampx::plan::save_plan: layer '", l.module, "' is ", to_string(l.format),
+                        ", narrower than its floor '", floor.prefix, "' (",
+                        to_string(floor.format), ")");
+    }
+  }
   const int64_t version = !plan.floors.empty() ? 4
                           : plan.tail > 0       ? 3
                           : plan.reference == LayerFormat::kBFloat16 && !wide ? 1

@@ -125,8 +125,7 @@ std::vector<const Floor*> floors_of(const Measurement& measurement,
                       to_string(floor.format), ") has an empty prefix");
     bool any = false;
     for (size_t l = 0; l < measurement.layers.size(); ++l) {
-      const std::string& path = measurement.layers[l].module;
-      if (path != floor.prefix && path.rfind(floor.prefix + ".", 0) != 0) continue;
+      if (!detail::is_under(measurement.layers[l].module, floor.prefix)) continue;
       any = true;
       const Floor*& b = binding[l];
       if (!b || element_bits(floor.format) > element_bits(b->format)) b = &floor;
