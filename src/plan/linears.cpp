@@ -37,6 +37,15 @@ bool is_under(const std::string& path, const std::string& prefix) {
   return path == prefix || path.rfind(prefix + ".", 0) == 0;
 }
 
+const Floor* binding_floor(const std::string& path, const std::vector<Floor>& floors) {
+  const Floor* binding = nullptr;
+  for (const auto& floor : floors) {
+    if (!is_under(path, floor.prefix)) continue;
+    if (!binding || element_bits(floor.format) > element_bits(binding->format)) binding = &floor;
+  }
+  return binding;
+}
+
 bool is_wide(LayerFormat format) {
   return format == LayerFormat::kFloat32 || format == LayerFormat::kFloat16;
 }

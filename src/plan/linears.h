@@ -36,6 +36,9 @@ torch::nn::LinearImpl* find_linear(
 /// Whether the module at `path` is at or under `prefix` (a Floor's): "blocks.0"
 /// holds "blocks.0" and "blocks.0.fc", not "blocks.01".
 bool is_under(const std::string& path, const std::string& prefix);
+/// The floor that binds the module at `path`: the widest of `floors` over it
+/// (the first of equals); nullptr when none is.
+const Floor* binding_floor(const std::string& path, const std::vector<Floor>& floors);
 
 /// Whether `format` runs as a wide product (fp32, fp16), not autocast or FP8.
 bool is_wide(LayerFormat format);

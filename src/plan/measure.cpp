@@ -239,15 +239,12 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
   PlanOptions round = options;
   ProvenPlan proven;
   for (proven.rounds = 1; proven.rounds <= max_rounds; ++proven.rounds) {
-    if (proven.rounds == 1) {
+    try {
       proven.plan = make_plan(measurement, round);
-    } else {
-      try {
-        proven.plan = make_plan(measurement, round);
-      } catch (const c10::ValueError&) {  // the floors' layers alone exceed the smaller budget
-        --proven.rounds;
-        break;
-      }
+    } catch (const c10::ValueError&) {
+      if (proven.rounds == 1) throw;  // the user's budget: the error is theirs to see
+      --proven.rounds;                // the floors' layers alone exceed the smaller budget
+      break;
     }
     proven.planned_budget = round.loss_budget();
     proven.check = proof_run(model, problem, proven.plan, measure_options, reference);
@@ -267,12 +264,8 @@ ProvenPlan prove_plan(torch::nn::Module& model, const MeasureProblem& problem,
     const int reference_bits = element_bits(measurement.reference);
     double wider_changes = 0;
     for (auto& layer : reference_only.layers) {
-      int floor_bits = 0;
-      for (const auto& floor : options.floors()) {
-        if (detail::is_under(layer.module, floor.prefix)) {
-          floor_bits = std::max(floor_bits, element_bits(floor.format));
-        }
-      }
+      const Floor* floor = detail::binding_floor(layer.module, options.floors());
+      const int floor_bits = floor ? element_bits(floor->format) : 0;
       const bool forced = floor_bits > reference_bits;
       layer.formats.erase(std::remove_if(layer.formats.begin(), layer.formats.end(),
                                          [&](const FormatMeasurement& f) {

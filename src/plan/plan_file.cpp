@@ -91,18 +91,23 @@ class Fields {
   std::vector<std::string> seen_;
 };
 
+// The layer format at `key` of `f`; an error naming the key and the value otherwise.
+LayerFormat format_at(Fields& f, const std::string& key) {
+  const std::string format = f.string(key);
+  try {
+    return parse_layer_format(format, key);
+  } catch (const c10::Error&) {
+    TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name(key), "' has value '", format,
+                      "', not a layer format (fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4)");
+  }
+}
+
 LayerPlan read_layer(const JsonValue& v, const std::string& path, const std::string& where) {
   Fields f(v, path, where);
   LayerPlan l;
   l.module = f.string("module");
   TORCH_CHECK_VALUE(!l.module.empty(), f.where(), ": key '", f.name("module"), "' is empty");
-  const std::string format = f.string("format");
-  try {
-    l.format = parse_layer_format(format, "format");
-  } catch (const c10::Error&) {
-    TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name("format"), "' has value '", format,
-                      "', not a layer format (fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4)");
-  }
+  l.format = format_at(f, "format");
   l.scale_rule = f.string("scale_rule");
   l.loss_change = f.number("loss_change");
   l.grad_error = f.number("grad_error");
@@ -117,13 +122,7 @@ Floor read_floor(const JsonValue& v, const std::string& path, const std::string&
   Floor floor;
   floor.prefix = f.string("prefix");
   TORCH_CHECK_VALUE(!floor.prefix.empty(), f.where(), ": key '", f.name("prefix"), "' is empty");
-  const std::string format = f.string("format");
-  try {
-    floor.format = parse_layer_format(format, "format");
-  } catch (const c10::Error&) {
-    TORCH_CHECK_VALUE(false, f.where(), ": key '", f.name("format"), "' has value '", format,
-                      "', not a layer format (fp32, fp16, bf16, fp8-block, fp8, mxfp8, nvfp4)");
-  }
+  floor.format = format_at(f, "format");
   f.no_others();
   return floor;
 }

@@ -3,6 +3,8 @@
 
 #include "ampx/precision_plan.h"
 
+#include "linears.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -119,17 +121,13 @@ std::string reason_for(const LayerMeasurement& layer, const FormatMeasurement& c
 // nullptr: none); c10::Error for a floor over no measured Linear.
 std::vector<const Floor*> floors_of(const Measurement& measurement,
                                     const std::vector<Floor>& floors) {
-  std::vector<const Floor*> binding(measurement.layers.size(), nullptr);
   for (const auto& floor : floors) {
     TORCH_CHECK_VALUE(!floor.prefix.empty(), "ampx::plan::make_plan: a floor (",
                       to_string(floor.format), ") has an empty prefix");
-    bool any = false;
-    for (size_t l = 0; l < measurement.layers.size(); ++l) {
-      if (!detail::is_under(measurement.layers[l].module, floor.prefix)) continue;
-      any = true;
-      const Floor*& b = binding[l];
-      if (!b || element_bits(floor.format) > element_bits(b->format)) b = &floor;
-    }
+    const bool any = std::any_of(measurement.layers.begin(), measurement.layers.end(),
+                                 [&](const LayerMeasurement& layer) {
+                                   return detail::is_under(layer.module, floor.prefix);
+                                 });
     if (any) continue;
     std::string known;
     for (const auto& layer : measurement.layers) {
@@ -137,6 +135,10 @@ std::vector<const Floor*> floors_of(const Measurement& measurement,
     }
     TORCH_CHECK_VALUE(false, "ampx::plan::make_plan: the floor '", floor.prefix, "' (",
                       to_string(floor.format), ") names no measured Linear (", known, ")");
+  }
+  std::vector<const Floor*> binding;
+  for (const auto& layer : measurement.layers) {
+    binding.push_back(detail::binding_floor(layer.module, floors));
   }
   return binding;
 }
