@@ -161,7 +161,10 @@ test-forky: deps
 # linked against libtorch_cuda and NCCL's wheel, the tests run on the CPU (the
 # CUDA ones skip: no GPU) with the wheel's Python for the reference values.
 WHEEL_BUILD := build/wheel
-WHEEL_CMAKE_FLAGS := -DAMPX_NCCL=ON
+# Its unity build takes every target's sources in reverse order
+# (AMPX_UNITY_REVERSED): a source that compiles only after another of its
+# batch fails on this leg or on the host's, as it would in a plain build.
+WHEEL_CMAKE_FLAGS := -DAMPX_NCCL=ON -DAMPX_UNITY_REVERSED=ON
 # Configures and builds the wheel leg: $(call wheel_build,TARGETS) (empty: everything).
 define wheel_build
 	@scripts/wheel-env.sh --ensure

@@ -328,6 +328,71 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<2>(info.param) ? "Strided" : "");
     });
 
+// LibTorch starts SGD's momentum buffer as the update itself the first time
+// the group has momentum, which need not be the param's first step: here
+// momentum (with dampening, which the first use skips) is switched on at the
+// fourth step. The fused kernels (contiguous params) and the per-tensor path
+// (a strided view) both follow torch::optim::SGD.
+TEST(OptimTest, SGDMomentumSwitchedOnLaterStartsItsBufferAsLibTorch) {
+  for (const bool strided : {false, true}) {
+    SCOPED_TRACE(strided ? "per-tensor path" : "fused path");
+    auto g0 = at::detail::createCPUGenerator(21);
+    const auto values = at::randn({70001}, g0);
+    auto ours = strided ? strided_copy(values) : values.clone();
+    ASSERT_EQ(ours.is_contiguous(), !strided);
+    ours.requires_grad_();
+    auto theirs = values.clone().requires_grad_();
+    aopt::SGD opt({ours}, aopt::SGDOptions(0.05).dampening(0.5).weight_decay(1e-2));
+    torch::optim::SGD ref({theirs},
+                          torch::optim::SGDOptions(0.05).dampening(0.5).weight_decay(1e-2));
+    for (int s = 0; s < 10; ++s) {
+      if (s == 3) {
+        static_cast<aopt::SGDOptions&>(opt.param_groups()[0].options()).momentum(0.9);
+        static_cast<torch::optim::SGDOptions&>(ref.param_groups()[0].options()).momentum(0.9);
+      }
+      auto g = at::detail::createCPUGenerator(300 + s);
+      const auto grad = at::randn({70001}, g);
+      ours.mutable_grad() = strided ? strided_copy(grad) : grad.clone();
+      theirs.mutable_grad() = grad.clone();
+      opt.step();
+      ref.step();
+    }
+    EXPECT_LE((ours.detach() - theirs.detach()).abs().max().item<double>(), kFp32Tol);
+    EXPECT_EQ(opt.step_count(ours), 10);
+  }
+}
+
+// LAMB's trust ratio is 1 where the param or its update is all zeros, as in
+// PyTorch-style LAMB: a zero-initialised bias moves at its first step (a
+// ratio of 0 would hold it at zero for good), and a param whose gradient and
+// weight decay are zero stays as it is (0 / 0 would make it NaN). Both paths.
+TEST(OptimTest, LAMBTrustRatioIsOneWhereTheParamOrItsUpdateIsZero) {
+  for (const bool strided : {false, true}) {
+    SCOPED_TRACE(strided ? "per-tensor path" : "fused path");
+    auto g0 = at::detail::createCPUGenerator(22);
+    const auto frozen_values = at::randn({37}, g0);
+    auto bias = strided ? strided_copy(at::zeros({37})) : at::zeros({37});
+    auto frozen = strided ? strided_copy(frozen_values) : frozen_values.clone();
+    bias.requires_grad_();
+    frozen.requires_grad_();
+    Reference ref{Algo::kLamb};
+    ref.wd = 0;
+    ref.w = torch::zeros({37}, torch::kDouble);
+    aopt::LAMB opt({bias, frozen}, aopt::LAMBOptions(ref.lr).eps(ref.eps).weight_decay(0));
+    for (int s = 0; s < 5; ++s) {
+      auto g = at::detail::createCPUGenerator(400 + s);
+      const auto grad = at::randn({37}, g);
+      bias.mutable_grad() = strided ? strided_copy(grad) : grad.clone();
+      frozen.mutable_grad() = strided ? strided_copy(at::zeros({37})) : at::zeros({37});
+      ref.update(grad.to(torch::kDouble));
+      opt.step();
+    }
+    EXPECT_GT(bias.detach().abs().min().item<double>(), 0);
+    EXPECT_LE((bias.detach().to(torch::kDouble) - ref.w).abs().max().item<double>(), 2e-6);
+    EXPECT_TRUE(torch::equal(frozen.detach(), frozen_values));
+  }
+}
+
 TEST(OptimTest, LAMBFollowsDoubleReferenceOnFp32) {
   auto g0 = at::detail::createCPUGenerator(11);
   auto p = at::randn({300, 7}, g0).requires_grad_();

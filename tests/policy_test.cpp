@@ -109,12 +109,13 @@ TEST_F(PolicyTest, ReplacingAPolicyLeavesNoKernelBehind) {
     CastPolicyGuard nested(torch::kCPU, {{"aten::mm", CastPolicy::kPromote}});
   }
   ampx::reset_cast_policy(torch::kCPU, "aten::mm");
+  const auto products = ampx::get_cpu_products();
   ampx::set_cpu_products(ampx::CpuProducts::kNative);  // no routing of products
   {
     AutocastGuard autocast(torch::kCPU);
     EXPECT_EQ(torch::mm(a, a).scalar_type(), torch::kBFloat16);
   }
-  ampx::set_cpu_products(ampx::CpuProducts::kAuto);
+  ampx::set_cpu_products(products);  // the process's (make test pins each path)
 }
 
 TEST_F(PolicyTest, PoliciesActOnlyInsideAutocast) {

@@ -88,6 +88,7 @@ void MixedPrecisionOptimizer::prepare(ParamWork& w) const {
   const auto state_opts = w.param.options().dtype(at::kFloat);
   if (uses_exp_avg(param_groups_[w.group].options()) && !st.exp_avg.defined()) {
     st.exp_avg = at::zeros(w.param.sizes(), state_opts);
+    st.exp_avg_fresh = true;
   }
   if (uses_exp_avg_sq() && !st.exp_avg_sq.defined()) {
     st.exp_avg_sq = at::zeros(w.param.sizes(), state_opts);
@@ -210,6 +211,9 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   }
   if (!fused.empty()) update_cpu(fused, grad_mul_host);
   if (!fused_cuda.empty()) update_cuda(fused_cuda, grad_mul, found_inf);
+  // (A first use that found_inf skipped on the device leaves a zero buffer
+  // that is no longer fresh, as PyTorch's fused SGD leaves its buffer.)
+  for (auto& w : work) w.state->exp_avg_fresh = false;
 }
 
 bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {

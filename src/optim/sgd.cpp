@@ -58,8 +58,7 @@ void SGD::update_generic(detail::ParamWork& w, const at::Tensor& grad, const at:
     d = d + weight * o.weight_decay();
   }
   if (o.momentum() != 0) {
-    const auto first = st.step_t.eq(1);
-    const auto buf = at::where(first, d, st.exp_avg * o.momentum() + d * (1 - o.dampening()));
+    const auto buf = st.exp_avg_fresh ? d : st.exp_avg * o.momentum() + d * (1 - o.dampening());
     commit(st.exp_avg, buf, skip);
     d = o.nesterov() ? d + buf * o.momentum() : buf;
   }

@@ -41,6 +41,7 @@ using ampx::train::set_up_mode;
 using ampx::train::TrainConfig;
 using ampx::train::test::contains;
 using ampx::train::test::model_tensors;
+using ampx::train::test::resolved_config;
 using ampx::train::test::run_binary_in;
 using ampx::train::test::TempDir;
 using ampx::train::test::tiny_gpt;

@@ -64,6 +64,10 @@ struct ParamState {
   at::Tensor exp_avg_sq;  // Adam/LAMB second moment
   int64_t step = 0;       // steps taken (host count; authoritative for CPU params)
   at::Tensor step_t;      // float64 [] on the device (non-CPU params: no host sync)
+  /// exp_avg was made for this step: SGD's momentum buffer starts as the
+  /// update itself at its first use, as LibTorch's and Python's do, which
+  /// need not be the param's first step (momentum switched on later).
+  bool exp_avg_fresh = false;
 };
 
 /// Which update, and one param group's options, as the fused step's CPU

@@ -161,7 +161,7 @@ void update_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t 
       break;
     case fused::FusedUpdate::kSgd:
       if (fused::sgd_has_momentum(p)) {
-        run(p, at, begin, end, fused::sgd_momentum_op(p.options, at.step));
+        run(p, at, begin, end, fused::sgd_momentum_op(p));
       } else {
         run(p, at, begin, end, fused::sgd_plain_op(p.options));
       }

@@ -37,6 +37,7 @@ FusedParam fused_param(const ParamWork& work, const FusedOptions& options,
   const bool momentum = options.update != FusedUpdate::kSgd || options.momentum != 0;
   p.exp_avg = st.exp_avg.defined() && momentum ? st.exp_avg.data_ptr<float>() : nullptr;
   p.exp_avg_sq = st.exp_avg_sq.defined() ? st.exp_avg_sq.data_ptr<float>() : nullptr;
+  p.exp_avg_fresh = p.exp_avg != nullptr && st.exp_avg_fresh;
   p.numel = work.param.numel();
   p.position = work.position;
   p.options = options;

@@ -96,7 +96,7 @@ __global__ void update_kernel(Launch l) {
       break;
     case FusedUpdate::kSgd:
       if (sgd_has_momentum(s.p)) {
-        run<T>(s, sgd_momentum_op(o, s.at.step));
+        run<T>(s, sgd_momentum_op(s.p));
       } else {
         run<T>(s, sgd_plain_op(o));
       }

@@ -54,11 +54,13 @@ struct FusedParam {
   FusedOptions options;
   FusedDtype dtype = FusedDtype::kFloat;
   int32_t stochastic_rounding = 0;  // bf16 params without master only
+  int32_t exp_avg_fresh = 0;        // SGD: the buffer starts as d (ParamState::exp_avg_fresh)
+  int32_t unused = 0;               // (no padding bytes: compared byte for byte)
 };
 static_assert(sizeof(FusedOptions) == 7 * sizeof(double) + 2 * sizeof(int32_t),
               "FusedOptions must have no padding");
 static_assert(sizeof(FusedParam) == 5 * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(FusedOptions) +
-                                        2 * sizeof(int32_t),
+                                        4 * sizeof(int32_t),
               "FusedParam must have no padding");
 
 /// Where a param's update stands in this step, the same on both devices:
@@ -116,13 +118,16 @@ AMPX_HD math::AdamWOp adamw_op(const FusedOptions& o, double step) {
 AMPX_HD bool sgd_has_momentum(const FusedParam& p) {
   return p.exp_avg != nullptr;
 }
-AMPX_HD math::SgdOp<true> sgd_momentum_op(const FusedOptions& o, double step) {
+/// LibTorch's buffer := d at its first use (exp_avg_fresh), which is not
+/// always the param's first step.
+AMPX_HD math::SgdOp<true> sgd_momentum_op(const FusedParam& p) {
+  const FusedOptions& o = p.options;
   return {static_cast<float>(o.weight_decay),
           static_cast<float>(o.momentum),
           static_cast<float>(1 - o.dampening),
           static_cast<float>(-o.lr),
           o.nesterov != 0,
-          step == 1};  // LibTorch: buffer := d at first use
+          p.exp_avg_fresh != 0};
 }
 AMPX_HD math::SgdOp<false> sgd_plain_op(const FusedOptions& o) {
   return {static_cast<float>(o.weight_decay), 0.f, 1.f, static_cast<float>(-o.lr), false, false};
