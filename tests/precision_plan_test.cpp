@@ -283,8 +283,10 @@ TEST(PrecisionPlanTest, PlanWithinBudgetHoldsOnTrainingAndIsFasterThanBf16) {
 
 // Issue 44's planted mismeasurement: the layer most sensitive to NVFP4
 // reported as insensitive (loss change 0 in every format) goes to the
-// narrowest format, and the proof run shows the loss outside the budget
-// that the honest plan keeps.
+// narrowest format, the plan's proof run leaves the budget, and prove_plan
+// catches it and plans again for less. Which of the honest and the wrong
+// plan trains closer to bf16 is not promised (on a Zen 4 the wrong one did,
+// by 0.000015): only what each plan and the proof promise is asserted.
 TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesTheBudget) {
   Measured& fx = measured_mlp();
   size_t worst = 0;
@@ -301,8 +303,7 @@ TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesThe
   const double budget = 0.8 * worst_change;
   const auto honest = plan::make_plan(fx.m, plan::PlanOptions(budget));
   EXPECT_NE(honest.layers[worst].format, LayerFormat::kNvfp4) << fx.m.layers[worst].module;
-  const auto honest_check =
-      plan::check_plan(*fx.model, problem_of(fx.data), honest, measure_options());
+  EXPECT_LE(honest.predicted_loss_change, budget);
 
   plan::Measurement planted = fx.m;
   for (auto& f : planted.layers[worst].formats) f.loss_change = 0;
@@ -312,14 +313,14 @@ TEST(PrecisionPlanTest, PlantedZeroSensitivityGoesToNvfp4AndTheProofRunLeavesThe
   const auto wrong_check =
       plan::check_plan(*fx.model, problem_of(fx.data), wrong, measure_options());
   EXPECT_GT(wrong_check.loss_change, budget) << "predicted " << wrong.predicted_loss_change;
-  // The honest plan, which kept that layer wider, trains closer to bf16.
-  EXPECT_LT(honest_check.loss_change, wrong_check.loss_change);
   // prove_plan's proof run catches the mismeasurement and plans again.
   const auto proven = plan::prove_plan(*fx.model, problem_of(fx.data), planted,
                                        plan::PlanOptions(budget), measure_options());
   EXPECT_GT(proven.rounds, 1);
+  EXPECT_EQ(proven.plan.loss_budget, budget);
   EXPECT_LE(proven.check.loss_change, budget);
   EXPECT_LT(proven.planned_budget, budget);
+  EXPECT_LE(proven.plan.predicted_loss_change, proven.planned_budget);
 }
 
 std::string read_text(const std::filesystem::path& p) {
