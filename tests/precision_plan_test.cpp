@@ -145,6 +145,55 @@ TEST(PrecisionPlanTest, SolverMatchesBruteForceOnRandomInstances) {
   }
 }
 
+// A layer measured by hand: `share` of the Linear FLOPs, a loss change per format.
+plan::LayerMeasurement layer_of(const std::string& module, double share,
+                                std::vector<plan::FormatMeasurement> formats) {
+  plan::LayerMeasurement layer;
+  layer.module = module;
+  layer.in_features = 64;
+  layer.out_features = 64;
+  layer.flops_share = share;
+  layer.formats = std::move(formats);
+  return layer;
+}
+
+// The solver rounds each loss change up onto its grid (the budget cut into
+// budget_steps), so that a plan within the budget on the grid is within it
+// in real numbers: changes of 3 and 5 steps fill a budget of 8 exactly and
+// both layers take NVFP4; 3 steps and a hair (a millionth of a step, beyond
+// the 1e-9 of a step the solver forgives as floating-point noise) and 5
+// steps do not fit together, and the cheaper plan that fits is taken: the
+// larger layer in NVFP4.
+TEST(PrecisionPlanTest, SolverRoundsEachLossChangeUpOntoTheBudgetGrid) {
+  const double budget = 1.0 / 128, step = budget / 8;  // powers of two: the grid is exact
+  const double hair = 1e-6 * step;
+  const auto two_layers = [&](double a_change) {
+    plan::Measurement m;
+    m.layers = {
+        layer_of("a", 0.25, {{LayerFormat::kBFloat16, 0, 0}, {LayerFormat::kNvfp4, a_change, 0}}),
+        layer_of("b", 0.75, {{LayerFormat::kBFloat16, 0, 0}, {LayerFormat::kNvfp4, 5 * step, 0}})};
+    return m;
+  };
+  const auto options = plan::PlanOptions(budget).budget_steps(8);
+  const auto filled = plan::make_plan(two_layers(3 * step), options);
+  EXPECT_EQ(filled.layers[0].format, LayerFormat::kNvfp4);
+  EXPECT_EQ(filled.layers[1].format, LayerFormat::kNvfp4);
+  EXPECT_EQ(filled.predicted_loss_change, budget);
+
+  const auto over = plan::make_plan(two_layers(3 * step + hair), options);
+  EXPECT_EQ(over.layers[0].format, LayerFormat::kBFloat16);
+  EXPECT_EQ(over.layers[1].format, LayerFormat::kNvfp4);
+  EXPECT_LE(over.predicted_loss_change, budget);
+  EXPECT_EQ(over.predicted_loss_change, 5 * step);
+  // The solver itself: the same choice.
+  EXPECT_EQ(plan::solve_multiple_choice({{0, 3 * step + hair}, {0, 5 * step}},
+                                        {{0.25, 0.0625}, {0.75, 0.1875}}, budget, 8),
+            (std::vector<size_t>{0, 1}));
+  EXPECT_EQ(plan::solve_multiple_choice({{0, 3 * step}, {0, 5 * step}},
+                                        {{0.25, 0.0625}, {0.75, 0.1875}}, budget, 8),
+            (std::vector<size_t>{1, 1}));
+}
+
 // The model every training test measures: fresh weights from seed 0, then
 // trained 20 bf16 steps (the plan is made from a model in training).
 Mlp trained_model(const TeacherData& data) {
@@ -760,6 +809,74 @@ TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
   EXPECT_LE(proven.check.loss_change, kBudget);
   ASSERT_EQ(proven.plan.floors.size(), 1u);
   EXPECT_EQ(plan::element_bits(proven.plan.layers[l].format), 8) << name;
+}
+
+// ampx-train's default automatic plan: floors over its first and last
+// blocks and a tail of 10%. The file (version 4) keeps both: loaded back,
+// the same floors in their order and the same tail (and so the same tail
+// start); saved again, the same bytes.
+TEST(PrecisionPlanTest, PlanWithFloorsAndATailKeepsBothInItsFile) {
+  plan::Measurement m;
+  for (const std::string block : {"blocks.0", "blocks.1", "blocks.2"}) {
+    m.layers.push_back(layer_of(block + ".fc", 1.0 / 3,
+                                {{LayerFormat::kBFloat16, 0, 0},
+                                 {LayerFormat::kFp8, 1e-4, 0.01},
+                                 {LayerFormat::kNvfp4, 2e-4, 0.1}}));
+  }
+  const std::vector<plan::Floor> ends = {{"blocks.0", LayerFormat::kFp8},
+                                         {"blocks.2", LayerFormat::kFp8}};
+  const auto made = plan::make_plan(m, plan::PlanOptions(kBudget).floors(ends).tail(0.1));
+  ASSERT_EQ(made.layers.size(), 3u);
+  EXPECT_EQ(made.layers[0].format, LayerFormat::kFp8);
+  EXPECT_EQ(made.layers[1].format, LayerFormat::kNvfp4);
+  EXPECT_EQ(made.layers[2].format, LayerFormat::kFp8);
+
+  TempFolder tmp;
+  const auto path = (tmp.path / "ends.json").string();
+  plan::save_plan(made, path);
+  const std::string text = read_text(path);
+  EXPECT_THAT(text, HasSubstr("{\n  \"version\": 4,\n"));
+  EXPECT_THAT(text, HasSubstr("\n  \"tail\": 0.10000000000000001,\n  \"floors\": [\n"
+                              "    {\"prefix\": \"blocks.0\", \"format\": \"fp8\"},\n"
+                              "    {\"prefix\": \"blocks.2\", \"format\": \"fp8\"}\n  ],\n"));
+  const auto loaded = plan::load_plan(path);
+  EXPECT_EQ(loaded.tail, 0.1);
+  EXPECT_EQ(plan::tail_start(loaded, 200), 180);
+  ASSERT_EQ(loaded.floors.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(loaded.floors[i].prefix, ends[i].prefix);
+    EXPECT_EQ(loaded.floors[i].format, ends[i].format);
+  }
+  ASSERT_EQ(loaded.layers.size(), 3u);
+  for (size_t l = 0; l < 3; ++l) {
+    EXPECT_EQ(loaded.layers[l].module, made.layers[l].module);
+    EXPECT_EQ(loaded.layers[l].format, made.layers[l].format);
+  }
+  plan::save_plan(loaded, (tmp.path / "again.json").string());
+  EXPECT_EQ(read_text(tmp.path / "again.json"), text);
+}
+
+// prove_plan's first round plans for the user's own options: an error
+// there (a floor that names no Linear, a budget that no plan fits) reaches
+// the caller as make_plan words it, not as a plan of nothing or the
+// reference's fallback.
+TEST(PrecisionPlanTest, ProvePlanPassesItsFirstRoundsErrorToTheCaller) {
+  Measured& fx = measured_mlp();
+  const auto error_of = [&](const plan::Measurement& m, const plan::PlanOptions& options) {
+    return test::error_text([&] {
+      (void)plan::prove_plan(*fx.model, problem_of(fx.data), m, options, measure_options());
+    });
+  };
+  EXPECT_THAT(error_of(fx.m, plan::PlanOptions(kBudget).floors({{"fc", LayerFormat::kFp8}})),
+              HasSubstr("ampx::plan::make_plan: the floor 'fc' (fp8) names no measured Linear "
+                        "(fc1, fc2, fc3, head)"));
+  // fc2 floored at fp32, its fp32 loss change (planted) twice the budget.
+  plan::Measurement heavy = fx.m;
+  for (auto& f : heavy.layers[1].formats) {
+    if (f.format == LayerFormat::kFloat32) f.loss_change = 2 * kBudget;
+  }
+  EXPECT_THAT(error_of(heavy, plan::PlanOptions(kBudget).floors({{"fc2", LayerFormat::kFloat32}})),
+              HasSubstr("ampx::plan: no assignment fits the loss budget 0.003"));
 }
 
 }  // namespace
