@@ -17,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <string>
 
 namespace {
@@ -269,6 +270,32 @@ TEST_F(SafetensorsTest, BadHeaderTextGetsAnErrorNamingItsByte) {
   for (const auto& [header, want] : cases) {
     EXPECT_THAT(error_of(file_with(header, std::string(8, '\x01'))), HasSubstr(want)) << header;
   }
+}
+
+// Characters outside the Basic Multilingual Plane, escaped as JSON escapes
+// them (a UTF-16 surrogate pair, RFC 8259 section 7), read back in tensor
+// names and metadata as their UTF-8 bytes, one 4-byte sequence each, not
+// one 3-byte sequence per half (CESU-8). The bytes are the Unicode
+// Standard's: U+10302 (its table 3-5) is D800 DF02 in UTF-16, F0 90 8C 82
+// in UTF-8; U+1F600 is D83D DE00, F0 9F 98 80; U+10FFFF, the last code
+// point, DBFF DFFF, F4 8F BF BF. ampx's writer keeps such a name as UTF-8.
+TEST_F(SafetensorsTest, EscapedSurrogatePairsReadBackAsUtf8) {
+  const std::string header =
+      R"({"__metadata__":{"note":"\ud83d\ude00","\uD800\uDF02":"\udbff\udfff"},)"
+      R"("w\ud83d\ude00":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  std::map<std::string, std::string> metadata;
+  const auto tensors = ampx::read_safetensors(file_with(header, std::string(4, '\0')), &metadata);
+  const std::string grin = "\xF0\x9F\x98\x80";
+  ASSERT_EQ(tensors.size(), 1u);
+  EXPECT_EQ(tensors.begin()->first, "w" + grin);
+  const std::map<std::string, std::string> want = {{"note", grin},
+                                                   {"\xF0\x90\x8C\x82", "\xF4\x8F\xBF\xBF"}};
+  EXPECT_EQ(metadata, want);
+
+  ampx::save_safetensors(tensors, path("again.safetensors"), metadata);
+  std::map<std::string, std::string> again;
+  EXPECT_EQ(ampx::read_safetensors(path("again.safetensors"), &again).begin()->first, "w" + grin);
+  EXPECT_EQ(again, want);
 }
 
 using ampx::fp8::Fp8Format;
