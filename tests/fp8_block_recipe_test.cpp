@@ -212,6 +212,42 @@ TEST(BlockFormatTest, StochasticRoundingIsUnbiasedAndDeterministicForASeed) {
   EXPECT_EQ(encode_element_stochastic(2.5f, ElementFormat::kE4M3, 0u), 0x42);
 }
 
+// Element (r, c) of a 2-D tensor draws number offset + r * cols + c of the
+// stream (block.h: element i of the tensor, row-major), whatever its
+// blocks: each row rounds as the one-row tensor that starts there in the
+// stream. Every block (1 x 16, 16 x 16, 16 x 1) holds one element of
+// magnitude 6, its amax: the scales are the one-row tensors' (NVFP4's S_enc
+// too), and the others fall between codes.
+TEST(BlockFormatTest, StochasticRoundingDrawsElementRTimesColsPlusCOfTheStream) {
+  torch::manual_seed(10);
+  const int64_t rows = 48, cols = 64;
+  const auto r = torch::arange(rows).unsqueeze(1), c = torch::arange(cols).unsqueeze(0);
+  const auto x = torch::where((r + c) % 16 == 0, torch::full({rows, cols}, 6.0f),
+                              torch::rand({rows, cols}) * 11.0f - 5.5f);
+  const StochasticRounding stream{11, 1000};
+  const auto nvfp4 = BlockFormat::nvfp4();
+  const auto fp8 = BlockFormat::fp8_blockwise().block_cols(16);
+  for (const BlockFormat& f :
+       {nvfp4, BlockFormat(nvfp4).block_rows(16), BlockFormat(nvfp4).block_rows(16).block_cols(1),
+        fp8, BlockFormat(fp8).block_rows(16)}) {
+    SCOPED_TRACE(f.to_string());
+    const auto t = BlockTensor::quantize(x, f, stream);
+    const auto one_row = BlockFormat(f).block_rows(1).block_cols(16);
+    for (int64_t i = 0; i < rows; ++i) {
+      const auto row = BlockTensor::quantize(
+          x.slice(0, i, i + 1), one_row,
+          StochasticRounding{stream.seed, stream.offset + static_cast<uint64_t>(i * cols)});
+      ASSERT_TRUE(torch::equal(t.codes.slice(0, i, i + 1), row.codes)) << "row " << i;
+    }
+  }
+  // Rows alike, codes not: each row draws its own numbers.
+  const auto alike = x.slice(0, 0, 1).expand({16, cols}).contiguous();
+  const auto t = BlockTensor::quantize(alike, BlockFormat(nvfp4).block_rows(16), stream);
+  for (int64_t i = 1; i < 16; ++i) {
+    EXPECT_FALSE(torch::equal(t.codes[i], t.codes[0])) << "row " << i;
+  }
+}
+
 TEST(BlockFormatTest, Hadamard16IsOrthogonalAndKeepsProducts) {
   const auto eye = torch::eye(16);
   const auto h = hadamard16(eye);

@@ -25,6 +25,13 @@ does not saturate); E2M1 rounds by the value grid here. Without float8
 dtypes or safetensors (the host leg), block_reference.json says why and the
 tests skip.
 
+block_formulas.json needs neither, and is written on every leg (torch 1.13
+included): the Hadamard matrix H and a transform by it, and a layer under
+Float8BlockScaling (y = x w^T, grad_x = g w, grad_w = g^T x) from E4M3
+values rounded in float64 by their binade's quantum (e4m3_by_binade; where
+torch has float8, checked against its cast), on inputs whose products are
+exact in any order of summation.
+
 The "ties" input has blocks where rounding NVFP4's block scale twice (amax
 / 6, then times S_enc) gives another scale than TE's one rounding.
 
@@ -105,7 +112,9 @@ def nvfp4(x, rows):
     return codes, scale_bytes, global_amax.reshape(1)
 
 
-def fp8_blockwise(x, rows, cols, pow2):
+def fp8_blockwise_scale(x, rows, cols, pow2):
+    """The encoding scale of each block, 448 / amax (1 for amax 0, FLT_MAX
+    where that overflows), rounded down to a power of two when pow2."""
     amax, _ = blocks(x, rows, cols)
     scale = f32(448.0) / amax
     scale = torch.where(torch.isinf(scale), f32(FLT_MAX), scale)
@@ -113,6 +122,11 @@ def fp8_blockwise(x, rows, cols, pow2):
     if pow2:
         _, e = torch.frexp(scale)
         scale = torch.ldexp(torch.ones_like(scale), (e - 1).to(torch.float32))
+    return scale
+
+
+def fp8_blockwise(x, rows, cols, pow2):
+    scale = fp8_blockwise_scale(x, rows, cols, pow2)
     codes, _ = e4m3(x * expand(scale, rows, cols))
     return codes, 1.0 / scale
 
@@ -134,6 +148,73 @@ def hadamard16(x):
     h16 = 1.0 - 2.0 * parity.to(torch.float32)
     h = torch.tensor(HADAMARD_SIGNS, dtype=torch.float32).unsqueeze(1) * h16 / 4.0
     return (x.reshape(-1, 16) @ h).reshape(x.shape)
+
+
+def e4m3_by_binade(v):
+    """float32 -> the nearest E4M3 value, ties to the even significand (the
+    even code), saturating at +-448, sign kept; no float8 dtype needed: in
+    float64, |v| over the quantum of its binade [2^(e-1), 2^e), 2^(e-4) (E4M3's
+    3 mantissa bits; 2^-9 below 2^-6, the subnormals), rounded half to even."""
+    a = v.to(torch.float64).abs()
+    _, e = torch.frexp(a)
+    quantum = torch.ldexp(torch.ones_like(a), (e - 4).clamp(min=-9).to(torch.float64))
+    r = (torch.round(a / quantum) * quantum).clamp(max=448.0)
+    r = torch.where(torch.signbit(v), -r, r).to(torch.float32)
+    if hasattr(torch, "float8_e4m3fn"):
+        assert torch.equal(r, e4m3(v)[1]), "e4m3_by_binade differs from torch's float8 cast"
+    return r
+
+
+def fp8_blockwise_values(x, rows, cols):
+    """x in FP8 blockwise (TE's Float8BlockScaling: power-of-2 scales) and
+    back: each element's E4M3 value times its block's decoding scale."""
+    scale = fp8_blockwise_scale(x, rows, cols, pow2=True)
+    return e4m3_by_binade(x * expand(scale, rows, cols)) * expand(1.0 / scale, rows, cols)
+
+
+def fp8block_linear(g):
+    """A layer [256 -> 256] without bias under Float8BlockScaling() (TE's
+    defaults): y = x w^T from x in 1 x 128 blocks and w in 128 x 128;
+    grad_x = g w from g in 1 x 128 blocks and the forward's w; grad_w = g^T x
+    from both in 128 x 1 blocks (down the tokens). The weight's rows span 12
+    binades, so that its 128 x 128 blocks round the small rows' elements
+    coarser than 1 x 128 blocks (or 128 x 1) would. Each row of x (of g) has
+    two nonzeros in one block of 128, the second up to 2^6 smaller: every
+    output is a sum of at most two products of E4M3 values times powers of
+    two, exact in float32 whatever the order of summation, once rounded."""
+    w = torch.randn(256, 256, generator=g) * torch.exp2(
+        -torch.randint(0, 12, (256, 1), generator=g).to(torch.float32))
+    tokens = torch.arange(128)
+    first = (tokens // 64) * 128 + 2 * (tokens % 64)  # rows' pairs: every column once
+
+    def sparse(perm):
+        t = torch.zeros(128, 256)
+        t[tokens, first[perm]] = torch.randn(128, generator=g)
+        t[tokens, first[perm] + 1] = torch.randn(128, generator=g) * torch.exp2(
+            -torch.randint(0, 7, (128,), generator=g).to(torch.float32))
+        return t
+
+    x = sparse(torch.arange(128))
+    gy = sparse(torch.randperm(128, generator=g))
+    wq = fp8_blockwise_values(w, 128, 128)
+    xq, gq = fp8_blockwise_values(x, 1, 128), fp8_blockwise_values(gy, 1, 128)
+    x_cols, g_cols = fp8_blockwise_values(x, 128, 1), fp8_blockwise_values(gy, 128, 1)
+    d = torch.float64  # products and sums of two exact, then one rounding
+    return {"x": x, "weight": w, "grad_y": gy,
+            "y": (xq.to(d) @ wq.to(d).t()).to(torch.float32),
+            "grad_x": (gq.to(d) @ wq.to(d)).to(torch.float32),
+            "grad_w": (g_cols.to(d).t() @ x_cols.to(d)).to(torch.float32)}
+
+
+def formulas():
+    """block_formulas.json: what needs no float8 dtype nor safetensors."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    x = torch.randn(8, 64, generator=g)
+    out = {"torch": torch.__version__,
+           "hadamard16": {"matrix": hadamard16(torch.eye(16)), "x": x, "values": hadamard16(x)},
+           "fp8block_linear": fp8block_linear(g)}
+    return {k: {n: t.tolist() for n, t in v.items()} if isinstance(v, dict) else v
+            for k, v in out.items()}
 
 
 def inputs():
@@ -195,6 +276,8 @@ def main():
         sys.exit(__doc__)
     out_dir = sys.argv[2]
     os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "block_formulas.json"), "w") as f:
+        json.dump(formulas(), f)
     manifest = os.path.join(out_dir, "block_reference.json")
     reason = unavailable()
     if reason:
