@@ -66,8 +66,10 @@ def recorded(path):
     ran, skipped = set(), set()
     for case in root.iter("testcase"):
         # gtest_discover_tests appends "  # GetParam() = ..." to parameterised
-        # tests' names; the lists name them without it.
-        name = case.get("name").split("  # ", 1)[0].strip()
+        # tests' names, and a binary registered twice prefixes its second
+        # registration's ("ampx_tests_native:Suite.Test", cmake/AmpxGTest.cmake);
+        # the lists name them without either.
+        name = case.get("name").split("  # ", 1)[0].strip().rsplit(":", 1)[-1]
         ran.add(name)
         if case.find("skipped") is not None or case.get("status") in ("notrun", "disabled"):
             skipped.add(name)
