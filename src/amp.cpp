@@ -7,6 +7,7 @@
 #include "ampx/kernels/cpu_products.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/policy.h"
+#include "norm_layers.h"
 #include "policy/registry.h"
 
 #include <ATen/Context.h>
@@ -65,17 +66,6 @@ std::string AmpProperties::to_string() const {
 }
 
 namespace {
-
-bool is_norm_layer(const torch::nn::Module& m) {
-  return dynamic_cast<const torch::nn::BatchNorm1dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::BatchNorm2dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::BatchNorm3dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::InstanceNorm1dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::InstanceNorm2dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::InstanceNorm3dImpl*>(&m) ||
-         dynamic_cast<const torch::nn::LayerNormImpl*>(&m) ||
-         dynamic_cast<const torch::nn::GroupNormImpl*>(&m);
-}
 
 // Models initialize() has seen, by identity, for the "called twice" error.
 // Weak references: a destroyed model frees its entry.
@@ -168,7 +158,7 @@ void cast_model(torch::nn::Module& model, AmpProperties& props) {
   const auto dtype = props.cast_model_type ? props.dtype : c10::kFloat;
   torch::NoGradGuard no_grad;
   for (const auto& module : model.modules(/*include_self=*/true)) {
-    if (props.cast_model_type && props.keep_batchnorm_fp32 && is_norm_layer(*module)) {
+    if (props.cast_model_type && props.keep_batchnorm_fp32 && detail::is_norm_layer(*module)) {
       props.has_fp32_norm_layers = true;
       continue;  // fp32 weights and statistics; fed through the forward guard
     }

@@ -6,6 +6,8 @@
 #include <ampx/dist.h>
 #include <ampx/zero.h>
 
+#include "rank_launch.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -65,12 +67,7 @@ std::string refusal(at::ScalarType type) {
                            : std::string("float32 (it cannot sum Half or BFloat16)"));
 }
 
-struct Worker {
-  pid_t pid = -1;
-  int status = -1;  // exit code, -1 if killed or still running
-  std::string output;
-  fs::path out, log;
-};
+using ampx_test::Worker;
 
 class DistTest : public ::testing::Test {
  protected:
@@ -81,71 +78,9 @@ class DistTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
 
   /// Starts `world` workers of `scenario` and waits (at most `limit`) for all.
-  /// The port is free when chosen, but another process (a concurrent test's
-  /// Gloo connection, say) can take it before rank 0's store binds it; rank 0
-  /// then says so at once, and the launch is made again on another port, at
-  /// most three times.
   std::vector<Worker> run(const std::string& scenario, int world,
                           std::chrono::seconds limit = std::chrono::seconds(120)) {
-    for (int attempt = 1;; ++attempt) {
-      auto workers = launch(scenario, world, limit);
-      if (attempt == 3 || !port_taken(workers[0])) return workers;
-    }
-  }
-
-  static bool port_taken(const Worker& w) {
-    return w.status != 0 &&
-           w.output.find("cannot serve the rendezvous store on port") != std::string::npos;
-  }
-
-  std::vector<Worker> launch(const std::string& scenario, int world,
-                             std::chrono::seconds limit) {
-    const std::string port = std::to_string(ampx::dist::free_loopback_port());
-    std::vector<Worker> workers(world);
-    for (int r = 0; r < world; ++r) {
-      auto& w = workers[r];
-      w.out = dir_ / (scenario + "-" + std::to_string(r) + ".out");
-      w.log = dir_ / (scenario + "-" + std::to_string(r) + ".log");
-      w.pid = ::fork();
-      if (w.pid == 0) {
-        ::setenv("RANK", std::to_string(r).c_str(), 1);
-        ::setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-        ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-        ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-        ::setenv("MASTER_PORT", port.c_str(), 1);
-        ::setenv("OMP_NUM_THREADS", "1", 1);
-        // One path for the 16-bit CPU products on every rank: timed in each
-        // process (auto), two ranks on a loaded machine may take two paths.
-        ::setenv("AMPX_CPU_PRODUCTS", "native", 0);
-        if (!std::freopen(w.log.c_str(), "w", stdout) ||
-            !std::freopen(w.log.c_str(), "a", stderr)) {
-          ::_exit(126);
-        }
-        ::execl(AMPX_DIST_WORKER, AMPX_DIST_WORKER, scenario.c_str(), w.out.c_str(), nullptr);
-        ::_exit(127);
-      }
-    }
-    const auto deadline = std::chrono::steady_clock::now() + limit;
-    for (auto& w : workers) {
-      int status = 0;
-      while (::waitpid(w.pid, &status, WNOHANG) == 0) {
-        if (std::chrono::steady_clock::now() > deadline) {
-          for (auto& other : workers) ::kill(other.pid, SIGKILL);
-          ::waitpid(w.pid, &status, 0);
-          break;
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      w.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      std::ifstream in(w.log);
-      w.output.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-      if (&w == &workers[0] && port_taken(w)) {  // the others would wait for the store
-        for (auto& other : workers) {
-          if (&other != &w) ::kill(other.pid, SIGKILL);
-        }
-      }
-    }
-    return workers;
+    return ampx_test::run_ranks(AMPX_DIST_WORKER, dir_, scenario, world, limit);
   }
 
   static std::string text(const fs::path& p) {

@@ -3,7 +3,8 @@
 /// \file
 /// ampx: automatic mixed precision for LibTorch. Include this for everything
 /// but data parallelism, which needs c10d: include "ampx/dist.h" (process
-/// groups, DistributedDataParallel) and "ampx/zero.h" (ZeRO) for that, and
+/// groups, DistributedDataParallel), "ampx/zero.h" (ZeRO-1) and "ampx/fsdp.h"
+/// (fully sharded) for that, and
 /// "ampx/debug.h" for the numerics diagnostics (ampx::debug).
 
 /// \namespace ampx

@@ -3,8 +3,8 @@
 
 #include "ampx/dist.h"
 
+#include "model_check.h"
 #include "process_group_impl.h"
-#include "rank_values.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -24,24 +24,10 @@ namespace dist {
 namespace {
 
 /// What must be equal on every rank for the broadcast and the buckets to
-/// pair up: each parameter and buffer (name -> dtype, shape, device type,
-/// frozen or not) and the options that decide the buckets, in module order.
+/// pair up: each parameter and buffer, and the options that decide the buckets.
 std::vector<std::pair<std::string, std::string>> describe(
     const torch::nn::Module& module, const DistributedDataParallelOptions& options) {
-  std::vector<std::pair<std::string, std::string>> out;
-  const auto tensor = [](const at::Tensor& t) {
-    std::ostringstream s;
-    s << t.scalar_type() << " " << t.sizes() << " on "
-      << c10::DeviceTypeName(t.device().type(), true);
-    return s.str();
-  };
-  for (const auto& p : module.named_parameters()) {
-    out.emplace_back("parameter '" + p.key() + "'",
-                     tensor(p.value()) + (p.value().requires_grad() ? "" : ", frozen"));
-  }
-  for (const auto& b : module.named_buffers()) {
-    out.emplace_back("buffer '" + b.key() + "'", tensor(b.value()));
-  }
+  auto out = detail::describe_module(module);
   const auto cdt = options.communication_dtype();
   out.emplace_back("option communication_dtype",
                    cdt ? std::string(c10::toString(*cdt)) : std::string("(each gradient's own)"));
@@ -53,66 +39,6 @@ std::vector<std::pair<std::string, std::string>> describe(
   out.emplace_back("option broadcast_parameters",
                    options.broadcast_parameters() ? "true" : "false");
   return out;
-}
-
-/// Throws, on every rank alike, when the ranks' descriptions differ (PyTorch's
-/// DDP checks parameter shapes at construction too): a model built
-/// differently on one rank would otherwise fail inside Gloo, hang, or train
-/// on mismatched gradients.
-void check_same_model(const torch::nn::Module& module, const ProcessGroup& group,
-                      const DistributedDataParallelOptions& options) {
-  const auto mine = describe(module, options);
-  std::string text;
-  for (const auto& [key, value] : mine) text += key + "\t" + value + "\n";
-  const auto all = group.all_gather_bytes(text);
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& t) { return t == all[0]; })) {
-    return;
-  }
-  std::vector<std::vector<std::pair<std::string, std::string>>> by_rank(all.size());
-  std::vector<std::string> keys;  // in the order of first appearance
-  for (size_t r = 0; r < all.size(); ++r) {
-    std::istringstream in(all[r]);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto tab = line.find('\t');
-      by_rank[r].emplace_back(line.substr(0, tab), line.substr(tab + 1));
-      if (std::find(keys.begin(), keys.end(), by_rank[r].back().first) == keys.end()) {
-        keys.push_back(by_rank[r].back().first);
-      }
-    }
-  }
-  std::vector<std::string> differences;
-  for (const auto& key : keys) {
-    std::vector<std::string> values;  // rank r's at r
-    for (const auto& entries : by_rank) {
-      const auto it = std::find_if(entries.begin(), entries.end(),
-                                   [&](const auto& kv) { return kv.first == key; });
-      values.push_back(it == entries.end() ? "absent" : it->second);
-    }
-    const auto seen = detail::ranks_by_value(values);
-    if (seen.size() < 2) continue;
-    std::string d = key + " is ";
-    for (size_t k = 0; k < seen.size(); ++k) {
-      d += (k == 0 ? "" : " but ") + seen[k].first + " on rank(s) " + seen[k].second;
-    }
-    differences.push_back(std::move(d));
-  }
-  std::string list;
-  constexpr size_t kShown = 3;
-  for (size_t k = 0; k < std::min(differences.size(), kShown); ++k) {
-    list += (k == 0 ? "" : "; ") + differences[k];
-  }
-  if (differences.size() > kShown) {
-    list += "; and " + std::to_string(differences.size() - kShown) + " more";
-  }
-  if (differences.empty()) {  // the same entries, registered in another order
-    list = "the same parameters and buffers, registered in a different order";
-  }
-  TORCH_CHECK(false,
-              "DistributedDataParallel: the ranks were given different models or options (every "
-              "rank must build the same model, with the same shapes and dtypes, and wrap it with "
-              "the same options): ",
-              list, " (this is rank ", group.rank(), " of ", group.world_size(), ")");
 }
 
 }  // namespace
@@ -290,7 +216,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   TORCH_CHECK(options.first_bucket_cap_bytes() > 0,
               "DistributedDataParallel: first_bucket_cap_bytes must be > 0, got ",
               options.first_bucket_cap_bytes());
-  check_same_model(*module, group, options);
+  detail::check_same_on_every_rank(describe(*module, options), group, "DistributedDataParallel");
   impl_ = std::make_unique<Impl>(std::move(module), std::move(group), std::move(options));
   auto* impl = impl_.get();
   if (impl->options.broadcast_parameters()) {

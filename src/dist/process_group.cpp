@@ -192,19 +192,6 @@ void ProcessGroup::Impl::fail(const std::string& what, const std::exception& e) 
 
 #if defined(AMPX_WITH_DIST)
 
-namespace {
-
-void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, const ProcessGroup& pg) {
-  const auto& impl = detail::ProcessGroupAccess::impl(pg);
-  try {
-    work->wait(impl.collective_timeout);
-  } catch (const std::exception& e) {
-    impl.fail(what, e);
-  }
-}
-
-}  // namespace
-
 c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& t,
                                                                     c10d::ReduceOp op) {
   std::vector<at::Tensor> tensors{t};
@@ -216,65 +203,92 @@ c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_reduce_async(at::Tensor& 
 }
 
 void ProcessGroup::all_reduce_sum(at::Tensor& t) const {
-  wait(impl_->all_reduce_async(t, c10d::ReduceOp::SUM), "all-reduce", *this);
+  impl_->wait(impl_->all_reduce_async(t, c10d::ReduceOp::SUM), "all-reduce");
 }
 
 void ProcessGroup::all_reduce_max(at::Tensor& t) const {
-  wait(impl_->all_reduce_async(t, c10d::ReduceOp::MAX), "all-reduce (max)", *this);
+  impl_->wait(impl_->all_reduce_async(t, c10d::ReduceOp::MAX), "all-reduce (max)");
 }
 
-void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) const {
+void ProcessGroup::Impl::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
+  try {
+    work->wait(collective_timeout);
+  } catch (const std::exception& e) {
+    fail(what, e);
+  }
+}
+
+void ProcessGroup::Impl::wait(ReduceScatter& rs) const {
+  wait(rs.work, rs.via_all_reduce ? "all-reduce (for a reduce-scatter)" : "reduce-scatter");
+  if (rs.via_all_reduce) {
+    const int64_t n = rs.output.numel();
+    rs.output.copy_(rs.input.narrow(0, rank * n, n));
+  }
+}
+
+ProcessGroup::Impl::ReduceScatter ProcessGroup::Impl::reduce_scatter_async(at::Tensor& output,
+                                                                           at::Tensor& input) {
   const int64_t n = output.numel();
-  TORCH_CHECK(output.dim() == 1 && input.dim() == 1 && input.numel() == n * world_size() &&
+  TORCH_CHECK(output.dim() == 1 && input.dim() == 1 && input.numel() == n * world_size &&
                   input.scalar_type() == output.scalar_type() && input.is_contiguous(),
               "ampx::dist::reduce_scatter_sum: input must be 1-D, contiguous, world_size (",
-              world_size(), ") x output's ", n, " elements and of output's dtype; got ",
+              world_size, ") x output's ", n, " elements and of output's dtype; got ",
               input.numel(), " ", input.scalar_type(), " for ", output.scalar_type());
-  const bool nccl = impl_->nccl && input.is_cuda();
-  if (nccl || impl_->gloo_reduce_scatter) {
+  ReduceScatter rs;
+  rs.output = output;
+  rs.input = input;
+  const bool on_nccl = nccl && input.is_cuda();
+  if (on_nccl || gloo_reduce_scatter) {
     std::vector<at::Tensor> outputs{output};
     std::vector<std::vector<at::Tensor>> inputs(1);
-    for (int64_t r = 0; r < world_size(); ++r) inputs[0].push_back(input.narrow(0, r * n, n));
+    for (int64_t r = 0; r < world_size; ++r) inputs[0].push_back(input.narrow(0, r * n, n));
     c10d::ReduceScatterOptions o;
     o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = impl_->collective_timeout;
-    c10::intrusive_ptr<c10d::Work> work;
+    o.timeout = collective_timeout;
     try {
-      work = impl_->backend_for(input).reduce_scatter(outputs, inputs, o);
-      ++*impl_->collectives;
+      rs.work = backend_for(input).reduce_scatter(outputs, inputs, o);
+      ++*collectives;
+      return rs;
     } catch (const std::exception&) {
       // Gloo's refusal comes before any communication, on every rank alike
       // ("does not support reduce_scatter"): fall back to an all-reduce from
       // now on. NCCL has one: its errors are errors.
-      if (nccl) throw;
-      impl_->gloo_reduce_scatter = false;
-    }
-    if (work) {
-      wait(work, "reduce-scatter", *this);
-      return;
+      if (on_nccl) throw;
+      gloo_reduce_scatter = false;
     }
   }
-  all_reduce_sum(input);
-  output.copy_(input.narrow(0, rank() * n, n));
+  rs.via_all_reduce = true;
+  rs.work = all_reduce_async(input, c10d::ReduceOp::SUM);
+  return rs;
 }
 
-void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const {
+c10::intrusive_ptr<c10d::Work> ProcessGroup::Impl::all_gather_async(at::Tensor& output,
+                                                                    const at::Tensor& input) {
   const int64_t n = input.numel();
-  TORCH_CHECK(input.dim() == 1 && output.dim() == 1 && output.numel() == n * world_size() &&
+  TORCH_CHECK(input.dim() == 1 && output.dim() == 1 && output.numel() == n * world_size &&
                   input.scalar_type() == output.scalar_type() && output.is_contiguous(),
-              "ampx::dist::all_gather: output must be 1-D, contiguous, world_size (", world_size(),
+              "ampx::dist::all_gather: output must be 1-D, contiguous, world_size (", world_size,
               ") x input's ", n, " elements and of input's dtype; got ", output.numel(), " ",
               output.scalar_type(), " for ", input.scalar_type());
   // (n elements each, as many wire elements: bytes for 16-bit types)
   auto wire_in = as_wire(input.contiguous()), wire_out = as_wire(output);
   const int64_t wn = wire_in.numel();
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int64_t r = 0; r < world_size(); ++r) outputs[0].push_back(wire_out.narrow(0, r * wn, wn));
+  for (int64_t r = 0; r < world_size; ++r) outputs[0].push_back(wire_out.narrow(0, r * wn, wn));
   std::vector<at::Tensor> inputs{wire_in};
   c10d::AllgatherOptions o;
-  o.timeout = impl_->collective_timeout;
-  ++*impl_->collectives;
-  wait(impl_->backend_for(input).allgather(outputs, inputs, o), "all-gather", *this);
+  o.timeout = collective_timeout;
+  ++*collectives;
+  return backend_for(input).allgather(outputs, inputs, o);
+}
+
+void ProcessGroup::reduce_scatter_sum(at::Tensor& output, at::Tensor& input) const {
+  auto rs = impl_->reduce_scatter_async(output, input);
+  impl_->wait(rs);
+}
+
+void ProcessGroup::all_gather(at::Tensor& output, const at::Tensor& input) const {
+  impl_->wait(impl_->all_gather_async(output, input), "all-gather");
 }
 
 std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes) const {
@@ -301,7 +315,7 @@ void ProcessGroup::broadcast(at::Tensor& t, int64_t root) const {
   o.rootRank = root;
   o.timeout = impl_->collective_timeout;
   ++*impl_->collectives;
-  wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast", *this);
+  impl_->wait(impl_->backend_for(t).broadcast(tensors, o), "broadcast");
 }
 
 void ProcessGroup::barrier() const {

@@ -83,6 +83,21 @@ struct ProcessGroup::Impl {
     return nccl && t.is_cuda() ? *nccl : *gloo;
   }
   c10::intrusive_ptr<c10d::Work> all_reduce_async(at::Tensor& t, c10d::ReduceOp op);
+  /// Starts the all-gather of ProcessGroup::all_gather (16-bit types as bytes).
+  c10::intrusive_ptr<c10d::Work> all_gather_async(at::Tensor& output, const at::Tensor& input);
+  /// A reduce-scatter (sum) in flight: where Gloo has none (LibTorch 1.13),
+  /// an all-reduce of `input`, whose chunk wait() then copies to `output`.
+  struct ReduceScatter {
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor output, input;
+    bool via_all_reduce = false;
+  };
+  /// Starts the reduce-scatter of ProcessGroup::reduce_scatter_sum.
+  ReduceScatter reduce_scatter_async(at::Tensor& output, at::Tensor& input);
+  /// Waits for `work` (collective `what`); a failure names the lost peers (fail()).
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
+  /// Waits for a reduce-scatter and leaves this rank's chunk in its output.
+  void wait(ReduceScatter& rs) const;
 #endif
   Impl() = default;
   Impl(const Impl&) = delete;

@@ -1,0 +1,218 @@
+#pragma once
+
+/// \file
+/// Fully sharded data parallelism (ZeRO-3, and ZeRO-2 as a setting) on
+/// ampx::dist's c10d process groups: each rank keeps only its 1/world_size
+/// share of every parameter, as fp32 masters, and so of the gradients and
+/// the optimizer state; a unit of the model (a transformer block, the
+/// embedding, the head) is gathered in the compute dtype only while it
+/// computes. PyTorch's FSDP2 (`fully_shard` with a `MixedPrecisionPolicy`)
+/// is the design; this is it for LibTorch's C++ modules.
+///
+/// ```
+///   auto pg = ampx::dist::init_process_group();
+///   auto model = GPT(config);                          // the same on every rank
+///   ampx::dist::FullyShardedDataParallel fsdp(
+///       model.ptr(), pg, {model->blocks[0].ptr(), model->blocks[1].ptr(), model->head.ptr()},
+///       ampx::dist::FullyShardedDataParallelOptions().param_dtype(torch::kBFloat16));
+///   ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(3e-4));  // fp32 shards
+///   ampx::GradScaler scaler;
+///   ampx::dist::synchronize_found_inf(scaler, pg);     // every rank skips together
+///   for (...) {
+///     opt.zero_grad();
+///     auto loss = loss_fn(ampx::dist::sharded_forward(model, x), y);
+///     scaler.scale(loss).backward();                   // gradients arrive reduce-scattered
+///     scaler.unscale_(opt);
+///     fsdp.clip_grad_norm_(1.0);                       // the norm over every rank's shards
+///     scaler.step(opt);
+///     scaler.update();
+///   }
+///   // inside GPT's forward, each unit goes through sharded_forward too:
+///   //   for (auto& block : blocks) x = ampx::dist::sharded_forward(block, x);
+/// ```
+///
+/// A unit's parameters are laid end to end in one flat space per parameter
+/// dtype (the compute dtype, and fp32 for norm layers kept in fp32), padded
+/// to a multiple of the world size and cut into equal shards: rank r's
+/// master shard holds elements [r S, (r+1) S) of it (fp32). parameters()
+/// are this rank's piece of each parameter, views of that shard; a piece may
+/// be empty. Between its calls a unit's parameters in the module are empty
+/// tensors (shape {0}): read the model's weights through full_state_dict().
+///
+/// Per unit and dtype, each step: one all-gather before its forward (the
+/// master shard cast to the compute dtype once, before the collective; the
+/// next unit's gather is issued before this one computes), freed after it
+/// (reshard_after_forward) or kept until its backward; gathered again
+/// before its backward if freed (the unit before it prefetched); its
+/// gradients copied into one flat buffer in the reduce dtype as each is
+/// accumulated and reduce-scattered (summed) in one collective as soon as
+/// the last arrives; the mean is taken after it (fp32 and bfloat16) or
+/// split around it (float16: divided by a power of two near sqrt(world)
+/// before, the rest after, as FSDP does, so the sum neither overflows nor
+/// underflows). At the end of backward the shards' gradients are in fp32 in
+/// parameters()'s .grad (added to what is there).
+///
+/// Every rank must call the units in the same order (no data-dependent
+/// control flow), and a parameter belongs to one unit (no weights tied
+/// across units). What is not in a listed unit belongs to the root, `model`.
+
+#include "ampx/dist.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+#include <torch/arg.h>
+#include <torch/ordered_dict.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torch {
+namespace nn {
+class Module;
+}  // namespace nn
+}  // namespace torch
+
+namespace ampx {
+namespace detail {
+class UnitCall;
+}  // namespace detail
+
+namespace dist {
+
+/// FullyShardedDataParallel's settings (FSDP2's MixedPrecisionPolicy and
+/// reshard_after_forward), set by chained calls.
+struct FullyShardedDataParallelOptions {
+  /// The dtype units are gathered and compute in: float32 (no mixed
+  /// precision), bfloat16 or float16. The masters stay fp32.
+  TORCH_ARG(c10::ScalarType, param_dtype) = c10::kFloat;
+  /// The dtype gradients are summed in across ranks: float32 (the
+  /// default, as FSDP users set it), bfloat16 or float16.
+  TORCH_ARG(c10::ScalarType, reduce_dtype) = c10::kFloat;
+  /// Free a unit's gathered parameters after its forward and gather them
+  /// again for its backward (ZeRO-3); false keeps them until the end of
+  /// backward (ZeRO-2: one all-gather a step, more memory).
+  TORCH_ARG(bool, reshard_after_forward) = true;
+  /// Issue the next unit's all-gather before this one computes (forward:
+  /// the call order seen in the first step; backward: the reverse).
+  TORCH_ARG(bool, prefetch) = true;
+  /// Keep the parameters of norm layers (LayerNorm, BatchNorm, GroupNorm,
+  /// InstanceNorm) in fp32 when param_dtype is 16-bit, as O2 does: they are
+  /// gathered in fp32, in their own collective.
+  TORCH_ARG(bool, keep_norms_fp32) = true;
+  /// Broadcast rank 0's parameters and buffers at construction.
+  TORCH_ARG(bool, broadcast_parameters) = true;
+};
+
+/// Shards `model` over `group` (see the top of this header). Construction is
+/// collective: the ranks compare their models' parameters and the options,
+/// broadcast rank 0's weights, and each keeps its shards.
+class FullyShardedDataParallel {
+ public:
+  /// `units`: submodules of `model` (or `model` itself), each gathered as
+  /// one; parameters of a unit nested in another belong to the inner one;
+  /// the rest of `model`'s parameters form the root unit.
+  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> model, ProcessGroup group,
+                           std::vector<std::shared_ptr<torch::nn::Module>> units,
+                           FullyShardedDataParallelOptions options = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  /// This rank's fp32 pieces of the parameters that require grad, in
+  /// module order, empty pieces left out: what the optimizer steps.
+  std::vector<at::Tensor> parameters() const;
+  /// The same with the parameters' names in the model.
+  torch::OrderedDict<std::string, at::Tensor> named_parameters() const;
+
+  /// Scales the gradients of parameters() so that the L2 norm over every
+  /// rank's pieces is at most `max_norm` (torch::nn::utils::clip_grad_norm_'s
+  /// coefficient max / (norm + 1e-6), at most 1), one scalar all-reduce.
+  /// Returns the norm before clipping, the same on every rank.
+  double clip_grad_norm_(double max_norm);
+
+  /// Every parameter and buffer at full size in fp32 (buffers in their
+  /// dtype) on rank 0, gathered one unit at a time; empty on the others.
+  /// Collective.
+  torch::OrderedDict<std::string, at::Tensor> full_state_dict();
+
+  /// Bytes this rank holds between steps: fp32 master shards and their
+  /// gradients (not the optimizer's state).
+  int64_t sharded_bytes() const;
+  /// The most bytes of gathered parameters held at once so far.
+  int64_t peak_gathered_bytes() const;
+  /// Bytes all-gathered and reduce-scattered so far by this rank.
+  int64_t bytes_communicated() const;
+  /// Units, root last: each unit's parameter names.
+  std::vector<std::vector<std::string>> unit_layout() const;
+
+ public:
+  struct Impl;  ///< ampx's own sources only (src/dist/fsdp_impl.h)
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dist
+
+namespace detail {
+
+/// What sharded_forward() does around a module's forward: gathers its unit
+/// before (a module no FullyShardedDataParallel knows: nothing), hooks the
+/// outputs for backward and frees the unit after.
+class UnitCall {
+ public:
+  explicit UnitCall(const torch::nn::Module* module);
+  ~UnitCall();
+  UnitCall(const UnitCall&) = delete;
+  UnitCall& operator=(const UnitCall&) = delete;
+  /// After the forward: its tensor outputs.
+  void finish(const std::vector<at::Tensor>& outputs);
+
+ private:
+  void* unit_ = nullptr;
+  bool finished_ = false;
+};
+
+inline void collect(std::vector<at::Tensor>& out, const at::Tensor& t) {
+  out.push_back(t);
+}
+inline void collect(std::vector<at::Tensor>& out, const std::vector<at::Tensor>& ts) {
+  out.insert(out.end(), ts.begin(), ts.end());
+}
+template <typename... T>
+void collect(std::vector<at::Tensor>& out, const std::tuple<T...>& t) {
+  std::apply([&](const auto&... e) { (collect(out, e), ...); }, t);
+}
+template <typename T>
+void collect(std::vector<at::Tensor>&, const T&) {}
+
+template <typename M>
+const torch::nn::Module* module_of(const M& m) {
+  return m.get();  // std::shared_ptr<Impl> and torch::nn::ModuleHolder<Impl>
+}
+
+}  // namespace detail
+
+namespace dist {
+
+/// `module->forward(args...)`, with `module`'s unit gathered for it when a
+/// FullyShardedDataParallel shards it (else just the call). Models call
+/// their units (and the caller the model) through it.
+template <typename M, typename... Args>
+auto sharded_forward(M& module, Args&&... args) {
+  ampx::detail::UnitCall call(ampx::detail::module_of(module));
+  auto out = module->forward(std::forward<Args>(args)...);
+  std::vector<at::Tensor> tensors;
+  ampx::detail::collect(tensors, out);
+  call.finish(tensors);
+  return out;
+}
+
+}  // namespace dist
+}  // namespace ampx

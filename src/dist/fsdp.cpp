@@ -1,0 +1,303 @@
+// FullyShardedDataParallel: each unit's flat spaces of parameters sharded
+// over the ranks as fp32 masters; gathered in the compute dtype around the
+// unit's forward and backward; gradients reduce-scattered per unit as the
+// autograd engine accumulates them (ampx/fsdp.h).
+
+#include "ampx/fsdp.h"
+
+#include "../norm_layers.h"
+#include "fsdp_impl.h"
+#include "model_check.h"
+#include "process_group_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+
+namespace {
+
+// Which FullyShardedDataParallel shards a module, for sharded_forward().
+std::mutex g_registry_mutex;
+std::unordered_map<const torch::nn::Module*, fsdp::Unit*> g_registry;
+
+fsdp::Unit* unit_of(const torch::nn::Module* module) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  const auto it = g_registry.find(module);
+  return it == g_registry.end() ? nullptr : it->second;
+}
+
+}  // namespace
+
+#if defined(AMPX_WITH_DIST)
+
+namespace fsdp {
+
+/// Gives `t`'s storage room for its elements (again): a gather writes there.
+void allocate_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (storage->data_ptr().get() != nullptr && storage->nbytes() == bytes) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+/// Frees `t`'s storage; tensors saved for backward keep the storage object,
+/// which the gather before backward fills again.
+void release_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+namespace {
+
+/// FSDP's factors around the sum (fp16: a power of two near sqrt(world)
+/// before it, the rest after; otherwise all after).
+std::pair<double, double> divide_factors(int64_t world, at::ScalarType reduce_dtype) {
+  if (reduce_dtype != at::kHalf) return {1.0, static_cast<double>(world)};
+  int64_t factor = 1;
+  while (world % factor == 0 && world / factor > factor) factor *= 2;
+  return {static_cast<double>(factor), static_cast<double>(world) / static_cast<double>(factor)};
+}
+
+}  // namespace
+}  // namespace fsdp
+
+using fsdp::Space;
+using fsdp::Unit;
+
+void FullyShardedDataParallel::Impl::start_gather(Unit& u) {
+  if (u.state != Unit::State::kFree) return;
+  auto& pg = detail::ProcessGroupAccess::impl(group);
+  for (auto& s : u.spaces) {
+    fsdp::allocate_storage(s.gathered);
+    s.send = s.master.to(s.dtype);  // the cast, once, on the shard
+    s.gather = pg.all_gather_async(s.gathered, s.send);
+    bytes_communicated += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+    gathered_bytes += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+  }
+  peak_gathered_bytes = std::max(peak_gathered_bytes, gathered_bytes);
+  u.state = Unit::State::kGathering;
+}
+
+void FullyShardedDataParallel::Impl::finish_gather(Unit& u) {
+  if (u.state == Unit::State::kGathered) return;
+  start_gather(u);
+  auto& pg = detail::ProcessGroupAccess::impl(group);
+  for (auto& s : u.spaces) {
+    pg.wait(s.gather, "all-gather (parameters)");
+    s.gather.reset();
+    s.send = at::Tensor();
+    for (const int64_t i : s.params) {
+      auto& p = params[i];
+      p.tensor.set_data(s.gathered.narrow(0, p.offset, p.numel).view(p.shape));
+    }
+  }
+  u.state = Unit::State::kGathered;
+}
+
+void FullyShardedDataParallel::Impl::reshard(Unit& u) {
+  if (u.state == Unit::State::kFree) return;
+  auto& pg = detail::ProcessGroupAccess::impl(group);
+  for (auto& s : u.spaces) {
+    if (s.gather) pg.wait(s.gather, "all-gather (parameters)");  // never free memory in flight
+    s.gather.reset();
+    s.send = at::Tensor();
+    for (const int64_t i : s.params) params[i].tensor.set_data(params[i].placeholder);
+    fsdp::release_storage(s.gathered);
+    gathered_bytes -= s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+  }
+  u.state = Unit::State::kFree;
+}
+
+void FullyShardedDataParallel::Impl::pre_forward(Unit& u) {
+  const int64_t index = u.index;
+  // A pass starts with the outermost call of the first unit called.
+  if (depth == 0 && !order.empty() && order.front() == index) order.clear();
+  ++depth;
+  order.push_back(index);
+  finish_gather(u);
+  const size_t k = order.size() - 1;
+  if (options.prefetch() && k + 1 < recorded_order.size() && recorded_order[k] == index) {
+    start_gather(units[recorded_order[k + 1]]);
+  }
+}
+
+void FullyShardedDataParallel::Impl::post_forward(Unit& u, const std::vector<at::Tensor>& outputs) {
+  --depth;
+  bool hooked = false;
+  if (at::GradMode::is_enabled()) {
+    for (const auto& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      auto link = link_;
+      const int64_t index = u.index;
+      const_cast<at::Tensor&>(out).register_hook([link, index](const at::Tensor&) {
+        if (*link != nullptr) (*link)->pre_backward((*link)->units[index]);
+      });
+      hooked = true;
+    }
+  }
+  if (!hooked || options.reshard_after_forward()) reshard(u);
+}
+
+void FullyShardedDataParallel::Impl::pre_backward(Unit& u) {
+  queue_end_of_backward();
+  finish_gather(u);
+  if (!options.prefetch()) return;
+  // The unit whose backward comes next: the one called before this one
+  // (for the first called, the last).
+  const auto at = std::find(order.rbegin(), order.rend(), u.index);
+  if (at == order.rend()) return;
+  const auto position = static_cast<size_t>(std::distance(at, order.rend())) - 1;
+  const int64_t next = position == 0 ? order.back() : order[position - 1];
+  if (next != u.index && units[next].grads_expected > 0 && !units[next].reduced) {
+    start_gather(units[next]);
+  }
+}
+
+void FullyShardedDataParallel::Impl::queue_end_of_backward() {
+  if (end_queued) return;
+  end_queued = true;
+  auto link = link_;
+  torch::autograd::Engine::get_default_engine().queue_callback([link] {
+    if (*link != nullptr) (*link)->end_of_backward();
+  });
+}
+
+void FullyShardedDataParallel::Impl::on_grad(int64_t i) {
+  queue_end_of_backward();
+  torch::NoGradGuard no_grad;
+  auto& p = params[i];
+  auto& u = units[p.unit];
+  auto& s = u.spaces[p.space];
+  const auto grad = p.tensor.grad();
+  if (!grad.defined()) return;
+  if (!s.reduce_in.defined()) {
+    s.reduce_in = at::zeros({s.gathered.numel()}, s.master.options().dtype(options.reduce_dtype()));
+  }
+  s.reduce_in.narrow(0, p.offset, p.numel).copy_(grad.reshape({-1}));
+  p.tensor.mutable_grad() = at::Tensor();  // its bytes are free again
+  ++s.grads_seen;
+  if (s.grads_seen == s.grads_expected) launch_reduce(u, s);
+}
+
+void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
+  const double pre = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).first;
+  if (pre != 1.0) s.reduce_in.div_(pre);
+  s.reduce_out = at::empty({s.master.numel()}, s.reduce_in.options());
+  s.reduce =
+      detail::ProcessGroupAccess::impl(group).reduce_scatter_async(s.reduce_out, s.reduce_in);
+  bytes_communicated += s.reduce_in.numel() * static_cast<int64_t>(s.reduce_in.element_size());
+  s.reducing = true;
+  launched.emplace_back(u.index, &s - u.spaces.data());
+  if (std::all_of(u.spaces.begin(), u.spaces.end(),
+                  [](const Space& x) { return x.reducing || x.grads_expected == 0; })) {
+    u.reduced = true;
+    reshard(u);  // its backward is over
+  }
+}
+
+void FullyShardedDataParallel::Impl::end_of_backward() {
+  torch::NoGradGuard no_grad;
+  // Parameters that got no gradient count as zero in a space that got some.
+  for (auto& u : units) {
+    for (auto& s : u.spaces) {
+      if (!s.reducing && s.grads_seen > 0) launch_reduce(u, s);
+    }
+  }
+  const double post = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).second;
+  auto& pg = detail::ProcessGroupAccess::impl(group);
+  for (const auto& [unit, space] : launched) {
+    auto& s = units[unit].spaces[space];
+    pg.wait(s.reduce);
+    auto mean = s.reduce_out.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    mean.mul_(1.0 / post);
+    for (const int64_t i : s.params) {
+      auto& piece = params[i].piece;
+      if (!piece.defined() || piece.numel() == 0) continue;
+      auto part = mean.narrow(0, params[i].piece_offset, piece.numel());
+      if (piece.grad().defined()) {
+        piece.mutable_grad().add_(part);
+      } else {
+        piece.mutable_grad() = part.clone();  // its own: optimizers detach_() gradients
+      }
+    }
+    s.reduce_in = at::Tensor();
+    s.reduce_out = at::Tensor();
+    s.reduce = {};
+    s.reducing = false;
+    s.grads_seen = 0;
+  }
+  launched.clear();
+  for (auto& u : units) {
+    reshard(u);
+    u.reduced = false;
+  }
+  if (recorded_order.empty()) recorded_order = order;
+  end_queued = false;
+}
+
+void fsdp::register_units(std::vector<Unit>& units) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  for (auto& u : units) {
+    TORCH_CHECK(g_registry.count(u.module) == 0, "FullyShardedDataParallel: unit '", u.name,
+                "' is already sharded by another FullyShardedDataParallel");
+  }
+  for (auto& u : units) g_registry[u.module] = &u;
+}
+
+void fsdp::unregister_units(const std::vector<Unit>& units) {
+  std::lock_guard<std::mutex> lock(g_registry_mutex);
+  for (const auto& u : units) {
+    const auto it = g_registry.find(u.module);
+    if (it != g_registry.end() && it->second == &u) g_registry.erase(it);
+  }
+}
+
+#endif  // AMPX_WITH_DIST
+
+}  // namespace dist
+
+namespace detail {
+
+UnitCall::UnitCall(const torch::nn::Module* module) {
+  auto* unit = dist::unit_of(module);
+  if (unit == nullptr) return;
+#if defined(AMPX_WITH_DIST)
+  unit->impl->pre_forward(*unit);
+  unit_ = unit;
+#endif
+}
+
+UnitCall::~UnitCall() {
+#if defined(AMPX_WITH_DIST)
+  // A forward that threw: the unit stays gathered until the next reshard.
+  if (unit_ != nullptr && !finished_) --static_cast<dist::fsdp::Unit*>(unit_)->impl->depth;
+#endif
+}
+
+void UnitCall::finish(const std::vector<at::Tensor>& outputs) {
+  finished_ = true;
+#if defined(AMPX_WITH_DIST)
+  if (unit_ == nullptr) return;
+  auto* unit = static_cast<dist::fsdp::Unit*>(unit_);
+  unit->impl->post_forward(*unit, outputs);
+#else
+  (void)outputs;
+#endif
+}
+
+}  // namespace detail
+}  // namespace ampx

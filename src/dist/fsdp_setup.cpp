@@ -1,0 +1,355 @@
+// FullyShardedDataParallel's construction (units, flat spaces, shards,
+// hooks), and what reads the shards: parameters(), clipping, the full state.
+
+#include "ampx/fsdp.h"
+
+#include "../norm_layers.h"
+#include "fsdp_impl.h"
+#include "model_check.h"
+#include "process_group_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+
+#if defined(AMPX_WITH_DIST)
+
+namespace {
+
+bool is_fsdp_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+/// Calls Impl::on_grad after the engine accumulates a parameter's gradient.
+class GradAccumulated : public torch::autograd::FunctionPostHook {
+ public:
+  GradAccumulated(std::shared_ptr<fsdp::Impl*> link, int64_t param)
+      : link_(std::move(link)), param_(param) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (*link_ != nullptr) (*link_)->on_grad(param_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<fsdp::Impl*> link_;
+  int64_t param_;
+};
+
+/// What the ranks must agree on: the model and the options.
+std::vector<std::pair<std::string, std::string>> describe_sharded(
+    const torch::nn::Module& model, const std::vector<std::string>& unit_names,
+    const FullyShardedDataParallelOptions& o) {
+  auto out = ampx::detail::describe_module(model);
+  std::string units;
+  for (const auto& n : unit_names) units += (units.empty() ? "" : ", ") + n;
+  out.emplace_back("units", units);
+  out.emplace_back("option param_dtype", c10::toString(o.param_dtype()));
+  out.emplace_back("option reduce_dtype", c10::toString(o.reduce_dtype()));
+  out.emplace_back("option reshard_after_forward", o.reshard_after_forward() ? "true" : "false");
+  out.emplace_back("option prefetch", o.prefetch() ? "true" : "false");
+  out.emplace_back("option keep_norms_fp32", o.keep_norms_fp32() ? "true" : "false");
+  out.emplace_back("option broadcast_parameters", o.broadcast_parameters() ? "true" : "false");
+  return out;
+}
+
+/// Throws, on every rank alike, when this Gloo (or NCCL) cannot sum `type`.
+void check_reduce_dtype(const ProcessGroup& group, at::ScalarType type, c10::Device device) {
+  if (type == at::kFloat) return;
+  auto probe = torch::ones({1}, torch::TensorOptions().dtype(type).device(device));
+  try {
+    group.all_reduce_sum(probe);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "FullyShardedDataParallel: this LibTorch's ",
+                device.is_cuda() && group.has_nccl() ? "NCCL" : "Gloo", " cannot sum ", type,
+                " (reduce_dtype); use float32: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(
+    std::shared_ptr<torch::nn::Module> model, ProcessGroup group,
+    std::vector<std::shared_ptr<torch::nn::Module>> units,
+    FullyShardedDataParallelOptions options) {
+  TORCH_CHECK(model != nullptr, "FullyShardedDataParallel: model is null");
+  TORCH_CHECK(is_fsdp_dtype(options.param_dtype()),
+              "FullyShardedDataParallel: param_dtype must be float32, bfloat16 or float16, got ",
+              options.param_dtype());
+  TORCH_CHECK(is_fsdp_dtype(options.reduce_dtype()),
+              "FullyShardedDataParallel: reduce_dtype must be float32, bfloat16 or float16, got ",
+              options.reduce_dtype());
+  // Each module's name in the model, and each parameter's direct owner.
+  std::unordered_map<const torch::nn::Module*, std::string> module_names;
+  std::unordered_map<const c10::TensorImpl*, const torch::nn::Module*> owner;
+  for (const auto& m : model->named_modules()) {
+    module_names.emplace(m.value().get(), m.key().empty() ? "(the model)" : m.key());
+    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
+      owner.emplace(p.value().unsafeGetTensorImpl(), m.value().get());
+    }
+  }
+  std::vector<std::string> unit_names;
+  for (size_t k = 0; k < units.size(); ++k) {
+    TORCH_CHECK(units[k] != nullptr, "FullyShardedDataParallel: units[", k, "] is null");
+    const auto it = module_names.find(units[k].get());
+    TORCH_CHECK(it != module_names.end(), "FullyShardedDataParallel: units[", k,
+                "] is not a submodule of the model");
+    for (size_t j = 0; j < k; ++j) {
+      TORCH_CHECK(units[j] != units[k], "FullyShardedDataParallel: units[", j, "] and units[", k,
+                  "] are the same module, '", it->second, "'");
+    }
+    unit_names.push_back(it->second);
+  }
+  ampx::detail::check_same_on_every_rank(describe_sharded(*model, unit_names, options), group,
+                                         "FullyShardedDataParallel");
+  impl_ = std::make_unique<Impl>(model, group, options);
+  auto& impl = *impl_;
+  torch::NoGradGuard no_grad;
+  if (options.broadcast_parameters()) {
+    for (auto& p : model->parameters()) {
+      auto wire = as_wire(p.data());
+      group.broadcast(wire, 0);
+    }
+    for (auto& b : model->buffers()) {
+      auto wire = as_wire(b.data());
+      group.broadcast(wire, 0);
+    }
+  }
+  // Units: as listed, then the root; a parameter goes to the innermost unit
+  // holding it (the one with the fewest parameters).
+  const bool root_listed = std::find(units.begin(), units.end(), model) != units.end();
+  if (!root_listed) {
+    units.push_back(model);
+    unit_names.push_back("(the model)");
+  }
+  std::vector<std::set<const c10::TensorImpl*>> held(units.size());
+  for (size_t k = 0; k < units.size(); ++k) {
+    for (const auto& p : units[k]->parameters()) held[k].insert(p.unsafeGetTensorImpl());
+  }
+  impl.units.resize(units.size());
+  for (size_t k = 0; k < units.size(); ++k) {
+    auto& u = impl.units[k];
+    u.impl = &impl;
+    u.module = units[k].get();
+    u.name = unit_names[k];
+    u.index = static_cast<int64_t>(k);
+  }
+  const int64_t world = group.world_size(), rank = group.rank();
+  std::map<std::pair<int64_t, int>, int64_t> space_of;  // (unit, dtype) -> space
+  c10::optional<c10::Device> device;
+  for (const auto& np : model->named_parameters()) {
+    const auto& t = np.value();
+    TORCH_CHECK(t.scalar_type() == at::kFloat, "FullyShardedDataParallel: parameter '", np.key(),
+                "' is ", t.scalar_type(),
+                "; build the model in float32: its values become the fp32 masters "
+                "(param_dtype sets the dtype units compute in)");
+    TORCH_CHECK(!device || *device == t.device(), "FullyShardedDataParallel: parameter '", np.key(),
+                "' is on ", t.device(), ", the others on ", *device);
+    device = t.device();
+    int64_t unit = -1;
+    for (size_t k = 0; k < units.size(); ++k) {
+      if (held[k].count(t.unsafeGetTensorImpl()) &&
+          (unit < 0 || held[k].size() < held[static_cast<size_t>(unit)].size())) {
+        unit = static_cast<int64_t>(k);
+      }
+    }
+    const auto* direct = owner.at(t.unsafeGetTensorImpl());
+    const bool fp32 = options.keep_norms_fp32() && ampx::detail::is_norm_layer(*direct);
+    const auto dtype = fp32 ? at::kFloat : options.param_dtype();
+    auto& u = impl.units[static_cast<size_t>(unit)];
+    const auto key = std::make_pair(unit, static_cast<int>(dtype));
+    if (!space_of.count(key)) {
+      space_of[key] = static_cast<int64_t>(u.spaces.size());
+      u.spaces.emplace_back();
+      u.spaces.back().dtype = dtype;
+    }
+    fsdp::Param p;
+    p.name = np.key();
+    p.tensor = t;
+    p.shape = t.sizes().vec();
+    p.numel = t.numel();
+    p.unit = unit;
+    p.space = space_of[key];
+    auto& s = u.spaces[static_cast<size_t>(p.space)];
+    p.offset = s.numel;
+    s.numel += p.numel;
+    s.params.push_back(static_cast<int64_t>(impl.params.size()));
+    if (t.requires_grad()) {
+      ++s.grads_expected;
+      ++u.grads_expected;
+    }
+    impl.params.push_back(std::move(p));
+  }
+  if (device) check_reduce_dtype(group, options.reduce_dtype(), *device);
+  // The shards: rank r keeps elements [r S, (r+1) S) of each padded space.
+  for (auto& u : impl.units) {
+    for (auto& s : u.spaces) {
+      const int64_t shard = (s.numel + world - 1) / world;
+      const auto fp32 = torch::TensorOptions().dtype(at::kFloat).device(*device);
+      auto flat = torch::zeros({shard * world}, fp32);
+      for (const int64_t i : s.params) {
+        const auto& p = impl.params[static_cast<size_t>(i)];
+        flat.narrow(0, p.offset, p.numel).copy_(p.tensor.reshape({-1}));
+      }
+      s.master = flat.narrow(0, rank * shard, shard).clone();
+      s.gathered = torch::empty({shard * world}, fp32.dtype(s.dtype));
+      fsdp::release_storage(s.gathered);
+      for (const int64_t i : s.params) {
+        auto& p = impl.params[static_cast<size_t>(i)];
+        const int64_t begin = std::max(p.offset, rank * shard);
+        const int64_t end = std::min(p.offset + p.numel, (rank + 1) * shard);
+        const int64_t length = std::max<int64_t>(end - begin, 0);
+        p.piece_offset = length > 0 ? begin - rank * shard : 0;
+        p.piece = s.master.narrow(0, p.piece_offset, length);
+        if (p.tensor.requires_grad()) p.piece.requires_grad_(true);
+        // The gradient accumulator records the parameter's shape and dtype when
+        // it is made: make it at the gathered shape, then free the parameter.
+        p.placeholder = torch::empty({0}, fp32.dtype(s.dtype));
+        p.tensor.set_data(torch::empty(p.shape, fp32.dtype(s.dtype)));
+        if (p.tensor.requires_grad()) {
+          p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
+          p.accumulator->add_post_hook(std::make_unique<GradAccumulated>(impl.link_, i));
+        }
+        p.tensor.set_data(p.placeholder);
+      }
+    }
+  }
+  fsdp::register_units(impl.units);
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  if (!impl_) return;
+  *impl_->link_ = nullptr;
+  fsdp::unregister_units(impl_->units);
+}
+
+torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::named_parameters() const {
+  torch::OrderedDict<std::string, at::Tensor> out;
+  for (const auto& p : impl_->params) {
+    if (p.tensor.requires_grad() && p.piece.numel() > 0) out.insert(p.name, p.piece);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
+  return named_parameters().values();
+}
+
+double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
+  TORCH_CHECK(max_norm > 0.0,
+              "FullyShardedDataParallel::clip_grad_norm_: max_norm must be > 0, got ", max_norm);
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : impl_->params) {
+    if (p.piece.defined() && p.piece.grad().defined()) grads.push_back(p.piece.grad());
+  }
+  auto device = impl_->params.empty() ? c10::Device(c10::kCPU) : impl_->params[0].tensor.device();
+  auto sum = torch::zeros({1}, torch::TensorOptions().dtype(at::kDouble).device(device));
+  for (const auto& g : grads) sum += g.to(at::kDouble).pow(2).sum();
+  if (device.is_cuda()) sum = sum.to(at::kFloat);  // NCCL sums float32 on every build
+  impl_->group.all_reduce_sum(sum);
+  const double norm = std::sqrt(sum.to(at::kDouble).item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
+  torch::NoGradGuard no_grad;
+  const bool root = impl_->group.rank() == 0;
+  std::unordered_map<std::string, at::Tensor> values;
+  for (auto& u : impl_->units) {
+    for (auto& s : u.spaces) {
+      auto flat = torch::empty({s.master.numel() * impl_->group.world_size()}, s.master.options());
+      impl_->group.all_gather(flat, s.master);
+      if (!root) continue;
+      for (const int64_t i : s.params) {
+        const auto& p = impl_->params[static_cast<size_t>(i)];
+        values[p.name] = flat.narrow(0, p.offset, p.numel).view(p.shape).clone();
+      }
+    }
+  }
+  torch::OrderedDict<std::string, at::Tensor> out;
+  if (!root) return out;
+  for (const auto& p : impl_->params) out.insert(p.name, values.at(p.name));
+  for (const auto& b : impl_->model->named_buffers()) out.insert(b.key(), b.value().clone());
+  return out;
+}
+
+int64_t FullyShardedDataParallel::sharded_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& u : impl_->units) {
+    for (const auto& s : u.spaces) bytes += s.master.numel() * 4;
+  }
+  for (const auto& p : impl_->params) {
+    if (p.piece.defined() && p.piece.grad().defined()) bytes += p.piece.numel() * 4;
+  }
+  return bytes;
+}
+
+int64_t FullyShardedDataParallel::peak_gathered_bytes() const {
+  return impl_->peak_gathered_bytes;
+}
+
+int64_t FullyShardedDataParallel::bytes_communicated() const {
+  return impl_->bytes_communicated;
+}
+
+std::vector<std::vector<std::string>> FullyShardedDataParallel::unit_layout() const {
+  std::vector<std::vector<std::string>> out(impl_->units.size());
+  for (const auto& p : impl_->params) out[static_cast<size_t>(p.unit)].push_back(p.name);
+  return out;
+}
+
+#else  // !AMPX_WITH_DIST
+
+FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module>, ProcessGroup,
+                                                   std::vector<std::shared_ptr<torch::nn::Module>>,
+                                                   FullyShardedDataParallelOptions) {
+  TORCH_CHECK(false, "ampx::dist: this ampx was built without c10d/Gloo");
+}
+FullyShardedDataParallel::~FullyShardedDataParallel() = default;
+torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::named_parameters() const {
+  return {};
+}
+std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
+  return {};
+}
+double FullyShardedDataParallel::clip_grad_norm_(double) {
+  return 0.0;
+}
+torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
+  return {};
+}
+int64_t FullyShardedDataParallel::sharded_bytes() const {
+  return 0;
+}
+int64_t FullyShardedDataParallel::peak_gathered_bytes() const {
+  return 0;
+}
+int64_t FullyShardedDataParallel::bytes_communicated() const {
+  return 0;
+}
+std::vector<std::vector<std::string>> FullyShardedDataParallel::unit_layout() const {
+  return {};
+}
+
+#endif
+
+}  // namespace dist
+}  // namespace ampx

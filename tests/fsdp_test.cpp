@@ -1,0 +1,210 @@
+// FullyShardedDataParallel on c10d/Gloo over loopback: 2 and 3 worker
+// processes (tests/helpers/fsdp_worker.cpp) train a residual MLP with
+// DistributedDataParallel and then fully sharded, from the same weights on
+// the same data; the sharded run must give DDP's losses and weights.
+
+#include <ampx/dist.h>
+#include <ampx/fsdp.h>
+
+#include "rank_launch.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ::testing::HasSubstr;
+
+#ifdef AMPX_FSDP_WORKER
+
+/// One run's record: a line per step and rank 0's final parameters.
+struct Record {
+  std::vector<std::string> steps;  // "loss <step> <loss> <scale> <stepped>"
+  std::vector<double> losses, norms;
+  std::vector<float> params;
+};
+
+Record read_record(const fs::path& path) {
+  Record r;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string kind, a, b;
+    fields >> kind;
+    if (kind == "loss") {
+      r.steps.push_back(line);
+      fields >> a >> b;
+      r.losses.push_back(std::strtod(b.c_str(), nullptr));
+    } else if (kind == "norm") {
+      fields >> a;
+      r.norms.push_back(std::strtod(a.c_str(), nullptr));
+    } else if (kind == "param") {
+      fields >> a;
+      r.params.push_back(std::strtof(a.c_str(), nullptr));
+    }
+  }
+  return r;
+}
+
+/// A number the worker printed: "<name> <value>".
+int64_t printed(const std::string& output, const std::string& name) {
+  const auto at = output.find(name + " ");
+  if (at == std::string::npos) return -1;
+  return std::stoll(output.substr(at + name.size() + 1));
+}
+
+class FsdpTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "ampx-fsdp-XXXXXX").string();
+    dir_ = ::mkdtemp(pattern.data());
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<ampx_test::Worker> run(const std::string& scenario, int world) {
+    auto workers = ampx_test::run_ranks(AMPX_FSDP_WORKER, dir_, scenario, world);
+    for (const auto& w : workers) EXPECT_EQ(w.status, 0) << scenario << ": " << w.output;
+    return workers;
+  }
+
+  static Record ddp(const ampx_test::Worker& w) { return read_record(w.out.string() + ".ddp"); }
+  static Record fsdp(const ampx_test::Worker& w) { return read_record(w.out.string() + ".fsdp"); }
+
+  fs::path dir_;
+};
+
+class FsdpWorldTest : public FsdpTest, public ::testing::WithParamInterface<int> {};
+
+// The residual MLP's parameters (8x32 input layer, two blocks of d 32 with a
+// LayerNorm and a 4x MLP, the root's LayerNorm, a 32x4 head).
+constexpr int64_t kParams =
+    (8 * 32 + 32) + 2 * (2 * 32 + 32 * 128 + 128 + 128 * 32 + 32) + 2 * 32 + (32 * 4 + 4);
+
+// With 2 ranks every element's sum has one order (a + b = b + a), so the
+// sharded run is DDP's bit for bit: ZeRO-3 and ZeRO-2, with and without
+// prefetching, fp32 and bf16 compute (gathered bf16 weights are the
+// autocast casts of DDP's fp32 ones; norms stay fp32). With 3, Gloo's
+// all-reduce and the reduce-scatter add the three ranks' gradients in
+// other orders: the losses agree within 1e-4 of their size.
+TEST_P(FsdpWorldTest, ShardedTrainingGivesDdpsLossesAndWeights) {
+  const int world = GetParam();
+  for (const std::string scenario : {"fp32", "bf16", "bf16-grad", "bf16-noprefetch"}) {
+    auto workers = run(scenario, world);
+    for (int r = 0; r < world; ++r) {
+      const auto a = ddp(workers[r]), b = fsdp(workers[r]);
+      ASSERT_EQ(a.losses.size(), 8u) << scenario << " rank " << r;
+      ASSERT_EQ(b.losses.size(), 8u) << scenario << " rank " << r;
+      if (world == 2) {
+        EXPECT_EQ(b.steps, a.steps) << scenario << " rank " << r;
+        EXPECT_EQ(b.params, a.params) << scenario << " rank " << r;
+      } else {
+        for (size_t s = 0; s < a.losses.size(); ++s) {
+          EXPECT_NEAR(b.losses[s], a.losses[s], 1e-4 * std::abs(a.losses[s]))
+              << scenario << " rank " << r << " step " << s;
+        }
+      }
+    }
+    EXPECT_EQ(fsdp(workers[0]).params.size(), static_cast<size_t>(kParams)) << scenario;
+    // Between steps the module holds no parameter data, only its shards.
+    EXPECT_EQ(printed(workers[0].output, "unsharded_parameters"), 0) << scenario;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(World, FsdpWorldTest, ::testing::Values(2, 3));
+
+// Each rank keeps a world-size-th of the fp32 masters and of their
+// gradients (plus the padding of each flat space). ZeRO-3 without prefetching
+// holds one block (97% of a block is its Linear layers) and the small units
+// at most; with prefetching, the next block too; ZeRO-2 the whole model.
+TEST_F(FsdpTest, EachRankHoldsItsShareAndZeroThreeGathersOneUnitAtATime) {
+  constexpr int kWorld = 2;
+  // bf16 for the Linear layers' weights and biases, fp32 for the norms'.
+  constexpr int64_t kNormParams = 3 * 2 * 32;
+  constexpr int64_t kGathered = 2 * (kParams - kNormParams) + 4 * kNormParams;
+  constexpr int64_t kBlock = 2 * (32 * 128 + 128 + 128 * 32 + 32) + 4 * 2 * 32;
+  std::map<std::string, int64_t> peak;
+  for (const std::string scenario : {"bf16-noprefetch", "bf16", "bf16-grad"}) {
+    for (const auto& w : run(scenario, kWorld)) {
+      const int64_t sharded = printed(w.output, "sharded_bytes");
+      EXPECT_GE(sharded, 8 * kParams / kWorld) << w.output;
+      EXPECT_LE(sharded, 8 * kParams / kWorld + 8 * 8 * kWorld) << w.output;  // 7 spaces' padding
+      peak[scenario] = std::max(peak[scenario], printed(w.output, "peak_gathered_bytes"));
+    }
+  }
+  EXPECT_GE(peak["bf16-noprefetch"], kBlock);
+  EXPECT_LT(peak["bf16-noprefetch"], kBlock + (kGathered - 2 * kBlock));
+  EXPECT_GE(peak["bf16"], 2 * kBlock);
+  EXPECT_LT(peak["bf16"], kGathered);
+  EXPECT_GE(peak["bf16-grad"], kGathered);
+}
+
+// fp16-style loss scaling with an inf on rank 1 at step 3: every rank's
+// scaler (synchronize_found_inf) skips that step and backs off, as under
+// DDP, whose averaged gradients carry the inf to every rank.
+TEST_F(FsdpTest, AnOverflowOnOneRankSkipsTheSameStepOnEveryRankAsDdp) {
+  auto workers = run("overflow", 2);
+  for (int r = 0; r < 2; ++r) {
+    const auto a = ddp(workers[r]), b = fsdp(workers[r]);
+    EXPECT_EQ(b.steps, a.steps) << "rank " << r;
+    ASSERT_GE(b.steps.size(), 5u);
+    EXPECT_THAT(b.steps[3], ::testing::EndsWith(" 0")) << "rank " << r << ": step 3 not skipped";
+    EXPECT_THAT(b.steps[4], ::testing::EndsWith(" 1")) << "rank " << r;
+  }
+}
+
+// clip_grad_norm_ over the shards: the norm of every rank's pieces together,
+// torch::nn::utils::clip_grad_norm_'s on DDP's full gradients (fp32
+// there, summed in double here), and the clipped training that follows.
+TEST_F(FsdpTest, ClippingUsesTheNormOverEveryRanksShards) {
+  auto workers = run("clip", 2);
+  for (int r = 0; r < 2; ++r) {
+    const auto a = ddp(workers[r]), b = fsdp(workers[r]);
+    ASSERT_EQ(a.norms.size(), 8u);
+    ASSERT_EQ(b.norms.size(), 8u);
+    for (size_t s = 0; s < a.norms.size(); ++s) {
+      EXPECT_NEAR(b.norms[s], a.norms[s], 1e-6 * a.norms[s]) << "rank " << r << " step " << s;
+      EXPECT_GT(a.norms[s], 0.05) << "the test must clip";
+    }
+    ASSERT_EQ(b.params.size(), a.params.size());
+    for (size_t i = 0; i < a.params.size(); ++i) {
+      ASSERT_NEAR(b.params[i], a.params[i], 1e-5) << "rank " << r << " parameter element " << i;
+    }
+  }
+}
+
+TEST_F(FsdpTest, RanksGivenDifferentUnitsAllFailAtConstructionNamingTheDifference) {
+  auto workers =
+      ampx_test::run_ranks(AMPX_FSDP_WORKER, dir_, "mismatch-units", 2, std::chrono::seconds(60));
+  for (const auto& w : workers) {
+    EXPECT_EQ(w.status, 1) << w.output;
+    EXPECT_THAT(w.output, HasSubstr("FullyShardedDataParallel: the ranks were given different "
+                                    "models or options"));
+    EXPECT_THAT(w.output, HasSubstr("units is in, block0, block1, head on rank(s) 0 but in, "
+                                    "block0, block1 on rank(s) 1"));
+  }
+}
+
+#endif  // AMPX_FSDP_WORKER
+
+// Without a FullyShardedDataParallel, sharded_forward is the module's forward.
+TEST(ShardedForwardTest, AModuleNoInstanceShardsIsCalledAsIs) {
+  torch::manual_seed(0);
+  torch::nn::Linear linear(4, 3);
+  const auto x = torch::randn({2, 4});
+  EXPECT_TRUE(torch::equal(ampx::dist::sharded_forward(linear, x), linear->forward(x)));
+}
+
+}  // namespace

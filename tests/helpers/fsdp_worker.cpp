@@ -1,0 +1,176 @@
+// One rank of the fully sharded tests (tests/fsdp_test.cpp starts 2 or 3 of
+// them on loopback with torchrun's variables).
+//
+//   ampx_fsdp_worker <scenario> <out-file>
+//   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
+//              | mismatch-units
+//
+// Trains a small residual MLP (input layer, two blocks with a LayerNorm,
+// a final LayerNorm in the root, a head) twice from rank 0's weights on
+// this rank's shard of one global batch: with DistributedDataParallel, then
+// with FullyShardedDataParallel, each unit a unit. Writes <out>.ddp and
+// <out>.fsdp: one "loss <step> <loss> <scale> <stepped>" line a step, then
+// on rank 0 every parameter as "param <value>" (%a), and prints the
+// sharded state's sizes.
+
+#include <ampx/ampx.h>
+#include <ampx/dist.h>
+#include <ampx/fsdp.h>
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGlobalBatch = 12;
+constexpr int kSteps = 8;
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t d)
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        up(register_module("up", torch::nn::Linear(d, 4 * d))),
+        down(register_module("down", torch::nn::Linear(4 * d, d))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    // (LibTorch 1.13's CPU layer_norm takes no bfloat16 input with fp32
+    // weights, nor does its autocast cast it: float32 in, as Python 1.13 needs.)
+    return x + down(torch::gelu(up(norm(x.to(torch::kFloat)))));
+  }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : in(register_module("in", torch::nn::Linear(8, 32))),
+        block0(register_module("block0", Block(32))),
+        block1(register_module("block1", Block(32))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})))),
+        head(register_module("head", torch::nn::Linear(32, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = ampx::dist::sharded_forward(in, x);
+    h = ampx::dist::sharded_forward(block0, h);
+    h = ampx::dist::sharded_forward(block1, h);
+    return ampx::dist::sharded_forward(head, norm(h.to(torch::kFloat)));
+  }
+  torch::nn::Linear in;
+  Block block0, block1;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Net);
+
+std::pair<torch::Tensor, torch::Tensor> batch_shard(int64_t rank, int64_t world) {
+  torch::manual_seed(7);
+  const auto x = torch::randn({kGlobalBatch, 8}), y = torch::randn({kGlobalBatch, 4});
+  const int64_t shard = kGlobalBatch / world;
+  return {x.slice(0, rank * shard, (rank + 1) * shard),
+          y.slice(0, rank * shard, (rank + 1) * shard)};
+}
+
+/// `v` exactly, as C's %a writes it.
+std::string hex(double v) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%a", v);
+  return text;
+}
+
+int train(const std::string& scenario, bool sharded, const std::string& out,
+          ampx::dist::ProcessGroup& pg) {
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  torch::manual_seed(100 + rank);  // different on each rank: both broadcast rank 0's
+  Net model;
+  const bool mixed = scenario != "fp32";
+  std::unique_ptr<ampx::dist::DistributedDataParallel> ddp;
+  std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;
+  std::vector<torch::Tensor> params;
+  if (sharded) {
+    auto options = ampx::dist::FullyShardedDataParallelOptions()
+                       .param_dtype(mixed ? torch::kBFloat16 : torch::kFloat)
+                       .reshard_after_forward(scenario != "bf16-grad")
+                       .prefetch(scenario != "bf16-noprefetch");
+    std::vector<std::shared_ptr<torch::nn::Module>> units{model->in.ptr(), model->block0.ptr(),
+                                                          model->block1.ptr(), model->head.ptr()};
+    if (scenario == "mismatch-units" && rank == world - 1) units.pop_back();
+    fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+    params = fsdp->parameters();
+  } else {
+    ddp = std::make_unique<ampx::dist::DistributedDataParallel>(model.ptr(), pg);
+    params = model->parameters();
+  }
+  ampx::optim::AdamW opt(params, ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  if (sharded) ampx::dist::synchronize_found_inf(scaler, pg);
+  const auto [x, y] = batch_shard(rank, world);
+  std::ofstream log(out + (sharded ? ".fsdp" : ".ddp"));
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16, mixed);
+      loss = torch::mse_loss(ampx::dist::sharded_forward(model, x), y);
+    }
+    if (scenario == "overflow" && rank == 1 && step == 3) loss = loss * INFINITY;
+    scaler.scale(loss).backward();
+    if (ddp) ddp->synchronize();
+    if (scenario == "clip") {
+      scaler.unscale_(opt);
+      const double norm =
+          sharded ? fsdp->clip_grad_norm_(0.05) : torch::nn::utils::clip_grad_norm_(params, 0.05);
+      log << "norm " << hex(norm) << "\n";
+    }
+    const bool stepped = static_cast<bool>(scaler.step(opt));
+    scaler.update();
+    log << "loss " << step << " " << hex(loss.item<double>()) << " " << hex(scaler.get_scale())
+        << " " << stepped << "\n";
+  }
+  if (sharded) {
+    std::cout << "sharded_bytes " << fsdp->sharded_bytes() << "\npeak_gathered_bytes "
+              << fsdp->peak_gathered_bytes() << "\nbytes_communicated "
+              << fsdp->bytes_communicated() << std::endl;
+    int64_t full = 0;
+    for (const auto& p : model->parameters()) full += p.numel();
+    std::cout << "unsharded_parameters " << full << std::endl;  // the model's: placeholders
+  }
+  std::vector<torch::Tensor> values;
+  if (sharded) {
+    const auto state = fsdp->full_state_dict();
+    for (const auto& p : model->named_parameters()) {
+      if (rank == 0) values.push_back(state[p.key()]);
+    }
+  } else if (rank == 0) {
+    values = model->parameters();
+  }
+  for (const auto& v : values) {
+    auto c = v.detach().to(torch::kFloat).contiguous();
+    for (int64_t i = 0; i < c.numel(); ++i) log << "param " << hex(c.data_ptr<float>()[i]) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: ampx_fsdp_worker <scenario> <out-file>\n");
+    return 2;
+  }
+  try {
+    auto pg =
+        ampx::dist::init_process_group(ampx::dist::InitOptions().timeout(std::chrono::seconds(60)));
+    const std::string scenario = argv[1];
+    if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;
+    return train(scenario, true, argv[2], pg);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what_without_backtrace());
+  }
+  return 1;
+}
