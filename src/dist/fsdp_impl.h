@@ -7,6 +7,7 @@
 #include "ampx/fsdp.h"
 
 #include <ATen/Tensor.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <memory>
@@ -16,12 +17,6 @@
 
 #include "process_group_impl.h"
 
-namespace torch {
-namespace autograd {
-struct Node;
-}  // namespace autograd
-}  // namespace torch
-
 namespace ampx {
 namespace dist {
 
@@ -30,6 +25,9 @@ namespace dist {
 namespace fsdp {
 
 using Impl = FullyShardedDataParallel::Impl;
+/// A gradient accumulator: std::shared_ptr before LibTorch 2.x's intrusive_ptr.
+using Accumulator =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 /// One parameter of the model and where it lives.
 struct Param {
@@ -42,7 +40,7 @@ struct Param {
   at::Tensor placeholder;       // {0} in the gather dtype, between calls
   at::Tensor piece;             // this rank's fp32 part, a view of the space's master shard
   int64_t piece_offset = 0;     // in the master shard
-  std::shared_ptr<torch::autograd::Node> accumulator;  // kept: it carries the hook
+  Accumulator accumulator;      // kept: it carries the hook
 };
 
 /// The parameters of one unit gathered in one dtype, end to end.
