@@ -197,6 +197,39 @@ TEST_F(FsdpTest, RanksGivenDifferentUnitsAllFailAtConstructionNamingTheDifferenc
   }
 }
 
+// Misuse is named at construction, before anything is sharded: a model
+// not in float32 (the masters are its values), a unit that is not a
+// submodule, a unit listed twice, a param_dtype FSDP has no use for.
+TEST(FsdpConstructionTest, MisuseIsNamedWithTheArgumentAndItsValue) {
+  ampx::dist::LaunchEnv env;  // a group of one, on loopback
+  env.master_addr = "127.0.0.1";
+  env.master_port = ampx::dist::free_loopback_port();
+  auto pg = ampx::dist::init_process_group(
+      env, ampx::dist::InitOptions().timeout(std::chrono::seconds(60)).nccl(false));
+  const auto message = [&](std::shared_ptr<torch::nn::Module> model,
+                           std::vector<std::shared_ptr<torch::nn::Module>> units,
+                           ampx::dist::FullyShardedDataParallelOptions options = {}) {
+    try {
+      ampx::dist::FullyShardedDataParallel fsdp(std::move(model), pg, std::move(units), options);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  torch::nn::Sequential model(torch::nn::Linear(4, 8), torch::nn::Linear(8, 2));
+  torch::nn::Linear stranger(2, 2);
+  EXPECT_THAT(message(model.ptr(), {stranger.ptr()}),
+              HasSubstr("units[0] is not a submodule of the model"));
+  EXPECT_THAT(message(model.ptr(), {model->ptr(0), model->ptr(0)}),
+              HasSubstr("units[0] and units[1] are the same module, '0'"));
+  EXPECT_THAT(message(model.ptr(), {},
+                      ampx::dist::FullyShardedDataParallelOptions().param_dtype(torch::kDouble)),
+              HasSubstr("param_dtype must be float32, bfloat16 or float16, got Double"));
+  model->to(torch::kBFloat16);
+  EXPECT_THAT(message(model.ptr(), {}),
+              HasSubstr("parameter '0.weight' is BFloat16; build the model in float32"));
+}
+
 #endif  // AMPX_FSDP_WORKER
 
 // Without a FullyShardedDataParallel, sharded_forward is the module's forward.
