@@ -55,6 +55,11 @@
 /// Every rank must call the units in the same order (no data-dependent
 /// control flow), and a parameter belongs to one unit (no weights tied
 /// across units). What is not in a listed unit belongs to the root, `model`.
+/// Optimizers whose update reads a whole parameter (LAMB's trust ratio,
+/// ampx::optim::Lamb) see only this rank's piece of it: not supported yet.
+/// Activation checkpointing (a unit's forward run again in backward) is not
+/// either. Run the forward under ampx::AutocastGuard: the units compute in
+/// param_dtype, their inputs are not cast.
 
 #include "ampx/dist.h"
 
