@@ -220,15 +220,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   impl_ = std::make_unique<Impl>(std::move(module), std::move(group), std::move(options));
   auto* impl = impl_.get();
   if (impl->options.broadcast_parameters()) {
-    torch::NoGradGuard no_grad;
-    for (auto& p : impl->module->parameters()) {
-      auto wire = as_wire(p.data());
-      impl->group.broadcast(wire, 0);
-    }
-    for (auto& b : impl->module->buffers()) {
-      auto wire = as_wire(b.data());
-      impl->group.broadcast(wire, 0);
-    }
+    detail::broadcast_from_rank_zero(*impl->module, impl->group);
   }
   // Probes run where the gradients will travel: Gloo for CPU parameters,
   // NCCL (where there is one) for CUDA ones.

@@ -5,9 +5,7 @@
 
 #include "ampx/fsdp.h"
 
-#include "../norm_layers.h"
 #include "fsdp_impl.h"
-#include "model_check.h"
 #include "process_group_impl.h"
 
 #include <c10/util/Exception.h>

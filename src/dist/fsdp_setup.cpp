@@ -79,78 +79,47 @@ void check_reduce_dtype(const ProcessGroup& group, at::ScalarType type, c10::Dev
   }
 }
 
-}  // namespace
-
-FullyShardedDataParallel::FullyShardedDataParallel(
-    std::shared_ptr<torch::nn::Module> model, ProcessGroup group,
-    std::vector<std::shared_ptr<torch::nn::Module>> units,
-    FullyShardedDataParallelOptions options) {
-  TORCH_CHECK(model != nullptr, "FullyShardedDataParallel: model is null");
-  TORCH_CHECK(is_fsdp_dtype(options.param_dtype()),
-              "FullyShardedDataParallel: param_dtype must be float32, bfloat16 or float16, got ",
-              options.param_dtype());
-  TORCH_CHECK(is_fsdp_dtype(options.reduce_dtype()),
-              "FullyShardedDataParallel: reduce_dtype must be float32, bfloat16 or float16, got ",
-              options.reduce_dtype());
-  // Each module's name in the model, and each parameter's direct owner.
-  std::unordered_map<const torch::nn::Module*, std::string> module_names;
-  std::unordered_map<const c10::TensorImpl*, const torch::nn::Module*> owner;
-  for (const auto& m : model->named_modules()) {
-    module_names.emplace(m.value().get(), m.key().empty() ? "(the model)" : m.key());
-    for (const auto& p : m.value()->named_parameters(/*recurse=*/false)) {
-      owner.emplace(p.value().unsafeGetTensorImpl(), m.value().get());
-    }
+/// Each unit's name in the model, after checking that it is a submodule,
+/// listed once.
+std::vector<std::string> unit_names_in(
+    const torch::nn::Module& model, const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
+  std::unordered_map<const torch::nn::Module*, std::string> names;
+  for (const auto& m : model.named_modules()) {
+    names.emplace(m.value().get(), m.key().empty() ? "(the model)" : m.key());
   }
-  std::vector<std::string> unit_names;
+  std::vector<std::string> out;
   for (size_t k = 0; k < units.size(); ++k) {
     TORCH_CHECK(units[k] != nullptr, "FullyShardedDataParallel: units[", k, "] is null");
-    const auto it = module_names.find(units[k].get());
-    TORCH_CHECK(it != module_names.end(), "FullyShardedDataParallel: units[", k,
+    const auto it = names.find(units[k].get());
+    TORCH_CHECK(it != names.end(), "FullyShardedDataParallel: units[", k,
                 "] is not a submodule of the model");
     for (size_t j = 0; j < k; ++j) {
       TORCH_CHECK(units[j] != units[k], "FullyShardedDataParallel: units[", j, "] and units[", k,
                   "] are the same module, '", it->second, "'");
     }
-    unit_names.push_back(it->second);
+    out.push_back(it->second);
   }
-  ampx::detail::check_same_on_every_rank(describe_sharded(*model, unit_names, options), group,
-                                         "FullyShardedDataParallel");
-  impl_ = std::make_unique<Impl>(model, group, options);
-  auto& impl = *impl_;
-  torch::NoGradGuard no_grad;
-  if (options.broadcast_parameters()) {
-    for (auto& p : model->parameters()) {
-      auto wire = as_wire(p.data());
-      group.broadcast(wire, 0);
+  return out;
+}
+
+/// Puts each of the model's parameters in its unit (the innermost listed
+/// one holding it: the one with the fewest parameters; the root last) and
+/// in that unit's flat space of its gather dtype. Returns their device.
+c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
+                                   const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
+  std::unordered_map<const c10::TensorImpl*, const torch::nn::Module*> owner;  // direct
+  for (const auto& m : impl.model->modules()) {
+    for (const auto& p : m->parameters(/*recurse=*/false)) {
+      owner.emplace(p.unsafeGetTensorImpl(), m.get());
     }
-    for (auto& b : model->buffers()) {
-      auto wire = as_wire(b.data());
-      group.broadcast(wire, 0);
-    }
-  }
-  // Units: as listed, then the root; a parameter goes to the innermost unit
-  // holding it (the one with the fewest parameters).
-  const bool root_listed = std::find(units.begin(), units.end(), model) != units.end();
-  if (!root_listed) {
-    units.push_back(model);
-    unit_names.push_back("(the model)");
   }
   std::vector<std::set<const c10::TensorImpl*>> held(units.size());
   for (size_t k = 0; k < units.size(); ++k) {
     for (const auto& p : units[k]->parameters()) held[k].insert(p.unsafeGetTensorImpl());
   }
-  impl.units.resize(units.size());
-  for (size_t k = 0; k < units.size(); ++k) {
-    auto& u = impl.units[k];
-    u.impl = &impl;
-    u.module = units[k].get();
-    u.name = unit_names[k];
-    u.index = static_cast<int64_t>(k);
-  }
-  const int64_t world = group.world_size(), rank = group.rank();
   std::map<std::pair<int64_t, int>, int64_t> space_of;  // (unit, dtype) -> space
   c10::optional<c10::Device> device;
-  for (const auto& np : model->named_parameters()) {
+  for (const auto& np : impl.model->named_parameters()) {
     const auto& t = np.value();
     TORCH_CHECK(t.scalar_type() == at::kFloat, "FullyShardedDataParallel: parameter '", np.key(),
                 "' is ", t.scalar_type(),
@@ -166,9 +135,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(
         unit = static_cast<int64_t>(k);
       }
     }
-    const auto* direct = owner.at(t.unsafeGetTensorImpl());
-    const bool fp32 = options.keep_norms_fp32() && ampx::detail::is_norm_layer(*direct);
-    const auto dtype = fp32 ? at::kFloat : options.param_dtype();
+    const bool fp32 = impl.options.keep_norms_fp32() &&
+                      ampx::detail::is_norm_layer(*owner.at(t.unsafeGetTensorImpl()));
+    const auto dtype = fp32 ? at::kFloat : impl.options.param_dtype();
     auto& u = impl.units[static_cast<size_t>(unit)];
     const auto key = std::make_pair(unit, static_cast<int>(dtype));
     if (!space_of.count(key)) {
@@ -193,12 +162,18 @@ FullyShardedDataParallel::FullyShardedDataParallel(
     }
     impl.params.push_back(std::move(p));
   }
-  if (device) check_reduce_dtype(group, options.reduce_dtype(), *device);
-  // The shards: rank r keeps elements [r S, (r+1) S) of each padded space.
+  return device;
+}
+
+/// Cuts each space into shards (rank r keeps elements [r S, (r+1) S) of it,
+/// padded), makes this rank's pieces, hooks the gradient accumulators and
+/// empties the module's parameters.
+void cut_shards(fsdp::Impl& impl, c10::Device device) {
+  const int64_t world = impl.group.world_size(), rank = impl.group.rank();
+  const auto fp32 = torch::TensorOptions().dtype(at::kFloat).device(device);
   for (auto& u : impl.units) {
     for (auto& s : u.spaces) {
       const int64_t shard = (s.numel + world - 1) / world;
-      const auto fp32 = torch::TensorOptions().dtype(at::kFloat).device(*device);
       auto flat = torch::zeros({shard * world}, fp32);
       for (const int64_t i : s.params) {
         const auto& p = impl.params[static_cast<size_t>(i)];
@@ -227,6 +202,45 @@ FullyShardedDataParallel::FullyShardedDataParallel(
       }
     }
   }
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(
+    std::shared_ptr<torch::nn::Module> model, ProcessGroup group,
+    std::vector<std::shared_ptr<torch::nn::Module>> units,
+    FullyShardedDataParallelOptions options) {
+  TORCH_CHECK(model != nullptr, "FullyShardedDataParallel: model is null");
+  TORCH_CHECK(is_fsdp_dtype(options.param_dtype()),
+              "FullyShardedDataParallel: param_dtype must be float32, bfloat16 or float16, got ",
+              options.param_dtype());
+  TORCH_CHECK(is_fsdp_dtype(options.reduce_dtype()),
+              "FullyShardedDataParallel: reduce_dtype must be float32, bfloat16 or float16, got ",
+              options.reduce_dtype());
+  auto unit_names = unit_names_in(*model, units);
+  ampx::detail::check_same_on_every_rank(describe_sharded(*model, unit_names, options), group,
+                                         "FullyShardedDataParallel");
+  impl_ = std::make_unique<Impl>(model, group, options);
+  auto& impl = *impl_;
+  torch::NoGradGuard no_grad;
+  if (options.broadcast_parameters()) ampx::detail::broadcast_from_rank_zero(*model, group);
+  if (std::find(units.begin(), units.end(), model) == units.end()) {
+    units.push_back(model);  // the root
+    unit_names.push_back("(the model)");
+  }
+  impl.units.resize(units.size());
+  for (size_t k = 0; k < units.size(); ++k) {
+    auto& u = impl.units[k];
+    u.impl = &impl;
+    u.module = units[k].get();
+    u.name = unit_names[k];
+    u.index = static_cast<int64_t>(k);
+  }
+  const auto device = lay_out(impl, units);
+  if (device) {
+    check_reduce_dtype(group, options.reduce_dtype(), *device);
+    cut_shards(impl, *device);
+  }
   fsdp::register_units(impl.units);
 }
 
@@ -251,22 +265,11 @@ std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
 double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
   TORCH_CHECK(max_norm > 0.0,
               "FullyShardedDataParallel::clip_grad_norm_: max_norm must be > 0, got ", max_norm);
-  torch::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const auto& p : impl_->params) {
     if (p.piece.defined() && p.piece.grad().defined()) grads.push_back(p.piece.grad());
   }
-  auto device = impl_->params.empty() ? c10::Device(c10::kCPU) : impl_->params[0].tensor.device();
-  auto sum = torch::zeros({1}, torch::TensorOptions().dtype(at::kDouble).device(device));
-  for (const auto& g : grads) sum += g.to(at::kDouble).pow(2).sum();
-  if (device.is_cuda()) sum = sum.to(at::kFloat);  // NCCL sums float32 on every build
-  impl_->group.all_reduce_sum(sum);
-  const double norm = std::sqrt(sum.to(at::kDouble).item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1.0) {
-    for (auto& g : grads) g.mul_(coef);
-  }
-  return norm;
+  return ampx::detail::clip_sharded_grad_norm(grads, impl_->group, max_norm);
 }
 
 torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {

@@ -1,13 +1,15 @@
-// The construction-time comparison of the ranks' models (model_check.h).
+// What the data-parallel wrappers share (model_check.h).
 
 #include "model_check.h"
 
+#include "process_group_impl.h"
 #include "rank_values.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -87,6 +89,38 @@ void check_same_on_every_rank(const std::vector<std::pair<std::string, std::stri
               "rank must build the same model, with the same shapes and dtypes, and wrap it with "
               "the same options): ",
               list, " (this is rank ", group.rank(), " of ", group.world_size(), ")");
+}
+
+void broadcast_from_rank_zero(torch::nn::Module& module, const dist::ProcessGroup& group) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : module.parameters()) {
+    auto wire = dist::as_wire(p.data());
+    group.broadcast(wire, 0);
+  }
+  for (auto& b : module.buffers()) {
+    auto wire = dist::as_wire(b.data());
+    group.broadcast(wire, 0);
+  }
+}
+
+// The padding of a flat space is zero and each element lives in one shard,
+// so the squared norms add up across ranks.
+double clip_sharded_grad_norm(const std::vector<at::Tensor>& grads, const dist::ProcessGroup& group,
+                              double max_norm, double unscale) {
+  torch::NoGradGuard no_grad;
+  double sum_sq = 0.0;
+  for (const auto& g : grads) {
+    const double n = at::linalg_vector_norm(g, 2, c10::nullopt, false, at::kFloat).item<double>();
+    sum_sq += n * n;
+  }
+  auto total = torch::full({1}, sum_sq, torch::kDouble);
+  group.all_reduce_sum(total);
+  const double norm = std::sqrt(total.item<double>()) * unscale;
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto g : grads) g.mul_(coef);
+  }
+  return norm;
 }
 
 }  // namespace detail

@@ -6,6 +6,7 @@
 #include "ampx/optim/optimizer.h"
 
 #include "../scaler/scale_math.h"
+#include "model_check.h"
 #include "process_group_impl.h"
 
 #include <c10/util/Exception.h>
@@ -198,24 +199,13 @@ struct ZeroRedundancyOptimizer::Impl {
     }
   }
 
-  // clip_grad_norm_ over all ranks' shards: the padding is zero and each
-  // element lives in one shard, so the squared norms add up.
+  // clip_grad_norm_ over all ranks' shards (of the unscaled gradients).
   void clip_gradients(const at::Tensor& grad_scale) {
-    double sum_sq = 0.0;
-    for (const auto& m : masters) {
-      const double n = at::linalg_vector_norm(m.grad(), 2, c10::nullopt, false, at::kFloat)
-                           .item<double>();
-      sum_sq += n * n;
-    }
-    auto total = torch::full({1}, sum_sq, torch::kDouble);
-    group.all_reduce_sum(total);
-    double norm = std::sqrt(total.item<double>());
-    if (grad_scale.defined()) norm *= ampx::detail::inverse_scale(grad_scale).item<double>();
-    last_norm = norm;
-    const double coef = *max_grad_norm / (norm + 1e-6);
-    if (coef < 1.0) {
-      for (auto& m : masters) m.mutable_grad().mul_(coef);
-    }
+    std::vector<at::Tensor> grads;
+    for (const auto& m : masters) grads.push_back(m.grad());
+    const double unscale =
+        grad_scale.defined() ? ampx::detail::inverse_scale(grad_scale).item<double>() : 1.0;
+    last_norm = ampx::detail::clip_sharded_grad_norm(grads, group, *max_grad_norm, unscale);
   }
 
   void gather_parameters() {
