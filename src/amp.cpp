@@ -154,7 +154,9 @@ AmpProperties resolve(const AmpOptions& o, const c10::Device& device) {
 
 // O2/O3 cast the model in place (set_data keeps each parameter's identity,
 // so optimizers built on it see the new dtype); O0 casts it to float32.
-void cast_model(torch::nn::Module& model, AmpProperties& props) {
+// Without `parameters`, the buffers alone (a sharded model's parameters
+// are its wrapper's to cast).
+void cast_model(torch::nn::Module& model, AmpProperties& props, bool parameters = true) {
   const auto dtype = props.cast_model_type ? props.dtype : c10::kFloat;
   torch::NoGradGuard no_grad;
   for (const auto& module : model.modules(/*include_self=*/true)) {
@@ -163,6 +165,7 @@ void cast_model(torch::nn::Module& model, AmpProperties& props) {
       continue;  // fp32 weights and statistics; fed through the forward guard
     }
     for (auto& p : module->parameters(/*recurse=*/false)) {
+      if (!parameters) break;
       if (p.is_floating_point() && p.scalar_type() != dtype) p.set_data(p.data().to(dtype));
     }
     // An FP8 layer's buffers are its scaling state: float32, as TE keeps it.
@@ -299,29 +302,21 @@ void AmpSession::load_state_dict(const std::map<std::string, StateDict>& state) 
   }
 }
 
-AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
-                      const std::vector<torch::optim::Optimizer*>& optimizers,
-                      const AmpOptions& options) {
-  TORCH_CHECK_VALUE(model != nullptr, "ampx::initialize: model is null");
-  const auto device = model_device(*model);
-  AmpProperties props = resolve(options, device);
-  check_optimizers(props, optimizers);
-  if (props.patch_torch_functions && device.is_cpu() && props.dtype == c10::kHalf) {
-    AutocastGuard probe(c10::kCPU, c10::kHalf);  // 1.13: a clear error, here and now
-  }
+namespace {
 
+// Used by both initialize()s: the tf32 settings, the session and its scalers.
+void apply_tf32(const AmpOptions& options, AmpProperties& props) {
   if (options.allow_tf32()) {
     at::globalContext().setAllowTF32CuBLAS(*options.allow_tf32());
     at::globalContext().setAllowTF32CuDNN(*options.allow_tf32());
   }
   props.tf32_matmul = at::globalContext().allowTF32CuBLAS();
   props.tf32_conv = at::globalContext().allowTF32CuDNN();
+}
 
-  mark_initialized(model);
-  capture_master_weights(props, optimizers);
-  cast_model(*model, props);
-
-  AmpSession amp(props);
+std::vector<std::unique_ptr<GradScaler>> make_scalers(const AmpProperties& props,
+                                                      const AmpOptions& options) {
+  std::vector<std::unique_ptr<GradScaler>> scalers;
   for (int64_t i = 0; i < props.num_losses; ++i) {
     GradScalerOptions so;
     if (!props.loss_scale) {
@@ -332,10 +327,73 @@ AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
       const double v = props.loss_scale->value();
       so.init_scale(v).min_scale(v).max_scale(v);
     }
-    amp.scalers_.push_back(std::make_unique<GradScaler>(so));
+    scalers.push_back(std::make_unique<GradScaler>(so));
   }
+  return scalers;
+}
+
+}  // namespace
+
+AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
+                      const std::vector<torch::optim::Optimizer*>& optimizers,
+                      const AmpOptions& options) {
+  TORCH_CHECK_VALUE(model != nullptr, "ampx::initialize: model is null");
+  const auto device = model_device(*model);
+  AmpProperties props = resolve(options, device);
+  check_optimizers(props, optimizers);
+  if (props.patch_torch_functions && device.is_cpu() && props.dtype == c10::kHalf) {
+    AutocastGuard probe(c10::kCPU, c10::kHalf);  // 1.13: a clear error, here and now
+  }
+  apply_tf32(options, props);
+  mark_initialized(model);
+  capture_master_weights(props, optimizers);
+  cast_model(*model, props);
+  AmpSession amp(props);
+  amp.scalers_ = make_scalers(props, options);
   return amp;
 }
+
+namespace detail {
+
+AmpSession initialize_sharded(const std::shared_ptr<torch::nn::Module>& model,
+                              const AmpOptions& options, c10::ScalarType param_dtype,
+                              bool norms_fp32) {
+  TORCH_CHECK_VALUE(model != nullptr, "ampx::initialize: model is null");
+  const auto device = model_device(*model);
+  AmpProperties props = resolve(options, device);
+  const auto level = ampx::to_string(props.opt_level);
+  TORCH_CHECK_VALUE(!props.cast_model_type || props.master_weights, "ampx::initialize: ", level,
+                    " keeps no fp32 master weights, but a FullyShardedDataParallel model keeps "
+                    "its shards as fp32 masters; use O2 (its parameters gathered in ",
+                    props.dtype, ")");
+  if (props.cast_model_type) {
+    TORCH_CHECK_VALUE(param_dtype == props.dtype, "ampx::initialize: ", level, " computes in ",
+                      props.dtype,
+                      ", but the FullyShardedDataParallel gathers its parameters in param_dtype ",
+                      param_dtype, "; build it with param_dtype ", props.dtype);
+    TORCH_CHECK_VALUE(norms_fp32 == props.keep_batchnorm_fp32, "ampx::initialize: ", level,
+                      " has keep_batchnorm_fp32 ", props.keep_batchnorm_fp32 ? "true" : "false",
+                      ", but the FullyShardedDataParallel has keep_norms_fp32 ",
+                      norms_fp32 ? "true" : "false", "; make them agree");
+  } else {
+    TORCH_CHECK_VALUE(param_dtype == c10::kFloat, "ampx::initialize: ", level,
+                      " computes with float32 weights (O1: under autocast), but the "
+                      "FullyShardedDataParallel gathers its parameters in param_dtype ",
+                      param_dtype, ", which is O2's model cast; use O2, or param_dtype float32");
+  }
+  if (props.patch_torch_functions && device.is_cpu() && props.dtype == c10::kHalf) {
+    AutocastGuard probe(c10::kCPU, c10::kHalf);  // 1.13: a clear error, here and now
+  }
+  apply_tf32(options, props);
+  mark_initialized(model);
+  // The parameters are the wrapper's; the buffers are cast as the level casts them.
+  cast_model(*model, props, /*parameters=*/false);
+  AmpSession amp(props);
+  amp.scalers_ = make_scalers(props, options);
+  return amp;
+}
+
+}  // namespace detail
 
 AmpSession initialize(const std::shared_ptr<torch::nn::Module>& model,
                       torch::optim::Optimizer& optimizer, OptLevel opt_level) {

@@ -151,9 +151,33 @@ TEST_P(FsdpWorldTest, ShardedTrainingGivesDdpsLossesAndWeightsHoldingAShare) {
 
 INSTANTIATE_TEST_SUITE_P(World, FsdpWorldTest, ::testing::Values(2, 3));
 
-// fp16-style loss scaling with an inf on rank 1 at step 3: every rank's
-// scaler (synchronize_found_inf) skips that step and backs off, as under
-// DDP, whose averaged gradients carry the inf to every rank.
+// ampx::initialize's O2 on the wrapper (bf16 gathers, fp32 norms, the
+// shards as masters, O2's forward guard) trains as O2 does under DDP. DDP
+// hands the optimizer each averaged gradient rounded to bf16 (the
+// parameters' dtype); the wrapper sums in bf16 where Gloo can (LibTorch
+// 2.x) and is then DDP's bit for bit; where it cannot (1.13) it sums and
+// keeps the mean in fp32, and the losses agree to that rounding's effect.
+TEST_F(FsdpTest, OptLevelO2OnTheWrapperTrainsAsO2UnderDdp) {
+  auto workers = run("O2", 2);
+  const bool bf16_sums = workers[0].output.find("reduce_dtype BFloat16") != std::string::npos;
+  for (int r = 0; r < 2; ++r) {
+    const auto a = ddp(workers[r]), b = fsdp(workers[r]);
+    ASSERT_EQ(a.losses.size(), 8u);
+    ASSERT_EQ(b.losses.size(), 8u);
+    EXPECT_NE(b.losses.back(), b.losses.front());
+    if (bf16_sums) {
+      EXPECT_EQ(b.steps, a.steps) << "rank " << r;
+      EXPECT_EQ(b.params, a.params) << "rank " << r;
+      continue;
+    }
+    EXPECT_EQ(b.losses[0], a.losses[0]) << "rank " << r;  // the same weights, the same forward
+    for (size_t s = 1; s < a.losses.size(); ++s) {
+      EXPECT_NEAR(b.losses[s], a.losses[s], 2e-2 * std::abs(a.losses[s]))
+          << "rank " << r << " step " << s;
+    }
+  }
+}
+
 TEST_F(FsdpTest, AnOverflowOnOneRankSkipsTheSameStepOnEveryRankAsDdp) {
   auto workers = run("overflow", 2);
   for (int r = 0; r < 2; ++r) {
@@ -225,6 +249,29 @@ TEST(FsdpConstructionTest, MisuseIsNamedWithTheArgumentAndItsValue) {
   EXPECT_THAT(message(model.ptr(), {},
                       ampx::dist::FullyShardedDataParallelOptions().param_dtype(torch::kDouble)),
               HasSubstr("param_dtype must be float32, bfloat16 or float16, got Double"));
+  const auto level = [&](ampx::OptLevel level, c10::ScalarType param_dtype) {
+    torch::nn::Sequential m(torch::nn::Linear(4, 8),
+                            torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+    ampx::dist::FullyShardedDataParallel fsdp(
+        m.ptr(), pg, {}, ampx::dist::FullyShardedDataParallelOptions().param_dtype(param_dtype));
+    try {
+      auto amp = ampx::initialize(fsdp, ampx::AmpOptions(level));
+      return "norms fp32: " + std::to_string(amp.properties().has_fp32_norm_layers);
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+  };
+  EXPECT_THAT(level(ampx::OptLevel::O3, torch::kBFloat16),
+              HasSubstr("O3 keeps no fp32 master weights, but a FullyShardedDataParallel model "
+                        "keeps its shards as fp32 masters; use O2"));
+  EXPECT_THAT(level(ampx::OptLevel::O2, torch::kFloat),
+              HasSubstr("O2 computes in BFloat16, but the FullyShardedDataParallel gathers its "
+                        "parameters in param_dtype Float"));
+  EXPECT_THAT(level(ampx::OptLevel::O1, torch::kBFloat16),
+              HasSubstr("gathers its parameters in param_dtype BFloat16, which is O2's model "
+                        "cast; use O2, or param_dtype float32"));
+  EXPECT_EQ(level(ampx::OptLevel::O2, torch::kBFloat16), "norms fp32: 1");
+  EXPECT_EQ(level(ampx::OptLevel::O1, torch::kFloat), "norms fp32: 0");
   model->to(torch::kBFloat16);
   EXPECT_THAT(message(model.ptr(), {}),
               HasSubstr("parameter '0.weight' is BFloat16; build the model in float32"));

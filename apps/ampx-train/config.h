@@ -28,6 +28,7 @@ struct TrainConfig {
   std::string dtype;                 // bf16 | fp16; default bf16 on CPU, fp16 on CUDA
   std::string device = "cpu";        // cpu | cuda
   int nproc = 1;  // data-parallel processes started here (torchrun sets WORLD_SIZE instead)
+  std::string shard = "none";  // none | optimizer | grad | full (sharding.h)
   int threads = 0;            // intra-op threads; 0: this host's cores / its processes
   std::string malloc = "keep";  // keep: ampx::keep_freed_cpu_memory() | default: glibc's own
   double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take

@@ -4,6 +4,7 @@
 
 #include "auto_precision.h"
 #include "fp8_layers.h"
+#include "sharding.h"
 
 #include <ampx/ampx.h>
 #include <ampx/debug/nonfinite.h>
@@ -23,7 +24,8 @@ torch::Tensor ModeSetUp::model_output(const torch::Tensor& input) {
   // are reduced over the group by finish() (the backward's when that ends).
   std::optional<ampx::fp8::Fp8AutocastGuard> region;
   if (fp8) region.emplace(ampx::fp8::Fp8AutocastOptions().amax_reduction_group(fp8_group));
-  torch::Tensor output = net.forward(amp->cast_input(input));
+  // The root unit gathered around the whole forward (--shard full, grad).
+  torch::Tensor output = ampx::dist::sharded_forward(net, amp->cast_input(input));
   if (region) region->finish();
   return output;
 }
@@ -94,12 +96,16 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
     options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16);
     options.seed(config.seed);
   }
-  setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.model->parameters(), options);
   ampx::AmpOptions amp_options(mode.level);
   if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
   if (config.tf32) amp_options.allow_tf32(true);
-  setup.amp = std::make_unique<ampx::AmpSession>(
-      ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
+  if (group && config.shard != "none") {
+    set_up_sharded(config, workload, mode, *group, options, amp_options, setup);
+  } else {
+    setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.model->parameters(), options);
+    setup.amp = std::make_unique<ampx::AmpSession>(
+        ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
+  }
   // Every submodule by its path, for the numerics diagnostics: ops that take
   // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
   // parameters it cast are the ones the forward takes).

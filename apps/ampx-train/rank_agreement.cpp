@@ -96,8 +96,12 @@ std::string from_rank0(const ampx::dist::ProcessGroup* group,
 }
 
 std::string weights_checksum(torch::nn::Module& model) {
+  return weights_checksum(model.parameters());
+}
+
+std::string weights_checksum(const std::vector<torch::Tensor>& tensors) {
   uint64_t h = 1469598103934665603ull;
-  for (const auto& p : model.parameters()) {
+  for (const auto& p : tensors) {
     const auto c = p.detach().to(torch::kCPU).contiguous();
     const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
     for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {

@@ -51,5 +51,7 @@ std::string from_rank0(const ampx::dist::ProcessGroup* group,
 /// FNV-1a (64-bit) of every parameter's bytes in order, "0x..." : equal on
 /// ranks whose weights are bitwise equal.
 std::string weights_checksum(torch::nn::Module& model);
+/// The same over `tensors`, in order (a sharded model's gathered weights).
+std::string weights_checksum(const std::vector<torch::Tensor>& tensors);
 
 }  // namespace ampx::train

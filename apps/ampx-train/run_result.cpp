@@ -17,6 +17,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("items_per_s", r.items_per_s);
   visit("median_step_ms", r.median_step_ms);
   visit("peak_bytes", r.peak_bytes);
+  visit("rank_peak_bytes", r.rank_peak_bytes);
   visit("train_loss", r.train_loss);
   visit("eval", r.eval);
   visit("skipped", r.skipped);
@@ -35,7 +36,7 @@ void for_each_field(Result& r, Visit&& visit) {
 // Fields results written before them do not have.
 bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
-         name == "cpu_products" || name == "tail_start";
+         name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes";
 }
 
 template <typename T>
@@ -69,6 +70,9 @@ void read(const nlohmann::json& j, std::vector<std::string>& v) {
   for (const auto& x : j) read(x, v.emplace_back());
 }
 void read(const nlohmann::json& j, std::vector<double>& v) {
+  for (const auto& x : j) read(x, v.emplace_back());
+}
+void read(const nlohmann::json& j, std::vector<int64_t>& v) {
   for (const auto& x : j) read(x, v.emplace_back());
 }
 void read(const nlohmann::json& j, std::vector<std::pair<int64_t, EvalResult>>& evals) {

@@ -3,6 +3,7 @@
 #include "config.h"
 
 #include "machine.h"
+#include "sharding.h"
 #include "weights_export.h"
 
 #include <ampx/version.h>
@@ -56,6 +57,7 @@ void add_run_rows(const TrainConfig& c, Rows& rows) {
     rows.add("tf32", c.tf32 ? "on (fp32 products and convolutions)" : "LibTorch's default");
   }
   if (c.nproc > 1) rows.add("processes", c.nproc);
+  if (c.shard != "none") rows.add("sharding", shard_description(c));
   rows.add("threads", c.threads);
   rows.add("malloc", c.malloc == "keep" ? "keeps freed memory (mmap threshold 32 MiB, trim 1 GiB)"
                                         : "glibc's defaults");

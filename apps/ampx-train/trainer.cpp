@@ -81,6 +81,15 @@ Batch rank_rows(Batch batch, int64_t rank, int64_t world) {
   return batch;
 }
 
+/// Every rank's `value`, in rank order (any backend: they travel as text).
+std::vector<int64_t> rank_values(const ampx::dist::ProcessGroup& group, int64_t value) {
+  std::vector<int64_t> out;
+  for (const auto& text : group.all_gather_bytes(std::to_string(value))) {
+    out.push_back(std::stoll(text));
+  }
+  return out;
+}
+
 /// One line of the metrics file.
 nlohmann::ordered_json step_record(const TrainConfig& config, const Workload& workload,
                                    const std::string& mode, int64_t step, double loss, double scale,
@@ -164,6 +173,9 @@ class ModeRun {
 
  private:
   EvalResult evaluate();
+  /// Rank 0 evaluates; with a sharded model every rank takes part (its
+  /// forward gathers the units), and rank 0's result is the one reported.
+  bool evaluates() const { return lead_ || setup_.fsdp != nullptr; }
 
   const TrainConfig& config_;
   Workload& workload_;
@@ -285,7 +297,8 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
     check_ranks_agree(*group, run_fingerprint(identity, *setup_.model, total_steps_));
   }
   // After the cast: the broadcast and the buckets see the training dtypes.
-  if (group) ddp_.emplace(setup_.model, *group);
+  // (--shard: the wrapper or ZeRO-1 reduces the gradients instead.)
+  if (group && config.shard == "none") ddp_.emplace(setup_.model, *group);
   // TE's reduce_amax: the same scales on every rank, so the ranks stay bitwise.
   const bool tensorwise =
       setup_.fp8 && mode_.name != "auto" && !fp8_recipe_of(config, mode_.name).is_block();
@@ -391,7 +404,7 @@ void ModeRun::record(int64_t step, const StepResult& r) {
   nlohmann::ordered_json record =
       step_record(config_, workload_, mode_.name, step, r.loss, scale, r.stepped, r.ms,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
-  if (lead_ && config_.eval_every > 0 && (step + 1) % config_.eval_every == 0 &&
+  if (evaluates() && config_.eval_every > 0 && (step + 1) % config_.eval_every == 0 &&
       step + 1 < total_steps_) {
     const EvalResult e = evaluate();
     result_.evals.emplace_back(step + 1, e);
@@ -409,6 +422,9 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
   const bool planned = config_.save_every > 0 && ((step + 1) % config_.save_every == 0 || last);
   stop = stop && !last;  // after the last step: the run ends as planned
   if (!planned && !stop) return false;
+  TORCH_CHECK(config_.shard == "none", "ampx-train: ", signal_name(preemption_signal()),
+              " asked to stop after step ", step + 1, ", but --shard ", config_.shard,
+              " writes no checkpoint yet: the steps of this run are lost");
   TORCH_CHECK(planned || may_write_checkpoint_, "ampx-train: ", signal_name(preemption_signal()),
               " asked to stop after step ", step + 1, ", but '", checkpoint_path_,
               "' holds a checkpoint this run did not write; it stays as it is, and the steps "
@@ -467,12 +483,34 @@ RunResult ModeRun::finish() {
   const auto tail = std::max<std::ptrdiff_t>(1, static_cast<std::ptrdiff_t>(losses.size()) / 10);
   result.train_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail;
   result.final_scale = setup_.amp->scaler().is_enabled() ? setup_.amp->scaler().get_scale() : 1.0;
-  if (lead_) result.eval = evaluate();
-  result.weights_checksum = weights_checksum(*setup_.model);
+  if (evaluates()) result.eval = evaluate();
+  if (group_) {  // what must fit on each rank: the largest of their peaks
+    result.rank_peak_bytes = rank_values(*group_, result.peak_bytes);
+    result.peak_bytes =
+        *std::max_element(result.rank_peak_bytes.begin(), result.rank_peak_bytes.end());
+  }
+  if (!setup_.fsdp) {
+    result.weights_checksum = weights_checksum(*setup_.model);
+    if (lead_ && !config_.export_weights.empty()) {
+      result.weights_path = export_path_for(config_, mode_.name);
+      export_weights(result.weights_path, *setup_.model,
+                     dynamic_cast<const ampx::optim::MixedPrecisionOptimizer&>(*setup_.optimizer),
+                     setup_.fp8_layers, identity_);
+    }
+    return result;
+  }
+  // Sharded: the weights gathered on rank 0, unit by unit (fp32, the masters).
+  const auto state = setup_.fsdp->full_state_dict();
+  result.weights_checksum = from_rank0(group_, [&] {
+    std::vector<torch::Tensor> params;
+    for (const auto& p : setup_.model->named_parameters()) params.push_back(state[p.key()]);
+    return weights_checksum(params);
+  });
   if (lead_ && !config_.export_weights.empty()) {
     result.weights_path = export_path_for(config_, mode_.name);
-    export_weights(result.weights_path, *setup_.model, *setup_.optimizer, setup_.fp8_layers,
-                   identity_);
+    std::map<std::string, torch::Tensor> weights;
+    for (const auto& item : state) weights[item.key()] = item.value();
+    export_weights(result.weights_path, weights, identity_);
   }
   return result;
 }

@@ -15,6 +15,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/fsdp.h>
 #include <ampx/precision_plan.h>
 
 #include <nlohmann/json.hpp>
@@ -40,8 +41,13 @@ void check_checkpoint_rules(const TrainConfig& config, const std::string& checkp
 struct ModeSetUp {
   torch::nn::AnyModule net;                       // the model and its forward
   std::shared_ptr<torch::nn::Module> model;       // net.ptr()
-  std::unique_ptr<ampx::optim::AdamW> optimizer;  // initialize() holds its address
+  /// AdamW over the model's parameters (--shard full, grad: over this rank's
+  /// pieces of them; optimizer: ZeRO-1's, an AdamW over this rank's shard
+  /// inside). initialize() holds its address.
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<ampx::AmpSession> amp;
+  /// --shard full or grad: the model's wrapper (null otherwise).
+  std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;
   /// fp8: the converted Linears (paths), and the group their amaxes are
   /// max-reduced over (data-parallel runs with delayed scaling).
   bool fp8 = false;

@@ -38,11 +38,15 @@ std::map<std::string, torch::Tensor> exported_weights(
 void export_weights(const std::string& path, const torch::nn::Module& model,
                     const ampx::optim::MixedPrecisionOptimizer& optimizer,
                     const std::vector<std::string>& fp8_layers, const nlohmann::json& identity) {
+  export_weights(path, exported_weights(model, optimizer, fp8_layers), identity);
+}
+
+void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
+                    const nlohmann::json& identity) {
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
   for (const auto& [key, value] : identity.items()) {
     metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
   }
-  const auto weights = exported_weights(model, optimizer, fp8_layers);
   const auto folder = std::filesystem::path(path).parent_path();
   if (!folder.empty()) std::filesystem::create_directories(folder);
   try {

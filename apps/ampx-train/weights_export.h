@@ -43,5 +43,8 @@ std::map<std::string, torch::Tensor> exported_weights(
 void export_weights(const std::string& path, const torch::nn::Module& model,
                     const ampx::optim::MixedPrecisionOptimizer& optimizer,
                     const std::vector<std::string>& fp8_layers, const nlohmann::json& identity);
+/// The same for weights already gathered (a sharded model's full state).
+void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
+                    const nlohmann::json& identity);
 
 }  // namespace ampx::train

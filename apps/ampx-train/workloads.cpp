@@ -66,6 +66,12 @@ class GptWorkload final : public Workload {
     model.ptr()->to(device);
     return model;
   }
+  std::vector<std::shared_ptr<torch::nn::Module>> units(torch::nn::Module& model) const override {
+    for (const auto& child : model.named_children()) {
+      if (child.key() == "blocks") return child.value()->children();  // the transformer blocks
+    }
+    return {};
+  }
   Batch batch(int64_t step, const torch::Device& device) override {
     // B windows of T + 1 characters at random offsets of the training split.
     auto gen = generator_for(seed_, /*stream=*/0, static_cast<uint64_t>(step));

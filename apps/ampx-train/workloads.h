@@ -52,6 +52,13 @@ class Workload {
   /// A freshly initialised model on `device`, from torch's global seed: its
   /// module (`.ptr()`) and its forward (`.forward(input)`).
   virtual torch::nn::AnyModule build(const torch::Device& device) = 0;
+  /// The submodules of `model` (build()'s) its forward calls through
+  /// ampx::dist::sharded_forward: --shard full gathers each on its own, the
+  /// rest of the model as one more unit. None: the whole model is one.
+  virtual std::vector<std::shared_ptr<torch::nn::Module>> units(torch::nn::Module& model) const {
+    (void)model;
+    return {};
+  }
   /// Step `step`'s batch on `device` (deterministic in the seed and step).
   virtual Batch batch(int64_t step, const torch::Device& device) = 0;
   /// Mean cross entropy, computed in fp32 whatever the output dtype.

@@ -80,7 +80,10 @@ struct GPTNNImpl : torch::nn::Module {
     const int64_t T = tokens.size(1);
     auto x = tok(tokens) + pos.slice(0, 0, T);
     const auto causal = mask.slice(0, 0, T).slice(1, 0, T);
-    for (const auto& block : *blocks) x = block->as<NNBlock>()->forward(x, causal);
+    for (const auto& block : *blocks) {  // each a unit of its own under ampx-train --shard full
+      auto* b = block->as<NNBlock>();
+      x = ampx::dist::sharded_forward(b, x, causal);
+    }
     return head(ln_f(x));
   }
   torch::nn::Embedding tok{nullptr};

@@ -16,6 +16,7 @@
 
 #include <ampx/debug/scope.h>
 #include <ampx/detail/compat.h>
+#include <ampx/fsdp.h>
 #include <ampx/kernels.h>
 
 #include <torch/torch.h>
@@ -166,7 +167,10 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens) {  // int64 [B, T] -> logits [B, T, vocab]
     ampx::debug::ModuleScopeGuard scope(*this);
     auto x = tok(tokens) + pos.slice(0, 0, tokens.size(1));
-    for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
+    for (const auto& block : *blocks) {  // each a unit of its own under ampx-train --shard full
+      auto* b = block->as<Block>();
+      x = ampx::dist::sharded_forward(b, x);
+    }
     return linear_2d(head, ln_f(x));
   }
   torch::nn::Embedding tok{nullptr};

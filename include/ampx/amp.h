@@ -162,6 +162,20 @@ class ForwardGuard {
   std::unique_ptr<Impl> impl_;
 };
 
+class AmpSession;
+
+namespace detail {
+/// initialize() for a model whose parameters another part of ampx casts and
+/// keeps fp32 masters of (ampx::dist::FullyShardedDataParallel gathers them
+/// in `param_dtype`, norm layers in fp32 when `norms_fp32`): checks that the
+/// level agrees with that, casts the floating buffers as the level does, and
+/// sets up the scalers and the forward region. ampx/fsdp.h's initialize()
+/// overload is the public way in.
+AmpSession initialize_sharded(const std::shared_ptr<torch::nn::Module>& model,
+                              const AmpOptions& options, c10::ScalarType param_dtype,
+                              bool norms_fp32);
+}  // namespace detail
+
 /// One model's mixed-precision training as initialize() set it up: the
 /// resolved level (properties()), the loss scalers it owns, the forward region.
 class AmpSession {
@@ -187,6 +201,8 @@ class AmpSession {
  private:
   friend AmpSession initialize(const std::shared_ptr<torch::nn::Module>&,
                                const std::vector<torch::optim::Optimizer*>&, const AmpOptions&);
+  friend AmpSession detail::initialize_sharded(const std::shared_ptr<torch::nn::Module>&,
+                                               const AmpOptions&, c10::ScalarType, bool);
   explicit AmpSession(AmpProperties properties);
   AmpProperties properties_;
   std::vector<std::unique_ptr<GradScaler>> scalers_;

@@ -58,14 +58,17 @@
 /// Optimizers whose update reads a whole parameter (LAMB's trust ratio,
 /// ampx::optim::Lamb) see only this rank's piece of it: not supported yet.
 /// Activation checkpointing (a unit's forward run again in backward) is not
-/// either. Run the forward under ampx::AutocastGuard: the units compute in
-/// param_dtype, their inputs are not cast.
+/// either. Run the forward under ampx::AutocastGuard, or under the
+/// forward_guard() of ampx::initialize(fsdp, ...)'s session (below): the
+/// units compute in param_dtype, their inputs are not cast.
 
+#include "ampx/amp.h"
 #include "ampx/dist.h"
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Optional.h>
 #include <torch/arg.h>
+#include <torch/nn/modules/container/any.h>
 #include <torch/ordered_dict.h>
 #include <torch/types.h>
 
@@ -155,6 +158,9 @@ class FullyShardedDataParallel {
   int64_t bytes_communicated() const;
   /// Units, root last: each unit's parameter names.
   std::vector<std::vector<std::string>> unit_layout() const;
+  /// The model it shards, and its settings.
+  const std::shared_ptr<torch::nn::Module>& module() const;
+  const FullyShardedDataParallelOptions& options() const;
 
  public:
   struct Impl;  ///< ampx's own sources only (src/dist/fsdp_impl.h)
@@ -164,6 +170,23 @@ class FullyShardedDataParallel {
 };
 
 }  // namespace dist
+
+/// Apex's opt levels on a sharded model: the wrapper's gathers are the
+/// level's model cast, its shards the fp32 master weights. O0 and O1 need
+/// param_dtype float32 (O1 casts under autocast), O2 param_dtype equal to
+/// its dtype and keep_norms_fp32 equal to keep_batchnorm_fp32; O3, which
+/// keeps no masters, is refused. The optimizers step parameters() (fp32:
+/// they need no masters of their own). The session's forward_guard() and
+/// cast_input() are the level's.
+///
+/// ```
+///   ampx::dist::FullyShardedDataParallel fsdp(model, pg, units,
+///       ampx::dist::FullyShardedDataParallelOptions().param_dtype(torch::kBFloat16));
+///   ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(3e-4));
+///   auto amp = ampx::initialize(fsdp, ampx::AmpOptions(ampx::OptLevel::O2));
+///   ampx::dist::synchronize_found_inf(amp.scaler(), pg);
+/// ```
+AmpSession initialize(dist::FullyShardedDataParallel& model, const AmpOptions& options);
 
 namespace detail {
 
@@ -201,6 +224,10 @@ template <typename M>
 const torch::nn::Module* module_of(const M& m) {
   return m.get();  // std::shared_ptr<Impl> and torch::nn::ModuleHolder<Impl>
 }
+template <typename M>
+const torch::nn::Module* module_of(M* m) {
+  return m;
+}
 
 }  // namespace detail
 
@@ -216,6 +243,15 @@ auto sharded_forward(M& module, Args&&... args) {
   std::vector<at::Tensor> tensors;
   ampx::detail::collect(tensors, out);
   call.finish(tensors);
+  return out;
+}
+
+/// The same for a torch::nn::AnyModule whose forward returns a tensor.
+template <typename... Args>
+at::Tensor sharded_forward(torch::nn::AnyModule& module, Args&&... args) {
+  ampx::detail::UnitCall call(module.ptr().get());
+  at::Tensor out = module.forward(std::forward<Args>(args)...);
+  call.finish({out});
   return out;
 }
 

@@ -319,6 +319,14 @@ std::vector<std::vector<std::string>> FullyShardedDataParallel::unit_layout() co
   return out;
 }
 
+const std::shared_ptr<torch::nn::Module>& FullyShardedDataParallel::module() const {
+  return impl_->model;
+}
+
+const FullyShardedDataParallelOptions& FullyShardedDataParallel::options() const {
+  return impl_->options;
+}
+
 #else  // !AMPX_WITH_DIST
 
 FullyShardedDataParallel::FullyShardedDataParallel(std::shared_ptr<torch::nn::Module>, ProcessGroup,
@@ -351,8 +359,22 @@ int64_t FullyShardedDataParallel::bytes_communicated() const {
 std::vector<std::vector<std::string>> FullyShardedDataParallel::unit_layout() const {
   return {};
 }
+const std::shared_ptr<torch::nn::Module>& FullyShardedDataParallel::module() const {
+  static const std::shared_ptr<torch::nn::Module> none;
+  return none;
+}
+const FullyShardedDataParallelOptions& FullyShardedDataParallel::options() const {
+  static const FullyShardedDataParallelOptions defaults;
+  return defaults;
+}
 
 #endif
 
 }  // namespace dist
+
+AmpSession initialize(dist::FullyShardedDataParallel& model, const AmpOptions& options) {
+  return detail::initialize_sharded(model.module(), options, model.options().param_dtype(),
+                                    model.options().keep_norms_fp32());
+}
+
 }  // namespace ampx

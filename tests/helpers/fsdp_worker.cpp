@@ -3,7 +3,7 @@
 //
 //   ampx_fsdp_worker <scenario> <out-file>
 //   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
-//              | mismatch-units
+//              | mismatch-units | O2
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -24,6 +24,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,6 +34,14 @@ namespace {
 constexpr int64_t kGlobalBatch = 12;
 constexpr int kSteps = 8;
 
+/// The norms' inputs in float32 (autocast), or as they come (O2: its
+/// forward guard takes a bf16 input to the fp32 norm and back).
+bool g_norms_fed_fp32 = true;
+
+torch::Tensor norm_input(const torch::Tensor& x) {
+  return g_norms_fed_fp32 ? x.to(torch::kFloat) : x;
+}
+
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(int64_t d)
       : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
@@ -41,7 +50,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     // (LibTorch 1.13's CPU layer_norm takes no bfloat16 input with fp32
     // weights, nor does its autocast cast it: float32 in, as Python 1.13 needs.)
-    return x + down(torch::gelu(up(norm(x.to(torch::kFloat)))));
+    return x + down(torch::gelu(up(norm(norm_input(x)))));
   }
   torch::nn::LayerNorm norm;
   torch::nn::Linear up, down;
@@ -59,7 +68,7 @@ struct NetImpl : torch::nn::Module {
     auto h = ampx::dist::sharded_forward(in, x);
     h = ampx::dist::sharded_forward(block0, h);
     h = ampx::dist::sharded_forward(block1, h);
-    return ampx::dist::sharded_forward(head, norm(h.to(torch::kFloat)));
+    return ampx::dist::sharded_forward(head, norm(norm_input(h)));
   }
   torch::nn::Linear in;
   Block block0, block1;
@@ -89,32 +98,58 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
   torch::manual_seed(100 + rank);  // different on each rank: both broadcast rank 0's
   Net model;
   const bool mixed = scenario != "fp32";
+  const bool o2 = scenario == "O2";  // ampx::initialize's O2 (sharded: on the wrapper)
+  g_norms_fed_fp32 = !o2;
   std::unique_ptr<ampx::dist::DistributedDataParallel> ddp;
   std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;
   std::vector<torch::Tensor> params;
   if (sharded) {
     auto options = ampx::dist::FullyShardedDataParallelOptions()
                        .param_dtype(mixed ? torch::kBFloat16 : torch::kFloat)
+                       .reduce_dtype(o2 ? torch::kBFloat16 : torch::kFloat)
                        .reshard_after_forward(scenario != "bf16-grad")
                        .prefetch(scenario != "bf16-noprefetch");
     std::vector<std::shared_ptr<torch::nn::Module>> units{model->in.ptr(), model->block0.ptr(),
                                                           model->block1.ptr(), model->head.ptr()};
     if (scenario == "mismatch-units" && rank == world - 1) units.pop_back();
-    fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+    try {
+      fsdp =
+          std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+    } catch (const c10::Error& e) {
+      // O2 sums in bf16, as DDP does, where Gloo can (LibTorch 2.x); else in fp32.
+      if (!o2 || std::string(e.what()).find("cannot sum") == std::string::npos) throw;
+      options.reduce_dtype(torch::kFloat);
+      fsdp =
+          std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+    }
+    std::cout << "reduce_dtype " << options.reduce_dtype() << std::endl;
     params = fsdp->parameters();
   } else {
     ddp = std::make_unique<ampx::dist::DistributedDataParallel>(model.ptr(), pg);
     params = model->parameters();
   }
   ampx::optim::AdamW opt(params, ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  std::optional<ampx::AmpSession> amp;
+  if (o2 && sharded) {
+    amp.emplace(ampx::initialize(*fsdp, ampx::AmpOptions(ampx::OptLevel::O2)));
+  } else if (o2) {
+    ddp.reset();  // DDP after the cast: its buckets see the bf16 gradients
+    amp.emplace(ampx::initialize(model.ptr(), {&opt}, ampx::AmpOptions(ampx::OptLevel::O2)));
+    ddp = std::make_unique<ampx::dist::DistributedDataParallel>(model.ptr(), pg);
+  }
+  ampx::GradScaler own_scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  ampx::GradScaler& scaler = amp ? amp->scaler() : own_scaler;
   if (sharded) ampx::dist::synchronize_found_inf(scaler, pg);
   const auto [x, y] = batch_shard(rank, world);
   std::ofstream log(out + (sharded ? ".fsdp" : ".ddp"));
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
     torch::Tensor loss;
-    {
+    if (amp) {
+      auto forward = amp->forward_guard();
+      loss = torch::mse_loss(
+          ampx::dist::sharded_forward(model, amp->cast_input(x)).to(torch::kFloat), y);
+    } else {
       ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16, mixed);
       loss = torch::mse_loss(ampx::dist::sharded_forward(model, x), y);
     }
@@ -147,7 +182,10 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
       if (rank == 0) values.push_back(state[p.key()]);
     }
   } else if (rank == 0) {
-    values = model->parameters();
+    for (const auto& p : model->parameters()) {  // O2: the masters, as the shards hold them
+      const auto master = opt.master(p);
+      values.push_back(master.defined() ? master : p);
+    }
   }
   for (const auto& v : values) {
     auto c = v.detach().to(torch::kFloat).contiguous();

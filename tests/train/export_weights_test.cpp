@@ -86,7 +86,8 @@ std::map<std::string, torch::Tensor> trained_weights(const TrainConfig& config,
                   {*setup.model, *setup.optimizer, *setup.amp});
   std::map<std::string, torch::Tensor> out;
   for (const auto& p : setup.model->named_parameters()) {
-    const auto master = setup.optimizer->master(p.value());
+    const auto master =
+        dynamic_cast<ampx::optim::MixedPrecisionOptimizer&>(*setup.optimizer).master(p.value());
     out[p.key()] = (master.defined() ? master : p.value()).detach().clone();
   }
   for (const auto& b : setup.model->named_buffers()) out[b.key()] = b.value().clone();

@@ -105,7 +105,8 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
     if (p.value().dim() != 2) continue;  // matrices: the Linear and embedding weights
     ++matrices;
     EXPECT_EQ(p.value().scalar_type(), low_weights ? low : torch::kFloat) << mode << " " << p.key();
-    const auto master = setup.optimizer->master(p.value());
+    const auto master =
+        dynamic_cast<ampx::optim::MixedPrecisionOptimizer&>(*setup.optimizer).master(p.value());
     EXPECT_EQ(master.defined(), masters) << mode << " " << p.key();
     if (master.defined()) {
       EXPECT_EQ(master.scalar_type(), torch::kFloat) << p.key();

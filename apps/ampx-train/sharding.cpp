@@ -1,0 +1,89 @@
+#include "sharding.h"
+
+#include "trainer.h"
+
+#include <ampx/fsdp.h>
+#include <ampx/zero.h>
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <sstream>
+#include <vector>
+
+namespace ampx::train {
+namespace {
+
+bool fully_sharded(const TrainConfig& c) {
+  return c.shard == "full" || c.shard == "grad";
+}
+
+}  // namespace
+
+void check_shard_config(const TrainConfig& c) {
+  if (c.shard == "none") return;
+  TORCH_CHECK(c.nproc > 1 || ampx::dist::launched_as_rank(), "ampx-train: --shard ", c.shard,
+              " shares the model's state among data-parallel processes; give --nproc N (N > 1) "
+              "or start the ranks with a launcher (torchrun)");
+  // Each rank holds a share: a checkpoint is every rank's share (not written yet).
+  TORCH_CHECK(c.save_every == 0 && !c.resume, "ampx-train: --shard ", c.shard,
+              " does not write or resume checkpoints yet (each rank would write its share); "
+              "drop --save-every and --resume, or train with --shard none");
+  TORCH_CHECK(c.export_weights.empty() || fully_sharded(c),
+              "ampx-train: --export-weights with "
+              "--shard optimizer: the fp32 masters are spread over the ranks and not gathered "
+              "for export yet; use --shard full or grad (gathered on rank 0), or none");
+}
+
+void check_shard_mode(const TrainConfig& c, const Mode& mode) {
+  if (c.shard == "none") return;
+  TORCH_CHECK(mode.level != ampx::OptLevel::O3, "ampx-train: --shard ", c.shard,
+              " keeps the fp32 master weights in the ranks' shards, but --precision O3 trains "
+              "without masters; use O2 (its weights in ",
+              mode.dtype_name(), ", masters fp32)");
+  TORCH_CHECK(!mode.fp8, "ampx-train: --shard ", c.shard, " with --precision ", mode.name,
+              ": FP8 and block-scaled weights are not gathered in their own format yet; shard "
+              "fp32, O1 or O2");
+}
+
+std::string shard_description(const TrainConfig& c) {
+  if (c.shard == "none") return "";
+  std::ostringstream s;
+  if (c.shard == "optimizer") {
+    s << "optimizer (ZeRO-1): each rank the whole model and its gradients, 1/" << c.nproc
+      << " of the fp32 masters and AdamW state";
+  } else {
+    s << c.shard << (c.shard == "full" ? " (ZeRO-3)" : " (ZeRO-2)") << ": each rank 1/" << c.nproc
+      << " of the fp32 masters, gradients and AdamW state; gathered in the mode's dtype "
+      << (c.shard == "full" ? "one unit (a block, the rest) at a time"
+                            : "from forward to backward");
+  }
+  return s.str();
+}
+
+void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& mode,
+                    const ampx::dist::ProcessGroup& group, const ampx::optim::AdamWOptions& options,
+                    const ampx::AmpOptions& amp_options, ModeSetUp& setup) {
+  check_shard_mode(config, mode);
+  if (config.shard == "optimizer") {
+    // The model stays whole; ZeRO-1 snapshots its fp32 values before O2's cast.
+    setup.optimizer = std::make_unique<ampx::dist::ZeroRedundancyOptimizer>(
+        setup.model->parameters(), group, [options](std::vector<torch::Tensor> shard) {
+          return std::make_unique<ampx::optim::AdamW>(std::move(shard), options);
+        });
+    setup.amp = std::make_unique<ampx::AmpSession>(ampx::initialize(setup.model, {}, amp_options));
+  } else {
+    auto fsdp_options =
+        ampx::dist::FullyShardedDataParallelOptions()
+            .param_dtype(mode.level == ampx::OptLevel::O2 ? mode.dtype : c10::kFloat)
+            .reshard_after_forward(config.shard == "full");
+    setup.fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(
+        setup.model, group, workload.units(*setup.model), fsdp_options);
+    setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.fsdp->parameters(), options);
+    setup.amp = std::make_unique<ampx::AmpSession>(ampx::initialize(*setup.fsdp, amp_options));
+  }
+  // Each rank checks its own share of the gradients: every rank skips together.
+  ampx::dist::synchronize_found_inf(setup.amp->scaler(), group);
+}
+
+}  // namespace ampx::train

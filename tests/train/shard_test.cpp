@@ -1,0 +1,218 @@
+// ampx-train --shard: 2 ranks of gpt and gpt-nn trained with each sharding
+// (ZeRO-1, -2, -3) against the same run under DistributedDataParallel.
+
+#include "config.h"
+#include "sharding.h"
+#include "test_support.h"
+
+#include <ampx/detail/compat.h>
+#include <ampx/dist.h>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+using ampx::train::test::contains;
+using ampx::train::test::TempDir;
+
+namespace {
+
+#ifdef AMPX_TRAIN_BINARY
+
+/// What one run gave: its result file, and each rank's weights checksum.
+struct ShardRun {
+  nlohmann::json result;
+  std::vector<std::string> weights;  // "0x...", in the order the ranks printed
+  std::string output;
+};
+
+class ShardTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
+    ampx::train::test::write_text_data(tmp_.path() / "data", "abcdefgh ", 20000, 3);
+  }
+
+  std::vector<std::string> flags(const std::string& workload, const std::string& shard,
+                                 const std::string& mode,
+                                 std::vector<std::pair<std::string, std::string>> more = {}) {
+    const std::string name = workload + "-" + shard + "-" + mode;
+    more.insert(more.end(), {{"--workload", workload},
+                             {"--layers", "2"},
+                             {"--d-model", "32"},
+                             {"--batch-size", "8"},
+                             {"--steps", "20"},
+                             {"--nproc", "2"},
+                             {"--shard", shard},
+                             {"--precision", mode},
+                             {"--data-dir", (tmp_.path() / "data").string()},
+                             {"--out-dir", (tmp_.path() / name).string()},
+                             {"--result-file", (tmp_.path() / (name + ".json")).string()}});
+    return ampx::train::test::tiny_gpt(more);
+  }
+
+  ShardRun run(const std::string& workload, const std::string& shard, const std::string& mode,
+               std::vector<std::pair<std::string, std::string>> more = {}) {
+    const std::string name = workload + "-" + shard + "-" + mode;
+    const auto exit = ampx::train::test::run_train(flags(workload, shard, mode, std::move(more)),
+                                                   tmp_.path() / (name + ".log"));
+    ShardRun r;
+    r.output = exit.output;
+    EXPECT_EQ(exit.status, 0) << name << ": " << exit.output;
+    std::ifstream in(tmp_.path() / (name + ".json"));
+    if (in) r.result = nlohmann::json::parse(in);
+    static const std::regex re(R"(rank \d+ of 2: weights (0x[0-9a-f]+))");
+    for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
+         it != std::sregex_iterator(); ++it) {
+      r.weights.push_back((*it)[1].str());
+    }
+    return r;
+  }
+
+  TempDir tmp_{"ampx-shard"};
+};
+
+std::vector<double> losses(const ShardRun& r) {
+  return r.result.value("losses", std::vector<double>{});
+}
+
+/// The bytes of the file at `path` ("" if there is none).
+std::string bytes_of(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// fp32 and O1 compute with fp32 weights in every sharding, and two ranks'
+// sums have one order: each sharding trains DDP's run bit for bit. Under
+// ZeRO-2 and -3 rank 0 gathers the fp32 weights unit by unit for the
+// checksum and --export-weights: the file DDP's run writes, byte for byte.
+// Each rank's peak memory is in the result.
+TEST_F(ShardTest, Fp32AndO1TrainDdpsRunBitForBitInEverySharding) {
+  const auto exported = [&](const std::string& shard) {
+    return tmp_.path() / ("weights-" + shard + ".safetensors");
+  };
+  for (const std::string workload : {"gpt", "gpt-nn"}) {
+    const bool gpt = workload == "gpt";
+    const std::string mode = gpt ? "fp32" : "O1";
+    const auto export_flag = [&](const std::string& shard) {
+      return std::vector<std::pair<std::string, std::string>>{
+          {"--export-weights", gpt ? exported(shard).string() : ""}};
+    };
+    const ShardRun ddp = run(workload, "none", mode, export_flag("none"));
+    ASSERT_EQ(ddp.weights.size(), 2u) << ddp.output;
+    ASSERT_EQ(losses(ddp).size(), 20u);
+    EXPECT_LT(losses(ddp).back(), losses(ddp).front());
+    const auto shardings = gpt ? std::vector<std::string>{"optimizer", "grad", "full"}
+                               : std::vector<std::string>{"full"};
+    for (const auto& shard : shardings) {
+      const ShardRun sharded =
+          run(workload, shard, mode,
+              shard == "full" ? export_flag(shard) : decltype(export_flag(""))());
+      EXPECT_EQ(losses(sharded), losses(ddp)) << workload << " " << shard;
+      EXPECT_EQ(sharded.weights, std::vector<std::string>(2, ddp.weights[0]))
+          << workload << " " << shard;
+      const auto peaks = sharded.result.value("rank_peak_bytes", std::vector<int64_t>{});
+      ASSERT_EQ(peaks.size(), 2u) << shard;
+      EXPECT_GT(peaks[1], 0);
+      EXPECT_EQ(sharded.result["peak_bytes"].get<int64_t>(), std::max(peaks[0], peaks[1]));
+    }
+  }
+  ASSERT_FALSE(bytes_of(exported("none")).empty());
+  EXPECT_EQ(bytes_of(exported("full")), bytes_of(exported("none")));
+}
+
+// O2 on bf16: ZeRO-1 sums and keeps the averaged gradients in fp32, the
+// wrapper (grad, full) sums in fp32 where Gloo cannot sum bf16 (LibTorch
+// 1.13); DDP rounds each averaged gradient to bf16, the parameters' dtype.
+// The losses agree to that rounding's effect; ZeRO-2 and -3 are the same
+// computation, bit for bit.
+TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
+  for (const std::string workload : {"gpt", "gpt-nn"}) {
+    const bool gpt = workload == "gpt";
+    const ShardRun ddp = run(workload, "none", "O2");
+    const ShardRun full = run(workload, "full", "O2");
+    ASSERT_EQ(losses(ddp).size(), 20u);
+    std::vector<const ShardRun*> sharded = {&full};
+    ShardRun grad, zero1;
+    if (gpt) {
+      grad = run(workload, "grad", "O2");
+      zero1 = run(workload, "optimizer", "O2");
+      EXPECT_EQ(losses(full), losses(grad));
+      EXPECT_EQ(full.weights, grad.weights);
+      sharded.push_back(&zero1);
+    }
+    for (const ShardRun* r : sharded) {
+      ASSERT_EQ(losses(*r).size(), 20u);
+      EXPECT_EQ(losses(*r)[0], losses(ddp)[0]) << workload;  // one forward, one batch
+      for (size_t s = 1; s < 20; ++s) {
+        EXPECT_NEAR(losses(*r)[s], losses(ddp)[s], 5e-3 * losses(ddp)[s])
+            << workload << " step " << s;
+      }
+    }
+  }
+}
+
+// fp16 (LibTorch 2.x on the CPU): the loss scale starts at 2^16 and the
+// first steps overflow; every sharding skips the steps DDP skips, on every rank.
+TEST_F(ShardTest, Fp16SkipsTheStepsDdpSkips) {
+  if (!ampx::detail::compat::cpu_autocast_supports_half()) {
+    GTEST_SKIP() << "no fp16 CPU autocast in LibTorch " << ampx::torch_version();
+  }
+  const ShardRun ddp = run("gpt", "none", "O2", {{"--dtype", "fp16"}});
+  const int64_t skipped = ddp.result.value("skipped", int64_t{0});
+  EXPECT_GT(skipped, 0) << ddp.output;
+  for (const std::string shard : {"optimizer", "full"}) {
+    const ShardRun sharded = run("gpt", shard, "O2", {{"--dtype", "fp16"}});
+    EXPECT_EQ(sharded.result.value("skipped", int64_t{-1}), skipped) << shard;
+    EXPECT_EQ(sharded.result.value("final_scale", 0.0), ddp.result.value("final_scale", 1.0))
+        << shard;
+  }
+}
+
+// What --shard cannot do yet is refused before anything trains, naming it.
+TEST_F(ShardTest, WhatShardingCannotDoIsRefusedNamingTheFlags) {
+  const auto error = [&](std::vector<std::string> args) {
+    return ampx::train::test::error_text([&] { (void)ampx::train::test::resolved_config(args); });
+  };
+  auto base = flags("gpt", "full", "O2");
+  const auto without_nproc = [&] {
+    std::vector<std::string> out;
+    for (size_t i = 0; i < base.size(); i += 2) {
+      if (base[i] != "--nproc") out.insert(out.end(), {base[i], base[i + 1]});
+    }
+    return out;
+  }();
+  EXPECT_TRUE(contains(error(without_nproc),
+                       {"--shard full shares the model's state among data-parallel processes; "
+                        "give --nproc N"}));
+  auto saving = base;
+  saving.insert(saving.end(), {"--save-every", "10"});
+  EXPECT_TRUE(contains(error(saving), {"--shard full does not write or resume checkpoints yet"}));
+  auto zero1_export = flags("gpt", "optimizer", "O2");
+  zero1_export.insert(zero1_export.end(), {"--export-weights", "w.safetensors"});
+  EXPECT_TRUE(contains(error(zero1_export), {"--export-weights with --shard optimizer"}));
+
+  const auto config = ampx::train::test::resolved_config(base);
+  EXPECT_TRUE(contains(ampx::train::settings_table(config),
+                       {"sharding",
+                        "full (ZeRO-3): each rank 1/2 of the fp32 masters, "
+                        "gradients and AdamW state"}));
+  const auto mode_error = [&](const std::string& mode) {
+    return ampx::train::test::error_text(
+        [&] { ampx::train::check_shard_mode(config, ampx::train::parse_mode(mode, config)); });
+  };
+  EXPECT_TRUE(contains(mode_error("O3"), {"--precision O3 trains without masters; use O2"}));
+  EXPECT_TRUE(contains(mode_error("fp8"), {"--shard full with --precision fp8"}));
+  EXPECT_EQ(mode_error("O2"), "");
+}
+
+#endif  // AMPX_TRAIN_BINARY
+
+}  // namespace
