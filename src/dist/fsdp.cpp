@@ -198,13 +198,40 @@ void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
   s.reduce =
       detail::ProcessGroupAccess::impl(group).reduce_scatter_async(s.reduce_out, s.reduce_in);
   bytes_communicated += s.reduce_in.numel() * static_cast<int64_t>(s.reduce_in.element_size());
-  s.reducing = true;
-  launched.emplace_back(u.index, &s - u.spaces.data());
+  s.reduced = true;
+  // One reduction in flight while backward goes on: the ones before this are
+  // finished now, so that their full-size buffers are not all held at the
+  // end of backward (4 bytes a parameter in fp32), as FSDP2 waits on the
+  // previous reduce-scatter.
+  for (const auto& [unit, space] : launched) finish_reduce(units[unit].spaces[space]);
+  launched.assign(1, {u.index, &s - u.spaces.data()});
   if (std::all_of(u.spaces.begin(), u.spaces.end(),
-                  [](const Space& x) { return x.reducing || x.grads_expected == 0; })) {
+                  [](const Space& x) { return x.reduced || x.grads_expected == 0; })) {
     u.reduced = true;
     reshard(u);  // its backward is over
   }
+}
+
+void FullyShardedDataParallel::Impl::finish_reduce(Space& s) {
+  torch::NoGradGuard no_grad;
+  const double post = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).second;
+  detail::ProcessGroupAccess::impl(group).wait(s.reduce);
+  s.reduce_in = at::Tensor();  // the unit's full-size buffer: free as soon as the sum is in
+  auto mean = s.reduce_out.scalar_type() == at::kFloat ? s.reduce_out : s.reduce_out.to(at::kFloat);
+  s.reduce_out = at::Tensor();
+  mean.mul_(1.0 / post);
+  for (const int64_t i : s.params) {
+    auto& piece = params[i].piece;
+    if (!piece.defined() || piece.numel() == 0) continue;
+    auto part = mean.narrow(0, params[i].piece_offset, piece.numel());
+    if (piece.grad().defined()) {
+      piece.mutable_grad().add_(part);
+    } else {
+      piece.mutable_grad() = part.clone();  // its own: optimizers detach_() gradients
+    }
+  }
+  s.reduce = {};
+  s.grads_seen = 0;
 }
 
 void FullyShardedDataParallel::Impl::end_of_backward() {
@@ -212,36 +239,15 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
   // Parameters that got no gradient count as zero in a space that got some.
   for (auto& u : units) {
     for (auto& s : u.spaces) {
-      if (!s.reducing && s.grads_seen > 0) launch_reduce(u, s);
+      if (!s.reduced && s.grads_seen > 0) launch_reduce(u, s);
     }
   }
-  const double post = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).second;
-  auto& pg = detail::ProcessGroupAccess::impl(group);
-  for (const auto& [unit, space] : launched) {
-    auto& s = units[unit].spaces[space];
-    pg.wait(s.reduce);
-    auto mean = s.reduce_out.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    mean.mul_(1.0 / post);
-    for (const int64_t i : s.params) {
-      auto& piece = params[i].piece;
-      if (!piece.defined() || piece.numel() == 0) continue;
-      auto part = mean.narrow(0, params[i].piece_offset, piece.numel());
-      if (piece.grad().defined()) {
-        piece.mutable_grad().add_(part);
-      } else {
-        piece.mutable_grad() = part.clone();  // its own: optimizers detach_() gradients
-      }
-    }
-    s.reduce_in = at::Tensor();
-    s.reduce_out = at::Tensor();
-    s.reduce = {};
-    s.reducing = false;
-    s.grads_seen = 0;
-  }
+  for (const auto& [unit, space] : launched) finish_reduce(units[unit].spaces[space]);
   launched.clear();
   for (auto& u : units) {
     reshard(u);
     u.reduced = false;
+    for (auto& s : u.spaces) s.reduced = false;
   }
   if (recorded_order.empty()) recorded_order = order;
   end_queued = false;

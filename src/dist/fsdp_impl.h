@@ -56,7 +56,7 @@ struct Space {
   int64_t grads_seen = 0;            // of them, accumulated in this backward
   at::Tensor reduce_in, reduce_out;  // the reduce dtype: padded, and this rank's shard
   ampx::detail::ProcessGroupAccess::Impl::ReduceScatter reduce;
-  bool reducing = false;
+  bool reduced = false;   // launched in this backward (in flight or finished)
 };
 
 struct Unit {
@@ -95,7 +95,7 @@ struct FullyShardedDataParallel::Impl {
   std::vector<int64_t> recorded_order;                // the first step's, for prefetching
   int depth = 0;                                      // sharded_forward calls in progress
   bool end_queued = false;                            // end_of_backward queued in this backward
-  std::vector<std::pair<int64_t, int64_t>> launched;  // (unit, space) reductions in flight
+  std::vector<std::pair<int64_t, int64_t>> launched;  // (unit, space) reduction in flight
 
   int64_t gathered_bytes = 0, peak_gathered_bytes = 0, bytes_communicated = 0;
 
@@ -111,6 +111,8 @@ struct FullyShardedDataParallel::Impl {
   void queue_end_of_backward();
   void on_grad(int64_t param);
   void launch_reduce(fsdp::Unit& u, fsdp::Space& s);
+  /// Waits for `s`'s reduce-scatter and adds its mean to the pieces' .grad.
+  void finish_reduce(fsdp::Space& s);
   void end_of_backward();
 };
 
