@@ -20,7 +20,9 @@ In one run, on one machine, with the same threads everywhere:
      memory, MFU;
   5. what each side ran (kernel_probe.py): a one-step bf16 run of each with oneDNN's verbose
      mode: oneDNN's ISA and bf16 kernels, the fp32 BLAS, the attention path;
-  6. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes;
+  6. data parallel (ampx_dist_bench): Gloo collectives, gpt with 1 and 2 processes; and
+     bytes per parameter on each rank under --shard none/optimizer/grad/full at 1, 2 and 4
+     ranks (sharding.py);
   7. numerics diagnostics (ampx::debug): ampx-train gpt fp32 plain, with --detect-nonfinite
      (NonFiniteGuard) and with --range-stats (RangeStatsCollector), step time and ratio to plain;
      with --baseline-train, also the plain step of another build (nothing active vs before);
@@ -51,6 +53,7 @@ import e2e  # noqa: E402
 import fp8  # noqa: E402
 import harness  # noqa: E402
 import kernel_probe  # noqa: E402
+import sharding  # noqa: E402
 import step_profile  # noqa: E402
 import wheel  # noqa: E402
 from e2e import GPT_WORKLOADS, MODES, WORKLOADS, gpt_flops_per_step  # noqa: E402
@@ -332,6 +335,7 @@ def build_report(args, data):
         for name, why in dbg.get("failed", {}).items():
             w(f"| {name} | failed: {why} | | |")
         w("")
+    lines += sharding.report(data.get("sharding"))
     lines += attention.report(data.get("attention") or [])
     w("## Notes")
     w("")
@@ -564,7 +568,7 @@ def main():
                    help="the forky chroot's ampx-train (LibTorch 2.14), run beside the wheel's "
                         "when built: ampx on the wheel vs on 2.14")
     p.add_argument("--only",
-                   default="gemm,micro,fp8,e2e,python,wheel,kernels,dist,debug,attention",
+                   default="gemm,micro,fp8,e2e,python,wheel,kernels,dist,sharding,debug,attention",
                    help="comma-separated parts to run (the report covers what ran)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes and steps: checks the harness end to end in a few minutes")
@@ -601,6 +605,8 @@ def main():
     data["rounds"] = args.rounds
     if "dist" in parts:
         data["dist"] = dist(args, args.out)
+    if "sharding" in parts:
+        data["sharding"] = sharding.measure(args, args.out)
     if "debug" in parts:
         data["debug"] = {w: debug_cost(args, args.out, w) for w in args.debug_workloads.split(",")}
     if "attention" in parts:

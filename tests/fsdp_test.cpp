@@ -152,25 +152,21 @@ TEST_P(FsdpWorldTest, ShardedTrainingGivesDdpsLossesAndWeightsHoldingAShare) {
 INSTANTIATE_TEST_SUITE_P(World, FsdpWorldTest, ::testing::Values(2, 3));
 
 // ampx::initialize's O2 on the wrapper (bf16 gathers, fp32 norms, the
-// shards as masters, O2's forward guard) trains as O2 does under DDP. DDP
-// hands the optimizer each averaged gradient rounded to bf16 (the
-// parameters' dtype); the wrapper sums in bf16 where Gloo can (LibTorch
-// 2.x) and is then DDP's bit for bit; where it cannot (1.13) it sums and
-// keeps the mean in fp32, and the losses agree to that rounding's effect.
+// shards as masters, O2's forward guard) trains as O2 does under DDP: the
+// same first loss (one forward of the same weights), then losses within
+// 2% over 8 AdamW steps at lr 1e-2. Not bit for bit: DDP hands its
+// optimizer each averaged gradient rounded to bf16 and steps masters beside
+// bf16 weights, the wrapper steps fp32 shards (it sums in bf16 where Gloo
+// can, LibTorch 2.x, else in fp32; both were measured 0.4-0.6% apart by
+// step 8).
 TEST_F(FsdpTest, OptLevelO2OnTheWrapperTrainsAsO2UnderDdp) {
   auto workers = run("O2", 2);
-  const bool bf16_sums = workers[0].output.find("reduce_dtype BFloat16") != std::string::npos;
   for (int r = 0; r < 2; ++r) {
     const auto a = ddp(workers[r]), b = fsdp(workers[r]);
     ASSERT_EQ(a.losses.size(), 8u);
     ASSERT_EQ(b.losses.size(), 8u);
-    EXPECT_NE(b.losses.back(), b.losses.front());
-    if (bf16_sums) {
-      EXPECT_EQ(b.steps, a.steps) << "rank " << r;
-      EXPECT_EQ(b.params, a.params) << "rank " << r;
-      continue;
-    }
-    EXPECT_EQ(b.losses[0], a.losses[0]) << "rank " << r;  // the same weights, the same forward
+    EXPECT_LT(b.losses.back(), 0.5 * b.losses.front());
+    EXPECT_EQ(b.losses[0], a.losses[0]) << "rank " << r;
     for (size_t s = 1; s < a.losses.size(); ++s) {
       EXPECT_NEAR(b.losses[s], a.losses[s], 2e-2 * std::abs(a.losses[s]))
           << "rank " << r << " step " << s;

@@ -116,13 +116,7 @@ void add_process_options(CLI::App& app, TrainConfig& c) {
                  "data-parallel processes on this machine (Gloo); --batch-size is the global "
                  "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
       ->check(kPositive);
-  app.add_option("--shard", c.shard,
-                 "what each data-parallel rank keeps: none (the whole model, as DDP), optimizer "
-                 "(ZeRO-1: 1/N of the fp32 masters and AdamW state), grad (ZeRO-2: 1/N of "
-                 "masters, gradients and state), full (ZeRO-3: the same, each gpt block "
-                 "gathered only while it computes)")
-      ->check(CLI::IsMember({"none", "optimizer", "grad", "full"}))
-      ->capture_default_str();
+  add_shard_option(app, c);
   app.add_option("--dist-timeout", c.dist_timeout,
                  "seconds the ranks' rendezvous and each collective may take before the run "
                  "fails naming the ranks that stopped answering")

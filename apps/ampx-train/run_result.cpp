@@ -1,5 +1,6 @@
 #include "run_result.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace ampx::train {
@@ -100,5 +101,44 @@ RunResult run_result_from_json(const nlohmann::json& json) {
   });
   return r;
 }
+
+// GCC 14 reports the destructor of summarize_timing's std::vector<double>
+// as freeing a non-heap pointer: a false positive inside libstdc++ (GCC 12
+// and 16 do not report it).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 14
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wfree-nonheap-object"
+#define AMPX_RUN_RESULT_GCC14_PUSHED
+#endif
+
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+/// Throughput over the steps after warm-up (the first steps pay for lazy
+/// initialisation in oneDNN, the allocator and the optimizer's state).
+void summarize_timing(const Workload& workload, const std::vector<double>& step_ms,
+                      RunResult& result) {
+  const size_t warm = std::min<size_t>(10, std::max<size_t>(1, step_ms.size() / 10));
+  if (step_ms.size() <= warm) return;
+  std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warm), step_ms.end());
+  double sum = 0;
+  for (double t : timed) sum += t;
+  result.timed_steps = static_cast<int64_t>(timed.size());
+  result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
+  result.median_step_ms = median(timed);
+}
+
+#ifdef AMPX_RUN_RESULT_GCC14_PUSHED
+#pragma GCC diagnostic pop
+#undef AMPX_RUN_RESULT_GCC14_PUSHED
+#endif
 
 }  // namespace ampx::train

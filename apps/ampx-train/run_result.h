@@ -63,4 +63,11 @@ struct RunResult {
 nlohmann::json to_json(const RunResult& result);
 RunResult run_result_from_json(const nlohmann::json& json);
 
+/// Throughput over the steps after warm-up (the first steps pay for lazy
+/// initialisation in oneDNN, the allocator and the optimizer's state):
+/// timed_steps, items_per_s and median_step_ms of `result` from every
+/// step's wall time `step_ms`.
+void summarize_timing(const Workload& workload, const std::vector<double>& step_ms,
+                      RunResult& result);
+
 }  // namespace ampx::train

@@ -1,12 +1,18 @@
 #include "sharding.h"
 
+#include "rank_agreement.h"
 #include "trainer.h"
+#include "weights_export.h"
 
 #include <ampx/fsdp.h>
 #include <ampx/zero.h>
 
+#include <CLI/CLI.hpp>
+
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <vector>
@@ -19,6 +25,16 @@ bool fully_sharded(const TrainConfig& c) {
 }
 
 }  // namespace
+
+void add_shard_option(CLI::App& app, TrainConfig& c) {
+  app.add_option("--shard", c.shard,
+                 "what each data-parallel rank keeps: none (the whole model, as DDP), optimizer "
+                 "(ZeRO-1: 1/N of the fp32 masters and AdamW state), grad (ZeRO-2: 1/N of "
+                 "masters, gradients and state), full (ZeRO-3: the same, each gpt block "
+                 "gathered only while it computes)")
+      ->check(CLI::IsMember({"none", "optimizer", "grad", "full"}))
+      ->capture_default_str();
+}
 
 void check_shard_config(const TrainConfig& c) {
   if (c.shard == "none") return;
@@ -84,6 +100,31 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
   }
   // Each rank checks its own share of the gradients: every rank skips together.
   ampx::dist::synchronize_found_inf(setup.amp->scaler(), group);
+}
+
+void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result) {
+  result.rank_peak_bytes.clear();
+  for (const auto& text : group.all_gather_bytes(std::to_string(result.peak_bytes))) {
+    result.rank_peak_bytes.push_back(std::stoll(text));  // text: any backend carries it
+  }
+  result.peak_bytes =
+      *std::max_element(result.rank_peak_bytes.begin(), result.rank_peak_bytes.end());
+}
+
+void finish_fully_sharded(const TrainConfig& config, const std::string& mode,
+                          const nlohmann::json& identity, const ampx::dist::ProcessGroup& group,
+                          ModeSetUp& setup, RunResult& result) {
+  const auto state = setup.fsdp->full_state_dict();  // rank 0's; the others' are empty
+  result.weights_checksum = from_rank0(&group, [&] {
+    std::vector<torch::Tensor> params;
+    for (const auto& p : setup.model->named_parameters()) params.push_back(state[p.key()]);
+    return weights_checksum(params);
+  });
+  if (group.rank() != 0 || config.export_weights.empty()) return;
+  result.weights_path = export_path_for(config, mode);
+  std::map<std::string, torch::Tensor> weights;
+  for (const auto& item : state) weights[item.key()] = item.value();
+  export_weights(result.weights_path, weights, identity);
 }
 
 }  // namespace ampx::train

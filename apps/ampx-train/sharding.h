@@ -12,17 +12,27 @@
 //              rest of the model) gathered only while it computes
 
 #include "config.h"
+#include "run_result.h"
 #include "workloads.h"
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/optim/adamw.h>
 
+#include <nlohmann/json.hpp>
+
 #include <string>
+
+namespace CLI {
+class App;
+}  // namespace CLI
 
 namespace ampx::train {
 
 struct ModeSetUp;
+
+/// Adds --shard to `app`, into config.shard.
+void add_shard_option(CLI::App& app, TrainConfig& config);
 
 /// Refuses --shard where this run cannot shard (one process; checkpoints
 /// and --export-weights that are not written sharded yet): c10::Error naming
@@ -43,5 +53,16 @@ std::string shard_description(const TrainConfig& config);
 void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& mode,
                     const ampx::dist::ProcessGroup& group, const ampx::optim::AdamWOptions& options,
                     const ampx::AmpOptions& amp_options, ModeSetUp& setup);
+
+/// Every rank's peak_bytes of `result` in rank_peak_bytes, and the largest
+/// of them as peak_bytes: what must fit on each rank. Collective.
+void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result);
+
+/// The end of a --shard full or grad run: rank 0 gathers the fp32 weights
+/// unit by unit; every rank's weights_checksum is theirs, and rank 0
+/// writes them to --export-weights (with `identity` as metadata). Collective.
+void finish_fully_sharded(const TrainConfig& config, const std::string& mode,
+                          const nlohmann::json& identity, const ampx::dist::ProcessGroup& group,
+                          ModeSetUp& setup, RunResult& result);
 
 }  // namespace ampx::train

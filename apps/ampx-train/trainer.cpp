@@ -12,6 +12,7 @@
 #include "progress.h"
 #include "rank_agreement.h"
 #include "report.h"
+#include "sharding.h"
 #include "weights_export.h"
 
 #include <ampx/ampx.h>
@@ -29,26 +30,10 @@
 #include <numeric>
 #include <optional>
 
-// GCC 14 reports the destructor of summarize_timing's std::vector<double>,
-// inlined into train_mode, as freeing a non-heap pointer: a false positive
-// inside libstdc++ (GCC 12 and 16 do not report it).
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 14
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wfree-nonheap-object"
-#define AMPX_TRAINER_GCC14_PUSHED
-#endif
-
 namespace ampx::train {
 namespace {
 
 namespace fs = std::filesystem;
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 }  // namespace
 
@@ -81,15 +66,6 @@ Batch rank_rows(Batch batch, int64_t rank, int64_t world) {
   return batch;
 }
 
-/// Every rank's `value`, in rank order (any backend: they travel as text).
-std::vector<int64_t> rank_values(const ampx::dist::ProcessGroup& group, int64_t value) {
-  std::vector<int64_t> out;
-  for (const auto& text : group.all_gather_bytes(std::to_string(value))) {
-    out.push_back(std::stoll(text));
-  }
-  return out;
-}
-
 /// One line of the metrics file.
 nlohmann::ordered_json step_record(const TrainConfig& config, const Workload& workload,
                                    const std::string& mode, int64_t step, double loss, double scale,
@@ -106,20 +82,6 @@ nlohmann::ordered_json step_record(const TrainConfig& config, const Workload& wo
       {workload.unit() + "_per_s", workload.items_per_step() * 1000.0 / ms},
       {"elapsed_s", elapsed_s},
   };
-}
-
-/// Throughput over the steps after warm-up (the first steps pay for lazy
-/// initialisation in oneDNN, the allocator and the optimizer's state).
-void summarize_timing(const Workload& workload, const std::vector<double>& step_ms,
-                      RunResult& result) {
-  const size_t warm = std::min<size_t>(10, std::max<size_t>(1, step_ms.size() / 10));
-  if (step_ms.size() <= warm) return;
-  std::vector<double> timed(step_ms.begin() + static_cast<std::ptrdiff_t>(warm), step_ms.end());
-  double sum = 0;
-  for (double t : timed) sum += t;
-  result.timed_steps = static_cast<int64_t>(timed.size());
-  result.items_per_s = workload.items_per_step() * 1000.0 * timed.size() / sum;
-  result.median_step_ms = median(timed);
 }
 
 /// The ranks' agreement after a step, carried by the one all-reduce the loss
@@ -484,33 +446,17 @@ RunResult ModeRun::finish() {
   result.train_loss = std::accumulate(losses.end() - tail, losses.end(), 0.0) / tail;
   result.final_scale = setup_.amp->scaler().is_enabled() ? setup_.amp->scaler().get_scale() : 1.0;
   if (evaluates()) result.eval = evaluate();
-  if (group_) {  // what must fit on each rank: the largest of their peaks
-    result.rank_peak_bytes = rank_values(*group_, result.peak_bytes);
-    result.peak_bytes =
-        *std::max_element(result.rank_peak_bytes.begin(), result.rank_peak_bytes.end());
-  }
-  if (!setup_.fsdp) {
-    result.weights_checksum = weights_checksum(*setup_.model);
-    if (lead_ && !config_.export_weights.empty()) {
-      result.weights_path = export_path_for(config_, mode_.name);
-      export_weights(result.weights_path, *setup_.model,
-                     dynamic_cast<const ampx::optim::MixedPrecisionOptimizer&>(*setup_.optimizer),
-                     setup_.fp8_layers, identity_);
-    }
+  if (group_) gather_rank_peaks(*group_, result);
+  if (setup_.fsdp) {
+    finish_fully_sharded(config_, mode_.name, identity_, *group_, setup_, result);
     return result;
   }
-  // Sharded: the weights gathered on rank 0, unit by unit (fp32, the masters).
-  const auto state = setup_.fsdp->full_state_dict();
-  result.weights_checksum = from_rank0(group_, [&] {
-    std::vector<torch::Tensor> params;
-    for (const auto& p : setup_.model->named_parameters()) params.push_back(state[p.key()]);
-    return weights_checksum(params);
-  });
+  result.weights_checksum = weights_checksum(*setup_.model);
   if (lead_ && !config_.export_weights.empty()) {
     result.weights_path = export_path_for(config_, mode_.name);
-    std::map<std::string, torch::Tensor> weights;
-    for (const auto& item : state) weights[item.key()] = item.value();
-    export_weights(result.weights_path, weights, identity_);
+    export_weights(result.weights_path, *setup_.model,
+                   dynamic_cast<const ampx::optim::MixedPrecisionOptimizer&>(*setup_.optimizer),
+                   setup_.fp8_layers, identity_);
   }
   return result;
 }
@@ -530,8 +476,3 @@ RunResult train_mode(const TrainConfig& config, Workload& workload, const std::s
 }
 
 }  // namespace ampx::train
-
-#ifdef AMPX_TRAINER_GCC14_PUSHED
-#pragma GCC diagnostic pop
-#undef AMPX_TRAINER_GCC14_PUSHED
-#endif

@@ -5,7 +5,6 @@
 #include "sharding.h"
 #include "test_support.h"
 
-#include <ampx/detail/compat.h>
 #include <ampx/dist.h>
 
 #include <gtest/gtest.h>
@@ -128,11 +127,12 @@ TEST_F(ShardTest, Fp32AndO1TrainDdpsRunBitForBitInEverySharding) {
   EXPECT_EQ(bytes_of(exported("full")), bytes_of(exported("none")));
 }
 
-// O2 on bf16: ZeRO-1 sums and keeps the averaged gradients in fp32, the
-// wrapper (grad, full) sums in fp32 where Gloo cannot sum bf16 (LibTorch
-// 1.13); DDP rounds each averaged gradient to bf16, the parameters' dtype.
-// The losses agree to that rounding's effect; ZeRO-2 and -3 are the same
-// computation, bit for bit.
+// O2 on bf16: ZeRO-1 and the wrapper (grad, full) sum and keep the
+// averaged gradients in fp32 and step fp32 shards; DDP rounds each averaged
+// gradient to bf16 (the parameters' dtype) and steps masters beside bf16
+// weights. The first loss is the same (one forward of the same weights),
+// the later ones agree within 0.5% over 20 steps; ZeRO-2 and -3 are the
+// same computation, bit for bit.
 TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
   for (const std::string workload : {"gpt", "gpt-nn"}) {
     const bool gpt = workload == "gpt";
@@ -156,23 +156,6 @@ TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
             << workload << " step " << s;
       }
     }
-  }
-}
-
-// fp16 (LibTorch 2.x on the CPU): the loss scale starts at 2^16 and the
-// first steps overflow; every sharding skips the steps DDP skips, on every rank.
-TEST_F(ShardTest, Fp16SkipsTheStepsDdpSkips) {
-  if (!ampx::detail::compat::cpu_autocast_supports_half()) {
-    GTEST_SKIP() << "no fp16 CPU autocast in LibTorch " << ampx::torch_version();
-  }
-  const ShardRun ddp = run("gpt", "none", "O2", {{"--dtype", "fp16"}});
-  const int64_t skipped = ddp.result.value("skipped", int64_t{0});
-  EXPECT_GT(skipped, 0) << ddp.output;
-  for (const std::string shard : {"optimizer", "full"}) {
-    const ShardRun sharded = run("gpt", shard, "O2", {{"--dtype", "fp16"}});
-    EXPECT_EQ(sharded.result.value("skipped", int64_t{-1}), skipped) << shard;
-    EXPECT_EQ(sharded.result.value("final_scale", 0.0), ddp.result.value("final_scale", 1.0))
-        << shard;
   }
 }
 
