@@ -171,14 +171,15 @@ class RankFaultsTest : public ::testing::Test {
 
 // --- a stopped rank -------------------------------------------------------
 
-class StalledRankTest : public RankFaultsTest,
-                        public ::testing::WithParamInterface<std::tuple<int, int>> {};
+class StalledRankTest
+    : public RankFaultsTest,
+      public ::testing::WithParamInterface<std::tuple<int, int, std::string>> {};
 
 TEST_P(StalledRankTest, OthersFailWithinTheTimeoutNamingTheStoppedRank) {
-  const auto [nproc, stopped] = GetParam();
+  const auto [nproc, stopped, shard] = GetParam();
   constexpr int kTimeoutS = 5;
   auto a = args("run", 1000000, kTimeoutS);
-  a.insert(a.end(), {"--nproc", std::to_string(nproc)});
+  a.insert(a.end(), {"--nproc", std::to_string(nproc), "--shard", shard});
   const fs::path log = dir_.path() / "run.log";
   const pid_t pid = ampx::train::test::spawn_train(a, log);
   const ampx::train::test::KillGroupGuard guard(pid);
@@ -193,8 +194,8 @@ TEST_P(StalledRankTest, OthersFailWithinTheTimeoutNamingTheStoppedRank) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
   // (The launcher SIGKILLs the ranks when one fails; the guard kills and
   // continues what may be left.)
-  std::printf("[ measured ] --nproc %d, rank %d stopped: the run ended %.2f s later\n", nproc,
-              stopped, s);
+  std::printf("[ measured ] --nproc %d --shard %s, rank %d stopped: the run ended %.2f s later\n",
+              nproc, shard.c_str(), stopped, s);
   EXPECT_FALSE(e.killed) << e.output;
   EXPECT_EQ(e.status, 1) << e.output;
   // The collective under way times out (the probe included) within the
@@ -216,10 +217,14 @@ TEST_P(StalledRankTest, OthersFailWithinTheTimeoutNamingTheStoppedRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, StalledRankTest,
-                         ::testing::Values(std::make_tuple(2, 1), std::make_tuple(3, 0)),
+                         // --shard full: the units' all-gathers and reduce-scatters
+                         ::testing::Values(std::make_tuple(2, 1, std::string("none")),
+                                           std::make_tuple(3, 0, std::string("none")),
+                                           std::make_tuple(2, 1, std::string("full"))),
                          [](const auto& info) {
                            return "nproc" + std::to_string(std::get<0>(info.param)) + "_stop" +
-                                  std::to_string(std::get<1>(info.param));
+                                  std::to_string(std::get<1>(info.param)) + "_shard_" +
+                                  std::get<2>(info.param);
                          });
 
 // --- a rank started differently ------------------------------------------
