@@ -158,8 +158,9 @@ class FullyShardedDataParallel {
   int64_t bytes_communicated() const;
   /// Units, root last: each unit's parameter names.
   std::vector<std::vector<std::string>> unit_layout() const;
-  /// The model it shards, and its settings.
+  /// The model it shards.
   const std::shared_ptr<torch::nn::Module>& module() const;
+  /// Its settings, as given at construction.
   const FullyShardedDataParallelOptions& options() const;
 
  public:
