@@ -27,8 +27,8 @@ struct RunResult {
   int64_t timed_steps = 0;  // steps timed in this process, after warm-up
   double items_per_s = 0;   // tokens or samples per second over the timed steps
   double median_step_ms = 0;
-  int64_t peak_bytes =
-      0;  // most tensor bytes allocated at once while training (ranks: the largest)
+  /// Most tensor bytes allocated at once while training (ranks: the largest).
+  int64_t peak_bytes = 0;
   std::vector<int64_t> rank_peak_bytes;  // data-parallel runs: each rank's, in rank order
   double train_loss = 0;       // mean loss of the last tenth of the steps
   EvalResult eval;             // held-out loss and bpc / accuracy at the end

@@ -45,6 +45,7 @@ void check_shard_config(const TrainConfig& c) {
   TORCH_CHECK(c.save_every == 0 && !c.resume, "ampx-train: --shard ", c.shard,
               " does not write or resume checkpoints yet (each rank would write its share); "
               "drop --save-every and --resume, or train with --shard none");
+  for (const auto& mode : modes_of(c)) check_shard_mode(c, parse_mode(mode, c));
   TORCH_CHECK(c.export_weights.empty() || fully_sharded(c),
               "ampx-train: --export-weights with "
               "--shard optimizer: the fp32 masters are spread over the ranks and not gathered "
@@ -80,7 +81,6 @@ std::string shard_description(const TrainConfig& c) {
 void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& mode,
                     const ampx::dist::ProcessGroup& group, const ampx::optim::AdamWOptions& options,
                     const ampx::AmpOptions& amp_options, ModeSetUp& setup) {
-  check_shard_mode(config, mode);
   if (config.shard == "optimizer") {
     // The model stays whole; ZeRO-1 snapshots its fp32 values before O2's cast.
     setup.optimizer = std::make_unique<ampx::dist::ZeroRedundancyOptimizer>(

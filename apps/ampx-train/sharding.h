@@ -34,9 +34,9 @@ struct ModeSetUp;
 /// Adds --shard to `app`, into config.shard.
 void add_shard_option(CLI::App& app, TrainConfig& config);
 
-/// Refuses --shard where this run cannot shard (one process; checkpoints
-/// and --export-weights that are not written sharded yet): c10::Error naming
-/// the flags.
+/// Refuses --shard where this run cannot shard (one process; a mode
+/// check_shard_mode() refuses; checkpoints and --export-weights that are not
+/// written sharded yet): c10::Error naming the flags.
 void check_shard_config(const TrainConfig& config);
 
 /// Refuses mode `mode` under --shard (O3, which keeps no masters; the FP8
@@ -46,7 +46,8 @@ void check_shard_mode(const TrainConfig& config, const Mode& mode);
 /// What each rank holds, for the settings table ("" for --shard none).
 std::string shard_description(const TrainConfig& config);
 
-/// --shard's set-up of `setup` (its model built in fp32 and seeded): the
+/// --shard's set-up of `setup` (its model built in fp32 and seeded; the
+/// mode passed check_shard_mode()): the
 /// FullyShardedDataParallel over the workload's units and the root (grad,
 /// full) or ZeRO-1 (optimizer), AdamW over what this rank steps, the AMP
 /// session on it, and found-inf agreed across `group`.

@@ -203,8 +203,8 @@ void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
   // finished now, so that their full-size buffers are not all held at the
   // end of backward (4 bytes a parameter in fp32), as FSDP2 waits on the
   // previous reduce-scatter.
-  for (const auto& [unit, space] : launched) finish_reduce(units[unit].spaces[space]);
-  launched.assign(1, {u.index, &s - u.spaces.data()});
+  if (in_flight) finish_reduce(units[in_flight->first].spaces[in_flight->second]);
+  in_flight.emplace(u.index, &s - u.spaces.data());
   if (std::all_of(u.spaces.begin(), u.spaces.end(),
                   [](const Space& x) { return x.reduced || x.grads_expected == 0; })) {
     u.reduced = true;
@@ -242,8 +242,8 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
       if (!s.reduced && s.grads_seen > 0) launch_reduce(u, s);
     }
   }
-  for (const auto& [unit, space] : launched) finish_reduce(units[unit].spaces[space]);
-  launched.clear();
+  if (in_flight) finish_reduce(units[in_flight->first].spaces[in_flight->second]);
+  in_flight.reset();
   for (auto& u : units) {
     reshard(u);
     u.reduced = false;

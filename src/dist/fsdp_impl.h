@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -95,7 +96,7 @@ struct FullyShardedDataParallel::Impl {
   std::vector<int64_t> recorded_order;                // the first step's, for prefetching
   int depth = 0;                                      // sharded_forward calls in progress
   bool end_queued = false;                            // end_of_backward queued in this backward
-  std::vector<std::pair<int64_t, int64_t>> launched;  // (unit, space) reduction in flight
+  std::optional<std::pair<int64_t, int64_t>> in_flight;  // (unit, space) of the reduction in flight
 
   int64_t gathered_bytes = 0, peak_gathered_bytes = 0, bytes_communicated = 0;
 

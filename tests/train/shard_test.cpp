@@ -178,6 +178,9 @@ TEST_F(ShardTest, WhatShardingCannotDoIsRefusedNamingTheFlags) {
   auto saving = base;
   saving.insert(saving.end(), {"--save-every", "10"});
   EXPECT_TRUE(contains(error(saving), {"--shard full does not write or resume checkpoints yet"}));
+  // A mode the sharding cannot train is refused with the flags, before any rank starts.
+  EXPECT_TRUE(contains(error(flags("gpt", "full", "O3")),
+                       {"--precision O3 trains without masters; use O2"}));
   auto zero1_export = flags("gpt", "optimizer", "O2");
   zero1_export.insert(zero1_export.end(), {"--export-weights", "w.safetensors"});
   EXPECT_TRUE(contains(error(zero1_export), {"--export-weights with --shard optimizer"}));
