@@ -73,6 +73,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -84,6 +85,13 @@ namespace torch {
 namespace nn {
 class Module;
 }  // namespace nn
+namespace optim {
+class Optimizer;
+}  // namespace optim
+namespace serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace serialize
 }  // namespace torch
 
 namespace ampx {
@@ -148,6 +156,27 @@ class FullyShardedDataParallel {
   /// dtype) on rank 0, gathered one unit at a time; empty on the others.
   /// Collective.
   torch::OrderedDict<std::string, at::Tensor> full_state_dict();
+
+  /// Writes this rank's shard into `archive`: its fp32 piece of each
+  /// parameter with the element of the parameter where the piece starts,
+  /// the buffers, and, given `optimizer` (one of ampx::optim's, over
+  /// parameters()), its moments and step counts for those pieces. Each rank
+  /// saves its own (e.g. ampx::save_archive to a file of its own).
+  void save_shard(torch::serialize::OutputArchive& archive,
+                  const torch::optim::Optimizer* optimizer = nullptr) const;
+  /// Reads saved rank `rank`'s shard into `archive` (e.g. ampx::load_archive
+  /// of its file); throws naming what it could not read.
+  using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArchive& archive)>;
+  /// Restores what `saved_world_size` ranks' save_shard() wrote, whatever
+  /// this group's size (resharding): each rank reads every saved shard, one
+  /// at a time, keeps the elements of its own pieces and checks that every
+  /// element came from exactly one shard of the same parameter. `optimizer`
+  /// (the same kind and param groups as the saved one, over parameters())
+  /// gets the pieces' moments and step counts. Everything is read and
+  /// checked before anything changes: an error on any rank throws on every
+  /// rank, naming the rank and its error, and changes nothing. Collective.
+  void load_shards(int64_t saved_world_size, const ShardReader& read_shard,
+                   torch::optim::Optimizer* optimizer = nullptr);
 
   /// Bytes this rank holds between steps: fp32 master shards and their
   /// gradients (not the optimizer's state).

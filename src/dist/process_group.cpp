@@ -225,6 +225,7 @@ std::vector<std::string> ProcessGroup::all_gather_bytes(const std::string& bytes
   auto lengths = torch::empty({world}, torch::kLong);
   all_gather(lengths, length);
   const int64_t longest = lengths.max().item<int64_t>();
+  if (longest == 0) return std::vector<std::string>(static_cast<size_t>(world));  // Gloo: SIGFPE
   auto mine = torch::zeros({longest}, torch::kByte);
   std::copy(bytes.begin(), bytes.end(), static_cast<char*>(mine.data_ptr()));
   auto all = torch::empty({longest * world}, torch::kByte);

@@ -3,7 +3,7 @@
 //
 //   ampx_fsdp_worker <scenario> <out-file>
 //   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
-//              | mismatch-units | O2
+//              | mismatch-units | O2 | ckpt-save | ckpt-resume-from-<N>
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -12,15 +12,25 @@
 // <out>.fsdp: one "loss <step> <loss> <scale> <stepped>" line a step, then
 // on rank 0 every parameter as "param <value>" (%a), and prints the
 // sharded state's sizes.
+//
+// ckpt-save trains only sharded (fp32, with a loss scaler) and, before step 4, saves
+// each rank's shard (with AdamW's state) to <dir>/ckpt-<world>/shard-<rank>.pt
+// and the loss scaler's state; ckpt-resume-from-<N> builds the model from
+// other weights on this world's ranks, loads the N shards and trains steps
+// 4-7. Both write <out>.at4 (rank 0: the full state at step 4, "param"
+// lines) and <out>.fsdp; a load that fails prints its error and whether the
+// model's state is unchanged ("unchanged 1"), and exits 1.
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/fsdp.h>
+#include <ampx/serialize.h>
 
 #include <torch/torch.h>
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -194,6 +204,84 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
   return 0;
 }
 
+/// Rank 0 writes every parameter of `state` (full_state_dict()) to `path`.
+void write_params(const torch::OrderedDict<std::string, torch::Tensor>& state, Net& model,
+                  const std::string& path) {
+  if (state.is_empty()) return;
+  std::ofstream out(path);
+  for (const auto& p : model->named_parameters()) {
+    auto c = state[p.key()].to(torch::kFloat).contiguous();
+    for (int64_t i = 0; i < c.numel(); ++i) out << "param " << hex(c.data_ptr<float>()[i]) << "\n";
+  }
+}
+
+int checkpoint_run(const std::string& scenario, const std::string& out,
+                   ampx::dist::ProcessGroup& pg) {
+  namespace fs = std::filesystem;
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  const bool save = scenario == "ckpt-save";
+  const std::string from = "ckpt-resume-from-";
+  const int64_t saved_world = save ? world : std::stoll(scenario.substr(from.size()));
+  const fs::path dir = fs::path(out).parent_path() / ("ckpt-" + std::to_string(saved_world));
+  const auto shard_file = [&](int64_t r) {
+    return (dir / ("shard-" + std::to_string(r) + ".pt")).string();
+  };
+  torch::manual_seed(save ? 100 : 555 + rank);  // resumed: other weights, which the load replaces
+  Net model;
+  ampx::dist::FullyShardedDataParallel fsdp(
+      model.ptr(), pg,
+      {model->in.ptr(), model->block0.ptr(), model->block1.ptr(), model->head.ptr()},
+      ampx::dist::FullyShardedDataParallelOptions());
+  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  ampx::dist::synchronize_found_inf(scaler, pg);
+  int first = 0;
+  if (!save) {
+    const auto before = fsdp.full_state_dict();
+    try {
+      fsdp.load_shards(
+          saved_world,
+          [&](int64_t r, torch::serialize::InputArchive& archive) {
+            ampx::load_archive(archive, shard_file(r));
+          },
+          &opt);
+    } catch (const c10::Error& e) {
+      std::cout << "load failed: " << e.what_without_backtrace() << std::endl;
+      const auto after = fsdp.full_state_dict();
+      bool same = true;
+      for (const auto& item : before) same = same && torch::equal(item.value(), after[item.key()]);
+      std::cout << "unchanged " << same << std::endl;
+      return 1;
+    }
+    scaler.load_state_dict(ampx::load_state_dict((dir / "scaler.pt").string()));
+    write_params(fsdp.full_state_dict(), model, out + ".at4");
+    first = 4;
+  }
+  const auto [x, y] = batch_shard(rank, world);
+  std::ofstream log(out + ".fsdp");
+  for (int step = first; step < kSteps; ++step) {
+    if (save && step == 4) {
+      fs::create_directories(dir);
+      torch::serialize::OutputArchive archive;
+      fsdp.save_shard(archive, &opt);
+      ampx::save_archive(archive, shard_file(rank));
+      if (rank == 0) ampx::save_state_dict(scaler.state_dict(), (dir / "scaler.pt").string());
+      write_params(fsdp.full_state_dict(), model, out + ".at4");
+    }
+    opt.zero_grad();
+    torch::Tensor loss;
+    loss = torch::mse_loss(ampx::dist::sharded_forward(model, x), y);
+    scaler.scale(loss).backward();
+    const bool stepped = static_cast<bool>(scaler.step(opt));
+    scaler.update();
+    log << "loss " << step << " " << hex(loss.item<double>()) << " " << hex(scaler.get_scale())
+        << " " << stepped << "\n";
+  }
+  log.close();
+  write_params(fsdp.full_state_dict(), model, out + ".final");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -205,6 +293,7 @@ int main(int argc, char** argv) {
     auto pg =
         ampx::dist::init_process_group(ampx::dist::InitOptions().timeout(std::chrono::seconds(60)));
     const std::string scenario = argv[1];
+    if (scenario.rfind("ckpt-", 0) == 0) return checkpoint_run(scenario, argv[2], pg);
     if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;
     return train(scenario, true, argv[2], pg);
   } catch (const c10::Error& e) {
