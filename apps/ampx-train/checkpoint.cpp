@@ -228,25 +228,10 @@ nlohmann::json state_dict_to_json(const ampx::StateDict& dict) {
   return out;
 }
 
-void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& identity,
-                     int64_t steps_per_epoch, const TrainingObjects& objects,
-                     const RunState& state) {
-  torch::serialize::OutputArchive archive, model_archive, opt_archive;
-  objects.model.save(model_archive);
-  objects.optimizer.save(opt_archive);
-  archive.write("model", model_archive);
-  archive.write("optimizer", opt_archive);
-  {
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    archive.write("rng/cpu", gen.get_state());
-  }
-  std::ostringstream payload;
-  archive.save_to(payload);
+nlohmann::json checkpoint_meta(const nlohmann::json& identity, int64_t steps_per_epoch,
+                               ampx::AmpSession& amp, const RunState& state) {
   nlohmann::json amp_state = nlohmann::json::object();
-  for (const auto& [name, dict] : objects.amp.state_dict()) {
-    amp_state[name] = state_dict_to_json(dict);
-  }
+  for (const auto& [name, dict] : amp.state_dict()) amp_state[name] = state_dict_to_json(dict);
   nlohmann::json meta = {
       {"format", "ampx-train checkpoint"},
       {"run", identity},
@@ -260,13 +245,49 @@ void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& id
   };
   if (!state.plan_formats.empty()) meta["plan_formats"] = state.plan_formats;
   if (!state.plan_file.empty()) meta["plan_file"] = state.plan_file;
+  return meta;
+}
+
+void save_cpu_generator(torch::serialize::OutputArchive& archive) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  archive.write("rng/cpu", gen.get_state());
+}
+
+torch::Tensor read_cpu_generator(torch::serialize::InputArchive& archive) {
+  torch::Tensor rng;
+  archive.read("rng/cpu", rng);
+  return rng;
+}
+
+void set_cpu_generator(const torch::Tensor& state) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+
+void save_checkpoint(const std::filesystem::path& path, const nlohmann::json& identity,
+                     int64_t steps_per_epoch, const TrainingObjects& objects,
+                     const RunState& state) {
+  torch::serialize::OutputArchive archive, model_archive, opt_archive;
+  objects.model.save(model_archive);
+  objects.optimizer.save(opt_archive);
+  archive.write("model", model_archive);
+  archive.write("optimizer", opt_archive);
+  save_cpu_generator(archive);
+  std::ostringstream payload;
+  archive.save_to(payload);
   std::filesystem::create_directories(path.parent_path());
-  write_checkpoint(path, meta, payload.str());
+  write_checkpoint(path, checkpoint_meta(identity, steps_per_epoch, objects.amp, state),
+                   payload.str());
 }
 
 RunState load_checkpoint(const std::filesystem::path& path, const std::string& bytes,
                          const nlohmann::json& identity, const TrainingObjects& objects) {
   const Checkpoint c = parse_checkpoint(bytes, path);
+  TORCH_CHECK(!c.meta.contains("shards"), "ampx-train: checkpoint '", path.string(),
+              "' holds no weights: a run with --shard full or grad wrote them in its ranks' shard "
+              "files; resume it with --shard full or grad");
   check_compatible(path, c.meta.at("run"), identity);
   CheckpointProgress progress = read_progress(path, c);  // checked before anything is restored
   torch::serialize::InputArchive archive, model_archive, opt_archive;
@@ -276,11 +297,7 @@ RunState load_checkpoint(const std::filesystem::path& path, const std::string& b
     archive.read("optimizer", opt_archive);
     objects.model.load(model_archive);
     objects.optimizer.load(opt_archive);
-    torch::Tensor rng;
-    archive.read("rng/cpu", rng);
-    auto gen = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng);
+    set_cpu_generator(read_cpu_generator(archive));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ampx-train: checkpoint '", path.string(),
                 "' passed its checks but its content does not fit this model: ",

@@ -24,6 +24,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -75,6 +76,15 @@ std::string read_checkpoint_bytes(const std::filesystem::path& path);
 /// bounds): an error restores nothing it has not checked, and names `path`.
 RunState load_checkpoint(const std::filesystem::path& path, const std::string& bytes,
                          const nlohmann::json& identity, const TrainingObjects& objects);
+
+/// The description a checkpoint of a run with settings `identity` at
+/// `state` carries (its "run", "step", "losses", loss scalers ...).
+nlohmann::json checkpoint_meta(const nlohmann::json& identity, int64_t steps_per_epoch,
+                               ampx::AmpSession& amp, const RunState& state);
+/// The CPU generator's state, as "rng/cpu".
+void save_cpu_generator(torch::serialize::OutputArchive& archive);
+torch::Tensor read_cpu_generator(torch::serialize::InputArchive& archive);
+void set_cpu_generator(const torch::Tensor& state);
 
 struct Checkpoint {
   nlohmann::json meta;

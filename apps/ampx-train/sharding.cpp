@@ -41,10 +41,11 @@ void check_shard_config(const TrainConfig& c) {
   TORCH_CHECK(c.nproc > 1 || ampx::dist::launched_as_rank(), "ampx-train: --shard ", c.shard,
               " shares the model's state among data-parallel processes; give --nproc N (N > 1) "
               "or start the ranks with a launcher (torchrun)");
-  // Each rank holds a share: a checkpoint is every rank's share (not written yet).
-  TORCH_CHECK(c.save_every == 0 && !c.resume, "ampx-train: --shard ", c.shard,
-              " does not write or resume checkpoints yet (each rank would write its share); "
-              "drop --save-every and --resume, or train with --shard none");
+  // grad and full: each rank writes its shard (shard_checkpoint.h).
+  TORCH_CHECK(fully_sharded(c) || (c.save_every == 0 && !c.resume),
+              "ampx-train: --shard optimizer does not write or resume checkpoints yet (each rank "
+              "would write its share of the AdamW state); drop --save-every and --resume, or "
+              "train with --shard full, grad or none");
   for (const auto& mode : modes_of(c)) check_shard_mode(c, parse_mode(mode, c));
   TORCH_CHECK(c.export_weights.empty() || fully_sharded(c),
               "ampx-train: --export-weights with "

@@ -12,6 +12,7 @@
 #include "progress.h"
 #include "rank_agreement.h"
 #include "report.h"
+#include "shard_checkpoint.h"
 #include "sharding.h"
 #include "weights_export.h"
 
@@ -274,8 +275,10 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   if (config.resume) {
     const std::string bytes =
         from_rank0(group, [&] { return read_checkpoint_bytes(checkpoint_path_); });
-    state_ = load_checkpoint(checkpoint_path_, bytes, identity_,
-                             {*setup_.model, *setup_.optimizer, *setup_.amp});
+    state_ = setup_.fsdp ? load_sharded_checkpoint(checkpoint_path_, bytes, identity_, *setup_.fsdp,
+                                                   *setup_.optimizer, *setup_.amp, *group)
+                         : load_checkpoint(checkpoint_path_, bytes, identity_,
+                                           {*setup_.model, *setup_.optimizer, *setup_.amp});
     TORCH_CHECK(state_.next_step <= total_steps_, "ampx-train: checkpoint '", checkpoint_path_,
                 "' is at step ", state_.next_step, ", past this run's ", total_steps_,
                 " steps; raise --steps");
@@ -384,9 +387,9 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
   const bool planned = config_.save_every > 0 && ((step + 1) % config_.save_every == 0 || last);
   stop = stop && !last;  // after the last step: the run ends as planned
   if (!planned && !stop) return false;
-  TORCH_CHECK(config_.shard == "none", "ampx-train: ", signal_name(preemption_signal()),
-              " asked to stop after step ", step + 1, ", but --shard ", config_.shard,
-              " writes no checkpoint yet: the steps of this run are lost");
+  TORCH_CHECK(config_.shard != "optimizer", "ampx-train: ", signal_name(preemption_signal()),
+              " asked to stop after step ", step + 1,
+              ", but --shard optimizer writes no checkpoint yet: the steps of this run are lost");
   TORCH_CHECK(planned || may_write_checkpoint_, "ampx-train: ", signal_name(preemption_signal()),
               " asked to stop after step ", step + 1, ", but '", checkpoint_path_,
               "' holds a checkpoint this run did not write; it stays as it is, and the steps "
@@ -396,7 +399,10 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
       state_.plan_formats[l.module] = ampx::plan::to_string(l.format);
     }
   }
-  if (lead_) {
+  if (setup_.fsdp) {  // every rank its shard file
+    save_sharded_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(), *setup_.fsdp,
+                            *setup_.optimizer, *setup_.amp, state_, *group_);
+  } else if (lead_) {
     save_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(),
                     {*setup_.model, *setup_.optimizer, *setup_.amp}, state_);
   }

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -39,35 +40,49 @@ class ShardTest : public ::testing::Test {
     ampx::train::test::write_text_data(tmp_.path() / "data", "abcdefgh ", 20000, 3);
   }
 
-  std::vector<std::string> flags(const std::string& workload, const std::string& shard,
-                                 const std::string& mode,
-                                 std::vector<std::pair<std::string, std::string>> more = {}) {
-    const std::string name = workload + "-" + shard + "-" + mode;
-    more.insert(more.end(), {{"--workload", workload},
-                             {"--layers", "2"},
-                             {"--d-model", "32"},
-                             {"--batch-size", "8"},
-                             {"--steps", "20"},
-                             {"--nproc", "2"},
-                             {"--shard", shard},
-                             {"--precision", mode},
-                             {"--data-dir", (tmp_.path() / "data").string()},
-                             {"--out-dir", (tmp_.path() / name).string()},
-                             {"--result-file", (tmp_.path() / (name + ".json")).string()}});
-    return ampx::train::test::tiny_gpt(more);
+  /// A tiny gpt run's flags; `more` adds to them or overrides them, and
+  /// its --out-dir (default <tmp>/<workload>-<shard>-<mode>) names the run.
+  std::vector<std::string> flags(
+      const std::string& workload, const std::string& shard, const std::string& mode,
+      const std::vector<std::pair<std::string, std::string>>& more = {}) {
+    const std::string name = run_name(workload, shard, mode, more);
+    std::vector<std::pair<std::string, std::string>> all = {
+        {"--workload", workload},
+        {"--layers", "2"},
+        {"--d-model", "32"},
+        {"--batch-size", "8"},
+        {"--steps", "20"},
+        {"--nproc", "2"},
+        {"--shard", shard},
+        {"--precision", mode},
+        {"--data-dir", (tmp_.path() / "data").string()},
+        {"--out-dir", (tmp_.path() / name).string()},
+        {"--result-file", (tmp_.path() / (name + ".json")).string()}};
+    all.insert(all.end(), more.begin(), more.end());
+    return ampx::train::test::tiny_gpt(all);
+  }
+
+  static std::string run_name(const std::string& workload, const std::string& shard,
+                              const std::string& mode,
+                              const std::vector<std::pair<std::string, std::string>>& more) {
+    for (const auto& [flag, value] : more) {
+      if (flag == "--out-dir") return fs::path(value).filename().string();
+    }
+    return workload + "-" + shard + "-" + mode;
   }
 
   ShardRun run(const std::string& workload, const std::string& shard, const std::string& mode,
-               std::vector<std::pair<std::string, std::string>> more = {}) {
-    const std::string name = workload + "-" + shard + "-" + mode;
-    const auto exit = ampx::train::test::run_train(flags(workload, shard, mode, std::move(more)),
+               const std::vector<std::pair<std::string, std::string>>& more = {},
+               int expected_status = 0) {
+    const std::string name = run_name(workload, shard, mode, more);
+    const auto exit = ampx::train::test::run_train(flags(workload, shard, mode, more),
                                                    tmp_.path() / (name + ".log"));
     ShardRun r;
     r.output = exit.output;
-    EXPECT_EQ(exit.status, 0) << name << ": " << exit.output;
+    EXPECT_EQ(exit.status, expected_status) << name << ": " << exit.output;
     std::ifstream in(tmp_.path() / (name + ".json"));
     if (in) r.result = nlohmann::json::parse(in);
-    static const std::regex re(R"(rank \d+ of 2: weights (0x[0-9a-f]+))");
+    static const std::regex re(R"(rank \d+ of \d+: weights (0x[0-9a-f]+))");
     for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
          it != std::sregex_iterator(); ++it) {
       r.weights.push_back((*it)[1].str());
@@ -159,6 +174,79 @@ TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
   }
 }
 
+// --shard full writes each rank's shard file beside rank 0's checkpoint,
+// and a run resumes it on any number of ranks. fp32 gpt, 2 ranks'
+// checkpoint at step 4: resumed on 2 ranks, the uninterrupted run's losses
+// and weights bit for bit; resumed on 4 (each rank reads both files) to step
+// 8, and that 4-rank checkpoint resumed on 2 with --shard grad (the same
+// files) to step 12, the losses within 1e-5 of the uninterrupted run's
+// (another reduce order; measured 1.1e-7). A save leaves only its own
+// step's shard files. A truncated shard file is refused on every rank,
+// naming it, and no file is changed.
+TEST_F(ShardTest, ShardedCheckpointsResumeOnAnotherNumberOfRanks) {
+  const auto ck = [&](const std::string& name) { return tmp_.path() / (name + "-ck"); };
+  const auto train = [&](const std::string& name, const std::string& shard, int nproc, int steps,
+                         bool resume, int expected_status = 0) {
+    auto args = flags("gpt", shard, "fp32",
+                      {{"--out-dir", (tmp_.path() / name).string()},
+                       {"--result-file", (tmp_.path() / (name + ".json")).string()},
+                       {"--checkpoint-dir", ck(name).string()},
+                       {"--nproc", std::to_string(nproc)},
+                       {"--steps", std::to_string(steps)},
+                       {"--save-every", "4"}});
+    if (resume) args.push_back("--resume");
+    const auto exit = ampx::train::test::run_train(args, tmp_.path() / (name + ".log"));
+    EXPECT_EQ(exit.status, expected_status) << name << ": " << exit.output;
+    std::ifstream in(tmp_.path() / (name + ".json"));
+    ShardRun r;
+    r.output = exit.output;
+    if (in && expected_status == 0) r.result = nlohmann::json::parse(in);
+    return r;
+  };
+  const auto near = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double worst = a.size() == b.size() ? 0.0 : INFINITY;
+    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+      worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
+    }
+    return worst;
+  };
+  const ShardRun reference = train("reference", "full", 2, 12, false);
+  const auto expected = losses(reference);
+  ASSERT_EQ(expected.size(), 12u);
+  train("part", "full", 2, 4, false);
+  fs::copy(ck("part"), ck("same"));
+  fs::copy(ck("part"), ck("four"));
+
+  const ShardRun same = train("same", "full", 2, 12, true);
+  EXPECT_EQ(losses(same), expected);
+  EXPECT_EQ(same.result.value("weights_checksum", ""),
+            reference.result.value("weights_checksum", ""));
+
+  const ShardRun four = train("four", "full", 4, 8, true);
+  EXPECT_LT(near(losses(four), std::vector<double>(expected.begin(), expected.begin() + 8)), 1e-5);
+  std::vector<std::string> files;
+  for (const auto& e : fs::directory_iterator(ck("four"))) files.push_back(e.path().filename());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{
+                       "checkpoint-step8-rank0-of4.ampx", "checkpoint-step8-rank1-of4.ampx",
+                       "checkpoint-step8-rank2-of4.ampx", "checkpoint-step8-rank3-of4.ampx",
+                       "checkpoint.ampx"}));
+  const ShardRun back = train("four", "grad", 2, 12, true);
+  EXPECT_LT(near(losses(back), expected), 1e-5);
+
+  const fs::path damaged = ck("four") / "checkpoint-step12-rank1-of2.ampx";
+  std::map<fs::path, std::string> before;
+  fs::resize_file(damaged, fs::file_size(damaged) - 100);
+  for (const auto& e : fs::directory_iterator(ck("four"))) before[e.path()] = bytes_of(e.path());
+  const ShardRun refused = train("four", "full", 2, 16, true, 1);
+  EXPECT_TRUE(contains(refused.output,
+                       {"FullyShardedDataParallel::load_shards: nothing was loaded: rank 0 failed: "
+                        "ampx-train: checkpoint '" +
+                        damaged.string() + "' is truncated"}))
+      << refused.output;
+  for (const auto& [path, bytes] : before) EXPECT_EQ(bytes_of(path), bytes) << path;
+}
+
 // What --shard cannot do yet is refused before anything trains, naming it.
 TEST_F(ShardTest, WhatShardingCannotDoIsRefusedNamingTheFlags) {
   const auto error = [&](std::vector<std::string> args) {
@@ -175,9 +263,10 @@ TEST_F(ShardTest, WhatShardingCannotDoIsRefusedNamingTheFlags) {
   EXPECT_TRUE(contains(error(without_nproc),
                        {"--shard full shares the model's state among data-parallel processes; "
                         "give --nproc N"}));
-  auto saving = base;
+  auto saving = flags("gpt", "optimizer", "O2");
   saving.insert(saving.end(), {"--save-every", "10"});
-  EXPECT_TRUE(contains(error(saving), {"--shard full does not write or resume checkpoints yet"}));
+  EXPECT_TRUE(
+      contains(error(saving), {"--shard optimizer does not write or resume checkpoints yet"}));
   // A mode the sharding cannot train is refused with the flags, before any rank starts.
   EXPECT_TRUE(contains(error(flags("gpt", "full", "O3")),
                        {"--precision O3 trains without masters; use O2"}));
