@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <sstream>
 #include <string>
@@ -204,6 +205,42 @@ TEST_F(FsdpTest, ClippingUsesTheNormOverEveryRanksShards) {
       ASSERT_NEAR(b.params[i], a.params[i], 1e-5) << "rank " << r << " parameter element " << i;
     }
   }
+}
+
+// LAMB over the shards: each trust ratio ||w|| / ||u|| is the whole
+// parameter's (the pieces' sums of squares added across ranks through
+// set_piece_sums(fsdp.piece_sums())), as LAMB's on DDP's whole parameters:
+// on 3 ranks, where pieces end inside parameters, the losses and weights
+// of 8 steps match DDP's within the rounding of another summation order.
+// Ratios from each rank's own pieces (lamb-pieces) move the weights
+// elsewhere: the comparison tells the two apart.
+TEST_F(FsdpTest, LambTrustRatiosAreTheWholeParametersAcrossRanks) {
+  const auto worst = [](const Record& a, const Record& b) {
+    EXPECT_EQ(a.params.size(), b.params.size());
+    float d = 0;
+    for (size_t i = 0; i < std::min(a.params.size(), b.params.size()); ++i) {
+      d = std::max(d, std::abs(a.params[i] - b.params[i]));
+    }
+    return d;
+  };
+  const auto whole = run("lamb", 3);
+  for (int r = 0; r < 3; ++r) {
+    const auto a = ddp(whole[r]), b = fsdp(whole[r]);
+    ASSERT_EQ(a.losses.size(), 8u);
+    ASSERT_EQ(b.losses.size(), 8u);
+    EXPECT_LT(a.losses.back(), 0.5 * a.losses.front()) << "rank " << r << ": LAMB must train";
+    for (size_t s = 0; s < a.losses.size(); ++s) {
+      EXPECT_NEAR(b.losses[s], a.losses[s], 1e-5 * std::abs(a.losses[s]))
+          << "rank " << r << " step " << s;
+    }
+  }
+  const auto whole_diff = worst(ddp(whole[0]), fsdp(whole[0]));
+  EXPECT_LT(whole_diff, 1e-5f);
+  const auto pieces = run("lamb-pieces", 3);
+  const auto pieces_diff = worst(ddp(pieces[0]), fsdp(pieces[0]));
+  EXPECT_GT(pieces_diff, 100 * whole_diff + 1e-4f) << "ratios from pieces should differ";
+  std::cout << "largest weight difference from DDP's LAMB: " << whole_diff
+            << " (trust ratios from each rank's pieces: " << pieces_diff << ")" << std::endl;
 }
 
 // Each rank saves its shard with AdamW's state of its pieces (ckpt-save,

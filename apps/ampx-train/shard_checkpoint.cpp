@@ -80,6 +80,31 @@ std::string shard_file_name(const fs::path& path, int64_t step, int64_t rank, in
          "-of" + std::to_string(world) + ".ampx";
 }
 
+void read_shard_file(const fs::path& file, int64_t rank, int64_t world, int64_t step,
+                     const nlohmann::json& identity, torch::serialize::InputArchive& archive) {
+  const Checkpoint c = read_checkpoint(file);
+  const auto& m = c.meta;
+  const auto field = [&](const char* key) {
+    return m.is_object() && m.contains(key) ? m.at(key).dump() : std::string("(none)");
+  };
+  const auto integer_is = [&](const char* key, int64_t want) {
+    return m.is_object() && m.contains(key) && m.at(key).is_number_integer() &&
+           m.at(key).get<int64_t>() == want;
+  };
+  TORCH_CHECK(m.is_object() && m.value("format", nlohmann::json()) == "ampx-train shard",
+              "ampx-train: '", file.string(), "' is a checkpoint but not a shard file (format ",
+              field("format"), ")");
+  TORCH_CHECK(
+      integer_is("rank", rank) && integer_is("world_size", world) && integer_is("step", step),
+      "ampx-train: shard file '", file.string(), "' is rank ", field("rank"), " of ",
+      field("world_size"), " at step ", field("step"), "; its checkpoint expects rank ", rank,
+      " of ", world, " at step ", step);
+  TORCH_CHECK(m.contains("run") && m.at("run").is_object(), "ampx-train: shard file '",
+              file.string(), "' does not say which run wrote it (no \"run\" object)");
+  check_compatible(file, m.at("run"), identity);
+  read_payload(file, c, archive);
+}
+
 void save_sharded_checkpoint(const fs::path& path, const nlohmann::json& identity,
                              int64_t steps_per_epoch, ampx::dist::FullyShardedDataParallel& fsdp,
                              torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
@@ -142,18 +167,8 @@ RunState load_sharded_checkpoint(const fs::path& path, const std::string& bytes,
   fsdp.load_shards(
       world,
       [&](int64_t r, torch::serialize::InputArchive& shard) {
-        const fs::path file = path.parent_path() / files[static_cast<size_t>(r)];
-        const Checkpoint s = read_checkpoint(file);
-        const auto& m = s.meta;
-        const auto field = [&](const char* key) { return m.value(key, nlohmann::json()).dump(); };
-        TORCH_CHECK(
-            m.value("format", "") == "ampx-train shard" && m.value("rank", int64_t{-1}) == r &&
-                m.value("world_size", int64_t{-1}) == world && m.value("step", int64_t{-1}) == step,
-            "ampx-train: shard file '", file.string(), "' is rank ", field("rank"), " of ",
-            field("world_size"), " at step ", field("step"), "; checkpoint '", path.string(),
-            "' expects rank ", r, " of ", world, " at step ", step);
-        check_compatible(file, m.at("run"), identity);
-        read_payload(file, s, shard);
+        read_shard_file(path.parent_path() / files[static_cast<size_t>(r)], r, world, step,
+                        identity, shard);
       },
       &optimizer);
   set_cpu_generator(rng);

@@ -48,6 +48,14 @@ RunState load_sharded_checkpoint(const std::filesystem::path& path, const std::s
                                  torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
                                  const ampx::dist::ProcessGroup& group);
 
+/// Reads rank `rank` of `world`'s shard file at step `step` into `archive`:
+/// its framing and CRC (read_checkpoint), that it is a shard file of that
+/// rank, world size and step written by a run compatible with `identity`,
+/// then its payload's archive (checked before LibTorch reads it). Errors
+/// name the file and what differs.
+void read_shard_file(const std::filesystem::path& file, int64_t rank, int64_t world, int64_t step,
+                     const nlohmann::json& identity, torch::serialize::InputArchive& archive);
+
 /// The name of rank `rank` of `world`'s shard file at step `step` beside
 /// the checkpoint `path`: "checkpoint-step100-rank0-of2.ampx".
 std::string shard_file_name(const std::filesystem::path& path, int64_t step, int64_t rank,

@@ -29,6 +29,15 @@
 ///   }
 ///   // inside GPT's forward, each unit goes through sharded_forward too:
 ///   //   for (auto& block : blocks) x = ampx::dist::sharded_forward(block, x);
+///
+///   // Checkpoints: each rank writes its own shard; any number of ranks
+///   // reads them back (every rank reads every file: a shared folder).
+///   torch::serialize::OutputArchive out;
+///   fsdp.save_shard(out, &opt);
+///   ampx::save_archive(out, "shard-" + std::to_string(pg.rank()) + ".pt");
+///   fsdp.load_shards(saved_world_size, [](int64_t r, torch::serialize::InputArchive& in) {
+///     ampx::load_archive(in, "shard-" + std::to_string(r) + ".pt");
+///   }, &opt);
 /// ```
 ///
 /// A unit's parameters are laid end to end in one flat space per parameter
@@ -55,8 +64,8 @@
 /// Every rank must call the units in the same order (no data-dependent
 /// control flow), and a parameter belongs to one unit (no weights tied
 /// across units). What is not in a listed unit belongs to the root, `model`.
-/// Optimizers whose update reads a whole parameter (LAMB's trust ratio,
-/// ampx::optim::Lamb) see only this rank's piece of it: not supported yet.
+/// An optimizer whose update reads a whole parameter's norms (LAMB's trust
+/// ratio, ampx::optim::LAMB) gets them through piece_sums(), below.
 /// Activation checkpointing (a unit's forward run again in backward) is not
 /// either. Run the forward under ampx::AutocastGuard, or under the
 /// forward_guard() of ampx::initialize(fsdp, ...)'s session (below): the
@@ -151,6 +160,15 @@ class FullyShardedDataParallel {
   /// coefficient max / (norm + 1e-6), at most 1), one scalar all-reduce.
   /// Returns the norm before clipping, the same on every rank.
   double clip_grad_norm_(double max_norm);
+
+  /// Sums over the pieces of parameters() added across ranks, for an
+  /// ampx::optim optimizer whose update reads whole parameters' norms
+  /// (LAMB's trust ratio): `opt.set_piece_sums(fsdp.piece_sums())`. Given
+  /// pieces and an [n, k] float64 tensor of sums over each, it returns the
+  /// sums over every rank's pieces of the same parameters (one all-reduce
+  /// of k numbers per parameter). Collective; valid while this wrapper lives.
+  std::function<at::Tensor(const std::vector<at::Tensor>& pieces, const at::Tensor& sums)>
+  piece_sums() const;
 
   /// Every parameter and buffer at full size in fp32 (buffers in their
   /// dtype) on rank 0, gathered one unit at a time; empty on the others.

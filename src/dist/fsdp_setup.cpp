@@ -272,6 +272,34 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
   return ampx::detail::clip_sharded_grad_norm(grads, impl_->group, max_norm);
 }
 
+std::function<at::Tensor(const std::vector<at::Tensor>&, const at::Tensor&)>
+FullyShardedDataParallel::piece_sums() const {
+  const Impl* impl = impl_.get();
+  return [impl](const std::vector<at::Tensor>& pieces, const at::Tensor& sums) {
+    const char* who = "FullyShardedDataParallel::piece_sums";
+    TORCH_CHECK(sums.dim() == 2 && sums.size(0) == static_cast<int64_t>(pieces.size()), who,
+                ": sums must be [pieces, k], got ", sums.sizes(), " for ", pieces.size(),
+                " pieces");
+    std::unordered_map<const c10::TensorImpl*, int64_t> index;
+    for (size_t i = 0; i < impl->params.size(); ++i) {
+      const auto& piece = impl->params[i].piece;
+      if (piece.defined()) index[piece.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
+    }
+    std::vector<int64_t> rows;
+    for (size_t j = 0; j < pieces.size(); ++j) {
+      const auto found = index.find(pieces[j].unsafeGetTensorImpl());
+      TORCH_CHECK(found != index.end(), who, ": piece ", j, " is not one of parameters()");
+      rows.push_back(found->second);
+    }
+    const auto row_index = torch::tensor(rows, torch::kLong);
+    auto whole = torch::zeros({static_cast<int64_t>(impl->params.size()), sums.size(1)},
+                              sums.options().dtype(torch::kDouble));
+    whole.index_add_(0, row_index, sums.to(torch::kDouble));
+    impl->group.all_reduce_sum(whole);
+    return whole.index_select(0, row_index);
+  };
+}
+
 torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
   torch::NoGradGuard no_grad;
   const bool root = impl_->group.rank() == 0;
@@ -343,6 +371,10 @@ std::vector<at::Tensor> FullyShardedDataParallel::parameters() const {
 }
 double FullyShardedDataParallel::clip_grad_norm_(double) {
   return 0.0;
+}
+std::function<at::Tensor(const std::vector<at::Tensor>&, const at::Tensor&)>
+FullyShardedDataParallel::piece_sums() const {
+  return {};
 }
 torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
   return {};

@@ -38,6 +38,24 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(
   sync_state_shape();
 }
 
+void MixedPrecisionOptimizer::set_piece_sums(PieceSums sums) {
+  if (sums) {
+    TORCH_CHECK(!config_.max_grad_norm, "ampx::optim::", name(),
+                ": set_piece_sums with max_grad_norm=", *config_.max_grad_norm,
+                ": the clip norm is over all parameters and each rank has only pieces; clip with "
+                "FullyShardedDataParallel::clip_grad_norm_ instead");
+    for (size_t g = 0; g < param_groups_.size(); ++g) {
+      const auto& params = param_groups_[g].params();
+      for (size_t i = 0; i < params.size(); ++i) {
+        TORCH_CHECK(params[i].is_cpu(), "ampx::optim::", name(),
+                    ": set_piece_sums is implemented for CPU params; param (group ", g, ", index ",
+                    i, ") is on ", params[i].device());
+      }
+    }
+  }
+  piece_sums_ = std::move(sums);
+}
+
 void MixedPrecisionOptimizer::sync_state_shape() {
   states_.resize(param_groups_.size());
   for (size_t g = 0; g < param_groups_.size(); ++g) {
@@ -156,7 +174,15 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
       work.push_back({g, i, position, p, p.grad(), &states_[g][i]});
     }
   }
-  if (work.empty()) return;
+  const bool whole_norms = piece_sums_ && reads_param_norms();
+  if (work.empty()) {
+    // The other ranks' step sums pieces across ranks: this one takes part
+    // (unless the step is skipped, on every rank).
+    if (whole_norms && !(found_inf.defined() && found_inf.item<float>() != 0.f)) {
+      (void)piece_sums_({}, at::zeros({0, 2}, at::kDouble));
+    }
+    return;
+  }
 
   // Skip decision. A CPU flag is read (cheap); a device flag stays a device
   // tensor unless CPU params need the answer on the host.
@@ -176,7 +202,11 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   std::vector<ParamWork> fused, fused_cuda;
   for (auto& w : work) {
     prepare(w);
-    if (w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous()) {
+    const bool cpu_fusable = w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous();
+    TORCH_CHECK(cpu_fusable || !whole_norms, "ampx::optim::", name(),
+                ": set_piece_sums needs dense CPU params and grads; param (group ", w.group,
+                ", index ", w.index, ") is not");
+    if (cpu_fusable) {
       w.state->step += 1;
       w.state->step_t = at::Tensor();
       fused.push_back(w);
@@ -246,7 +276,30 @@ void MixedPrecisionOptimizer::update_cpu(const std::vector<ParamWork>& work, flo
     params.push_back(detail::fused_param(w, fused_options(w.group), config_));
     steps.push_back(w.state->step);
   }
-  detail::cpu_step(params, steps, grad_mul, config_.seed);
+  detail::WholeSums whole;
+  if (piece_sums_ && reads_param_norms()) {
+    whole = [&](std::vector<double>& w_sq, std::vector<double>& u_sq) {
+      const int64_t n = static_cast<int64_t>(work.size());
+      auto sums = at::empty({n, 2}, at::kDouble);
+      auto* in = sums.data_ptr<double>();
+      for (int64_t i = 0; i < n; ++i) {
+        in[2 * i] = w_sq[static_cast<size_t>(i)];
+        in[2 * i + 1] = u_sq[static_cast<size_t>(i)];
+      }
+      std::vector<at::Tensor> pieces;
+      for (const auto& w : work) pieces.push_back(w.param);
+      const auto total = piece_sums_(pieces, sums).to(at::kDouble).contiguous();
+      TORCH_CHECK(total.dim() == 2 && total.size(0) == n && total.size(1) == 2,
+                  "ampx::optim::", name(), ": the piece sums returned ", total.sizes(),
+                  ", expected [", n, ", 2]");
+      const auto* out = total.data_ptr<double>();
+      for (int64_t i = 0; i < n; ++i) {
+        w_sq[static_cast<size_t>(i)] = out[2 * i];
+        u_sq[static_cast<size_t>(i)] = out[2 * i + 1];
+      }
+    };
+  }
+  detail::cpu_step(params, steps, grad_mul, config_.seed, whole ? &whole : nullptr);
   bump_versions(work);
 }
 

@@ -27,7 +27,6 @@
 #include <sstream>
 
 namespace ampx::fuzz {
-namespace {
 
 void write_file(const std::string& path, const uint8_t* data, size_t size) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -35,17 +34,11 @@ void write_file(const std::string& path, const uint8_t* data, size_t size) {
   TORCH_CHECK(out.good(), "fuzz: cannot write ", path);
 }
 
-/// A loaded scaler state must give a usable scale; anything else is a finding.
-void check_scale(const ampx::GradScaler& scaler) {
-  const double scale = scaler.get_scale();
-  if (!(std::isfinite(scale) && scale > 0)) {
-    std::fprintf(stderr, "fuzz: a loaded GradScaler state has scale %g\n", scale);
-    std::abort();
-  }
+std::string read_whole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-/// `data` as a checkpoint whose header's CRC-32 fits its (mutated) content,
-/// as a hostile file would have it.
 std::vector<uint8_t> with_valid_crc(const uint8_t* data, size_t size) {
   constexpr size_t kHeader = 32, kCrcAt = 28;
   std::vector<uint8_t> bytes(data, data + size);
@@ -55,6 +48,17 @@ std::vector<uint8_t> with_valid_crc(const uint8_t* data, size_t size) {
     for (size_t i = 0; i < 4; ++i) bytes[kCrcAt + i] = static_cast<uint8_t>(crc >> (8 * i));
   }
   return bytes;
+}
+
+namespace {
+
+/// A loaded scaler state must give a usable scale; anything else is a finding.
+void check_scale(const ampx::GradScaler& scaler) {
+  const double scale = scaler.get_scale();
+  if (!(std::isfinite(scale) && scale > 0)) {
+    std::fprintf(stderr, "fuzz: a loaded GradScaler state has scale %g\n", scale);
+    std::abort();
+  }
 }
 
 // ampx-train's checkpoint reader; a checkpoint it accepts then goes through
@@ -267,6 +271,10 @@ const std::vector<NamedTarget>& targets() {
       {"state_dict", state_dict, "ampx::load_state_dict of torch.save files, into a GradScaler"},
       {"zero_shard", zero_shard,
        "ZeroRedundancyOptimizer's per-rank state: ampx::load_archive, then load"},
+      {"fsdp_shard", fsdp_shard,
+       "FullyShardedDataParallel's shard: ampx::load_archive, then load_shards"},
+      {"train_shard", train_shard,
+       "ampx-train's shard file, CRC-32 recomputed: read_shard_file, then load_shards"},
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
@@ -278,11 +286,6 @@ const std::vector<NamedTarget>& targets() {
 }
 
 namespace {
-
-std::string read_whole(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 std::string be32(uint32_t v) {
   return {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
@@ -369,6 +372,7 @@ void write_seeds(const std::string& dir) {
     ampx::save_archive(archive, path);
     out("zero_shard", "seed-1.pt", read_whole(path));
   }
+  for (const auto& seed : shard_seeds()) out(seed.target, seed.name, seed.bytes);
   {  // two 2x3 images and their labels
     const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');
     const std::string labels = be32(0x801) + be32(2) + std::string("\x03\x09", 2);

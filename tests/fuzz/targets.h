@@ -27,13 +27,32 @@ struct NamedTarget {
 };
 
 /// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
-/// zero_shard, idx, text, launch_env, safetensors, plan_file. The one list of them:
-/// `ampx_fuzz list` prints it for ctest's tests (CMakeLists.txt) and `make fuzz`.
+/// zero_shard, fsdp_shard, train_shard, idx, text, launch_env, safetensors, plan_file. The one list
+/// of them: `ampx_fuzz list` prints it for ctest's tests (CMakeLists.txt) and `make fuzz`.
 const std::vector<NamedTarget>& targets();
 
 /// Writes a small valid input for each target into <dir>/<target>/seed-*
 /// (how the checked-in corpora were made, with ampx's own writers).
 void write_seeds(const std::string& dir);
+
+/// The sharded checkpoints' targets (shard_targets.cpp).
+void fsdp_shard(const uint8_t* data, size_t size);
+void train_shard(const uint8_t* data, size_t size);
+
+/// A seed: its target's corpus folder, its file name, its bytes.
+struct Seed {
+  std::string target, name, bytes;
+};
+/// fsdp_shard's and train_shard's seeds: a shard after two AdamW steps.
+std::vector<Seed> shard_seeds();
+
+/// Writes `size` bytes at `data` to `path`.
+void write_file(const std::string& path, const uint8_t* data, size_t size);
+/// The bytes of the file at `path`.
+std::string read_whole(const std::string& path);
+/// `data` as a checkpoint whose header's CRC-32 fits its (mutated) content,
+/// as a hostile file would have it.
+std::vector<uint8_t> with_valid_crc(const uint8_t* data, size_t size);
 
 /// Where targets that need a file write their input (a tmpfs when there is one).
 std::string scratch_file(const char* name);

@@ -3,7 +3,8 @@
 //
 //   ampx_fsdp_worker <scenario> <out-file>
 //   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
-//              | mismatch-units | O2 | ckpt-save | ckpt-resume-from-<N>
+//              | mismatch-units | O2 | lamb | lamb-pieces | ckpt-save
+//              | ckpt-resume-from-<N>
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -107,7 +108,11 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
   const int64_t rank = pg.rank(), world = pg.world_size();
   torch::manual_seed(100 + rank);  // different on each rank: both broadcast rank 0's
   Net model;
-  const bool mixed = scenario != "fp32";
+  // lamb: LAMB in fp32, its trust ratios from whole parameters' norms
+  // (set_piece_sums); lamb-pieces: from each rank's pieces (what the
+  // sharded LAMB must not do, so the test can tell).
+  const bool lamb = scenario == "lamb" || scenario == "lamb-pieces";
+  const bool mixed = scenario != "fp32" && !lamb;
   const bool o2 = scenario == "O2";  // ampx::initialize's O2 (sharded: on the wrapper)
   g_norms_fed_fp32 = !o2;
   std::unique_ptr<ampx::dist::DistributedDataParallel> ddp;
@@ -138,7 +143,16 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
     ddp = std::make_unique<ampx::dist::DistributedDataParallel>(model.ptr(), pg);
     params = model->parameters();
   }
-  ampx::optim::AdamW opt(params, ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  std::unique_ptr<ampx::optim::MixedPrecisionOptimizer> optimizer;
+  if (lamb) {
+    optimizer = std::make_unique<ampx::optim::LAMB>(
+        params, ampx::optim::LAMBOptions(1e-2).weight_decay(0.01));
+    if (sharded && scenario == "lamb") optimizer->set_piece_sums(fsdp->piece_sums());
+  } else {
+    optimizer = std::make_unique<ampx::optim::AdamW>(
+        params, ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  }
+  auto& opt = *optimizer;
   std::optional<ampx::AmpSession> amp;
   if (o2 && sharded) {
     amp.emplace(ampx::initialize(*fsdp, ampx::AmpOptions(ampx::OptLevel::O2)));

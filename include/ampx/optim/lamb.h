@@ -60,6 +60,7 @@ class LAMB : public MixedPrecisionOptimizer {
  protected:
   bool uses_exp_avg(const torch::optim::OptimizerOptions&) const override { return true; }
   bool uses_exp_avg_sq() const override { return true; }
+  bool reads_param_norms() const override { return true; }
   detail::FusedOptions fused_options(size_t group) const override;
   void update_generic(detail::ParamWork& work, const at::Tensor& grad,
                       const at::Tensor& skip) override;

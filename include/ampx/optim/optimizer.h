@@ -36,6 +36,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -133,6 +134,23 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// "AdamW", "SGD", "LAMB".
   virtual const char* name() const = 0;
 
+  /// For params that are pieces of sharded parameters: given this step's
+  /// params and an [n, 2] float64 CPU tensor of sums over each (its
+  /// weight's and its update's squares), returns the [n, 2] sums over every
+  /// rank's pieces of the same parameters. Collective.
+  using PieceSums =
+      std::function<at::Tensor(const std::vector<at::Tensor>& params, const at::Tensor& sums)>;
+  /// Makes the per-parameter norms an update reads (LAMB's trust ratio
+  /// ||w|| / ||u||) those of the whole parameters this optimizer's params
+  /// are pieces of, through `sums`: FullyShardedDataParallel::piece_sums().
+  /// An optimizer that reads such norms then calls it once in every step
+  /// it takes (a step skipped for inf/NaN gradients calls it on no rank,
+  /// as GradScaler's agreed found-inf skips them all), also on a rank with
+  /// no gradient to step. Dense CPU params only; refused with
+  /// max_grad_norm, a norm over all parameters (clip with
+  /// FullyShardedDataParallel::clip_grad_norm_). Empty: params are whole.
+  void set_piece_sums(PieceSums sums);
+
  protected:
   /// For subclasses: `defaults` are their options, `config` the
   /// optimizer-wide settings taken from them.
@@ -144,6 +162,8 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   virtual bool uses_exp_avg(const torch::optim::OptimizerOptions& group) const = 0;
   /// Whether this optimizer keeps exp_avg_sq.
   virtual bool uses_exp_avg_sq() const = 0;
+  /// Whether its update reads each param's norms (LAMB).
+  virtual bool reads_param_norms() const { return false; }
   /// ATen-op update for any device: `grad` is fp32, already multiplied;
   /// state.step_t already counts this step; `skip` (bool [], on the param's
   /// device) or undefined: where true every write must keep the old value.
@@ -175,6 +195,7 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   const detail::ParamState* find_state(const at::Tensor& param) const;
 
   MixedPrecisionConfig config_;
+  PieceSums piece_sums_;                                 // set_piece_sums()
   std::vector<std::vector<detail::ParamState>> states_;  // [group][index]
   std::shared_ptr<detail::cuda::MetaCache> cuda_cache_;  // the fused CUDA step's operands
 };

@@ -58,7 +58,7 @@ const cpu::OptimKernels& optim_kernels() {
 }  // namespace
 
 void cpu_step(const std::vector<FusedParam>& params, const std::vector<int64_t>& steps,
-              float grad_mul, uint64_t seed) {
+              float grad_mul, uint64_t seed, const WholeSums* whole_sums) {
   TORCH_INTERNAL_ASSERT(params.size() == steps.size());
   if (params.empty()) return;
   const auto update = params[0].options.update;
@@ -89,6 +89,7 @@ void cpu_step(const std::vector<FusedParam>& params, const std::vector<int64_t>&
     w_sq[chunks[c].tensor] += sums[2 * c];
     u_sq[chunks[c].tensor] += sums[2 * c + 1];
   }
+  if (whole_sums != nullptr) (*whole_sums)(w_sq, u_sq);
   std::vector<float> neg_steps(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     neg_steps[i] = lamb_neg_step(params[i].options, w_sq[i], u_sq[i]);

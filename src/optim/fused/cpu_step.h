@@ -12,6 +12,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace ampx {
@@ -26,10 +27,15 @@ FusedDtype fused_dtype(c10::ScalarType dtype);
 FusedParam fused_param(const ParamWork& work, const FusedOptions& options,
                        const MixedPrecisionConfig& config);
 
+/// LAMB's per-param sums of w^2 and u^2, made those of whole parameters
+/// (MixedPrecisionOptimizer::set_piece_sums) in place.
+using WholeSums = std::function<void(std::vector<double>& w_sq, std::vector<double>& u_sq)>;
+
 /// One fused step over dense CPU params, all of one update; `steps[i]`
 /// counts this step for params[i]. Grads are multiplied by `grad_mul`.
+/// `whole_sums` (LAMB; may be null) runs between LAMB's two passes.
 void cpu_step(const std::vector<FusedParam>& params, const std::vector<int64_t>& steps,
-              float grad_mul, uint64_t seed);
+              float grad_mul, uint64_t seed, const WholeSums* whole_sums = nullptr);
 
 }  // namespace detail
 }  // namespace optim
