@@ -26,7 +26,7 @@
 #                   chroot), nvcc 12.4, as test-wheel
 #   make sanitize   the whole suite built with AddressSanitizer + UndefinedBehaviorSanitizer
 #                   (host leg; build/asan); make sanitize-forky: the same on the 2.14 leg
-#   make tsan       the GradScaler and data-parallel tests under ThreadSanitizer (host leg)
+#   make tsan       the GradScaler, data-parallel and fully sharded tests under ThreadSanitizer (host leg)
 #   make soak       the preemption test with 100 signals per mode instead of
 #                   make test's 4 (host leg; about 15 minutes)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
@@ -219,7 +219,7 @@ sanitize-forky: deps
 	@scripts/check-skips.py tests/skips/forky-2.14.txt tests/skips/sanitizers.txt $(FORKY_ASAN_BUILD)/ctest-junit.xml
 
 tsan: deps
-	@echo "== GradScaler and data-parallel tests under TSan, LibTorch 1.13 (Debian 12 host) =="
+	@echo "== GradScaler, data-parallel and fully sharded tests under TSan, LibTorch 1.13 (Debian 12 host) =="
 	$(SAN_ENV) scripts/sanitize.sh tsan $(TSAN_BUILD)
 
 # ampx-train stopped by SIGTERM/SIGUSR1 at random steps, resumed each time,

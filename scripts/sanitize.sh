@@ -41,8 +41,8 @@ case "$tool" in
     ;;
   tsan)
     sanitize=thread
-    targets=(ampx_tests ampx_dist_worker)
-    select=(-R '^(GradScaler[A-Za-z]*Test|Dist[A-Za-z]*Test|World/(DistWorld|Zero)Test)\.')
+    targets=(ampx_tests ampx_dist_worker ampx_fsdp_worker)
+    select=(-R '^(GradScaler[A-Za-z]*Test|Dist[A-Za-z]*Test|Fsdp[A-Za-z]*Test|World/(DistWorld|Zero|FsdpWorld)Test)\.')
     ;;
   *) usage ;;
 esac
