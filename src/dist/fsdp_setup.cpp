@@ -275,16 +275,18 @@ double FullyShardedDataParallel::clip_grad_norm_(double max_norm) {
 std::function<at::Tensor(const std::vector<at::Tensor>&, const at::Tensor&)>
 FullyShardedDataParallel::piece_sums() const {
   const Impl* impl = impl_.get();
-  return [impl](const std::vector<at::Tensor>& pieces, const at::Tensor& sums) {
+  // The pieces are made once, at construction: each one's row, once.
+  std::unordered_map<const c10::TensorImpl*, int64_t> index;
+  for (size_t i = 0; i < impl->params.size(); ++i) {
+    const auto& piece = impl->params[i].piece;
+    if (piece.defined()) index[piece.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
+  }
+  return [impl, index = std::move(index)](const std::vector<at::Tensor>& pieces,
+                                          const at::Tensor& sums) {
     const char* who = "FullyShardedDataParallel::piece_sums";
     TORCH_CHECK(sums.dim() == 2 && sums.size(0) == static_cast<int64_t>(pieces.size()), who,
                 ": sums must be [pieces, k], got ", sums.sizes(), " for ", pieces.size(),
                 " pieces");
-    std::unordered_map<const c10::TensorImpl*, int64_t> index;
-    for (size_t i = 0; i < impl->params.size(); ++i) {
-      const auto& piece = impl->params[i].piece;
-      if (piece.defined()) index[piece.unsafeGetTensorImpl()] = static_cast<int64_t>(i);
-    }
     std::vector<int64_t> rows;
     for (size_t j = 0; j < pieces.size(); ++j) {
       const auto found = index.find(pieces[j].unsafeGetTensorImpl());
