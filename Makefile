@@ -216,7 +216,8 @@ sanitize: deps
 sanitize-forky: deps
 	@echo "== ampx tests under ASan + UBSan, LibTorch 2.14 (Debian testing chroot) =="
 	$(SAN_ENV) scripts/chroot.sh forky scripts/sanitize.sh asan $(FORKY_ASAN_BUILD)
-	@scripts/check-skips.py tests/skips/forky-2.14.txt tests/skips/sanitizers.txt $(FORKY_ASAN_BUILD)/ctest-junit.xml
+	@scripts/check-skips.py tests/skips/forky-2.14.txt tests/skips/forky-2.14-train.txt \
+	  tests/skips/sanitizers.txt $(FORKY_ASAN_BUILD)/ctest-junit.xml
 
 tsan: deps
 	@echo "== GradScaler, data-parallel and fully sharded tests under TSan, LibTorch 1.13 (Debian 12 host) =="

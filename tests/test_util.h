@@ -174,6 +174,14 @@ inline std::string save_to_string(const torch::optim::Optimizer& opt) {
   return ss.str();
 }
 
+/// Loads into `opt` what save_to_string() gave.
+inline void load_from_string(torch::optim::Optimizer& opt, const std::string& bytes) {
+  std::istringstream ss(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(ss);
+  opt.load(in);
+}
+
 /// torch::optim's key of a parameter's state: its TensorImpl's address,
 /// printed (LibTorch 1.13) or as a pointer (2.x).
 template <class Key>
@@ -188,7 +196,8 @@ Key optimizer_state_key(const torch::Tensor& p) {
 }
 
 /// Every tensor an optimizer holds per parameter, in parameter order: fp32
-/// masters, moments and step counts of ampx::optim optimizers; moments and
+/// masters, Kahan compensations, moments (decoded to fp32) and step counts
+/// of ampx::optim optimizers; moments and
 /// step counts of torch::optim's Adam/AdamW, SGD's momentum buffers.
 /// (Compared tensor by tensor: saved archives are zip files whose bytes
 /// need not repeat.) A parameter without state adds an undefined tensor.
@@ -200,6 +209,7 @@ inline std::vector<torch::Tensor> optimizer_tensors(const torch::optim::Optimize
     for (const auto& group : mp->param_groups()) {
       for (const auto& p : group.params()) {
         add(mp->master(p));
+        add(mp->compensation(p));
         add(mp->exp_avg(p));
         add(mp->exp_avg_sq(p));
         out.push_back(torch::tensor(mp->step_count(p)));

@@ -4,6 +4,7 @@
 #include "data.h"
 #include "gpt_nn.h"
 #include "models.h"
+#include "optimizer_options.h"
 #include "sharding.h"
 
 #include <ampx/detail/compat.h>
@@ -117,6 +118,7 @@ void add_process_options(CLI::App& app, TrainConfig& c) {
                  "batch, split across them. Under torchrun, its WORLD_SIZE decides instead")
       ->check(kPositive);
   add_shard_option(app, c);
+  add_optimizer_options(app, c);
   app.add_option("--dist-timeout", c.dist_timeout,
                  "seconds the ranks' rendezvous and each collective may take before the run "
                  "fails naming the ranks that stopped answering")
@@ -449,6 +451,7 @@ void resolve_defaults(TrainConfig& c) {
               "--nproc ",
               c.nproc);
   check_shard_config(c);
+  check_optimizer_config(c);
 }
 
 std::vector<std::string> modes_of(const TrainConfig& c) {

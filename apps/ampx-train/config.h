@@ -37,6 +37,8 @@ struct TrainConfig {
   double epochs = 0;          // passes over the training split
   double lr = 0;              // AdamW learning rate
   double weight_decay = 0.01;
+  std::string masters;                   // --masters fp32|kahan|stochastic; "": the mode's
+  std::string optimizer_state = "fp32";  // --optimizer-state fp32|bf16|fp8|8bit
   uint64_t seed = 1337;
   bool tf32 = false;  // --tf32: TF32 fp32 products and convolutions (CUDA)
   // gpt model shape

@@ -4,6 +4,7 @@
 
 #include "auto_precision.h"
 #include "fp8_layers.h"
+#include "optimizer_options.h"
 #include "sharding.h"
 
 #include <ampx/ampx.h>
@@ -89,16 +90,20 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   torch::manual_seed(config.seed);
   setup.net = workload.build(device);
   setup.model = setup.net.ptr();
+  setup.model_params = 0;
+  for (const auto& p : setup.model->parameters()) setup.model_params += p.numel();
   auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
-  if (mode.level == ampx::OptLevel::O3) {
-    // Pure low precision: no masters; bf16 keeps small updates alive by
-    // rounding stochastically (fp16 has the mantissa to do without).
-    options.master_weights(false).stochastic_rounding(mode.dtype == torch::kBFloat16);
-    options.seed(config.seed);
-  }
+  // O2: fp32 masters; O3 (pure low precision): none, bf16 keeping small
+  // updates alive by rounding stochastically (fp16 has the mantissa to do
+  // without); --masters and --optimizer-state as asked.
+  apply_optimizer_options(config, mode, options);
   ampx::AmpOptions amp_options(mode.level);
   if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
   if (config.tf32) amp_options.allow_tf32(true);
+  // O2 with --masters kahan or stochastic: the 16-bit weights' lost bits
+  // live in the optimizer's compensation or its rounding, not in masters.
+  const auto masters = masters_of(config, mode);
+  if (mode.level == ampx::OptLevel::O2 && masters != "fp32") amp_options.master_weights(false);
   if (group && config.shard != "none") {
     set_up_sharded(config, workload, mode, *group, options, amp_options, setup);
   } else {

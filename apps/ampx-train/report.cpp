@@ -45,16 +45,18 @@ std::string comparison_table(const Workload& workload, const std::vector<RunResu
   const bool percent = workload.metric_is_percent();
   std::ostringstream t;
   t << "| mode | dtype | " << workload.unit() << "/s | speed-up | step ms | peak MiB | memory | "
-    << "train loss | test loss | test " << workload.metric_name() << " | skipped | "
-    << "loss scale |\n";
-  t << "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+    << "optim B/param | train loss | test loss | test " << workload.metric_name()
+    << " | skipped | loss scale |\n";
+  t << "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+       "|\n";
   for (const auto& r : results) {
     const double mem = base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes - 1 : 0;
     t << "| " << r.mode << " | " << r.dtype << " | " << fmt("%.0f", r.items_per_s) << " | "
       << fmt("%.2fx", r.items_per_s / base.items_per_s) << " | " << fmt("%.1f", r.median_step_ms)
       << " | " << fmt("%.1f", r.peak_bytes / 1048576.0) << " | "
       << (&r == &base ? std::string("-") : fmt("%+.1f%%", 100 * mem)) << " | "
-      << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
+      << (r.params > 0 ? fmt("%.2f", double(r.optimizer_bytes) / r.params) : std::string("-"))
+      << " | " << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
       << (percent ? fmt("%.2f%%", r.eval.metric) : fmt("%.3f", r.eval.metric)) << " | " << r.skipped
       << " | " << fmt("%g", r.final_scale) << " |\n";
   }
@@ -79,6 +81,8 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"peak_allocated_bytes", r.peak_bytes},
         {"peak_vs_baseline", base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes : 0.0},
         {"rank_peak_allocated_bytes", r.rank_peak_bytes},
+        {"optimizer_bytes", r.optimizer_bytes},
+        {"optimizer_bytes_per_param", r.params > 0 ? double(r.optimizer_bytes) / r.params : 0.0},
         {"train_loss", r.train_loss},
         {"test_loss", r.eval.loss},
         {"test_" + workload.metric_name(), r.eval.metric},

@@ -19,6 +19,8 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("median_step_ms", r.median_step_ms);
   visit("peak_bytes", r.peak_bytes);
   visit("rank_peak_bytes", r.rank_peak_bytes);
+  visit("optimizer_bytes", r.optimizer_bytes);
+  visit("params", r.params);
   visit("train_loss", r.train_loss);
   visit("eval", r.eval);
   visit("skipped", r.skipped);
@@ -37,7 +39,8 @@ void for_each_field(Result& r, Visit&& visit) {
 // Fields results written before them do not have.
 bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
-         name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes";
+         name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes" ||
+         name == "optimizer_bytes" || name == "params";
 }
 
 template <typename T>

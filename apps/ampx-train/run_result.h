@@ -30,6 +30,10 @@ struct RunResult {
   /// Most tensor bytes allocated at once while training (ranks: the largest).
   int64_t peak_bytes = 0;
   std::vector<int64_t> rank_peak_bytes;  // data-parallel runs: each rank's, in rank order
+  /// What the optimizer keeps (masters, compensations, moments, scales;
+  /// sharded runs: rank 0's share), and the model's parameter count.
+  int64_t optimizer_bytes = 0;
+  int64_t params = 0;
   double train_loss = 0;       // mean loss of the last tenth of the steps
   EvalResult eval;             // held-out loss and bpc / accuracy at the end
   int64_t skipped = 0;         // optimizer steps skipped for inf/NaN gradients

@@ -3,6 +3,7 @@
 #include "config.h"
 
 #include "machine.h"
+#include "optimizer_options.h"
 #include "sharding.h"
 #include "weights_export.h"
 
@@ -73,6 +74,7 @@ void add_schedule_rows(const TrainConfig& c, Rows& rows) {
   }
   rows.add("lr (AdamW)", c.lr);
   rows.add("weight decay", c.weight_decay);
+  rows.add("optimizer", optimizer_description(c));
   rows.add("seed", c.seed);
   if (is_gpt_workload(c.workload)) {
     std::ostringstream shape;

@@ -6,6 +6,7 @@
 #include "fp8_trace.h"
 #include "machine.h"
 #include "metrics_writer.h"
+#include "optimizer_options.h"
 #include "output_file.h"
 #include "preemption.h"
 #include "profile.h"
@@ -433,6 +434,8 @@ RunResult ModeRun::finish() {
   // model ends, and is evaluated and exported, as the uninterrupted run's.
   if (tail_start_ < total_steps_) enter_tail(setup_);
   result.peak_bytes = peak_allocated_bytes(device_) - base_bytes_;
+  result.optimizer_bytes = optimizer_state_bytes(*setup_.optimizer);
+  result.params = setup_.model_params;
   result.nonfinite_summary = diagnostics_.nonfinite_summary();
   if (config_.range_stats && lead_) {
     const auto path = fs::path(config_.out_dir) / ("range-stats-" + mode_.name + ".json");

@@ -45,6 +45,7 @@ struct ModeSetUp {
   /// pieces of them; optimizer: ZeRO-1's, an AdamW over this rank's shard
   /// inside). initialize() holds its address.
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  int64_t model_params = 0;  // the model's parameters' elements, whole (before any sharding)
   std::unique_ptr<ampx::AmpSession> amp;
   /// --shard full or grad: the model's wrapper (null otherwise).
   std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;

@@ -56,6 +56,14 @@ auto* mixed_precision(Optimizer* o, const char* who) {
   TORCH_CHECK(mixed != nullptr, who,
               ": optimizer must be one of ampx::optim's (AdamW, SGD, LAMB), whose state is saved "
               "by parameter; got another torch::optim::Optimizer");
+  const auto& c = mixed->config();
+  TORCH_CHECK(c.state_format == ampx::optim::StateFormat::kFp32 && !c.kahan_summation, who,
+              ": the optimizer keeps ",
+              c.kahan_summation ? std::string("Kahan compensations")
+                                : std::string("state_format ") +
+                                      ampx::optim::state_format_name(c.state_format) + " moments",
+              ", which sharded checkpoints do not carry yet (they keep fp32 moments); save the "
+              "optimizer with its own save() on each rank instead");
   return mixed;
 }
 

@@ -351,11 +351,7 @@ int64_t ZeroRedundancyOptimizer::state_bytes() {
   };
   for (const auto& m : impl_->masters) add(m);
   if (const auto* mixed = dynamic_cast<const optim::MixedPrecisionOptimizer*>(impl_->local.get())) {
-    for (const auto& m : impl_->masters) {
-      add(mixed->master(m));  // none: the shards are fp32, their own masters
-      add(mixed->exp_avg(m));
-      add(mixed->exp_avg_sq(m));
-    }
+    total += mixed->state_bytes();  // (no masters: the shards are fp32, their own masters)
   } else {
     // Another torch::optim optimizer: its state's size as it serializes.
     torch::serialize::OutputArchive archive;

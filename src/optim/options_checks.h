@@ -18,7 +18,16 @@ namespace detail {
 
 template <class Options>
 MixedPrecisionConfig config_of(const Options& o) {
-  return {o.master_weights(), o.stochastic_rounding(), o.seed(), o.max_grad_norm()};
+  MixedPrecisionConfig c;
+  c.master_weights = o.master_weights();
+  c.stochastic_rounding = o.stochastic_rounding();
+  c.seed = o.seed();
+  c.max_grad_norm = o.max_grad_norm();
+  c.kahan_summation = o.kahan_summation();
+  c.state_format = o.state_format();
+  c.state_block = o.state_block();
+  c.state_min_numel = o.state_min_numel();
+  return c;
 }
 
 /// AdamW's and LAMB's options as the fused step reads them.

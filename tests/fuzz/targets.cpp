@@ -275,6 +275,8 @@ const std::vector<NamedTarget>& targets() {
        "FullyShardedDataParallel's shard: ampx::load_archive, then load_shards"},
       {"train_shard", train_shard,
        "ampx-train's shard file, CRC-32 recomputed: read_shard_file, then load_shards"},
+      {"optim_state", optim_state,
+       "ampx::optim's state (8-bit moments, Kahan): ampx::load_archive, then load"},
       {"idx", idx, "ampx-train's IDX image/label reader (read_idx)"},
       {"text", text, "ampx-train's text dataset reader (load_text)"},
       {"launch_env", launch_env, "ampx::dist::launch_env_from_environment"},
@@ -373,6 +375,7 @@ void write_seeds(const std::string& dir) {
     out("zero_shard", "seed-1.pt", read_whole(path));
   }
   for (const auto& seed : shard_seeds()) out(seed.target, seed.name, seed.bytes);
+  for (const auto& seed : optim_seeds()) out(seed.target, seed.name, seed.bytes);
   {  // two 2x3 images and their labels
     const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');
     const std::string labels = be32(0x801) + be32(2) + std::string("\x03\x09", 2);

@@ -27,7 +27,8 @@ struct NamedTarget {
 };
 
 /// Every target, by name: checkpoint, checkpoint_crc, checkpoint_state, state_dict,
-/// zero_shard, fsdp_shard, train_shard, idx, text, launch_env, safetensors, plan_file. The one list
+/// zero_shard, fsdp_shard, train_shard, optim_state, idx, text, launch_env, safetensors, plan_file.
+/// The one list
 /// of them: `ampx_fuzz list` prints it for ctest's tests (CMakeLists.txt) and `make fuzz`.
 const std::vector<NamedTarget>& targets();
 
@@ -39,10 +40,15 @@ void write_seeds(const std::string& dir);
 void fsdp_shard(const uint8_t* data, size_t size);
 void train_shard(const uint8_t* data, size_t size);
 
+/// ampx::optim's state files (optim_targets.cpp).
+void optim_state(const uint8_t* data, size_t size);
+
 /// A seed: its target's corpus folder, its file name, its bytes.
 struct Seed {
   std::string target, name, bytes;
 };
+/// optim_state's seed: an 8-bit, Kahan AdamW's state after two steps.
+std::vector<Seed> optim_seeds();
 /// fsdp_shard's and train_shard's seeds: a shard after two AdamW steps.
 std::vector<Seed> shard_seeds();
 

@@ -158,6 +158,7 @@ TEST_F(CompareTest, TrainsEachModeAndWritesTableJsonAndPlotData) {
                             fmt("%.1f", m.at("peak_allocated_bytes").get<int64_t>() / 1048576.0) +
                             " | " +
                             (mode == "fp32" ? std::string("-") : fmt("%+.1f%%", 100 * mem)) +
+                            " | " + fmt("%.2f", m.at("optimizer_bytes_per_param").get<double>()) +
                             " | " + fmt("%.4f", m.at("train_loss").get<double>()) + " | " +
                             fmt("%.4f", m.at("test_loss").get<double>()) + " | " +
                             fmt("%.3f", m.at("test_bpc").get<double>()) + " | " +

@@ -24,7 +24,23 @@
 ///                         an ulp vanish) or, with stochastic_rounding(true),
 ///                         rounded up with probability equal to the fraction of
 ///                         the gap (unbiased), from a counter-based hash of
-///                         (seed, step, param position, element index).
+///                         (seed, step, param position, element index),
+///                         or, with kahan_summation(true), with its lost low
+///                         bits kept in a compensation buffer of its dtype:
+///                         param + compensation carries the fp32 weight to
+///                         about 16 bits, 2 bytes a parameter.
+/// ```
+///
+/// The moments (Adam's and LAMB's exp_avg and exp_avg_sq, SGD's momentum)
+/// are fp32 or, with state_format, fewer bits (StateFormat), decoded,
+/// updated and encoded again in the same fused pass, a tile at a time:
+///
+/// ```
+///   auto opt = ampx::optim::AdamW(params, ampx::optim::AdamWOptions(1e-3)
+///                                             .master_weights(false)
+///                                             .kahan_summation(true)
+///                                             .state_format(ampx::optim::StateFormat::kInt8));
+///   // bf16 weight, grad and compensation, two 8-bit moments: about 8 bytes a parameter
 /// ```
 /// State (masters, moments, step counts) is keyed by (group, index) position,
 /// never by tensor identity, and save/load round-trips it bitwise.
@@ -44,6 +60,28 @@
 namespace ampx {
 namespace optim {
 
+/// How an optimizer stores its moments. Params of fewer than
+/// MixedPrecisionConfig::state_min_numel elements keep fp32 moments in
+/// every format (as torchao's and bitsandbytes' 8-bit optimizers do).
+enum class StateFormat : int32_t {
+  kFp32 = 0,  ///< float32, 4 bytes a moment
+  /// bfloat16, rounded stochastically (a second moment rounded to nearest
+  /// would never decay: 0.999 v rounds back to v), 2 bytes a moment.
+  kBf16 = 1,
+  /// FP8 E4M3 codes with an fp32 scale per state_block elements (absmax /
+  /// 448; torchao's AdamWFp8), 1 byte a moment.
+  kFp8 = 2,
+  /// 8-bit codes of bitsandbytes' dynamic tree map (signed first moment,
+  /// unsigned second) with an fp32 absmax per state_block elements
+  /// (torchao's AdamW8bit), 1 byte a moment.
+  kInt8 = 3,
+};
+
+/// "fp32", "bf16", "fp8", "8bit".
+const char* state_format_name(StateFormat format);
+/// The format named `name` (state_format_name's); throws naming it otherwise.
+StateFormat state_format_from_name(const std::string& name);
+
 /// Settings every ampx optimizer takes from the options it was constructed
 /// with (per-group copies of them are ignored).
 struct MixedPrecisionConfig {
@@ -52,17 +90,26 @@ struct MixedPrecisionConfig {
   uint64_t seed = 0;                 ///< seed of stochastic rounding's hash
   /// Clip the grads' global 2-norm to this; none: no clipping.
   c10::optional<double> max_grad_norm;
+  /// bf16/fp16 params without masters: keep the weight's lost low bits in a
+  /// compensation buffer of the param's dtype.
+  bool kahan_summation = false;
+  StateFormat state_format = StateFormat::kFp32;  ///< how the moments are stored
+  int64_t state_block = 256;       ///< FP8 / 8-bit: elements per scale (a power of 2, 32..4096)
+  int64_t state_min_numel = 4096;  ///< smaller params keep fp32 moments
 };
 
 namespace detail {
 
-/// One parameter's optimizer state. Tensors are fp32 and contiguous, on the
-/// param's device; undefined when not used.
+/// One parameter's optimizer state. Tensors are contiguous, on the param's
+/// device; undefined when not used.
 struct ParamState {
   at::Tensor master;      // fp32 master of a bf16/fp16 param
   at::Tensor captured;    // fp32 snapshot from capture_master_weights(), until the first step
-  at::Tensor exp_avg;     // Adam/LAMB first moment; SGD momentum buffer
-  at::Tensor exp_avg_sq;  // Adam/LAMB second moment
+  at::Tensor exp_avg;     // Adam/LAMB first moment; SGD momentum buffer: fp32, bf16 or uint8 codes
+  at::Tensor exp_avg_sq;  // Adam/LAMB second moment, as exp_avg
+  at::Tensor exp_avg_scale;     // FP8 / 8-bit moments: fp32, one per block
+  at::Tensor exp_avg_sq_scale;  // (flat, ceil(numel / state_block))
+  at::Tensor compensation;      // Kahan: the weight's lost low bits, the param's dtype
   int64_t step = 0;       // steps taken (host count; authoritative for CPU params)
   at::Tensor step_t;      // float64 [] on the device (non-CPU params: no host sync)
   /// exp_avg was made for this step: SGD's momentum buffer starts as the
@@ -113,10 +160,17 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// params are their own master; low-precision ones get theirs at their
   /// first step). Throws if `param` is not one of this optimizer's params.
   at::Tensor master(const at::Tensor& param) const;
-  /// First moment (Adam/LAMB) or momentum buffer (SGD) of `param`, or undefined.
+  /// First moment (Adam/LAMB) or momentum buffer (SGD) of `param` in fp32,
+  /// or undefined: the state itself for fp32 moments, a decoded copy for
+  /// fewer bits (StateFormat).
   at::Tensor exp_avg(const at::Tensor& param) const;
-  /// Second moment (Adam/LAMB) of `param`, or undefined.
+  /// Second moment (Adam/LAMB) of `param`, as exp_avg().
   at::Tensor exp_avg_sq(const at::Tensor& param) const;
+  /// The Kahan compensation of `param` (kahan_summation), or undefined.
+  at::Tensor compensation(const at::Tensor& param) const;
+  /// The bytes this optimizer keeps for its params (masters, compensations,
+  /// moments and their scales; not the params and grads).
+  int64_t state_bytes() const;
   /// Steps `param` has taken.
   int64_t step_count(const at::Tensor& param) const;
 
@@ -186,6 +240,17 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void run_step(const at::Tensor& grad_scale, const at::Tensor& found_inf);
   void sync_state_shape();
   void prepare(detail::ParamWork& work) const;
+  /// Whether `param`'s moments are coded (state_format, state_min_numel).
+  bool coded_moments(const at::Tensor& param) const;
+  /// Whether `param` keeps a Kahan compensation.
+  bool kahan(const at::Tensor& param) const;
+  /// Throws unless `t`, read as slot `k` of optimizer_state.cpp's keys for
+  /// `param`, has the dtype and shape this optimizer keeps there.
+  void check_slot(const at::Tensor& t, int k, const at::Tensor& param, const std::string& key,
+                  const char* who) const;
+  /// A new zero moment of `param` in its format, and its block scales if any.
+  void make_moment(const at::Tensor& param, bool is_signed, at::Tensor& moment,
+                   at::Tensor& scale) const;
   /// Dense CUDA params (and grads) that the fused CUDA step takes.
   static bool cuda_fusable(const detail::ParamWork& work);
   /// The fused step of dense CPU params (step counts already incremented).

@@ -34,6 +34,17 @@ struct SGDOptions : public torch::optim::OptimizerCloneableOptions<SGDOptions> {
   TORCH_ARG(bool, master_weights) = true;
   /// bf16 params without masters: round the update stochastically.
   TORCH_ARG(bool, stochastic_rounding) = false;
+  /// bf16/fp16 params without masters: keep the weight's lost low bits in a
+  /// compensation buffer of the param's dtype, 2 bytes a parameter (needs
+  /// master_weights(false); optimizer-wide).
+  TORCH_ARG(bool, kahan_summation) = false;
+  /// How the moments are stored (optimizer-wide; see StateFormat).
+  TORCH_ARG(StateFormat, state_format) = StateFormat::kFp32;
+  /// FP8 / 8-bit moments: elements per scale, a power of 2 in [32, 4096]
+  /// (optimizer-wide).
+  TORCH_ARG(int64_t, state_block) = 256;
+  /// Params of fewer elements keep fp32 moments in any format (optimizer-wide).
+  TORCH_ARG(int64_t, state_min_numel) = 4096;
   /// Seed of stochastic rounding's counter-based hash.
   TORCH_ARG(uint64_t, seed) = 0;
   /// Clip the global 2-norm of the (unscaled) grads to this, in the update.

@@ -10,10 +10,18 @@
 // 1.13 has no Half vectorization). Vector and scalar code evaluate the same
 // float expressions in the same order without FMA contraction, so tails
 // match vector lanes.
+//
+// Params with moments in fewer bits (bf16, FP8, 8-bit codes) or a Kahan
+// compensated weight run in tiles (run_tiled): a tile's moments and weight
+// are decoded into fp32 buffers, the same fp32 loops run over them, and the
+// buffers are encoded back (a block format's tile is one of its blocks,
+// whose scale follows from the new values). No fp32 copy of a whole moment
+// exists at any time.
 
 #include "cpu_kernels.h"
 
 #include "../../kernels/isa/vec_math.h"
+#include "state_tiles.h"
 
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -152,9 +160,90 @@ struct LambSums {
   }
 };
 
-}  // namespace
+// ---- low-bit moments and Kahan weights: tiles ---------------------------------
 
-void update_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end) {
+constexpr int64_t kTileMax = fused::kMaxStateBlock;
+constexpr int64_t kBf16Tile = 1024;
+
+/// One tile's fp32 operands.
+struct TileBuffers {
+  alignas(64) float w[kTileMax];
+  alignas(64) float m[kTileMax];
+  alignas(64) float v[kTileMax];
+};
+
+bool block_format(const FusedParam& p) {
+  return p.state_format == fused::FusedState::kFp8 || p.state_format == fused::FusedState::kInt8;
+}
+
+int64_t tile_of(const FusedParam& p) {
+  const bool blocks = block_format(p) && (p.exp_avg_codes || p.exp_avg_sq_codes);
+  return blocks ? static_cast<int64_t>(p.state_block) : kBf16Tile;
+}
+
+/// The coded moments of tile [b, b + n) from q's buffers back into p.
+void encode_moments(const FusedParam& p, const FusedAt& at, int64_t b, int64_t n,
+                    const FusedParam& q) {
+  if (p.exp_avg_codes) fused::encode_moment(p, at.key, 0, b, n, q.exp_avg);
+  if (p.exp_avg_sq_codes) fused::encode_moment(p, at.key, 1, b, n, q.exp_avg_sq);
+}
+
+/// The coded moments of tile [b, b + n) decoded again into q's buffers.
+void decode_moments(const FusedParam& p, int64_t b, int64_t n, const FusedParam& q) {
+  if (p.exp_avg_codes) fused::decode_moment(p, 0, b, n, q.exp_avg);
+  if (p.exp_avg_sq_codes) fused::decode_moment(p, 1, b, n, q.exp_avg_sq);
+}
+
+/// Elements [begin, end) of p in tiles: body(q, b, n) runs the fp32 loops on
+/// q, elements [0, n) of which are p's [b, b + n), its moments and weight in
+/// fp32 buffers. The moments are encoded back after `body` where
+/// `encode_state`, the Kahan compensation written where `writes_weight`.
+template <class Body>
+void run_tiled(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end,
+               bool encode_state, bool writes_weight, const Body& body) {
+  TileBuffers buf;
+  const int64_t tile = tile_of(p);
+  TORCH_INTERNAL_ASSERT(tile <= kTileMax && begin % tile == 0);
+  const int64_t es = p.dtype == fused::FusedDtype::kFloat ? 4 : 2;
+  for (int64_t b = begin; b < end; b += tile) {
+    const int64_t n = std::min(tile, end - b);
+    FusedParam q = p;
+    q.param = static_cast<char*>(p.param) + b * es;
+    q.grad = static_cast<const char*>(p.grad) + b * es;
+    q.numel = n;
+    q.index_base = p.index_base + b;
+    q.exp_avg_codes = q.exp_avg_sq_codes = q.compensation = nullptr;
+    q.exp_avg_scale = q.exp_avg_sq_scale = nullptr;
+    q.state_format = fused::FusedState::kFp32;
+    q.master = p.master ? p.master + b : nullptr;
+    if (p.compensation) {
+      fused::read_kahan_weight(p, b, n, buf.w);
+      q.master = buf.w;
+    }
+    q.exp_avg = p.exp_avg ? p.exp_avg + b : nullptr;
+    q.exp_avg_sq = p.exp_avg_sq ? p.exp_avg_sq + b : nullptr;
+    if (p.exp_avg_codes) q.exp_avg = buf.m;
+    if (p.exp_avg_sq_codes) q.exp_avg_sq = buf.v;
+    decode_moments(p, b, n, q);
+    body(q, b, n);
+    if (encode_state) encode_moments(p, at, b, n, q);
+    if (writes_weight && p.compensation) fused::write_compensation(p, b, n, buf.w);
+  }
+}
+
+/// LAMB's sums of w^2 and u^2 from the moments as stored (after their encoding).
+template <class Acc>
+struct LambSumsOp {
+  static constexpr bool kGrad = false, kM = true, kV = true, kWriteW = false, kWriteState = false;
+  math::LambDir dir;
+  Acc* acc;
+  template <class V>
+  void operator()(V& w, V, V& m, V& v) const {
+    acc->add(w, dir(w, m, v));
+  }
+};
+
+void update_dense(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end) {
   switch (p.options.update) {
     case fused::FusedUpdate::kAdamW:
       run(p, at, begin, end, fused::adamw_op(p.options, at.step));
@@ -171,21 +260,62 @@ void update_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t 
   }
 }
 
+}  // namespace
+
+void update_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end) {
+  if (!fused::fused_tiled(p)) {
+    update_dense(p, at, begin, end);
+    return;
+  }
+  run_tiled(p, at, begin, end, /*encode_state=*/true, /*writes_weight=*/true,
+            [&](const FusedParam& q, int64_t, int64_t n) { update_dense(q, at, 0, n); });
+}
+
 void lamb_moments_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end,
                        double* sums) {
   // fp32 lane accumulators over at most 4096 elements, then double.
   constexpr int64_t kBlock = 4096;
-  for (int64_t b = begin; b < end; b += kBlock) {
-    LambSums acc;
-    run(p, at, b, std::min(b + kBlock, end), fused::lamb_moments_op(p.options, at.step, &acc));
+  const auto add = [sums](const LambSums& acc) {
     sums[0] += lane_sum<double>(acc.w) + acc.sw;
     sums[1] += lane_sum<double>(acc.u) + acc.su;
+  };
+  if (!fused::fused_tiled(p)) {
+    for (int64_t b = begin; b < end; b += kBlock) {
+      LambSums acc;
+      run(p, at, b, std::min(b + kBlock, end), fused::lamb_moments_op(p.options, at.step, &acc));
+      add(acc);
+    }
+    return;
   }
+  // Tiles (at most 4096 elements): the moments, then, where they are coded,
+  // their encoding and the sums from the moments as decoded again, so that
+  // the trust ratio is that of the update the second pass applies.
+  const bool coded = p.exp_avg_codes || p.exp_avg_sq_codes;
+  run_tiled(p, at, begin, end, /*encode_state=*/false, /*writes_weight=*/false,
+            [&](const FusedParam& q, int64_t b, int64_t n) {
+              LambSums acc;
+              if (!coded) {
+                run(q, at, 0, n, fused::lamb_moments_op(q.options, at.step, &acc));
+              } else {
+                LambSums unused;
+                run(q, at, 0, n, fused::lamb_moments_op(q.options, at.step, &unused));
+                encode_moments(p, at, b, n, q);
+                decode_moments(p, b, n, q);
+                run(q, at, 0, n, LambSumsOp<LambSums>{fused::lamb_dir(q.options, at.step), &acc});
+              }
+              add(acc);
+            });
 }
 
 void lamb_apply_span(const FusedParam& p, const FusedAt& at, float neg_step, int64_t begin,
                      int64_t end) {
-  run(p, at, begin, end, fused::lamb_apply_op(p.options, at.step, neg_step));
+  const auto op = fused::lamb_apply_op(p.options, at.step, neg_step);
+  if (!fused::fused_tiled(p)) {
+    run(p, at, begin, end, op);
+    return;
+  }
+  run_tiled(p, at, begin, end, /*encode_state=*/false, /*writes_weight=*/true,
+            [&](const FusedParam& q, int64_t, int64_t n) { run(q, at, 0, n, op); });
 }
 
 }  // namespace CPU_CAPABILITY

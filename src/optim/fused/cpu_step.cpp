@@ -12,6 +12,13 @@ namespace detail {
 
 namespace cpu = ::ampx::detail::cpu;
 
+static_assert(static_cast<int32_t>(StateFormat::kBf16) == static_cast<int32_t>(FusedState::kBf16) &&
+                  static_cast<int32_t>(StateFormat::kFp8) ==
+                      static_cast<int32_t>(FusedState::kFp8) &&
+                  static_cast<int32_t>(StateFormat::kInt8) ==
+                      static_cast<int32_t>(FusedState::kInt8),
+              "the kernels' state formats are ampx::optim::StateFormat's");
+
 FusedDtype fused_dtype(c10::ScalarType dtype) {
   switch (dtype) {
     case c10::kFloat:
@@ -35,9 +42,33 @@ FusedParam fused_param(const ParamWork& work, const FusedOptions& options,
   p.master = st.master.defined() ? st.master.data_ptr<float>() : nullptr;
   // (SGD without momentum: a buffer left from a group that had it is not used.)
   const bool momentum = options.update != FusedUpdate::kSgd || options.momentum != 0;
-  p.exp_avg = st.exp_avg.defined() && momentum ? st.exp_avg.data_ptr<float>() : nullptr;
-  p.exp_avg_sq = st.exp_avg_sq.defined() ? st.exp_avg_sq.data_ptr<float>() : nullptr;
-  p.exp_avg_fresh = p.exp_avg != nullptr && st.exp_avg_fresh;
+  // Moments in fp32, or codes (config.state_format) with their block scales.
+  bool coded = false;
+  if (st.exp_avg.defined() && momentum) {
+    if (st.exp_avg.scalar_type() == c10::kFloat) {
+      p.exp_avg = st.exp_avg.data_ptr<float>();
+    } else {
+      p.exp_avg_codes = st.exp_avg.data_ptr();
+      p.exp_avg_scale = st.exp_avg_scale.defined() ? st.exp_avg_scale.data_ptr<float>() : nullptr;
+      coded = true;
+    }
+  }
+  if (st.exp_avg_sq.defined()) {
+    if (st.exp_avg_sq.scalar_type() == c10::kFloat) {
+      p.exp_avg_sq = st.exp_avg_sq.data_ptr<float>();
+    } else {
+      p.exp_avg_sq_codes = st.exp_avg_sq.data_ptr();
+      p.exp_avg_sq_scale =
+          st.exp_avg_sq_scale.defined() ? st.exp_avg_sq_scale.data_ptr<float>() : nullptr;
+      coded = true;
+    }
+  }
+  if (coded) {
+    p.state_format = static_cast<FusedState>(config.state_format);
+    p.state_block = static_cast<int32_t>(config.state_block);
+  }
+  p.compensation = st.compensation.defined() ? st.compensation.data_ptr() : nullptr;
+  p.exp_avg_fresh = (p.exp_avg != nullptr || p.exp_avg_codes != nullptr) && st.exp_avg_fresh;
   p.numel = work.param.numel();
   p.position = work.position;
   p.options = options;

@@ -39,29 +39,54 @@ struct FusedOptions {
   int32_t nesterov = 0;
 };
 
+/// How a param's moments are stored (ampx::optim::StateFormat's values).
+enum class FusedState : int32_t { kFp32 = 0, kBf16 = 1, kFp8 = 2, kInt8 = 3 };
+
 /// One param of a fused step, on either device: its operands (pointers into
 /// the param's own memory, CPU or CUDA), its group's options and where it
 /// stands among all params. Plain data without padding bytes: the CUDA step
 /// compares a step's operands with the last one's byte for byte.
+///
+/// The moments are fp32 (exp_avg, exp_avg_sq) or, for a state format of
+/// fewer bits, codes (exp_avg_codes, exp_avg_sq_codes: bf16, or FP8 / 8-bit
+/// codes with an fp32 scale per block of state_block elements); a bf16 or
+/// fp16 param without master may carry a Kahan compensation of its dtype.
+/// The CPU runs such params in tiles (cpu_span.cpp): each tile's moments and
+/// weight decoded into fp32 buffers, the fp32 update run on a FusedParam that
+/// points at them (index_base: where the tile starts in the whole param),
+/// the buffers encoded back. The CUDA step takes fp32 moments only.
 struct FusedParam {
   void* param = nullptr;        // fp32, bf16 or fp16, contiguous
   float* master = nullptr;      // fp32 master, or null (fp32 param / no masters)
   const void* grad = nullptr;   // the param's dtype, contiguous
   float* exp_avg = nullptr;     // fp32 first moment / momentum buffer, or null
   float* exp_avg_sq = nullptr;  // fp32 second moment, or null
+  void* exp_avg_codes = nullptr;     // first moment in state_format's codes, or null
+  void* exp_avg_sq_codes = nullptr;  // second moment in state_format's codes, or null
+  float* exp_avg_scale = nullptr;    // FP8 / 8-bit: a scale per block, or null
+  float* exp_avg_sq_scale = nullptr;
+  void* compensation = nullptr;  // Kahan: the weight's lost low bits, the param's dtype, or null
   int64_t numel = 0;
-  int64_t position = 0;  // index over all groups, in order: stochastic rounding's key
+  int64_t position = 0;    // index over all groups, in order: stochastic rounding's key
+  int64_t index_base = 0;  // element 0's index in the whole param (a CPU tile's start)
   FusedOptions options;
   FusedDtype dtype = FusedDtype::kFloat;
   int32_t stochastic_rounding = 0;  // bf16 params without master only
   int32_t exp_avg_fresh = 0;        // SGD: the buffer starts as d (ParamState::exp_avg_fresh)
-  int32_t unused = 0;               // (no padding bytes: compared byte for byte)
+  FusedState state_format = FusedState::kFp32;  // of the *_codes moments
+  int32_t state_block = 0;                      // FP8 / 8-bit: elements per scale
+  int32_t unused = 0;                           // (no padding bytes: compared byte for byte)
 };
 static_assert(sizeof(FusedOptions) == 7 * sizeof(double) + 2 * sizeof(int32_t),
               "FusedOptions must have no padding");
-static_assert(sizeof(FusedParam) == 5 * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(FusedOptions) +
-                                        4 * sizeof(int32_t),
+static_assert(sizeof(FusedParam) == 10 * sizeof(void*) + 3 * sizeof(int64_t) +
+                                        sizeof(FusedOptions) + 6 * sizeof(int32_t),
               "FusedParam must have no padding");
+
+/// Whether a param's moments or weight need the CPU's tiles (low-bit state, Kahan).
+AMPX_HD bool fused_tiled(const FusedParam& p) {
+  return p.exp_avg_codes != nullptr || p.exp_avg_sq_codes != nullptr || p.compensation != nullptr;
+}
 
 /// Where a param's update stands in this step, the same on both devices:
 /// `step` counts this step (1 at the first), `grad_mul` is 1 / scale times
@@ -77,15 +102,16 @@ AMPX_HD FusedAt fused_at(const FusedParam& p, double step, float grad_mul, uint6
 
 /// The param's new element from the fp32 weight: nearest even, or for a
 /// bf16 param under stochastic rounding, unbiased random rounding whose bits
-/// depend only on (key, element).
+/// depend only on (key, element of the whole param).
 template <class T>
 struct Narrow {
   bool stochastic;
   uint64_t key;
+  int64_t index_base;  // element i's index in the whole param: index_base + i
   AMPX_HD T operator()(float w, int64_t i) const {
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (stochastic) {
-        return c10::BFloat16(math::bf16_bits_stochastic(w, math::sr_bits(key, i)),
+        return c10::BFloat16(math::bf16_bits_stochastic(w, math::sr_bits(key, index_base + i)),
                              c10::BFloat16::from_bits());
       }
     }
@@ -94,7 +120,7 @@ struct Narrow {
 };
 template <class T>
 AMPX_HD Narrow<T> narrow_for(const FusedParam& p, const FusedAt& at) {
-  return {p.stochastic_rounding != 0, at.key};
+  return {p.stochastic_rounding != 0, at.key, p.index_base};
 }
 
 // --- each update's per-element op, from the options and the step ---------

@@ -1,0 +1,90 @@
+#include "optimizer_options.h"
+
+#include <ampx/zero.h>
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+namespace ampx::train {
+
+void add_optimizer_options(CLI::App& app, TrainConfig& c) {
+  app.add_option("--masters", c.masters,
+                 "what keeps the lost low bits of 16-bit weights (O2, O3): fp32 (an fp32 master "
+                 "copy, O2's default), kahan (a 16-bit compensation, 2 bytes a parameter), "
+                 "stochastic (none: bf16 rounded stochastically, O3's default) [default: the "
+                 "mode's]")
+      ->check(CLI::IsMember({"fp32", "kahan", "stochastic"}));
+  app.add_option("--optimizer-state", c.optimizer_state,
+                 "AdamW's moments: fp32, bf16 (rounded stochastically), fp8 (E4M3, a scale per "
+                 "256) or 8bit (dynamic tree codes, a scale per 256); parameters under 4096 "
+                 "elements keep fp32")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp8", "8bit"}))
+      ->capture_default_str();
+}
+
+void check_optimizer_config(const TrainConfig& c) {
+  if (!c.masters.empty() && c.masters != "fp32") {
+    TORCH_CHECK(c.shard == "none", "ampx-train: --masters ", c.masters, " with --shard ", c.shard,
+                ": sharded training keeps fp32 masters in the ranks' shards; drop --masters or "
+                "--shard");
+  }
+  TORCH_CHECK(c.optimizer_state == "fp32" || c.shard == "none" || (c.save_every == 0 && !c.resume),
+              "ampx-train: --optimizer-state ", c.optimizer_state, " with --shard ", c.shard,
+              ": sharded checkpoints keep fp32 moments only for now; drop --save-every and "
+              "--resume, or train with --optimizer-state fp32");
+  TORCH_CHECK(!(c.masters == "stochastic" && c.dtype == "fp16"),
+              "ampx-train: --masters stochastic rounds bf16 weights; with --dtype fp16 use fp32 "
+              "or kahan");
+  for (const auto& name : modes_of(c)) {
+    const Mode mode = parse_mode(name, c);
+    TORCH_CHECK(!(c.masters == "fp32" && mode.level == ampx::OptLevel::O3),
+                "ampx-train: --masters fp32 with --precision O3: O3 trains without masters; use "
+                "O2 for fp32 masters, or --masters kahan or stochastic");
+  }
+}
+
+std::string masters_of(const TrainConfig& c, const Mode& mode) {
+  const bool weights16 = mode.level == ampx::OptLevel::O2 || mode.level == ampx::OptLevel::O3;
+  if (!weights16) return "";
+  if (!c.masters.empty()) return c.masters;
+  if (mode.level == ampx::OptLevel::O2) return "fp32";
+  return mode.dtype == c10::kBFloat16 ? "stochastic" : "nearest";
+}
+
+void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
+                             ampx::optim::AdamWOptions& options) {
+  const auto masters = masters_of(c, mode);
+  if (!masters.empty() && masters != "fp32") {
+    options.master_weights(false)
+        .stochastic_rounding(masters == "stochastic")
+        .kahan_summation(masters == "kahan")
+        .seed(c.seed);
+  }
+  options.state_format(ampx::optim::state_format_from_name(c.optimizer_state));
+}
+
+std::string optimizer_description(const TrainConfig& c) {
+  std::ostringstream s;
+  s << "moments " << c.optimizer_state;
+  std::string per_mode;
+  for (const auto& name : modes_of(c)) {
+    const auto masters = masters_of(c, parse_mode(name, c));
+    if (masters.empty()) continue;
+    per_mode += (per_mode.empty() ? "" : ", ") + name + " " + masters;
+  }
+  if (!per_mode.empty()) s << "; 16-bit weights' lost bits: " << per_mode;
+  return s.str();
+}
+
+int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
+  if (auto* mixed = dynamic_cast<ampx::optim::MixedPrecisionOptimizer*>(&optimizer)) {
+    return mixed->state_bytes();
+  }
+  if (auto* zero = dynamic_cast<ampx::dist::ZeroRedundancyOptimizer*>(&optimizer)) {
+    return zero->state_bytes();
+  }
+  return 0;
+}
+
+}  // namespace ampx::train

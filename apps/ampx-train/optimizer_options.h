@@ -1,0 +1,43 @@
+#pragma once
+
+// How ampx-train's AdamW keeps its state: --masters (what keeps a 16-bit
+// weight's lost bits) and --optimizer-state (the moments' format), their
+// checks, their row of the settings table, and the bytes the optimizer
+// holds for the results.
+//
+//   add_optimizer_options(app, config);          // the flags
+//   check_optimizer_config(config);              // from resolve_defaults()
+//   apply_optimizer_options(config, mode, options);  // set_up_mode()'s AdamWOptions
+
+#include "config.h"
+
+#include <ampx/optim.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace ampx::train {
+
+void add_optimizer_options(CLI::App& app, TrainConfig& config);
+
+/// Combinations CLI11 cannot check; throws c10::Error naming the flags.
+void check_optimizer_config(const TrainConfig& config);
+
+/// What keeps mode `mode`'s weights: "fp32" (an fp32 master), "kahan",
+/// "stochastic", "nearest" (O3 in fp16) or "" (fp32 and O1: fp32 weights).
+std::string masters_of(const TrainConfig& config, const Mode& mode);
+
+/// Sets `options` (AdamW's) for mode `mode`: masters, stochastic rounding
+/// or Kahan compensation, and the moments' format.
+void apply_optimizer_options(const TrainConfig& config, const Mode& mode,
+                             ampx::optim::AdamWOptions& options);
+
+/// The settings table's row: the masters per mode and the moments' format.
+std::string optimizer_description(const TrainConfig& config);
+
+/// The bytes `optimizer` keeps (ampx::optim's, ZeRO's; 0 for another kind).
+int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer);
+
+}  // namespace ampx::train

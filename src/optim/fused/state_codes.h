@@ -1,0 +1,105 @@
+#pragma once
+
+// The moments in fewer bits (MixedPrecisionConfig::state_format), written
+// once for both devices as optim_math.h's update is:
+//
+//   bf16   the fp32 moment rounded stochastically to bfloat16 (its own
+//          counter-based stream): with beta2 = 0.999 a second moment rounded
+//          to nearest never decays (0.999 v rounds back to v: bfloat16's
+//          relative spacing is 2^-8 to 2^-7, above 0.001), while stochastic
+//          rounding keeps it right on average
+//   fp8    E4M3 codes of m / s, s = max(absmax, 1e-12) / 448 for each block
+//          (torchao's OptimStateFp8)
+//   8bit   codes of m / s in bitsandbytes' dynamic tree map (signed for the
+//          first moment, unsigned for the second), s = max(absmax, 1e-12) for
+//          each block, the code the nearest map value, ties up (torchao's
+//          OptimState8bit, quantize_8bit_with_qmap)
+//
+// A block's scale comes from the block's new values, so a moment that decays
+// everywhere in its block keeps its codes and decays through the scale.
+
+#include "../../fp8/block_math.h"
+#include "../../fp8/fp8_math.h"
+#include "../../kernels/host_device.h"
+#include "optim_math.h"
+
+#include <cstdint>
+
+namespace ampx {
+namespace detail {
+namespace math {
+
+/// A 256-entry code map, sorted ascending: code c means value[c] times its
+/// block's scale.
+struct StateMap {
+  float value[256];
+};
+
+/// bitsandbytes' dynamic tree map of 8 bits, 7 of them exponent at most
+/// (torchao's create_dynamic_map(signed, 7, 8)), in float32 as torchao
+/// builds it: signed [-0.9965, 1] with zero at code 127, unsigned [0, 1].
+/// Host only (state_codes.cpp); the tests compare it with torchao's.
+const StateMap& dynamic_map(bool is_signed);
+
+/// The code of zero in the signed and unsigned maps.
+constexpr uint8_t kSignedZeroCode = 127;
+constexpr uint8_t kUnsignedZeroCode = 0;
+
+/// The nearest map value's code of x (x in [-1, 1]: a value over its block's
+/// absmax): a branchless binary search for the last value <= x, then one up
+/// where x is at least halfway to the next (torchao's quantize_8bit_with_qmap).
+AMPX_HD uint8_t map_code(const StateMap& map, float x) {
+  const float* q = map.value;
+  int c = x >= q[128] ? 128 : 0;
+  c += x >= q[c + 64] ? 64 : 0;
+  c += x >= q[c + 32] ? 32 : 0;
+  c += x >= q[c + 16] ? 16 : 0;
+  c += x >= q[c + 8] ? 8 : 0;
+  c += x >= q[c + 4] ? 4 : 0;
+  c += x >= q[c + 2] ? 2 : 0;
+  c += x >= q[c + 1] ? 1 : 0;
+  const int up = c + 1 < 255 ? c + 1 : 255;
+  const float down_value = q[c], up_value = q[up];
+  return static_cast<uint8_t>(x - down_value >= (up_value - down_value) * 0.5f ? up : c);
+}
+
+/// A block's absmax floored as torchao floors it (so that an all-zero block
+/// has a scale and codes of zero).
+AMPX_HD float floored_absmax(float absmax) {
+  return absmax > 1e-12f ? absmax : 1e-12f;
+}
+
+/// The FP8 format's scale of a block whose absmax is `absmax`.
+AMPX_HD float fp8_state_scale(float absmax) {
+  return floored_absmax(absmax) / 448.0f;
+}
+
+/// x's E4M3 code in a block of scale `scale` (nearest even, saturated).
+AMPX_HD uint8_t fp8_state_code(float x, float scale) {
+  return fp8::math::encode<fp8::math::Format::kE4M3>(x / scale);
+}
+
+/// The value of E4M3 code `code` in a block of scale `scale`.
+AMPX_HD float fp8_state_value(uint8_t code, float scale) {
+  return fp8::block_math::e4m3_value(code) * scale;
+}
+
+/// x rounded stochastically to bfloat16's bits by 16 random bits.
+AMPX_HD uint16_t bf16_state_bits(float x, uint32_t random16) {
+  return bf16_bits_stochastic(x, random16);
+}
+
+/// The bfloat16 bits' value.
+AMPX_HD float bf16_state_value(uint16_t bits) {
+  return bits_float(static_cast<uint32_t>(bits) << 16);
+}
+
+/// The stream key of a moment's stochastic rounding at a step: the update's
+/// key (seed, step, param position) and which moment (0: first, 1: second).
+AMPX_HD uint64_t state_key(uint64_t update_key, int moment) {
+  return mix64(update_key ^ (moment == 0 ? 0x6a09e667f3bcc909ULL : 0xbb67ae8584caa73bULL));
+}
+
+}  // namespace math
+}  // namespace detail
+}  // namespace ampx

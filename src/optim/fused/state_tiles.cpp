@@ -1,0 +1,204 @@
+// The moments in fewer bits on the CPU (state_tiles.h), and the 8-bit
+// state's dynamic tree maps (state_codes.h).
+//
+// bitsandbytes' map (Dettmers 2015, "8-Bit Approximations for Parallelism in
+// Deep Learning"; torchao's create_dynamic_map(signed, 7, 8)): for each
+// decade i = 0..6, the midpoints of n equal steps from 0.1 to 1 times
+// 10^(i - 6), n = 2^i (signed, both signs) or 2^(i + 1) (unsigned); then 0
+// and 1. torchao takes the steps from torch.linspace in float32, whose
+// roundings follow the CPU's vector width; here each value is computed in
+// double and rounded to float32 once, the same on every machine
+// (tests/optim_state_test.cpp compares the two).
+
+#include "state_tiles.h"
+
+#include "ampx/detail/optim_state.h"
+
+#include "state_codes.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace ampx {
+namespace detail {
+namespace math {
+namespace {
+
+StateMap make_dynamic_map(bool is_signed) {
+  std::vector<float> values;
+  for (int i = 0; i < 7; ++i) {
+    const int n = is_signed ? (1 << i) : (1 << (i + 1));
+    const double decade = std::pow(10.0, i - 6);
+    for (int j = 0; j < n; ++j) {
+      const double low = 0.1 + 0.9 * j / n, high = 0.1 + 0.9 * (j + 1) / n;
+      const double mean = (low + high) / 2.0 * decade;
+      values.push_back(static_cast<float>(mean));
+      if (is_signed) values.push_back(static_cast<float>(-mean));
+    }
+  }
+  values.push_back(0.0f);
+  values.push_back(1.0f);
+  std::sort(values.begin(), values.end());
+  StateMap map;
+  std::copy(values.begin(), values.end(), map.value);
+  return map;
+}
+
+}  // namespace
+
+const StateMap& dynamic_map(bool is_signed) {
+  static const StateMap kSigned = make_dynamic_map(true);
+  static const StateMap kUnsigned = make_dynamic_map(false);
+  return is_signed ? kSigned : kUnsigned;
+}
+
+}  // namespace math
+}  // namespace detail
+
+namespace optim {
+namespace detail {
+namespace {
+
+namespace math = ::ampx::detail::math;
+
+float* scales_of(const FusedParam& p, int moment) {
+  return moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale;
+}
+
+/// The largest |x| of x[0, n); NaN where any is NaN (as torch's amax).
+float absmax_of(const float* x, int64_t n) {
+  float a = 0.f;
+  for (int64_t k = 0; k < n; ++k) {
+    const float y = std::fabs(x[k]);
+    if (y != y) return y;
+    a = y > a ? y : a;
+  }
+  return a;
+}
+
+template <class T>
+void read_kahan(const FusedParam& p, int64_t b, int64_t n, float* w) {
+  const T* param = static_cast<const T*>(p.param) + b;
+  const T* comp = static_cast<const T*>(p.compensation) + b;
+  for (int64_t k = 0; k < n; ++k) w[k] = static_cast<float>(param[k]) + static_cast<float>(comp[k]);
+}
+
+template <class T>
+void write_kahan(const FusedParam& p, int64_t b, int64_t n, const float* w) {
+  const T* param = static_cast<const T*>(p.param) + b;
+  T* comp = static_cast<T*>(p.compensation) + b;
+  for (int64_t k = 0; k < n; ++k) comp[k] = static_cast<T>(w[k] - static_cast<float>(param[k]));
+}
+
+}  // namespace
+
+void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float* out) {
+  const void* codes = moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes;
+  switch (p.state_format) {
+    case FusedState::kBf16: {
+      const auto* c = static_cast<const uint16_t*>(codes) + b;
+      for (int64_t k = 0; k < n; ++k) out[k] = math::bf16_state_value(c[k]);
+      return;
+    }
+    case FusedState::kFp8: {
+      const auto* c = static_cast<const uint8_t*>(codes) + b;
+      const float scale = scales_of(p, moment)[b / p.state_block];
+      for (int64_t k = 0; k < n; ++k) out[k] = math::fp8_state_value(c[k], scale);
+      return;
+    }
+    case FusedState::kInt8: {
+      const auto* c = static_cast<const uint8_t*>(codes) + b;
+      const float scale = scales_of(p, moment)[b / p.state_block];
+      const float* map = math::dynamic_map(moment == 0).value;
+      for (int64_t k = 0; k < n; ++k) out[k] = map[c[k]] * scale;
+      return;
+    }
+    case FusedState::kFp32:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "ampx::optim: fp32 moments are not decoded");
+}
+
+void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int64_t n,
+                   const float* in) {
+  void* codes = moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes;
+  switch (p.state_format) {
+    case FusedState::kBf16: {
+      auto* c = static_cast<uint16_t*>(codes) + b;
+      const uint64_t stream = math::state_key(key, moment);
+      for (int64_t k = 0; k < n; ++k) {
+        c[k] = math::bf16_state_bits(in[k], math::sr_bits(stream, p.index_base + b + k));
+      }
+      return;
+    }
+    case FusedState::kFp8: {
+      auto* c = static_cast<uint8_t*>(codes) + b;
+      const float scale = math::fp8_state_scale(absmax_of(in, n));
+      scales_of(p, moment)[b / p.state_block] = scale;
+      for (int64_t k = 0; k < n; ++k) c[k] = math::fp8_state_code(in[k], scale);
+      return;
+    }
+    case FusedState::kInt8: {
+      auto* c = static_cast<uint8_t*>(codes) + b;
+      const float scale = math::floored_absmax(absmax_of(in, n));
+      scales_of(p, moment)[b / p.state_block] = scale;
+      const auto& map = math::dynamic_map(moment == 0);
+      for (int64_t k = 0; k < n; ++k) c[k] = math::map_code(map, in[k] / scale);
+      return;
+    }
+    case FusedState::kFp32:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "ampx::optim: fp32 moments are not encoded");
+}
+
+void read_kahan_weight(const FusedParam& p, int64_t b, int64_t n, float* w) {
+  if (p.dtype == FusedDtype::kBFloat16) {
+    read_kahan<c10::BFloat16>(p, b, n, w);
+  } else {
+    read_kahan<c10::Half>(p, b, n, w);
+  }
+}
+
+void write_compensation(const FusedParam& p, int64_t b, int64_t n, const float* w) {
+  if (p.dtype == FusedDtype::kBFloat16) {
+    write_kahan<c10::BFloat16>(p, b, n, w);
+  } else {
+    write_kahan<c10::Half>(p, b, n, w);
+  }
+}
+
+std::vector<float> state_dynamic_map(bool is_signed) {
+  const auto& map = math::dynamic_map(is_signed);
+  return {map.value, map.value + 256};
+}
+
+uint8_t state_map_code(const float* map, float x) {
+  math::StateMap m;
+  std::copy(map, map + 256, m.value);
+  return math::map_code(m, x);
+}
+
+void fp8_state_quantize(const std::vector<float>& in, int64_t block, std::vector<float>& scales,
+                        std::vector<uint8_t>& codes) {
+  const auto n = static_cast<int64_t>(in.size());
+  scales.assign(static_cast<size_t>((n + block - 1) / block), 0.f);
+  codes.assign(in.size(), 0);
+  FusedParam p;
+  p.state_format = FusedState::kFp8;
+  p.state_block = static_cast<int32_t>(block);
+  p.exp_avg_codes = codes.data();
+  p.exp_avg_scale = scales.data();
+  for (int64_t b = 0; b < n; b += block) {
+    encode_moment(p, 0, 0, b, std::min(block, n - b), in.data() + b);
+  }
+}
+
+}  // namespace detail
+}  // namespace optim
+}  // namespace ampx

@@ -1,0 +1,135 @@
+// ampx-train's --masters and --optimizer-state: the settings they resolve
+// to and refuse, a Kahan + 8-bit run resumed from its checkpoint bit for bit,
+// and the optimizer's bytes per parameter in compare.json.
+
+#include "checkpoint.h"
+#include "test_support.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using ampx::train::test::contains;
+using ampx::train::test::expect_error_contains;
+using ampx::train::test::resolved_config;
+
+TEST(OptimizerStateFlagsTest, ResolveToTheModesMastersAndRefuseWhatCannotWork) {
+  auto c = resolved_config({"--compare", "fp32,O2,O3", "--optimizer-state", "8bit"});
+  EXPECT_TRUE(contains(ampx::train::settings_table(c),
+                       {"moments 8bit; 16-bit weights' lost bits: O2 fp32, O3 stochastic"}));
+  c = resolved_config({"--precision", "O2", "--masters", "kahan"});
+  EXPECT_TRUE(contains(ampx::train::settings_table(c),
+                       {"moments fp32; 16-bit weights' lost bits: O2 kahan"}));
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config({"--precision", "O3", "--masters", "fp32"});
+      },
+      {"ampx-train: --masters fp32 with --precision O3: O3 trains without masters"}));
+#if TORCH_VERSION_MAJOR >= 2  // (1.13 refuses fp16 on the CPU first)
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config({"--precision", "O2", "--masters", "stochastic", "--dtype", "fp16"});
+      },
+      {"ampx-train: --masters stochastic rounds bf16 weights"}));
+#endif
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config({"--nproc", "2", "--shard", "full", "--masters", "kahan"});
+      },
+      {"ampx-train: --masters kahan with --shard full"}));
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config(
+            {"--nproc", "2", "--shard", "grad", "--optimizer-state", "8bit", "--save-every", "10"});
+      },
+      {"ampx-train: --optimizer-state 8bit with --shard grad: sharded checkpoints keep fp32 "
+       "moments only"}));
+}
+
+#ifdef AMPX_TRAIN_BINARY
+
+using ampx::train::test::Exit;
+using ampx::train::test::TempDir;
+using ampx::train::test::write_text_data;
+
+class OptimizerStateRunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    write_text_data(dir_.path() / "data", "the whale sea ship call me ishmael.\n", 30000, 7);
+  }
+  // A gpt whose block weights (d 64) are large enough for coded moments.
+  std::vector<std::string> args(const std::string& name, int64_t steps, const std::string& masters,
+                                const std::string& state) const {
+    const auto out = dir_.path() / name;
+    return ampx::train::test::tiny_gpt({{"--precision", "O2"},
+                                        {"--masters", masters},
+                                        {"--optimizer-state", state},
+                                        {"--data-dir", (dir_.path() / "data").string()},
+                                        {"--out-dir", out.string()},
+                                        {"--checkpoint-dir", (out / "ck").string()},
+                                        {"--d-model", "64"},
+                                        {"--steps", std::to_string(steps)},
+                                        {"--seed", "5"}});
+  }
+  fs::path checkpoint(const std::string& name) const {
+    return dir_.path() / name / "ck" / "checkpoint.ampx";
+  }
+  nlohmann::json compare(const std::string& name) const {
+    std::ifstream in(dir_.path() / name / "compare.json");
+    return nlohmann::json::parse(in);
+  }
+  TempDir dir_;
+};
+
+TEST_F(OptimizerStateRunTest, KahanAnd8BitRunResumesBitwiseAndKeepsFewerBytes) {
+  ampx::train::test::EnvGuard products("AMPX_CPU_PRODUCTS", "native");
+  auto whole = args("whole", 24, "kahan", "8bit");
+  whole.insert(whole.end(), {"--save-every", "1000"});
+  const Exit a = ampx::train::test::run_train(whole, dir_.path() / "whole.log");
+  ASSERT_EQ(a.status, 0) << a.output;
+
+  auto half = args("halves", 12, "kahan", "8bit");
+  half.insert(half.end(), {"--save-every", "12"});
+  const Exit b = ampx::train::test::run_train(half, dir_.path() / "first.log");
+  ASSERT_EQ(b.status, 0) << b.output;
+  auto rest = args("halves", 24, "kahan", "8bit");
+  rest.insert(rest.end(), {"--save-every", "1000", "--resume"});
+  const Exit c = ampx::train::test::run_train(rest, dir_.path() / "second.log");
+  ASSERT_EQ(c.status, 0) << c.output;
+
+  const auto ca = ampx::train::read_checkpoint(checkpoint("whole"));
+  const auto cb = ampx::train::read_checkpoint(checkpoint("halves"));
+  EXPECT_EQ(ca.meta.at("losses").get<std::vector<double>>(),
+            cb.meta.at("losses").get<std::vector<double>>());
+  const auto pa = ampx::train::test::model_tensors(checkpoint("whole"));
+  const auto pb = ampx::train::test::model_tensors(checkpoint("halves"));
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(torch::equal(pa[i].second, pb[i].second)) << pa[i].first << " differs";
+  }
+
+  // The same model with fp32 masters and moments keeps far more bytes.
+  const Exit d =
+      ampx::train::test::run_train(args("fp32", 4, "fp32", "fp32"), dir_.path() / "fp32.log");
+  ASSERT_EQ(d.status, 0) << d.output;
+  const double low = compare("whole")["modes"][0]["optimizer_bytes_per_param"].get<double>();
+  const double full = compare("fp32")["modes"][0]["optimizer_bytes_per_param"].get<double>();
+  RecordProperty("bytes_per_param_kahan_8bit", std::to_string(low));
+  RecordProperty("bytes_per_param_fp32", std::to_string(full));
+  EXPECT_GT(full, 11.0);  // fp32 master and two fp32 moments: 12 a parameter
+  EXPECT_LT(low, 0.6 * full);
+}
+
+#endif  // AMPX_TRAIN_BINARY
+
+}  // namespace
