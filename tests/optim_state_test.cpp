@@ -446,18 +446,22 @@ TEST(OptimStateTest, ResumeFromSavedLowBitStateIsBitwise) {
 }
 
 TEST(OptimStateTest, EveryFormatTrainsAsFp32Moments) {
-  // 300 steps of the MLP regression: the final loss of each format within
-  // 10% of fp32 moments' (Kahan weights throughout).
+  // 300 steps of the MLP regression over 50 batches: the mean loss of the
+  // last pass over them, for each format within 5% of fp32 moments' (Kahan
+  // weights throughout).
   auto final_loss = [](StateFormat format) {
     LowBitRun run(format, 3);
-    double loss = 0;
-    for (int s = 0; s < 300; ++s) loss = run.step(s % 50);
-    return loss;
+    double last_pass = 0;
+    for (int s = 0; s < 300; ++s) {
+      const double loss = run.step(s % 50);
+      if (s >= 250) last_pass += loss / 50;
+    }
+    return last_pass;
   };
   const double fp32 = final_loss(StateFormat::kFp32);
   for (const auto format : kLowBit) {
     const double loss = final_loss(format);
-    EXPECT_LE(loss, 1.1 * fp32) << aopt::state_format_name(format) << " vs fp32 " << fp32;
+    EXPECT_LE(loss, 1.05 * fp32) << aopt::state_format_name(format) << " vs fp32 " << fp32;
     RecordProperty(std::string("loss_") + aopt::state_format_name(format), std::to_string(loss));
   }
   RecordProperty("loss_fp32", std::to_string(fp32));
