@@ -223,6 +223,36 @@ TEST(OptimStateTest, DynamicMapsAreTheirDefinitionRoundedOnce) {
   }
 }
 
+TEST(OptimStateTest, FastCodesAreTheBinarySearchsForEveryFloat16Prefix) {
+  // The step's encoder starts from a table indexed by a float's top 16 bits:
+  // every prefix, with its lowest, highest, middle and a random low half,
+  // and every map value, midpoint and their float neighbours.
+  for (const bool is_signed : {true, false}) {
+    const auto map = aopt::detail::state_dynamic_map(is_signed);
+    std::vector<float> xs;
+    uint32_t lcg = 12345;
+    for (uint32_t b = 0; b < (1u << 16); ++b) {
+      lcg = lcg * 1664525u + 1013904223u;
+      for (uint32_t low : {0u, 0xFFFFu, 0x8000u, lcg >> 16})
+        xs.push_back(from_bits((b << 16) | low));
+    }
+    for (size_t c = 0; c + 1 < map.size(); ++c) {
+      const float mid = (map[c] + map[c + 1]) / 2;
+      for (float v : {map[c], mid}) {
+        xs.push_back(v);
+        xs.push_back(std::nextafter(v, 2.0f));
+        xs.push_back(std::nextafter(v, -2.0f));
+      }
+    }
+    int64_t differ = 0;
+    for (const float x : xs) {
+      differ += aopt::detail::state_dynamic_code(is_signed, x) !=
+                aopt::detail::state_map_code(map.data(), x);
+    }
+    EXPECT_EQ(differ, 0) << "signed " << is_signed << " of " << xs.size();
+  }
+}
+
 // --- torchao's quantizers (wheel leg) -------------------------------------------
 
 TEST(OptimStateTest, DynamicMapsAndCodesAreTorchaos) {

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace ampx {
@@ -66,19 +67,76 @@ namespace {
 
 namespace math = ::ampx::detail::math;
 
+/// map_code's answer without its binary search, for one of the dynamic maps:
+/// floats are cut into buckets by their top 16 bits (sign, exponent, 7
+/// mantissa bits); a bucket's entry is the last code at or below the
+/// bucket's smallest value, from which the last code at or below x is at
+/// most one step up (no bucket holds two map values above its smallest:
+/// checked when the table is made). Then the same tie rule. The same code as map_code for every
+/// float (OptimStateTest.FastCodesAreTheBinarySearchsForEveryFloat16Prefix).
+struct MapCodes {
+  const math::StateMap* map;
+  std::vector<uint8_t> start;  // per bucket
+
+  explicit MapCodes(const math::StateMap& m) : map(&m), start(1 << 16) {
+    for (uint32_t b = 0; b < (1u << 16); ++b) {
+      // The bucket's smallest value: the most negative of a negative bucket.
+      const bool negative = (b & 0x8000u) != 0;
+      const float low = ::ampx::detail::bits_float((b << 16) | (negative ? 0xFFFFu : 0u));
+      const float high = ::ampx::detail::bits_float((b << 16) | (negative ? 0u : 0xFFFFu));
+      int c = 0;
+      if (low == low) {
+        while (c < 255 && low >= m.value[c + 1]) ++c;
+        int inside = 0;  // map values in (low, high]
+        for (int k = c + 1; k < 256 && m.value[k] <= high; ++k) ++inside;
+        TORCH_INTERNAL_ASSERT(inside <= 1, "ampx::optim: bucket ", b, " holds ", inside,
+                              " values of the 8-bit map");
+      }
+      start[b] = static_cast<uint8_t>(c);
+    }
+  }
+
+  uint8_t operator()(float x) const {
+    if (x != x) return 0;  // NaN: every comparison of the search fails
+    const float* q = map->value;
+    int c = start[::ampx::detail::float_bits(x) >> 16];
+    c += (c < 255 && x >= q[c < 255 ? c + 1 : 255]) ? 1 : 0;
+    const int up = c + 1 < 255 ? c + 1 : 255;
+    return static_cast<uint8_t>(x - q[c] >= (q[up] - q[c]) * 0.5f ? up : c);
+  }
+};
+
+const MapCodes& map_codes(bool is_signed) {
+  static const MapCodes kSigned(math::dynamic_map(true));
+  static const MapCodes kUnsigned(math::dynamic_map(false));
+  return is_signed ? kSigned : kUnsigned;
+}
+
+/// The 256 E4M3 codes' values (scale 1).
+const std::vector<float>& e4m3_values() {
+  static const std::vector<float> values = [] {
+    std::vector<float> v(256);
+    for (int c = 0; c < 256; ++c) v[c] = math::fp8_state_value(static_cast<uint8_t>(c), 1.0f);
+    return v;
+  }();
+  return values;
+}
+
 float* scales_of(const FusedParam& p, int moment) {
   return moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale;
 }
 
 /// The largest |x| of x[0, n); NaN where any is NaN (as torch's amax).
+/// Branchless, so that it vectorizes.
 float absmax_of(const float* x, int64_t n) {
   float a = 0.f;
+  bool nan = false;
   for (int64_t k = 0; k < n; ++k) {
     const float y = std::fabs(x[k]);
-    if (y != y) return y;
+    nan |= y != y;
     a = y > a ? y : a;
   }
-  return a;
+  return nan ? std::numeric_limits<float>::quiet_NaN() : a;
 }
 
 template <class T>
@@ -108,7 +166,8 @@ void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float*
     case FusedState::kFp8: {
       const auto* c = static_cast<const uint8_t*>(codes) + b;
       const float scale = scales_of(p, moment)[b / p.state_block];
-      for (int64_t k = 0; k < n; ++k) out[k] = math::fp8_state_value(c[k], scale);
+      const float* value = e4m3_values().data();  // fp8_state_value(code, 1), exact
+      for (int64_t k = 0; k < n; ++k) out[k] = value[c[k]] * scale;
       return;
     }
     case FusedState::kInt8: {
@@ -147,8 +206,8 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
       auto* c = static_cast<uint8_t*>(codes) + b;
       const float scale = math::floored_absmax(absmax_of(in, n));
       scales_of(p, moment)[b / p.state_block] = scale;
-      const auto& map = math::dynamic_map(moment == 0);
-      for (int64_t k = 0; k < n; ++k) c[k] = math::map_code(map, in[k] / scale);
+      const auto& codes_of = map_codes(moment == 0);
+      for (int64_t k = 0; k < n; ++k) c[k] = codes_of(in[k] / scale);
       return;
     }
     case FusedState::kFp32:
@@ -176,6 +235,10 @@ void write_compensation(const FusedParam& p, int64_t b, int64_t n, const float* 
 std::vector<float> state_dynamic_map(bool is_signed) {
   const auto& map = math::dynamic_map(is_signed);
   return {map.value, map.value + 256};
+}
+
+uint8_t state_dynamic_code(bool is_signed, float x) {
+  return map_codes(is_signed)(x);
 }
 
 uint8_t state_map_code(const float* map, float x) {
