@@ -27,7 +27,6 @@ using ampx::test::from_bits;
 using ampx::test::load_from_string;
 using ampx::test::same_bits;
 using ampx::test::save_to_string;
-using ampx::test::snapshot;
 using aopt::StateFormat;
 
 constexpr StateFormat kLowBit[] = {StateFormat::kBf16, StateFormat::kFp8, StateFormat::kInt8};
@@ -49,16 +48,6 @@ std::vector<double> dynamic_map_definition(bool is_signed) {
   v.push_back(1.0);
   std::sort(v.begin(), v.end());
   return v;
-}
-
-// Everything an optimizer holds and its params, for bitwise comparisons.
-std::vector<torch::Tensor> everything(const aopt::MixedPrecisionOptimizer& opt) {
-  std::vector<torch::Tensor> out;
-  for (const auto& group : opt.param_groups()) {
-    for (const auto& p : snapshot(group.params())) out.push_back(p);
-  }
-  for (const auto& t : ampx::test::optimizer_tensors(opt)) out.push_back(t);
-  return out;
 }
 
 // --- one step against float64 ---------------------------------------------------
@@ -435,10 +424,10 @@ TEST(OptimStateTest, InfGradientsLeaveCodesScalesAndCompensationsUntouched) {
     run.opt->zero_grad();
     scaler.scale(torch::mse_loss(run.net->forward(b.x), b.y)).backward();
     run.net->parameters()[0].mutable_grad().view(-1)[3] = std::numeric_limits<float>::infinity();
-    const auto before = everything(*run.opt);
+    const auto before = ampx::test::full_state(*run.opt);
     const auto bytes = save_to_string(*run.opt);
     EXPECT_FALSE(scaler.step(*run.opt).stepped());
-    EXPECT_TRUE(same_bits(before, everything(*run.opt)));
+    EXPECT_TRUE(same_bits(before, ampx::test::full_state(*run.opt)));
     // Codes and scales too, as saved (the decoded moments could hide a
     // change of both).
     LowBitRun a(format, 8), b2(format, 8);
@@ -451,7 +440,7 @@ TEST(OptimStateTest, InfGradientsLeaveCodesScalesAndCompensationsUntouched) {
     }
     a.step(20);
     b2.step(20);
-    EXPECT_TRUE(same_bits(everything(*a.opt), everything(*b2.opt)));
+    EXPECT_TRUE(same_bits(ampx::test::full_state(*a.opt), ampx::test::full_state(*b2.opt)));
   }
 }
 
@@ -471,7 +460,8 @@ TEST(OptimStateTest, ResumeFromSavedLowBitStateIsBitwise) {
     }
     load_from_string(*resumed.opt, bytes);
     for (int s = 6; s < 12; ++s) resumed.step(s);
-    EXPECT_TRUE(same_bits(everything(*whole.opt), everything(*resumed.opt)));
+    EXPECT_TRUE(
+        same_bits(ampx::test::full_state(*whole.opt), ampx::test::full_state(*resumed.opt)));
   }
 }
 
@@ -502,7 +492,7 @@ TEST(OptimStateTest, EveryFormatTrainsAsFp32Moments) {
 TEST(OptimStateTest, AStateOfAnotherFormatBlockOrWeightIsRefusedNamingBoth) {
   LowBitRun int8(StateFormat::kInt8, 4);
   for (int s = 0; s < 2; ++s) int8.step(s);
-  const auto before = everything(*int8.opt);
+  const auto before = ampx::test::full_state(*int8.opt);
   LowBitRun fp8(StateFormat::kFp8, 4);
   fp8.step(0);
   EXPECT_EQ(error_text([&] { load_from_string(*int8.opt, save_to_string(*fp8.opt)); }),
@@ -555,7 +545,7 @@ TEST(OptimStateTest, AStateOfAnotherFormatBlockOrWeightIsRefusedNamingBoth) {
               "ampx::optim::AdamW::load: group0.param0.exp_avg_scale has a negative or non-finite "
               "scale");
   }
-  EXPECT_TRUE(same_bits(before, everything(*int8.opt)));
+  EXPECT_TRUE(same_bits(before, ampx::test::full_state(*int8.opt)));
 }
 
 TEST(OptimStateTest, OptionsAreCheckedAndUnsupportedParamsRefused) {

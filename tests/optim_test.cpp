@@ -28,6 +28,7 @@ namespace {
 
 using ampx::test::copy_params;
 using ampx::test::error_text;
+using ampx::test::full_state;
 using ampx::test::load_from_string;
 using ampx::test::make_batch;
 using ampx::test::same_bits;
@@ -50,16 +51,6 @@ double max_abs_diff(const std::vector<torch::Tensor>& a, const std::vector<torch
     d = std::max(d, (a[i].to(torch::kDouble) - b[i].to(torch::kDouble)).abs().max().item<double>());
   }
   return d;
-}
-
-// Everything an optimizer holds, for "unchanged" and "bitwise equal" checks.
-std::vector<torch::Tensor> full_state(const aopt::MixedPrecisionOptimizer& opt) {
-  std::vector<torch::Tensor> out;
-  for (const auto& group : opt.param_groups()) {
-    for (const auto& p : snapshot(group.params())) out.push_back(p);
-  }
-  for (const auto& t : ampx::test::optimizer_tensors(opt)) out.push_back(t);
-  return out;
 }
 
 torch::Tensor train_step(Net& net, torch::optim::Optimizer& opt, int64_t step) {

@@ -245,6 +245,17 @@ inline std::vector<torch::Tensor> optimizer_tensors(const torch::optim::Optimize
   return out;
 }
 
+/// An optimizer's params and every tensor it holds for them (optimizer_tensors),
+/// for "unchanged" and "bitwise equal" checks.
+inline std::vector<torch::Tensor> full_state(const torch::optim::Optimizer& opt) {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : opt.param_groups()) {
+    for (const auto& p : snapshot(group.params())) out.push_back(p);
+  }
+  for (const auto& t : optimizer_tensors(opt)) out.push_back(t);
+  return out;
+}
+
 /// All that a training step may change: parameters, module buffers (e.g.
 /// BatchNorm running stats) and the optimizers' state.
 struct TrainingState {
