@@ -4,7 +4,8 @@
 // once for both devices as optim_math.h's update is:
 //
 //   bf16   the fp32 moment rounded stochastically to bfloat16 (its own
-//          counter-based stream): with beta2 = 0.999 a second moment rounded
+//          counter-based stream, 16 bits an element, a 64-bit hash for
+//          four neighbouring elements): with beta2 = 0.999 a second moment rounded
 //          to nearest never decays (0.999 v rounds back to v: bfloat16's
 //          relative spacing is 2^-8 to 2^-7, above 0.001), while stochastic
 //          rounding keeps it right on average
@@ -74,9 +75,10 @@ AMPX_HD float fp8_state_scale(float absmax) {
   return floored_absmax(absmax) / 448.0f;
 }
 
-/// x's E4M3 code in a block of scale `scale` (nearest even, saturated).
-AMPX_HD uint8_t fp8_state_code(float x, float scale) {
-  return fp8::math::encode<fp8::math::Format::kE4M3>(x / scale);
+/// The E4M3 code of x / scale, x in a block of scale `scale` (nearest even,
+/// saturated).
+AMPX_HD uint8_t fp8_state_code(float quotient) {
+  return fp8::math::encode<fp8::math::Format::kE4M3>(quotient);
 }
 
 /// The value of E4M3 code `code` in a block of scale `scale`.

@@ -190,8 +190,15 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
     case FusedState::kBf16: {
       auto* c = static_cast<uint16_t*>(codes) + b;
       const uint64_t stream = math::state_key(key, moment);
+      // 16 bits an element: one hash of (stream, index / 4) for four.
+      uint64_t h = 0;
       for (int64_t k = 0; k < n; ++k) {
-        c[k] = math::bf16_state_bits(in[k], math::sr_bits(stream, p.index_base + b + k));
+        const int64_t index = p.index_base + b + k;
+        if (k == 0 || (index & 3) == 0) {
+          h = math::mix64(stream + static_cast<uint64_t>(index >> 2) * 0x9e3779b97f4a7c15ULL);
+        }
+        c[k] =
+            math::bf16_state_bits(in[k], static_cast<uint32_t>(h >> (16 * (index & 3))) & 0xFFFFu);
       }
       return;
     }
@@ -199,7 +206,9 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
       auto* c = static_cast<uint8_t*>(codes) + b;
       const float scale = math::fp8_state_scale(absmax_of(in, n));
       scales_of(p, moment)[b / p.state_block] = scale;
-      for (int64_t k = 0; k < n; ++k) c[k] = math::fp8_state_code(in[k], scale);
+      float x[kMaxStateBlock];  // the quotients first: that loop vectorizes
+      for (int64_t k = 0; k < n; ++k) x[k] = in[k] / scale;
+      for (int64_t k = 0; k < n; ++k) c[k] = math::fp8_state_code(x[k]);
       return;
     }
     case FusedState::kInt8: {
@@ -207,7 +216,9 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
       const float scale = math::floored_absmax(absmax_of(in, n));
       scales_of(p, moment)[b / p.state_block] = scale;
       const auto& codes_of = map_codes(moment == 0);
-      for (int64_t k = 0; k < n; ++k) c[k] = codes_of(in[k] / scale);
+      float x[kMaxStateBlock];  // the quotients first: that loop vectorizes
+      for (int64_t k = 0; k < n; ++k) x[k] = in[k] / scale;
+      for (int64_t k = 0; k < n; ++k) c[k] = codes_of(x[k]);
       return;
     }
     case FusedState::kFp32:
