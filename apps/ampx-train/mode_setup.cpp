@@ -93,17 +93,13 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   setup.model_params = 0;
   for (const auto& p : setup.model->parameters()) setup.model_params += p.numel();
   auto options = ampx::optim::AdamWOptions(config.lr).weight_decay(config.weight_decay);
-  // O2: fp32 masters; O3 (pure low precision): none, bf16 keeping small
-  // updates alive by rounding stochastically (fp16 has the mantissa to do
-  // without); --masters and --optimizer-state as asked.
-  apply_optimizer_options(config, mode, options);
   ampx::AmpOptions amp_options(mode.level);
   if (mode.mixed()) amp_options.dtype(mode.dtype).cast_model_outputs(torch::kFloat);
   if (config.tf32) amp_options.allow_tf32(true);
-  // O2 with --masters kahan or stochastic: the 16-bit weights' lost bits
-  // live in the optimizer's compensation or its rounding, not in masters.
-  const auto masters = masters_of(config, mode);
-  if (mode.level == ampx::OptLevel::O2 && masters != "fp32") amp_options.master_weights(false);
+  // O2: fp32 masters; O3 (pure low precision): none, bf16 keeping small
+  // updates alive by rounding stochastically (fp16 has the mantissa to do
+  // without); --masters and --optimizer-state as asked.
+  apply_optimizer_options(config, mode, options, amp_options);
   if (group && config.shard != "none") {
     set_up_sharded(config, workload, mode, *group, options, amp_options, setup);
   } else {

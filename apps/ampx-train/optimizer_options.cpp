@@ -53,13 +53,16 @@ std::string masters_of(const TrainConfig& c, const Mode& mode) {
 }
 
 void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
-                             ampx::optim::AdamWOptions& options) {
+                             ampx::optim::AdamWOptions& options, ampx::AmpOptions& amp_options) {
   const auto masters = masters_of(c, mode);
   if (!masters.empty() && masters != "fp32") {
     options.master_weights(false)
         .stochastic_rounding(masters == "stochastic")
         .kahan_summation(masters == "kahan")
         .seed(c.seed);
+    // O2 with --masters kahan or stochastic: the 16-bit weights' lost bits
+    // live in the optimizer's compensation or its rounding, not in masters.
+    if (mode.level == ampx::OptLevel::O2) amp_options.master_weights(false);
   }
   options.state_format(ampx::optim::state_format_from_name(c.optimizer_state));
 }

@@ -7,7 +7,7 @@
 //
 //   add_optimizer_options(app, config);          // the flags
 //   check_optimizer_config(config);              // from resolve_defaults()
-//   apply_optimizer_options(config, mode, options);  // set_up_mode()'s AdamWOptions
+//   apply_optimizer_options(config, mode, options, amp);  // set_up_mode()'s options
 
 #include "config.h"
 
@@ -30,9 +30,10 @@ void check_optimizer_config(const TrainConfig& config);
 std::string masters_of(const TrainConfig& config, const Mode& mode);
 
 /// Sets `options` (AdamW's) for mode `mode`: masters, stochastic rounding
-/// or Kahan compensation, and the moments' format.
+/// or Kahan compensation, and the moments' format; and `amp_options` to
+/// keep no masters where O2's 16-bit weights keep their lost bits another way.
 void apply_optimizer_options(const TrainConfig& config, const Mode& mode,
-                             ampx::optim::AdamWOptions& options);
+                             ampx::optim::AdamWOptions& options, ampx::AmpOptions& amp_options);
 
 /// The settings table's row: the masters per mode and the moments' format.
 std::string optimizer_description(const TrainConfig& config);

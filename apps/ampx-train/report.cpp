@@ -55,8 +55,8 @@ std::string comparison_table(const Workload& workload, const std::vector<RunResu
       << fmt("%.2fx", r.items_per_s / base.items_per_s) << " | " << fmt("%.1f", r.median_step_ms)
       << " | " << fmt("%.1f", r.peak_bytes / 1048576.0) << " | "
       << (&r == &base ? std::string("-") : fmt("%+.1f%%", 100 * mem)) << " | "
-      << (r.params > 0 ? fmt("%.2f", double(r.optimizer_bytes) / r.params) : std::string("-"))
-      << " | " << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
+      << (r.params > 0 ? fmt("%.2f", optimizer_bytes_per_param(r)) : std::string("-")) << " | "
+      << fmt("%.4f", r.train_loss) << " | " << fmt("%.4f", r.eval.loss) << " | "
       << (percent ? fmt("%.2f%%", r.eval.metric) : fmt("%.3f", r.eval.metric)) << " | " << r.skipped
       << " | " << fmt("%g", r.final_scale) << " |\n";
   }
@@ -82,7 +82,7 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"peak_vs_baseline", base.peak_bytes > 0 ? double(r.peak_bytes) / base.peak_bytes : 0.0},
         {"rank_peak_allocated_bytes", r.rank_peak_bytes},
         {"optimizer_bytes", r.optimizer_bytes},
-        {"optimizer_bytes_per_param", r.params > 0 ? double(r.optimizer_bytes) / r.params : 0.0},
+        {"optimizer_bytes_per_param", optimizer_bytes_per_param(r)},
         {"train_loss", r.train_loss},
         {"test_loss", r.eval.loss},
         {"test_" + workload.metric_name(), r.eval.metric},

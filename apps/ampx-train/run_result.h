@@ -62,6 +62,11 @@ struct RunResult {
   int64_t preempted_after = 0;
 };
 
+/// What the optimizer kept per parameter of the model (0 without a count).
+inline double optimizer_bytes_per_param(const RunResult& r) {
+  return r.params > 0 ? double(r.optimizer_bytes) / double(r.params) : 0.0;
+}
+
 /// A RunResult as JSON and back (the fields from `mode` to `weights_path`;
 /// the console-only ones stay behind). NaN losses travel as null.
 nlohmann::json to_json(const RunResult& result);

@@ -10,7 +10,6 @@
 #include "../scaler/scale_math.h"
 #include "fused/cpu_step.h"
 #include "fused/cuda_step.h"
-#include "fused/state_codes.h"
 #include "fused/state_tiles.h"
 
 #include <ATen/ATen.h>
@@ -25,28 +24,6 @@ namespace optim {
 
 using detail::ParamState;
 using detail::ParamWork;
-
-const char* state_format_name(StateFormat format) {
-  switch (format) {
-    case StateFormat::kFp32:
-      return "fp32";
-    case StateFormat::kBf16:
-      return "bf16";
-    case StateFormat::kFp8:
-      return "fp8";
-    case StateFormat::kInt8:
-      return "8bit";
-  }
-  return "?";
-}
-
-StateFormat state_format_from_name(const std::string& name) {
-  for (auto f : {StateFormat::kFp32, StateFormat::kBf16, StateFormat::kFp8, StateFormat::kInt8}) {
-    if (name == state_format_name(f)) return f;
-  }
-  TORCH_CHECK(false, "ampx::optim: unknown state format '", name,
-              "'; expected fp32, bf16, fp8 or 8bit");
-}
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(
     std::vector<torch::optim::OptimizerParamGroup> param_groups,
@@ -75,14 +52,6 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(
   TORCH_CHECK(config.state_min_numel >= 0, "ampx::optim: state_min_numel must be >= 0, got ",
               config.state_min_numel);
   sync_state_shape();
-}
-
-bool MixedPrecisionOptimizer::coded_moments(const at::Tensor& param) const {
-  return config_.state_format != StateFormat::kFp32 && param.numel() >= config_.state_min_numel;
-}
-
-bool MixedPrecisionOptimizer::kahan(const at::Tensor& param) const {
-  return config_.kahan_summation && param.scalar_type() != at::kFloat;
 }
 
 void MixedPrecisionOptimizer::set_piece_sums(PieceSums sums) {
@@ -160,33 +129,6 @@ void MixedPrecisionOptimizer::prepare(ParamWork& w) const {
   if (uses_exp_avg_sq() && !st.exp_avg_sq.defined()) {
     make_moment(w.param, /*is_signed=*/false, st.exp_avg_sq, st.exp_avg_sq_scale);
   }
-}
-
-void MixedPrecisionOptimizer::make_moment(const at::Tensor& param, bool is_signed,
-                                          at::Tensor& moment, at::Tensor& scale) const {
-  const auto opts = param.options();
-  if (!coded_moments(param)) {
-    moment = at::zeros(param.sizes(), opts.dtype(at::kFloat));
-    return;
-  }
-  switch (config_.state_format) {
-    case StateFormat::kBf16:
-      moment = at::zeros(param.sizes(), opts.dtype(at::kBFloat16));
-      return;
-    case StateFormat::kFp8:
-      moment = at::zeros(param.sizes(), opts.dtype(at::kByte));  // E4M3 0x00: zero
-      break;
-    case StateFormat::kInt8:
-      moment = at::full(param.sizes(),
-                        is_signed ? ::ampx::detail::math::kSignedZeroCode
-                                  : ::ampx::detail::math::kUnsignedZeroCode,
-                        opts.dtype(at::kByte));
-      break;
-    case StateFormat::kFp32:
-      break;
-  }
-  const int64_t blocks = (param.numel() + config_.state_block - 1) / config_.state_block;
-  scale = at::zeros({blocks}, opts.dtype(at::kFloat));
 }
 
 namespace {
@@ -278,14 +220,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   std::vector<ParamWork> fused, fused_cuda;
   for (auto& w : work) {
     const bool cpu_fusable = w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous();
-    TORCH_CHECK(cpu_fusable || !(coded_moments(w.param) || kahan(w.param)), "ampx::optim::", name(),
-                ": ",
-                coded_moments(w.param)
-                    ? std::string("state_format ") + state_format_name(config_.state_format)
-                    : std::string("kahan_summation"),
-                " is implemented for dense CPU params and grads; param (group ", w.group,
-                ", index ", w.index, ") is ", w.param.is_cpu() ? "not contiguous" : "on ",
-                w.param.is_cpu() ? std::string() : w.param.device().str());
+    if (!cpu_fusable) check_untiled(w);
     prepare(w);
     TORCH_CHECK(cpu_fusable || !whole_norms, "ampx::optim::", name(),
                 ": set_piece_sums needs dense CPU params and grads; param (group ", w.group,
@@ -336,11 +271,6 @@ bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {
     return false;
   }
   const auto& st = *w.state;
-  if (st.compensation.defined() || st.exp_avg_scale.defined() || st.exp_avg_sq_scale.defined() ||
-      (st.exp_avg.defined() && st.exp_avg.scalar_type() != at::kFloat) ||
-      (st.exp_avg_sq.defined() && st.exp_avg_sq.scalar_type() != at::kFloat)) {
-    return false;  // (refused before: dense CPU params only)
-  }
   for (const auto* t : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
     if (t->defined() && (t->device() != w.param.device() || !t->is_contiguous())) return false;
   }
@@ -468,58 +398,6 @@ const ParamState* MixedPrecisionOptimizer::find_state(const at::Tensor& param) c
 at::Tensor MixedPrecisionOptimizer::master(const at::Tensor& param) const {
   const auto* st = find_state(param);
   return st ? st->master : at::Tensor();
-}
-
-namespace {
-
-// A moment in fp32: itself, or its codes decoded a block at a time.
-at::Tensor decoded(const at::Tensor& moment, const at::Tensor& scale, int moment_index,
-                   const MixedPrecisionConfig& config) {
-  if (!moment.defined() || moment.scalar_type() == at::kFloat) return moment;
-  if (moment.scalar_type() == at::kBFloat16) return moment.to(at::kFloat);
-  auto codes = moment.cpu().contiguous();
-  auto scales = scale.cpu().contiguous();
-  auto out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
-  detail::FusedParam p;
-  p.state_format = static_cast<detail::FusedState>(config.state_format);
-  p.state_block = static_cast<int32_t>(config.state_block);
-  (moment_index == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes) = codes.data_ptr();
-  (moment_index == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale) = scales.data_ptr<float>();
-  const int64_t n = codes.numel(), block = config.state_block;
-  for (int64_t b = 0; b < n; b += block) {
-    detail::decode_moment(p, moment_index, b, std::min(block, n - b), out.data_ptr<float>() + b);
-  }
-  return out.to(moment.device());
-}
-
-}  // namespace
-
-at::Tensor MixedPrecisionOptimizer::exp_avg(const at::Tensor& param) const {
-  const auto* st = find_state(param);
-  return st ? decoded(st->exp_avg, st->exp_avg_scale, 0, config_) : at::Tensor();
-}
-
-at::Tensor MixedPrecisionOptimizer::exp_avg_sq(const at::Tensor& param) const {
-  const auto* st = find_state(param);
-  return st ? decoded(st->exp_avg_sq, st->exp_avg_sq_scale, 1, config_) : at::Tensor();
-}
-
-at::Tensor MixedPrecisionOptimizer::compensation(const at::Tensor& param) const {
-  const auto* st = find_state(param);
-  return st ? st->compensation : at::Tensor();
-}
-
-int64_t MixedPrecisionOptimizer::state_bytes() const {
-  int64_t total = 0;
-  for (const auto& group : states_) {
-    for (const auto& st : group) {
-      for (const auto* t : {&st.master, &st.captured, &st.exp_avg, &st.exp_avg_sq,
-                            &st.exp_avg_scale, &st.exp_avg_sq_scale, &st.compensation}) {
-        if (t->defined()) total += t->numel() * static_cast<int64_t>(t->element_size());
-      }
-    }
-  }
-  return total;
 }
 
 int64_t MixedPrecisionOptimizer::step_count(const at::Tensor& param) const {

@@ -130,17 +130,8 @@ void MixedPrecisionOptimizer::check_slot(const at::Tensor& t, int k, const at::T
   }
 }
 
-void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
-  const std::string who_s = std::string("ampx::optim::") + name() + "::load";
-  const char* who = who_s.c_str();
-  const int64_t version = read_int(archive, "ampx_optim_version", who);
-  TORCH_CHECK(version == 1 || version == kStateVersion, who, ": state version ", version,
-              " is not supported (this build reads versions 1 and ", kStateVersion, ")");
-  const auto type = read_value(archive, "ampx_optim_type", who);
-  TORCH_CHECK(type.isString() && type.toStringRef() == name(), who, ": the state was saved by ",
-              type.isString() ? "ampx::optim::" + type.toStringRef() : std::string("?"),
-              ", not ampx::optim::", name());
-  const int64_t seed_bits = read_int(archive, "seed", who);
+void MixedPrecisionOptimizer::check_saved_format(torch::serialize::InputArchive& archive,
+                                                 int64_t version, const char* who) const {
   // How the state is kept: version 1 had fp32 moments and no Kahan.
   std::string format = "fp32";
   int64_t block = config_.state_block, kahan_saved = 0;
@@ -154,15 +145,27 @@ void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
   const std::string this_format = state_format_name(config_.state_format);
   TORCH_CHECK(format == this_format, who, ": the state was saved with state_format ", format,
               ", this optimizer has state_format ", this_format);
-  const bool blocks =
-      config_.state_format == StateFormat::kFp8 || config_.state_format == StateFormat::kInt8;
-  TORCH_CHECK(!blocks || block == config_.state_block, who,
+  TORCH_CHECK(!block_scaled() || block == config_.state_block, who,
               ": the state was saved with state_block ", block, ", this optimizer has state_block ",
               config_.state_block);
   TORCH_CHECK((kahan_saved != 0) == config_.kahan_summation, who,
               ": the state was saved with kahan_summation(", kahan_saved != 0 ? "true" : "false",
               "), this optimizer has kahan_summation(", config_.kahan_summation ? "true" : "false",
               ")");
+}
+
+void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
+  const std::string who_s = std::string("ampx::optim::") + name() + "::load";
+  const char* who = who_s.c_str();
+  const int64_t version = read_int(archive, "ampx_optim_version", who);
+  TORCH_CHECK(version == 1 || version == kStateVersion, who, ": state version ", version,
+              " is not supported (this build reads versions 1 and ", kStateVersion, ")");
+  const auto type = read_value(archive, "ampx_optim_type", who);
+  TORCH_CHECK(type.isString() && type.toStringRef() == name(), who, ": the state was saved by ",
+              type.isString() ? "ampx::optim::" + type.toStringRef() : std::string("?"),
+              ", not ampx::optim::", name());
+  const int64_t seed_bits = read_int(archive, "seed", who);
+  check_saved_format(archive, version, who);
   const int64_t num_groups = read_int(archive, "num_groups", who);
   TORCH_CHECK(num_groups == static_cast<int64_t>(param_groups_.size()), who, ": the state has ",
               num_groups, " param groups, this optimizer has ", param_groups_.size());
@@ -197,7 +200,7 @@ void MixedPrecisionOptimizer::load(torch::serialize::InputArchive& archive) {
       TORCH_CHECK(st.exp_avg_sq.defined() == (st.step > 0 && uses_exp_avg_sq()), who, ": ", key,
                   (uses_exp_avg_sq() ? " lacks exp_avg_sq or has it before its first step"
                                      : " has an exp_avg_sq this optimizer does not use"));
-      const bool scaled = blocks && coded_moments(params[i]);
+      const bool scaled = block_scaled() && coded_moments(params[i]);
       TORCH_CHECK(st.exp_avg_scale.defined() == (scaled && st.exp_avg.defined()) &&
                       st.exp_avg_sq_scale.defined() == (scaled && st.exp_avg_sq.defined()),
                   who, ": ", key, "'s block scales do not match its moments");

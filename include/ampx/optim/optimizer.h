@@ -244,6 +244,18 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   bool coded_moments(const at::Tensor& param) const;
   /// Whether `param` keeps a Kahan compensation.
   bool kahan(const at::Tensor& param) const;
+  /// Throws, naming the setting and the param, if `work`'s param needs the
+  /// CPU's tiles (coded moments, Kahan): for params the fused CPU step
+  /// cannot take.
+  void check_untiled(const detail::ParamWork& work) const;
+  /// Whether the moments' format has block scales (FP8, 8-bit).
+  bool block_scaled() const {
+    return config_.state_format == StateFormat::kFp8 || config_.state_format == StateFormat::kInt8;
+  }
+  /// Throws, naming both, unless the state format, block and Kahan setting
+  /// `archive` was saved with (version 1: fp32, no Kahan) are this optimizer's.
+  void check_saved_format(torch::serialize::InputArchive& archive, int64_t version,
+                          const char* who) const;
   /// Throws unless `t`, read as slot `k` of optimizer_state.cpp's keys for
   /// `param`, has the dtype and shape this optimizer keeps there.
   void check_slot(const at::Tensor& t, int k, const at::Tensor& param, const std::string& key,

@@ -37,19 +37,19 @@ struct StateMap {
 };
 
 /// bitsandbytes' dynamic tree map of 8 bits, 7 of them exponent at most
-/// (torchao's create_dynamic_map(signed, 7, 8)), in float32 as torchao
-/// builds it: signed [-0.9965, 1] with zero at code 127, unsigned [0, 1].
-/// Host only (state_codes.cpp); the tests compare it with torchao's.
+/// (torchao's create_dynamic_map(signed, 7, 8)), each value computed in
+/// double and rounded to float32 once: signed [-0.9930, 1] with zero at code
+/// 127, unsigned [0, 1]. Host only (state_tiles.cpp); the tests compare it
+/// with torchao's.
 const StateMap& dynamic_map(bool is_signed);
 
 /// The code of zero in the signed and unsigned maps.
 constexpr uint8_t kSignedZeroCode = 127;
 constexpr uint8_t kUnsignedZeroCode = 0;
 
-/// The nearest map value's code of x (x in [-1, 1]: a value over its block's
-/// absmax): a branchless binary search for the last value <= x, then one up
-/// where x is at least halfway to the next (torchao's quantize_8bit_with_qmap).
-AMPX_HD uint8_t map_code(const StateMap& map, float x) {
+/// The last code whose map value is <= x (0 where none is, or x is NaN): a
+/// branchless binary search (torchao's quantize_8bit_with_qmap).
+AMPX_HD int map_floor(const StateMap& map, float x) {
   const float* q = map.value;
   int c = x >= q[128] ? 128 : 0;
   c += x >= q[c + 64] ? 64 : 0;
@@ -59,9 +59,21 @@ AMPX_HD uint8_t map_code(const StateMap& map, float x) {
   c += x >= q[c + 4] ? 4 : 0;
   c += x >= q[c + 2] ? 2 : 0;
   c += x >= q[c + 1] ? 1 : 0;
-  const int up = c + 1 < 255 ? c + 1 : 255;
-  const float down_value = q[c], up_value = q[up];
-  return static_cast<uint8_t>(x - down_value >= (up_value - down_value) * 0.5f ? up : c);
+  return c;
+}
+
+/// Code `floor` (map_floor's of x), or one up where x is at least halfway
+/// to the next value (torchao's tie rule).
+AMPX_HD uint8_t map_round(const StateMap& map, int floor, float x) {
+  const float* q = map.value;
+  const int up = floor + 1 < 255 ? floor + 1 : 255;
+  return static_cast<uint8_t>(x - q[floor] >= (q[up] - q[floor]) * 0.5f ? up : floor);
+}
+
+/// The nearest map value's code of x (x in [-1, 1]: a value over its block's
+/// absmax).
+AMPX_HD uint8_t map_code(const StateMap& map, float x) {
+  return map_round(map, map_floor(map, x), x);
 }
 
 /// A block's absmax floored as torchao floors it (so that an all-zero block

@@ -69,11 +69,11 @@ namespace math = ::ampx::detail::math;
 
 /// map_code's answer without its binary search, for one of the dynamic maps:
 /// floats are cut into buckets by their top 16 bits (sign, exponent, 7
-/// mantissa bits); a bucket's entry is the last code at or below the
-/// bucket's smallest value, from which the last code at or below x is at
-/// most one step up (no bucket holds two map values above its smallest:
-/// checked when the table is made). Then the same tie rule. The same code as map_code for every
-/// float (OptimStateTest.FastCodesAreTheBinarySearchsForEveryFloat16Prefix).
+/// mantissa bits); a bucket's entry is map_floor of the bucket's smallest
+/// value, from which map_floor of any x in it is at most one step up (no
+/// bucket holds two map values above its smallest: checked when the table
+/// is made). Then map_round. The same code as map_code for every float
+/// (OptimStateTest.FastCodesAreTheBinarySearchsForEveryFloat16Prefix).
 struct MapCodes {
   const math::StateMap* map;
   std::vector<uint8_t> start;  // per bucket
@@ -84,9 +84,8 @@ struct MapCodes {
       const bool negative = (b & 0x8000u) != 0;
       const float low = ::ampx::detail::bits_float((b << 16) | (negative ? 0xFFFFu : 0u));
       const float high = ::ampx::detail::bits_float((b << 16) | (negative ? 0u : 0xFFFFu));
-      int c = 0;
+      const int c = math::map_floor(m, low);
       if (low == low) {
-        while (c < 255 && low >= m.value[c + 1]) ++c;
         int inside = 0;  // map values in (low, high]
         for (int k = c + 1; k < 256 && m.value[k] <= high; ++k) ++inside;
         TORCH_INTERNAL_ASSERT(inside <= 1, "ampx::optim: bucket ", b, " holds ", inside,
@@ -98,11 +97,9 @@ struct MapCodes {
 
   uint8_t operator()(float x) const {
     if (x != x) return 0;  // NaN: every comparison of the search fails
-    const float* q = map->value;
     int c = start[::ampx::detail::float_bits(x) >> 16];
-    c += (c < 255 && x >= q[c < 255 ? c + 1 : 255]) ? 1 : 0;
-    const int up = c + 1 < 255 ? c + 1 : 255;
-    return static_cast<uint8_t>(x - q[c] >= (q[up] - q[c]) * 0.5f ? up : c);
+    c += (c < 255 && x >= map->value[c + 1]) ? 1 : 0;
+    return math::map_round(*map, c, x);
   }
 };
 
