@@ -2,6 +2,7 @@
 """Bytes per parameter on each rank under ampx-train's --shard settings.
 
     bench/sharding.py [--build build/host] [--out runs/bench] [--worlds 1,2,4]
+                      [--wheel-build build/wheel --wheel-python PY]
 
 One gpt whose parameters dominate its memory (4 layers of d 768: 28.4M
 parameters; context 64, 2 sequences per rank, so activations are a few MiB)
@@ -14,17 +15,30 @@ The expected peaks (O2, B bytes per parameter): DDP 2 (bf16 weights) + 2
 (bf16 gradients) + 4 (fp32 masters) + 8 (AdamW's two moments) = 16, plus
 DDP's flat gradient buckets; ZeRO-3 16/N plus the largest gathered unit
 (one block in bf16: 7.1M parameters, 14 MiB) and its gradients' buffers.
-run_all.py runs it as part `sharding`; alone, it prints the table.
+With --wheel-build and --wheel-python (as `make bench` passes them), a second
+table sets ampx-train built against the wheel's LibTorch beside the anchor a
+Python user picks instead, PyTorch's FSDP2 in the wheel's Python
+(fsdp2_bench.py: fully_shard per block and root, bf16 gathers, fp32
+reduce-scatters, fused AdamW), on the same model, initial weights, batches and
+rows, 2 ranks, ZeRO-3 (`--shard full` / reshard_after_forward) and ZeRO-2
+(`--shard grad` / no reshard): each seed of ANCHOR_SEEDS once per side,
+interleaved; ANCHOR_STEPS steps each. Peak memory is counted the same way on
+both sides (live bytes of c10's CPU allocator from the model's construction
+on), the step time is the slowest rank's median after the warm-up.
+
+run_all.py runs it as part `sharding`; alone, it prints the tables.
 """
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 
 LAYERS, D, HEADS, BLOCK, ROWS_PER_RANK, STEPS = 4, 768, 12, 64, 2, 3
 SHARDINGS = ["none", "optimizer", "grad", "full"]
+ANCHOR_WORLD, ANCHOR_STEPS, ANCHOR_SEEDS = 2, 20, (1337, 1, 2)
 
 
 def gpt_parameters(vocab):
@@ -34,16 +48,18 @@ def gpt_parameters(vocab):
     return vocab * D + BLOCK * D + LAYERS * block + 2 * D + (D * vocab + vocab)
 
 
-def run_one(exe, out, world, shard, data_dir):
-    name = f"shard-{shard}-{world}"
+def run_one(exe, out, world, shard, data_dir, steps=STEPS, seed=None, tag=""):
+    name = f"shard-{shard}-{world}{tag}"
     result = os.path.join(out, name + ".json")
     cmd = [exe, "--workload", "gpt", "--precision", "O2", "--layers", str(LAYERS),
            "--d-model", str(D), "--heads", str(HEADS), "--block-size", str(BLOCK),
-           "--batch-size", str(ROWS_PER_RANK * world), "--steps", str(STEPS),
+           "--batch-size", str(ROWS_PER_RANK * world), "--steps", str(steps),
            "--eval-batches", "1", "--progress", "none", "--threads", "1",
            "--out-dir", os.path.join(out, name), "--result-file", result]
     if world > 1:
         cmd += ["--nproc", str(world), "--shard", shard]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
     if data_dir:
         cmd += ["--data-dir", data_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -52,7 +68,56 @@ def run_one(exe, out, world, shard, data_dir):
     with open(result) as f:
         r = json.load(f)
     peaks = r.get("rank_peak_bytes") or [r["peak_bytes"]]
-    return {"rank_peak_bytes": peaks, "median_step_ms": r.get("median_step_ms")}
+    return {"rank_peak_bytes": peaks, "median_step_ms": r.get("median_step_ms"),
+            "losses": r.get("losses")}
+
+
+def run_fsdp2(python, out, shard, seed, data_dir):
+    """fsdp2_bench.py at the anchor's settings: shard "full" (reshard after
+    forward) or "grad" (keep the gathered units until backward)."""
+    name = f"fsdp2-{shard}-{ANCHOR_WORLD}-seed{seed}"
+    result = os.path.join(out, name + ".json")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "fsdp2_bench.py")
+    cmd = [python, script, "--world", str(ANCHOR_WORLD), "--layers", str(LAYERS),
+           "--d-model", str(D), "--heads", str(HEADS), "--block-size", str(BLOCK),
+           "--batch-size", str(ROWS_PER_RANK * ANCHOR_WORLD), "--steps", str(ANCHOR_STEPS),
+           "--seed", str(seed), "--threads", "1", "--json", result,
+           "--reshard-after-forward", "true" if shard == "full" else "false"]
+    if data_dir:
+        cmd += ["--data-dir", data_dir]
+    env = dict(os.environ)
+    env.pop("LD_LIBRARY_PATH", None)  # the wheel brings its own BLAS; Debian's is for 1.13
+    for _ in range(2):  # once more if it fails: the profiler has aborted a rank (1 run in ~20)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode == 0:
+            break
+    if proc.returncode != 0:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:]}
+    with open(result) as f:
+        r = json.load(f)
+    return {k: r[k] for k in ("rank_peak_bytes", "median_step_ms", "losses", "torch_version",
+                              "memory_method", "runtime")}
+
+
+def anchor(args, out):
+    """ampx-train (wheel build) and FSDP2 (wheel Python) at 2 ranks, each seed
+    once per side, interleaved; None without the wheel's arguments."""
+    build, python = getattr(args, "wheel_build", None), getattr(args, "wheel_python", None)
+    if not (build and python):
+        return None
+    exe = os.path.join(build, "apps", "ampx-train", "ampx-train")
+    data_dir = getattr(args, "data_dir", None)
+    runs = {}
+    for shard in ("full", "grad"):
+        for seed in ANCHOR_SEEDS:
+            ampx = run_one(exe, out, ANCHOR_WORLD, shard, data_dir, steps=ANCHOR_STEPS, seed=seed,
+                           tag=f"-wheel-seed{seed}")
+            torch_ = run_fsdp2(python, out, shard, seed, data_dir)
+            runs[f"{shard}/{seed}"] = {"ampx": ampx, "fsdp2": torch_}
+            print(f"sharding anchor: {shard} seed {seed}: ampx {ampx.get('median_step_ms')} ms, "
+                  f"fsdp2 {torch_.get('median_step_ms')} ms", file=sys.stderr)
+    return {"world": ANCHOR_WORLD, "steps": ANCHOR_STEPS, "seeds": list(ANCHOR_SEEDS),
+            "runs": runs}
 
 
 def vocab_of(data_dir):
@@ -76,7 +141,8 @@ def measure(args, out, worlds=(1, 2, 4)):
     vocab = vocab_of(getattr(args, "data_dir", None))
     return {"layers": LAYERS, "d_model": D, "heads": HEADS, "block_size": BLOCK,
             "rows_per_rank": ROWS_PER_RANK, "steps": STEPS, "vocab": vocab,
-            "parameters": gpt_parameters(vocab) if vocab else None, "runs": runs}
+            "parameters": gpt_parameters(vocab) if vocab else None, "runs": runs,
+            "anchor": anchor(args, out)}
 
 
 def report(result):
@@ -103,6 +169,59 @@ def report(result):
                      f"{step:.0f} |" if step else f"| {world} | {shard} | {max(peaks) / n:.2f} | "
                      f"{mib} | - |")
     lines.append("")
+    return lines + report_anchor(result.get("anchor"), n)
+
+
+def final_loss(losses):
+    """The run's train loss as ampx-train reports it: the mean of the last tenth of the steps."""
+    tail = losses[-max(1, len(losses) // 10):]
+    return sum(tail) / len(tail)
+
+
+def report_anchor(anchor, n):
+    """The FSDP2 comparison's table and verdicts; nothing when it did not run."""
+    if not anchor:
+        return []
+    first = next((r["fsdp2"] for r in anchor["runs"].values() if "error" not in r["fsdp2"]), {})
+    rt = first.get("runtime", {})
+    lines = [f"### Against PyTorch's FSDP2 ({anchor['world']} ranks)", "",
+             f"The same gpt, O2 against FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, "
+             f"reduce_dtype=float32)` with `fully_shard` per block and on the root and "
+             f"`torch.optim.AdamW(fused=True)` (bench/python/fsdp2_bench.py, torch "
+             f"{first.get('torch_version', '?')}, fp32 BLAS {rt.get('fp32_blas', '?')}, ATen "
+             f"{rt.get('aten_cpu_capability', '?')}), against ampx-train built on the same wheel's "
+             f"LibTorch; {anchor['steps']} steps from the same initial weights and batches, seeds "
+             f"{', '.join(map(str, anchor['seeds']))}, one thread a rank, interleaved. Memory: "
+             f"{first.get('memory_method', 'see fsdp2_bench.py')} (ampx: its tracking allocator, "
+             "the same allocations); the largest rank's, median over seeds. Step: the slowest "
+             "rank's median, median over seeds. Loss: the last tenth's mean per seed; seed spread: "
+             "the largest minus the smallest of FSDP2's.", "",
+             "| sharding | ampx MiB | FSDP2 MiB | memory ampx / FSDP2 | ampx ms | FSDP2 ms | "
+             "speed ampx vs FSDP2 | loss ampx / FSDP2 per seed | largest gap | seed spread |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for shard in ("full", "grad"):
+        pairs = [anchor["runs"][f"{shard}/{seed}"] for seed in anchor["seeds"]]
+        bad = [side for r in pairs for side in ("ampx", "fsdp2") if "error" in r[side]]
+        if bad:
+            errors = {side: r[side]["error"] for r in pairs for side in r if "error" in r[side]}
+            lines.append(f"| {shard} | failed: {errors} | | | | | | | | |")
+            continue
+        med = lambda side, f: statistics.median(f(r[side]) for r in pairs)
+        a_mem = med("ampx", lambda r: max(r["rank_peak_bytes"]))
+        t_mem = med("fsdp2", lambda r: max(r["rank_peak_bytes"]))
+        a_ms = med("ampx", lambda r: r["median_step_ms"])
+        t_ms = med("fsdp2", lambda r: r["median_step_ms"])
+        losses = [(final_loss(r["ampx"]["losses"]), final_loss(r["fsdp2"]["losses"]))
+                  for r in pairs]
+        gap = max(abs(a - t) for a, t in losses)
+        spread = max(t for _, t in losses) - min(t for _, t in losses)
+        lines.append(f"| {shard} | {a_mem / 2**20:.0f} ({a_mem / n:.2f} B/param) | "
+                     f"{t_mem / 2**20:.0f} ({t_mem / n:.2f} B/param) | {a_mem / t_mem:.2f}x | "
+                     f"{a_ms:.0f} | {t_ms:.0f} | {t_ms / a_ms:.2f}x | "
+                     + ", ".join(f"{a:.4f} / {t:.4f}" for a, t in losses)
+                     + f" | {gap:.4f} | {spread:.4f} |")
+    lines += ["", "Targets (issue 64): memory ampx / FSDP2 <= 1.00x, speed >= 1.00x, the largest "
+              "loss gap within the seed spread.", ""]
     return lines
 
 
@@ -114,6 +233,8 @@ def main():
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--wheel-build", default=None, help="ampx built on the wheel's LibTorch")
+    p.add_argument("--wheel-python", default=None, help="the wheel's Python (FSDP2's side)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     result = measure(args, args.out, [int(w) for w in args.worlds.split(",")])
