@@ -277,6 +277,65 @@ TEST_F(FsdpTest, ShardCheckpointsResumeOnAnyNumberOfRanks) {
   }
 }
 
+// ZeRO-1's shards (ZeroRedundancyOptimizer::save_shard) are FSDP's format:
+// 2 ranks' shards at step 4 resume ZeRO-1 on 2 ranks bit for bit (the
+// weights at step 4, the losses and scales of steps 4-7, the final
+// weights), on 1 and 3 within 1e-4 (other reduce orders), and FSDP on 3;
+// FSDP's shards resume ZeRO-1 on 2 and 3. A shard of another rank is
+// refused on every rank, changing nothing.
+TEST_F(FsdpTest, ZeroOneShardsResumeOnAnyNumberOfRanksAndAsFsdp) {
+  auto saved = run("zero-ckpt-save", 2);
+  const auto at4 = read_record(saved[0].out.string() + ".at4").params;
+  const auto final_params = read_record(saved[0].out.string() + ".final").params;
+  const auto steps = fsdp(saved[0]).steps;
+  ASSERT_EQ(at4.size(), static_cast<size_t>(kParams));
+  ASSERT_EQ(steps.size(), 8u);
+  const auto close = [&](const std::vector<float>& got, const std::vector<float>& want,
+                         const std::string& what) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    float worst = 0.0f;
+    for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+    EXPECT_LT(worst, 1e-4f) << what;
+  };
+  for (const int world : {2, 1, 3}) {
+    auto resumed = run("zero-ckpt-resume-from-2", world);
+    const auto& out = resumed[0].out.string();
+    const std::string what = "ZeRO-1 on " + std::to_string(world) + " ranks";
+    EXPECT_EQ(read_record(out + ".at4").params, at4) << what;
+    if (world == 2) {
+      EXPECT_EQ(fsdp(resumed[0]).steps, std::vector<std::string>(steps.begin() + 4, steps.end()));
+      EXPECT_EQ(read_record(out + ".final").params, final_params);
+      continue;
+    }
+    close(read_record(out + ".final").params, final_params, what);
+  }
+  auto as_fsdp = run("ckpt-resume-from-zero-2", 3);
+  EXPECT_EQ(read_record(as_fsdp[0].out.string() + ".at4").params, at4) << "FSDP on 3 ranks";
+  close(read_record(as_fsdp[0].out.string() + ".final").params, final_params, "FSDP on 3 ranks");
+
+  auto fsdp_saved = run("ckpt-save", 2);
+  const auto fsdp_at4 = read_record(fsdp_saved[0].out.string() + ".at4").params;
+  const auto fsdp_final = read_record(fsdp_saved[0].out.string() + ".final").params;
+  for (const int world : {2, 3}) {
+    auto resumed = run("zero-ckpt-resume-from-fsdp-2", world);
+    const std::string what = "FSDP's shards in ZeRO-1 on " + std::to_string(world) + " ranks";
+    EXPECT_EQ(read_record(resumed[0].out.string() + ".at4").params, fsdp_at4) << what;
+    close(read_record(resumed[0].out.string() + ".final").params, fsdp_final, what);
+  }
+
+  const fs::path shards = dir_ / "zckpt-2";
+  fs::copy_file(shards / "shard-0.pt", shards / "shard-1.pt", fs::copy_options::overwrite_existing);
+  auto workers = ampx_test::run_ranks(AMPX_FSDP_WORKER, dir_, "zero-ckpt-resume-from-2", 2,
+                                      std::chrono::seconds(120));
+  for (const auto& w : workers) {
+    EXPECT_EQ(w.status, 1) << w.output;
+    EXPECT_THAT(w.output, HasSubstr("ZeroRedundancyOptimizer::load_shards: nothing was loaded: "
+                                    "rank 0 failed: saved rank 1's shard was written by rank 0 "
+                                    "of 2, not rank 1 of 2"));
+    EXPECT_THAT(w.output, HasSubstr("unchanged 1"));
+  }
+}
+
 // A shard file missing, truncated or of another rank: every rank refuses
 // the load, naming the file (or the rank it was written by), and keeps its
 // model as it was.

@@ -35,6 +35,7 @@
 #include "ampx/dist.h"
 #include "ampx/scaler_aware_optimizer.h"
 
+#include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <functional>
@@ -116,6 +117,26 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Reads what save() wrote on this rank (see save()).
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// This rank's shards by parameter name and element range, the format of
+  /// FullyShardedDataParallel::save_shard (ampx/fsdp.h): `model` (whose
+  /// parameters() this optimizer was built over) names the parameters and
+  /// gives the buffers; the masters, and the local optimizer's step and
+  /// moments (one of ampx::optim's, fp32 moments). Any number of ranks
+  /// loads them, with load_shards() or as a FullyShardedDataParallel.
+  void save_shard(torch::serialize::OutputArchive& archive, const torch::nn::Module& model) const;
+  /// Reads saved rank r's archive into `archive`, for r in [0, saved_world_size).
+  using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArchive& archive)>;
+  /// Reads the shards that `saved_world_size` ranks saved (save_shard() or
+  /// FullyShardedDataParallel::save_shard of the same model) through
+  /// `read_shard`: this rank's share of them into its masters and the local
+  /// optimizer's state, the buffers into `model`, then gathers the masters
+  /// into `model`'s parameters in their dtypes, as a step ends. Everything
+  /// is read and checked before anything changes: an error on any rank
+  /// throws on every rank, naming the rank and its error, and changes
+  /// nothing. Collective.
+  void load_shards(int64_t saved_world_size, const ShardReader& read_shard,
+                   torch::nn::Module& model);
 
  private:
   struct Impl;

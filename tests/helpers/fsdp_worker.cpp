@@ -4,7 +4,8 @@
 //   ampx_fsdp_worker <scenario> <out-file>
 //   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
 //              | mismatch-units | O2 | lamb | lamb-pieces | ckpt-save
-//              | ckpt-resume-from-<N>
+//              | ckpt-resume-from-<N> | ckpt-resume-from-zero-<N> | zero-ckpt-save
+//              | zero-ckpt-resume-from-<N> | zero-ckpt-resume-from-fsdp-<N>
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -21,11 +22,16 @@
 // 4-7. Both write <out>.at4 (rank 0: the full state at step 4, "param"
 // lines) and <out>.fsdp; a load that fails prints its error and whether the
 // model's state is unchanged ("unchanged 1"), and exits 1.
+// ckpt-resume-from-zero-<N> loads the shards zero-ckpt-save wrote with N
+// ranks. The zero-* scenarios do the same with ZeroRedundancyOptimizer
+// (ZeRO-1: the model whole on every rank) in <dir>/zckpt-<world>;
+// zero-ckpt-resume-from-fsdp-<N> loads the shards ckpt-save wrote.
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/fsdp.h>
 #include <ampx/serialize.h>
+#include <ampx/zero.h>
 
 #include <torch/torch.h>
 
@@ -235,8 +241,11 @@ int checkpoint_run(const std::string& scenario, const std::string& out,
   const int64_t rank = pg.rank(), world = pg.world_size();
   const bool save = scenario == "ckpt-save";
   const std::string from = "ckpt-resume-from-";
-  const int64_t saved_world = save ? world : std::stoll(scenario.substr(from.size()));
-  const fs::path dir = fs::path(out).parent_path() / ("ckpt-" + std::to_string(saved_world));
+  const bool from_zero = scenario.rfind(from + "zero-", 0) == 0;
+  const int64_t saved_world =
+      save ? world : std::stoll(scenario.substr(from.size() + (from_zero ? 5 : 0)));
+  const fs::path dir = fs::path(out).parent_path() /
+                       ((from_zero ? "zckpt-" : "ckpt-") + std::to_string(saved_world));
   const auto shard_file = [&](int64_t r) {
     return (dir / ("shard-" + std::to_string(r) + ".pt")).string();
   };
@@ -296,6 +305,86 @@ int checkpoint_run(const std::string& scenario, const std::string& out,
   return 0;
 }
 
+/// Rank 0 writes every parameter of `model` (whole on every rank) to `path`.
+void write_model_params(Net& model, int64_t rank, const std::string& path) {
+  if (rank != 0) return;
+  std::ofstream out(path);
+  for (const auto& p : model->parameters()) {
+    auto c = p.detach().to(torch::kFloat).contiguous();
+    for (int64_t i = 0; i < c.numel(); ++i) out << "param " << hex(c.data_ptr<float>()[i]) << "\n";
+  }
+}
+
+int zero_checkpoint_run(const std::string& scenario, const std::string& out,
+                        ampx::dist::ProcessGroup& pg) {
+  namespace fs = std::filesystem;
+  const int64_t rank = pg.rank(), world = pg.world_size();
+  const bool save = scenario == "zero-ckpt-save";
+  const std::string from = "zero-ckpt-resume-from-";
+  const bool from_fsdp = scenario.rfind(from + "fsdp-", 0) == 0;
+  const int64_t saved_world =
+      save ? world : std::stoll(scenario.substr(from.size() + (from_fsdp ? 5 : 0)));
+  const fs::path dir = fs::path(out).parent_path() /
+                       ((from_fsdp ? "ckpt-" : "zckpt-") + std::to_string(saved_world));
+  const auto shard_file = [&](int64_t r) {
+    return (dir / ("shard-" + std::to_string(r) + ".pt")).string();
+  };
+  torch::manual_seed(save ? 100 : 555 + rank);  // resumed: other weights, which the load replaces
+  Net model;
+  ampx::dist::ZeroRedundancyOptimizer opt(
+      model->parameters(), pg, [](std::vector<torch::Tensor> s) {
+        return std::make_unique<ampx::optim::AdamW>(
+            std::move(s), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+      });
+  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
+  ampx::dist::synchronize_found_inf(scaler, pg);
+  int first = 0;
+  if (!save) {
+    std::vector<torch::Tensor> before;
+    for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
+    try {
+      opt.load_shards(
+          saved_world,
+          [&](int64_t r, torch::serialize::InputArchive& archive) {
+            ampx::load_archive(archive, shard_file(r));
+          },
+          *model);
+    } catch (const c10::Error& e) {
+      std::cout << "load failed: " << e.what_without_backtrace() << std::endl;
+      bool same = true;
+      const auto after = model->parameters();
+      for (size_t i = 0; i < after.size(); ++i) same = same && torch::equal(before[i], after[i]);
+      std::cout << "unchanged " << same << std::endl;
+      return 1;
+    }
+    scaler.load_state_dict(ampx::load_state_dict((dir / "scaler.pt").string()));
+    write_model_params(model, rank, out + ".at4");
+    first = 4;
+  }
+  const auto [x, y] = batch_shard(rank, world);
+  std::ofstream log(out + ".fsdp");
+  for (int step = first; step < kSteps; ++step) {
+    if (save && step == 4) {
+      fs::create_directories(dir);
+      torch::serialize::OutputArchive archive;
+      opt.save_shard(archive, *model);
+      ampx::save_archive(archive, shard_file(rank));
+      if (rank == 0) ampx::save_state_dict(scaler.state_dict(), (dir / "scaler.pt").string());
+      write_model_params(model, rank, out + ".at4");
+    }
+    opt.zero_grad();
+    const auto loss = torch::mse_loss(model->forward(x), y);
+    scaler.scale(loss).backward();
+    const bool stepped = static_cast<bool>(scaler.step(opt));
+    scaler.update();
+    log << "loss " << step << " " << hex(loss.item<double>()) << " " << hex(scaler.get_scale())
+        << " " << stepped << "\n";
+  }
+  log.close();
+  write_model_params(model, rank, out + ".final");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -308,6 +397,7 @@ int main(int argc, char** argv) {
         ampx::dist::init_process_group(ampx::dist::InitOptions().timeout(std::chrono::seconds(60)));
     const std::string scenario = argv[1];
     if (scenario.rfind("ckpt-", 0) == 0) return checkpoint_run(scenario, argv[2], pg);
+    if (scenario.rfind("zero-ckpt-", 0) == 0) return zero_checkpoint_run(scenario, argv[2], pg);
     if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;
     return train(scenario, true, argv[2], pg);
   } catch (const c10::Error& e) {

@@ -1,0 +1,122 @@
+#pragma once
+
+// The sharded checkpoint's format, shared by FullyShardedDataParallel and
+// ZeroRedundancyOptimizer: each rank saves its pieces of the parameters,
+// keyed by parameter name and element range, never by rank layout, so that
+// any number of ranks, under either, can load them (resharding).
+//
+// A shard's archive (version 1):
+//   ampx_fsdp_shard_version 1        rank, world_size      ints
+//   num_params K                     param<k>.name         str
+//   param<k>.numel   the whole parameter's elements
+//   param<k>.begin   the element of the parameter where this piece starts
+//   param<k>.value   fp32 [length]: the piece (the masters)
+//   param<k>.step, param<k>.exp_avg, param<k>.exp_avg_sq   the optimizer's, when given
+//   num_buffers B                    buffer<j>.name, buffer<j>.value
+//   optimizer.type, optimizer.seed, optimizer.num_groups, optimizer.group<g>.lr
+
+#include "ampx/optim/optimizer.h"
+
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+namespace shard {
+
+#if defined(AMPX_WITH_DIST)
+
+/// `o` as one of ampx::optim's optimizers with fp32 moments (null: none);
+/// another kind, or coded moments, are refused naming `who`.
+const ampx::optim::MixedPrecisionOptimizer* checkpointable(const torch::optim::Optimizer* o,
+                                                           const char* who);
+ampx::optim::MixedPrecisionOptimizer* checkpointable(torch::optim::Optimizer* o, const char* who);
+
+/// One piece this rank saves.
+struct SavedPiece {
+  std::string name;
+  int64_t numel = 0;    // the whole parameter's
+  int64_t begin = 0;    // where the piece starts in it
+  at::Tensor value;     // fp32 [length]
+  bool trains = false;  // saves the optimizer's step and moments
+  int64_t step = 0;
+  at::Tensor exp_avg, exp_avg_sq;  // fp32 [length] or undefined
+};
+
+/// Writes a shard: `pieces`, `buffers` and, when `optimizer` is given, its
+/// type, seed and learning rates.
+void write_shard(torch::serialize::OutputArchive& archive, int64_t rank, int64_t world,
+                 const std::vector<SavedPiece>& pieces,
+                 const std::vector<std::pair<std::string, at::Tensor>>& buffers,
+                 const ampx::optim::MixedPrecisionOptimizer* optimizer);
+
+/// One piece this rank loads: elements [begin, begin + length) of parameter `name`.
+struct PieceTarget {
+  std::string name;
+  int64_t numel = 0, begin = 0, length = 0;
+  bool trains = false;  // its optimizer state is read (when loading one)
+};
+
+/// A target as the saved shards rebuild it.
+struct Rebuilt {
+  at::Tensor value, exp_avg, exp_avg_sq;  // fp32 [length]
+  int64_t step = -1;                      // -1: no saved piece carried optimizer state yet
+  bool has_exp_avg = false, has_exp_avg_sq = false;
+  std::vector<std::pair<int64_t, int64_t>> spans;  // [from, to) in the parameter, filled
+};
+
+/// The optimizer-wide part of a shard.
+struct OptimizerHeader {
+  std::string type;
+  int64_t seed = 0;
+  std::vector<double> lrs;
+  bool operator==(const OptimizerHeader& o) const {
+    return type == o.type && seed == o.seed && lrs == o.lrs;
+  }
+};
+
+/// Every saved shard read into the targets.
+struct Loaded {
+  std::vector<Rebuilt> pieces;  // by target
+  std::map<std::string, at::Tensor> buffers;
+  OptimizerHeader optimizer;
+};
+
+using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArchive& archive)>;
+
+/// Reads saved ranks 0 .. saved_world - 1 through `read` into `targets`,
+/// checking that every target element comes from exactly one saved piece,
+/// that the saved buffers are `model_buffers` (names, dtypes, shapes) and
+/// that the ranks' optimizer headers agree. Errors start with `who`.
+Loaded read_shards(const char* who, int64_t saved_world, const ShardReader& read,
+                   const std::vector<PieceTarget>& targets, bool with_optimizer,
+                   const std::vector<std::pair<std::string, at::Tensor>>& model_buffers);
+
+/// The state ampx::optim's own load() reads (its position keys) for
+/// `optimizer`, whose parameter `p` of group `g` is filled by `fill(g, p)`
+/// (step, exp_avg, exp_avg_sq: undefined tensors are left out), after
+/// checking `header` against it.
+struct OptimizerSlot {
+  int64_t step = 0;
+  at::Tensor exp_avg, exp_avg_sq;
+};
+void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optimizer,
+                    const OptimizerHeader& header,
+                    const std::function<OptimizerSlot(size_t group, size_t param)>& fill);
+
+/// `optimizer`'s state as bytes (for a rollback), and back.
+std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
+void restore_optimizer(torch::optim::Optimizer& optimizer, const std::string& bytes);
+
+#endif  // AMPX_WITH_DIST
+
+}  // namespace shard
+}  // namespace dist
+}  // namespace ampx
