@@ -106,14 +106,13 @@ void read_shard_file(const fs::path& file, int64_t rank, int64_t world, int64_t 
 }
 
 void save_sharded_checkpoint(const fs::path& path, const nlohmann::json& identity,
-                             int64_t steps_per_epoch, ampx::dist::FullyShardedDataParallel& fsdp,
-                             torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
+                             int64_t steps_per_epoch, const ShardIo& shards, ampx::AmpSession& amp,
                              const RunState& state, const ampx::dist::ProcessGroup& group) {
   const int64_t rank = group.rank(), world = group.world_size(), step = state.next_step;
   std::string error;
   try {
     torch::serialize::OutputArchive archive;
-    fsdp.save_shard(archive, &optimizer);
+    shards.save(archive);
     std::ostringstream payload;
     archive.save_to(payload);
     const nlohmann::json meta = {{"format", "ampx-train shard"},
@@ -146,10 +145,8 @@ void save_sharded_checkpoint(const fs::path& path, const nlohmann::json& identit
 }
 
 RunState load_sharded_checkpoint(const fs::path& path, const std::string& bytes,
-                                 const nlohmann::json& identity,
-                                 ampx::dist::FullyShardedDataParallel& fsdp,
-                                 torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
-                                 const ampx::dist::ProcessGroup& group) {
+                                 const nlohmann::json& identity, const ShardIo& shards,
+                                 ampx::AmpSession& amp, const ampx::dist::ProcessGroup& group) {
   const Checkpoint c = parse_checkpoint(bytes, path);
   const auto [world, files] = shard_files_of(path, c.meta);
   check_compatible(path, c.meta.at("run"), identity);
@@ -164,13 +161,10 @@ RunState load_sharded_checkpoint(const fs::path& path, const std::string& bytes,
                 "' has no CPU generator state: ", e.what_without_backtrace());
   }
   const int64_t step = progress.state.next_step;
-  fsdp.load_shards(
-      world,
-      [&](int64_t r, torch::serialize::InputArchive& shard) {
-        read_shard_file(path.parent_path() / files[static_cast<size_t>(r)], r, world, step,
-                        identity, shard);
-      },
-      &optimizer);
+  shards.load(world, [&](int64_t r, torch::serialize::InputArchive& shard) {
+    read_shard_file(path.parent_path() / files[static_cast<size_t>(r)], r, world, step, identity,
+                    shard);
+  });
   set_cpu_generator(rng);
   amp.load_state_dict(progress.scalers);
   return std::move(progress.state);

@@ -1,12 +1,14 @@
 #pragma once
 
-// --shard full and grad's checkpoints: rank 0's checkpoint file (the run's
-// description and progress, the loss scalers, the CPU generator; no
-// weights) names one shard file per rank beside it, each written by its
+// --shard full, grad and optimizer's checkpoints: rank 0's checkpoint file
+// (the run's description and progress, the loss scalers, the CPU generator;
+// no weights) names one shard file per rank beside it, each written by its
 // rank: that rank's fp32 masters and AdamW state by parameter name and
-// element (ampx::dist::FullyShardedDataParallel::save_shard), in the
-// checkpoint file's framing (CRC-32, atomic). Any number of ranks resumes
-// them (every rank reads every shard file: the folder must be shared).
+// element (ampx::dist::FullyShardedDataParallel::save_shard, or
+// ZeroRedundancyOptimizer::save_shard: one format), in the checkpoint
+// file's framing (CRC-32, atomic). Any number of ranks resumes them, under
+// any of the three shardings (every rank reads every shard file: the folder
+// must be shared).
 //
 //   checkpoint.ampx                          "shards": {"world_size": 2, "files": [...]}
 //   checkpoint-step100-rank0-of2.ampx        rank 0's shard at step 100
@@ -25,28 +27,35 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
 
 namespace ampx::train {
+
+/// What a rank saves into its shard file and loads from every saved rank's:
+/// the sharded wrapper's or ZeRO-1's pieces and the optimizer's state.
+struct ShardIo {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(int64_t saved_world_size,
+                     const ampx::dist::FullyShardedDataParallel::ShardReader&)>
+      load;
+};
 
 /// Every rank's shard file, then rank 0's checkpoint at `path` (see the top
 /// of this header); an error on any rank throws on every rank and leaves the
 /// previous checkpoint as it was. Collective.
 void save_sharded_checkpoint(const std::filesystem::path& path, const nlohmann::json& identity,
-                             int64_t steps_per_epoch, ampx::dist::FullyShardedDataParallel& fsdp,
-                             torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
+                             int64_t steps_per_epoch, const ShardIo& shards, ampx::AmpSession& amp,
                              const RunState& state, const ampx::dist::ProcessGroup& group);
 
 /// Restores a sharded checkpoint whose file at `path` holds `bytes` (read by
-/// rank 0): its shard files (checked: framing, CRC, run, step, rank) into
-/// `fsdp` and `optimizer` on any number of ranks, then the loss scalers and
+/// rank 0): its shard files (checked: framing, CRC, run, step, rank) through
+/// `shards` on any number of ranks, then the loss scalers and
 /// the CPU generator. A missing, damaged or mismatched shard file is named
 /// with its rank, on every rank, and nothing is restored. Collective.
 RunState load_sharded_checkpoint(const std::filesystem::path& path, const std::string& bytes,
-                                 const nlohmann::json& identity,
-                                 ampx::dist::FullyShardedDataParallel& fsdp,
-                                 torch::optim::Optimizer& optimizer, ampx::AmpSession& amp,
-                                 const ampx::dist::ProcessGroup& group);
+                                 const nlohmann::json& identity, const ShardIo& shards,
+                                 ampx::AmpSession& amp, const ampx::dist::ProcessGroup& group);
 
 /// Reads rank `rank` of `world`'s shard file at step `step` into `archive`:
 /// its framing and CRC (read_checkpoint), that it is a shard file of that

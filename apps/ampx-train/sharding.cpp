@@ -41,11 +41,6 @@ void check_shard_config(const TrainConfig& c) {
   TORCH_CHECK(c.nproc > 1 || ampx::dist::launched_as_rank(), "ampx-train: --shard ", c.shard,
               " shares the model's state among data-parallel processes; give --nproc N (N > 1) "
               "or start the ranks with a launcher (torchrun)");
-  // grad and full: each rank writes its shard (shard_checkpoint.h).
-  TORCH_CHECK(fully_sharded(c) || (c.save_every == 0 && !c.resume),
-              "ampx-train: --shard optimizer does not write or resume checkpoints yet (each rank "
-              "would write its share of the AdamW state); drop --save-every and --resume, or "
-              "train with --shard full, grad or none");
   for (const auto& mode : modes_of(c)) check_shard_mode(c, parse_mode(mode, c));
   TORCH_CHECK(c.export_weights.empty() || fully_sharded(c),
               "ampx-train: --export-weights with "
@@ -101,6 +96,28 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
   }
   // Each rank checks its own share of the gradients: every rank skips together.
   ampx::dist::synchronize_found_inf(setup.amp->scaler(), group);
+}
+
+ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup) {
+  if (setup.fsdp) {
+    auto* fsdp = setup.fsdp.get();
+    auto* optimizer = setup.optimizer.get();
+    return {
+        [fsdp, optimizer](torch::serialize::OutputArchive& a) { fsdp->save_shard(a, optimizer); },
+        [fsdp, optimizer](int64_t world,
+                          const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
+          fsdp->load_shards(world, read, optimizer);
+        }};
+  }
+  if (config.shard != "optimizer") return {};
+  auto* zero = dynamic_cast<ampx::dist::ZeroRedundancyOptimizer*>(setup.optimizer.get());
+  TORCH_CHECK(zero != nullptr, "ampx-train: --shard optimizer without its ZeRO-1 optimizer");
+  auto model = setup.model;
+  return {
+      [zero, model](torch::serialize::OutputArchive& a) { zero->save_shard(a, *model); },
+      [zero, model](int64_t world, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
+        zero->load_shards(world, read, *model);
+      }};
 }
 
 void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result) {

@@ -13,6 +13,7 @@
 
 #include "config.h"
 #include "run_result.h"
+#include "shard_checkpoint.h"
 #include "workloads.h"
 
 #include <ampx/ampx.h>
@@ -54,6 +55,11 @@ std::string shard_description(const TrainConfig& config);
 void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& mode,
                     const ampx::dist::ProcessGroup& group, const ampx::optim::AdamWOptions& options,
                     const ampx::AmpOptions& amp_options, ModeSetUp& setup);
+
+/// What a --shard run's checkpoints save and load on each rank (the
+/// wrapper's pieces, or ZeRO-1's, and the optimizer's state); empty
+/// functions for --shard none.
+ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup);
 
 /// Every rank's peak_bytes of `result` in rank_peak_bytes, and the largest
 /// of them as peak_bytes: what must fit on each rank. Collective.

@@ -155,6 +155,7 @@ class ModeRun {
   bool may_write_checkpoint_ = false;
   int64_t base_bytes_ = 0;  // allocated before the set-up: peak memory counts from here
   ModeSetUp setup_;
+  ShardIo shards_;  // --shard: what each rank's shard file holds (else empty)
   std::optional<ampx::dist::DistributedDataParallel> ddp_;
   std::optional<Fp8Trace> fp8_trace_;
   RunState state_;
@@ -216,6 +217,7 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   base_bytes_ = allocated_bytes(device_);
   reset_peak_memory(device_);
   setup_ = set_up_mode(config, workload, mode_, device_, group);
+  shards_ = shard_io(config, setup_);
   tail_start_ = total_steps_;
   if (setup_.plan) {  // a checkpoint resumes under the plan it trained with
     for (const auto& l : setup_.plan->layers) {
@@ -276,10 +278,10 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   if (config.resume) {
     const std::string bytes =
         from_rank0(group, [&] { return read_checkpoint_bytes(checkpoint_path_); });
-    state_ = setup_.fsdp ? load_sharded_checkpoint(checkpoint_path_, bytes, identity_, *setup_.fsdp,
-                                                   *setup_.optimizer, *setup_.amp, *group)
-                         : load_checkpoint(checkpoint_path_, bytes, identity_,
-                                           {*setup_.model, *setup_.optimizer, *setup_.amp});
+    state_ = shards_.load ? load_sharded_checkpoint(checkpoint_path_, bytes, identity_, shards_,
+                                                    *setup_.amp, *group)
+                          : load_checkpoint(checkpoint_path_, bytes, identity_,
+                                            {*setup_.model, *setup_.optimizer, *setup_.amp});
     TORCH_CHECK(state_.next_step <= total_steps_, "ampx-train: checkpoint '", checkpoint_path_,
                 "' is at step ", state_.next_step, ", past this run's ", total_steps_,
                 " steps; raise --steps");
@@ -388,9 +390,6 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
   const bool planned = config_.save_every > 0 && ((step + 1) % config_.save_every == 0 || last);
   stop = stop && !last;  // after the last step: the run ends as planned
   if (!planned && !stop) return false;
-  TORCH_CHECK(config_.shard != "optimizer", "ampx-train: ", signal_name(preemption_signal()),
-              " asked to stop after step ", step + 1,
-              ", but --shard optimizer writes no checkpoint yet: the steps of this run are lost");
   TORCH_CHECK(planned || may_write_checkpoint_, "ampx-train: ", signal_name(preemption_signal()),
               " asked to stop after step ", step + 1, ", but '", checkpoint_path_,
               "' holds a checkpoint this run did not write; it stays as it is, and the steps "
@@ -400,9 +399,9 @@ bool ModeRun::checkpoint(int64_t step, bool stop) {
       state_.plan_formats[l.module] = ampx::plan::to_string(l.format);
     }
   }
-  if (setup_.fsdp) {  // every rank its shard file
-    save_sharded_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(), *setup_.fsdp,
-                            *setup_.optimizer, *setup_.amp, state_, *group_);
+  if (shards_.save) {  // every rank its shard file
+    save_sharded_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(), shards_,
+                            *setup_.amp, state_, *group_);
   } else if (lead_) {
     save_checkpoint(checkpoint_path_, identity_, workload_.steps_per_epoch(),
                     {*setup_.model, *setup_.optimizer, *setup_.amp}, state_);
