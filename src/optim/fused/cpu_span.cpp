@@ -122,7 +122,8 @@ void run_bf16(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end
         float tmp[kB];
         w0.store(tmp);
         w1.store(tmp + kF);
-        for (int64_t k = 0; k < kB; ++k) param[i + k] = narrow(tmp[k], i + k);
+        CPU_CAPABILITY::bf16_stochastic_weights(tmp, kB, narrow.key, narrow.index_base + i,
+                                                reinterpret_cast<uint16_t*>(param + i));
       } else {
         at::vec::convert_float_bfloat16(w0, w1).store(param + i);
       }
@@ -184,14 +185,14 @@ int64_t tile_of(const FusedParam& p) {
 /// The coded moments of tile [b, b + n) from q's buffers back into p.
 void encode_moments(const FusedParam& p, const FusedAt& at, int64_t b, int64_t n,
                     const FusedParam& q) {
-  if (p.exp_avg_codes) fused::encode_moment(p, at.key, 0, b, n, q.exp_avg);
-  if (p.exp_avg_sq_codes) fused::encode_moment(p, at.key, 1, b, n, q.exp_avg_sq);
+  if (p.exp_avg_codes) CPU_CAPABILITY::encode_moment(p, at.key, 0, b, n, q.exp_avg);
+  if (p.exp_avg_sq_codes) CPU_CAPABILITY::encode_moment(p, at.key, 1, b, n, q.exp_avg_sq);
 }
 
 /// The coded moments of tile [b, b + n) decoded again into q's buffers.
 void decode_moments(const FusedParam& p, int64_t b, int64_t n, const FusedParam& q) {
-  if (p.exp_avg_codes) fused::decode_moment(p, 0, b, n, q.exp_avg);
-  if (p.exp_avg_sq_codes) fused::decode_moment(p, 1, b, n, q.exp_avg_sq);
+  if (p.exp_avg_codes) CPU_CAPABILITY::decode_moment(p, 0, b, n, q.exp_avg);
+  if (p.exp_avg_sq_codes) CPU_CAPABILITY::decode_moment(p, 1, b, n, q.exp_avg_sq);
 }
 
 /// Elements [begin, end) of p in tiles: body(q, b, n) runs the fp32 loops on
@@ -217,7 +218,7 @@ void run_tiled(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t en
     q.state_format = fused::FusedState::kFp32;
     q.master = p.master ? p.master + b : nullptr;
     if (p.compensation) {
-      fused::read_kahan_weight(p, b, n, buf.w);
+      CPU_CAPABILITY::read_kahan_weight(p, b, n, buf.w);
       q.master = buf.w;
     }
     q.exp_avg = p.exp_avg ? p.exp_avg + b : nullptr;
@@ -227,7 +228,7 @@ void run_tiled(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t en
     decode_moments(p, b, n, q);
     body(q, b, n);
     if (encode_state) encode_moments(p, at, b, n, q);
-    if (writes_weight && p.compensation) fused::write_compensation(p, b, n, buf.w);
+    if (writes_weight && p.compensation) CPU_CAPABILITY::write_compensation(p, b, n, buf.w);
   }
 }
 

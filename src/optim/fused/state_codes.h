@@ -108,6 +108,28 @@ AMPX_HD float bf16_state_value(uint16_t bits) {
   return bits_float(static_cast<uint32_t>(bits) << 16);
 }
 
+/// The hash of elements [4 group, 4 group + 4) of a bf16 moment's stream:
+/// 16 random bits an element, element 4 group + j taking bits [16 j, 16 j + 16).
+AMPX_HD uint64_t bf16_state_hash(uint64_t stream, int64_t group) {
+  return mix64(stream + static_cast<uint64_t>(group) * 0x9e3779b97f4a7c15ULL);
+}
+
+/// The 16 random bits of element `index` of a bf16 moment's stream.
+AMPX_HD uint32_t bf16_state_random(uint64_t stream, int64_t index) {
+  return static_cast<uint32_t>(bf16_state_hash(stream, index >> 2) >> (16 * (index & 3))) & 0xFFFFu;
+}
+
+/// The 8-bit code of a float of bits u, not NaN, from its bucket's entry
+/// (state_tiles.h's map_buckets: the floats that share u's top 16 bits). A
+/// bucket's key orders its floats by value: the low 16 bits, flipped where
+/// negative; the entry holds the code of the bucket's lowest value (bits
+/// 0-7) and the key from which the code is one higher (bits 8-24; 0x10000:
+/// none).
+AMPX_HD uint32_t map_bucket_code(uint32_t entry, uint32_t u) {
+  const uint32_t key = (u ^ static_cast<uint32_t>(static_cast<int32_t>(u) >> 31)) & 0xFFFFu;
+  return (entry & 0xFFu) + (key >= (entry >> 8) ? 1u : 0u);
+}
+
 /// The stream key of a moment's stochastic rounding at a step: the update's
 /// key (seed, step, param position) and which moment (0: first, 1: second).
 AMPX_HD uint64_t state_key(uint64_t update_key, int moment) {
