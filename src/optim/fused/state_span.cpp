@@ -163,6 +163,19 @@ float* scales_of(const FusedParam& p, int moment) {
   return moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale;
 }
 
+/// Elements [b, b + n) of a block format's moment, whole blocks (a param's
+/// last may be shorter), each encoded by block(in, nb, codes), which returns
+/// the block's scale.
+template <class Block>
+void for_blocks(const FusedParam& p, int moment, int64_t b, int64_t n, const float* in,
+                const Block& block) {
+  auto* codes = static_cast<uint8_t*>(moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes);
+  for (int64_t o = 0; o < n; o += p.state_block) {
+    const int64_t nb = std::min<int64_t>(p.state_block, n - o);
+    scales_of(p, moment)[(b + o) / p.state_block] = block(in + o, nb, codes + b + o);
+  }
+}
+
 }  // namespace
 
 void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float* out) {
@@ -180,8 +193,11 @@ void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float*
       const float* table = p.state_format == FusedState::kFp8
                                ? optim::detail::e4m3_table()
                                : optim::detail::dynamic_map_table(moment == 0);
-      const float scale = scales_of(p, moment)[b / p.state_block];
-      decode_table(static_cast<const uint8_t*>(codes) + b, table, scale, n, out);
+      for (int64_t o = 0; o < n; o += p.state_block) {  // each block by its scale
+        const float scale = scales_of(p, moment)[(b + o) / p.state_block];
+        decode_table(static_cast<const uint8_t*>(codes) + b + o, table, scale,
+                     std::min<int64_t>(p.state_block, n - o), out + o);
+      }
       return;
     }
     case FusedState::kFp32:
@@ -198,19 +214,21 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
       encode_bf16(math::state_key(key, moment), p.index_base + b, n, in,
                   static_cast<uint16_t*>(codes) + b);
       return;
-    case FusedState::kFp8: {
-      const float scale = math::fp8_state_scale(absmax_of(in, n));
-      scales_of(p, moment)[b / p.state_block] = scale;
-      encode_block(in, n, scale, static_cast<uint8_t*>(codes) + b,
-                   []<class L>(typename L::F q) { return fp8_code<L>(q); });
+    case FusedState::kFp8:
+      for_blocks(p, moment, b, n, in, [](const float* x, int64_t nb, uint8_t* out) {
+        const float scale = math::fp8_state_scale(absmax_of(x, nb));
+        encode_block(x, nb, scale, out, []<class L>(typename L::F q) { return fp8_code<L>(q); });
+        return scale;
+      });
       return;
-    }
     case FusedState::kInt8: {
-      const float scale = math::floored_absmax(absmax_of(in, n));
-      scales_of(p, moment)[b / p.state_block] = scale;
       const uint32_t* buckets = optim::detail::map_buckets(moment == 0);
-      encode_block(in, n, scale, static_cast<uint8_t*>(codes) + b,
-                   [buckets]<class L>(typename L::F q) { return map_code<L>(buckets, q); });
+      for_blocks(p, moment, b, n, in, [buckets](const float* x, int64_t nb, uint8_t* out) {
+        const float scale = math::floored_absmax(absmax_of(x, nb));
+        encode_block(x, nb, scale, out,
+                     [buckets]<class L>(typename L::F q) { return map_code<L>(buckets, q); });
+        return scale;
+      });
       return;
     }
     case FusedState::kFp32:

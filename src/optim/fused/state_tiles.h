@@ -44,7 +44,8 @@ const uint32_t* map_buckets(bool is_signed);
 void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float* out);
 
 /// in[0, n) encoded as moment `moment` of elements [b, b + n) of p; for a
-/// block format, [b, b + n) is one block and its scale is written too.
+/// block format, [b, b + n) is whole blocks (the param's last may be
+/// shorter), each with its scale written too.
 /// `key`: the update's key (bf16's stochastic rounding).
 void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int64_t n,
                    const float* in);
