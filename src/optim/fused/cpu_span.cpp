@@ -253,16 +253,19 @@ struct LambSumsOp {
   }
 };
 
-void update_dense(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end) {
+/// f(op) with AdamW's or SGD's op, as p.options.update says: built once a
+/// span (its scalars take pow), not once a tile.
+template <class F>
+void with_update_op(const FusedParam& p, const FusedAt& at, const F& f) {
   switch (p.options.update) {
     case fused::FusedUpdate::kAdamW:
-      run(p, at, begin, end, fused::adamw_op(p.options, at.step));
+      f(fused::adamw_op(p.options, at.step));
       break;
     case fused::FusedUpdate::kSgd:
-      if (fused::sgd_has_momentum(p)) {
-        run(p, at, begin, end, fused::sgd_momentum_op(p));
+      if (fused::sgd_has_momentum(p) || p.exp_avg_codes) {  // (a tile's buffer: coded momentum)
+        f(fused::sgd_momentum_op(p));
       } else {
-        run(p, at, begin, end, fused::sgd_plain_op(p.options));
+        f(fused::sgd_plain_op(p.options));
       }
       break;
     case fused::FusedUpdate::kLamb:
@@ -273,12 +276,14 @@ void update_dense(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t
 }  // namespace
 
 void update_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end) {
-  if (!fused::fused_tiled(p)) {
-    update_dense(p, at, begin, end);
-    return;
-  }
-  run_tiled(p, at, begin, end, tile_of(p), /*encode_state=*/true, /*writes_weight=*/true,
-            [&](const FusedParam& q, int64_t, int64_t n) { update_dense(q, at, 0, n); });
+  with_update_op(p, at, [&](const auto& op) {
+    if (!fused::fused_tiled(p)) {
+      run(p, at, begin, end, op);
+      return;
+    }
+    run_tiled(p, at, begin, end, tile_of(p), /*encode_state=*/true, /*writes_weight=*/true,
+              [&](const FusedParam& q, int64_t, int64_t n) { run(q, at, 0, n, op); });
+  });
 }
 
 void lamb_moments_span(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t end,
@@ -300,18 +305,19 @@ void lamb_moments_span(const FusedParam& p, const FusedAt& at, int64_t begin, in
   // Tiles (at most 4096 elements): the moments, then, where they are coded,
   // their encoding and the sums from the moments as decoded again, so that
   // the trust ratio is that of the update the second pass applies.
+  // (The ops built once, not once a tile: their scalars take pow.)
   const bool coded = p.exp_avg_codes || p.exp_avg_sq_codes;
+  auto moments = fused::lamb_moments_op<LambSums>(p.options, at.step, nullptr);
+  const auto dir = fused::lamb_dir(p.options, at.step);
   run_tiled(p, at, begin, end, sums_tile_of(p), /*encode_state=*/false,
             /*writes_weight=*/false, [&](const FusedParam& q, int64_t b, int64_t n) {
-              LambSums acc;
-              if (!coded) {
-                run(q, at, 0, n, fused::lamb_moments_op(q.options, at.step, &acc));
-              } else {
-                LambSums unused;
-                run(q, at, 0, n, fused::lamb_moments_op(q.options, at.step, &unused));
+              LambSums acc, unused;
+              moments.acc = coded ? &unused : &acc;
+              run(q, at, 0, n, moments);
+              if (coded) {
                 encode_moments(p, at, b, n, q);
                 decode_moments(p, b, n, q);
-                run(q, at, 0, n, LambSumsOp<LambSums>{fused::lamb_dir(q.options, at.step), &acc});
+                run(q, at, 0, n, LambSumsOp<LambSums>{dir, &acc});
               }
               add(acc);
             });
