@@ -39,7 +39,7 @@ struct StateMap {
 /// bitsandbytes' dynamic tree map of 8 bits, 7 of them exponent at most
 /// (torchao's create_dynamic_map(signed, 7, 8)), each value computed in
 /// double and rounded to float32 once: signed [-0.9930, 1] with zero at code
-/// 127, unsigned [0, 1]. Host only (state_tiles.cpp); the tests compare it
+/// 127, unsigned [0, 1]. Host only (state_tables.cpp); the tests compare it
 /// with torchao's.
 const StateMap& dynamic_map(bool is_signed);
 
