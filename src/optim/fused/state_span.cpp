@@ -25,6 +25,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 namespace ampx {
@@ -115,7 +116,7 @@ float absmax_of(const float* x, int64_t n) {
   };
   for_lanes(n, body);
   alignas(64) uint32_t lanes[V::kWidth];
-  std::copy_n(reinterpret_cast<const uint32_t*>(&acc_v), V::kWidth, lanes);
+  std::memcpy(lanes, &acc_v, sizeof lanes);
   for (int j = 0; j < V::kWidth; ++j) acc = S::max(acc, lanes[j]);
   return acc > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN() : bits_float(acc);
 }
