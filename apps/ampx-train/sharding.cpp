@@ -42,10 +42,6 @@ void check_shard_config(const TrainConfig& c) {
               " shares the model's state among data-parallel processes; give --nproc N (N > 1) "
               "or start the ranks with a launcher (torchrun)");
   for (const auto& mode : modes_of(c)) check_shard_mode(c, parse_mode(mode, c));
-  TORCH_CHECK(c.export_weights.empty() || fully_sharded(c),
-              "ampx-train: --export-weights with "
-              "--shard optimizer: the fp32 masters are spread over the ranks and not gathered "
-              "for export yet; use --shard full or grad (gathered on rank 0), or none");
 }
 
 void check_shard_mode(const TrainConfig& c, const Mode& mode) {
@@ -118,6 +114,16 @@ ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup) {
       [zero, model](int64_t world, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
         zero->load_shards(world, read, *model);
       }};
+}
+
+std::map<std::string, torch::Tensor> gathered_zero_weights(ModeSetUp& setup) {
+  auto& zero = dynamic_cast<ampx::dist::ZeroRedundancyOptimizer&>(*setup.optimizer);
+  const auto masters = zero.gather_masters();  // in model->parameters()'s order
+  std::map<std::string, torch::Tensor> weights;
+  size_t i = 0;
+  for (const auto& p : setup.model->named_parameters()) weights[p.key()] = masters.at(i++);
+  for (const auto& b : setup.model->named_buffers()) weights[b.key()] = b.value();
+  return weights;
 }
 
 void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result) {

@@ -22,6 +22,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <string>
 
 namespace CLI {
@@ -36,8 +37,7 @@ struct ModeSetUp;
 void add_shard_option(CLI::App& app, TrainConfig& config);
 
 /// Refuses --shard where this run cannot shard (one process; a mode
-/// check_shard_mode() refuses; checkpoints and --export-weights that are not
-/// written sharded yet): c10::Error naming the flags.
+/// check_shard_mode() refuses): c10::Error naming the flags.
 void check_shard_config(const TrainConfig& config);
 
 /// Refuses mode `mode` under --shard (O3, which keeps no masters; the FP8
@@ -60,6 +60,11 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
 /// wrapper's pieces, or ZeRO-1's, and the optimizer's state); empty
 /// functions for --shard none.
 ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup);
+
+/// --shard optimizer's weights for --export-weights: the fp32 masters
+/// gathered from every rank's ZeRO-1 shards, and the model's buffers, by
+/// name. Collective.
+std::map<std::string, torch::Tensor> gathered_zero_weights(ModeSetUp& setup);
 
 /// Every rank's peak_bytes of `result` in rank_peak_bytes, and the largest
 /// of them as peak_bytes: what must fit on each rank. Collective.

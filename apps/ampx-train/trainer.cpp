@@ -460,7 +460,13 @@ RunResult ModeRun::finish() {
     return result;
   }
   result.weights_checksum = weights_checksum(*setup_.model);
-  if (lead_ && !config_.export_weights.empty()) {
+  if (config_.shard == "optimizer" && !config_.export_weights.empty()) {
+    const auto weights = gathered_zero_weights(setup_);  // every rank takes part
+    if (lead_) {
+      result.weights_path = export_path_for(config_, mode_.name);
+      export_weights(result.weights_path, weights, identity_);
+    }
+  } else if (lead_ && !config_.export_weights.empty()) {
     result.weights_path = export_path_for(config_, mode_.name);
     export_weights(result.weights_path, *setup_.model,
                    dynamic_cast<const ampx::optim::MixedPrecisionOptimizer&>(*setup_.optimizer),

@@ -118,6 +118,12 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// Reads what save() wrote on this rank (see save()).
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// Every parameter's fp32 master, whole (its shape), in the order the
+  /// parameters were given: each space's shards all-gathered, so every rank
+  /// holds 4 bytes a parameter more until the tensors are dropped (for an
+  /// export at the end of training). Collective.
+  std::vector<at::Tensor> gather_masters();
+
   /// This rank's shards by parameter name and element range, the format of
   /// FullyShardedDataParallel::save_shard (ampx/fsdp.h): `model` (whose
   /// parameters() this optimizer was built over) names the parameters and

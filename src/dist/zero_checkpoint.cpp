@@ -23,6 +23,24 @@ namespace {
 constexpr int64_t kVersion = 1;
 }  // namespace
 
+std::vector<at::Tensor> ZeroRedundancyOptimizer::gather_masters() {
+  auto& impl = *impl_;
+  impl.build();
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> out(impl.params.size());
+  for (size_t k = 0; k < impl.spaces.size(); ++k) {
+    const auto& s = impl.spaces[k];
+    auto whole = torch::empty({impl.world() * s.shard}, impl.masters[k].options());
+    impl.group.all_gather(whole, impl.masters[k]);
+    for (size_t j = 0; j < s.params.size(); ++j) {
+      const auto& p = impl.params[static_cast<size_t>(s.params[j])];
+      out[static_cast<size_t>(s.params[j])] =
+          whole.narrow(0, s.offsets[j], p.numel()).view(p.sizes());
+    }
+  }
+  return out;
+}
+
 void ZeroRedundancyOptimizer::save(torch::serialize::OutputArchive& archive) const {
   impl_->build();
   const auto& s = impl_->spaces;
