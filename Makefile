@@ -29,6 +29,8 @@
 #   make tsan       the GradScaler, data-parallel and fully sharded tests under ThreadSanitizer (host leg)
 #   make soak       the preemption test with 100 signals per mode instead of
 #                   make test's 4 (host leg; about 15 minutes)
+#   make test-shard-long  ampx-train's sharded O2 runs against DDP's on 2 and 4
+#                   ranks, SHARD_LONG_STEPS steps (default 50; host leg)
 #   make fuzz       fuzz every reader of outside bytes (tests/fuzz) for FUZZ_SECONDS
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run: GEMM peaks, micro-benchmarks,
@@ -85,6 +87,7 @@ HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)
 
 .PHONY: all help deps data docs build run run-host test test-host test-forky test-wheel test-cuda \
+	test-shard-long \
 	sanitize sanitize-forky tsan soak fuzz bench clean
 
 all: build
@@ -229,6 +232,17 @@ SOAK_SIGNALS ?= 100
 soak: build
 	AMPX_PREEMPTION_SIGNALS=$(SOAK_SIGNALS) $(HOST_BUILD)/tests/train/ampx_train_tests \
 	  --gtest_filter='Modes/PreemptionModeTest.*'
+
+# --shard full, grad and optimizer against DDP for longer than `make test`'s
+# 2 ranks and 20 steps (tests/train/shard_test.cpp's O2 test, gpt and gpt-nn):
+# 2 and 4 ranks, SHARD_LONG_STEPS steps.
+SHARD_LONG_STEPS ?= 50
+test-shard-long: build
+	for ranks in 2 4; do \
+	  AMPX_SHARD_TEST_RANKS=$$ranks AMPX_SHARD_TEST_STEPS=$(SHARD_LONG_STEPS) AMPX_CPU_PRODUCTS=wide \
+	    $(HOST_BUILD)/tests/train/ampx_train_tests \
+	    --gtest_filter='ShardTest.O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients' || exit 1; \
+	done
 
 # A seeded mutation fuzzer (tests/fuzz/fuzz_driver.cpp): each target in turn,
 # FUZZ_SECONDS each, over its seeds; the targets and their seed folders are

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -33,6 +34,12 @@ struct ShardRun {
   std::string output;
 };
 
+/// An int from the environment (`make test-shard-long` sets them), else `fallback`.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+}
+
 class ShardTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -50,9 +57,9 @@ class ShardTest : public ::testing::Test {
         {"--workload", workload},
         {"--layers", "2"},
         {"--d-model", "32"},
-        {"--batch-size", "8"},
-        {"--steps", "20"},
-        {"--nproc", "2"},
+        {"--batch-size", std::to_string(4 * ranks_)},
+        {"--steps", std::to_string(steps_)},
+        {"--nproc", std::to_string(ranks_)},
         {"--shard", shard},
         {"--precision", mode},
         {"--data-dir", (tmp_.path() / "data").string()},
@@ -91,6 +98,10 @@ class ShardTest : public ::testing::Test {
   }
 
   TempDir tmp_{"ampx-shard"};
+  // The runs' ranks and steps: 2 and 20 in `make test`; `make test-shard-long`
+  // runs the O2 test with more.
+  const int ranks_ = env_int("AMPX_SHARD_TEST_RANKS", 2);
+  const int steps_ = env_int("AMPX_SHARD_TEST_STEPS", 20);
 };
 
 std::vector<double> losses(const ShardRun& r) {
@@ -148,14 +159,16 @@ TEST_F(ShardTest, Fp32AndO1TrainDdpsRunBitForBitInEverySharding) {
 // averaged gradients in fp32 and step fp32 shards; DDP rounds each averaged
 // gradient to bf16 (the parameters' dtype) and steps masters beside bf16
 // weights. The first loss is the same (one forward of the same weights),
-// the later ones agree within 0.5% over 20 steps; ZeRO-2 and -3 are the
-// same computation, bit for bit.
+// the later ones agree within 0.5% over 20 steps (and over 50 on 2 and 4
+// ranks: `make test-shard-long`); ZeRO-2 and -3 are the same computation,
+// bit for bit.
 TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
+  const auto steps = static_cast<size_t>(steps_);
   for (const std::string workload : {"gpt", "gpt-nn"}) {
     const bool gpt = workload == "gpt";
     const ShardRun ddp = run(workload, "none", "O2");
     const ShardRun full = run(workload, "full", "O2");
-    ASSERT_EQ(losses(ddp).size(), 20u);
+    ASSERT_EQ(losses(ddp).size(), steps);
     std::vector<const ShardRun*> sharded = {&full};
     ShardRun grad, zero1;
     if (gpt) {
@@ -166,9 +179,9 @@ TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
       sharded.push_back(&zero1);
     }
     for (const ShardRun* r : sharded) {
-      ASSERT_EQ(losses(*r).size(), 20u);
+      ASSERT_EQ(losses(*r).size(), steps);
       EXPECT_EQ(losses(*r)[0], losses(ddp)[0]) << workload;  // one forward, one batch
-      for (size_t s = 1; s < 20; ++s) {
+      for (size_t s = 1; s < steps; ++s) {
         EXPECT_NEAR(losses(*r)[s], losses(ddp)[s], 5e-3 * losses(ddp)[s])
             << workload << " step " << s;
       }
