@@ -18,13 +18,6 @@
 #include <vector>
 
 namespace ampx::train {
-namespace {
-
-bool fully_sharded(const TrainConfig& c) {
-  return c.shard == "full" || c.shard == "grad";
-}
-
-}  // namespace
 
 void add_shard_option(CLI::App& app, TrainConfig& c) {
   app.add_option("--shard", c.shard,
