@@ -39,6 +39,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
@@ -235,49 +236,46 @@ void write_params(const torch::OrderedDict<std::string, torch::Tensor>& state, N
   }
 }
 
-int checkpoint_run(const std::string& scenario, const std::string& out,
-                   ampx::dist::ProcessGroup& pg) {
+/// What a checkpoint scenario saves, loads, reads back and trains.
+struct Checkpointed {
+  std::function<void(torch::serialize::OutputArchive&)> save;
+  std::function<void(int64_t saved_world,
+                     const ampx::dist::FullyShardedDataParallel::ShardReader&)>
+      load;
+  std::function<std::vector<torch::Tensor>()> state;    // rank 0: the full weights
+  std::function<void(const std::string&)> write_params;  // rank 0: them, as "param" lines
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+};
+
+/// ckpt-* and zero-ckpt-*: from `dir`'s shards (unless `save`: trains 8
+/// steps and saves before step 4), then steps 4-7; see the top of this file.
+int checkpoint_scenario(bool save, int64_t saved_world, const std::filesystem::path& dir,
+                        const Checkpointed& c, torch::optim::Optimizer& opt,
+                        const std::string& out, ampx::dist::ProcessGroup& pg) {
   namespace fs = std::filesystem;
   const int64_t rank = pg.rank(), world = pg.world_size();
-  const bool save = scenario == "ckpt-save";
-  const std::string from = "ckpt-resume-from-";
-  const bool from_zero = scenario.rfind(from + "zero-", 0) == 0;
-  const int64_t saved_world =
-      save ? world : std::stoll(scenario.substr(from.size() + (from_zero ? 5 : 0)));
-  const fs::path dir = fs::path(out).parent_path() /
-                       ((from_zero ? "zckpt-" : "ckpt-") + std::to_string(saved_world));
   const auto shard_file = [&](int64_t r) {
     return (dir / ("shard-" + std::to_string(r) + ".pt")).string();
   };
-  torch::manual_seed(save ? 100 : 555 + rank);  // resumed: other weights, which the load replaces
-  Net model;
-  ampx::dist::FullyShardedDataParallel fsdp(
-      model.ptr(), pg,
-      {model->in.ptr(), model->block0.ptr(), model->block1.ptr(), model->head.ptr()},
-      ampx::dist::FullyShardedDataParallelOptions());
-  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
   ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
   ampx::dist::synchronize_found_inf(scaler, pg);
   int first = 0;
   if (!save) {
-    const auto before = fsdp.full_state_dict();
+    const auto before = c.state();
     try {
-      fsdp.load_shards(
-          saved_world,
-          [&](int64_t r, torch::serialize::InputArchive& archive) {
-            ampx::load_archive(archive, shard_file(r));
-          },
-          &opt);
+      c.load(saved_world, [&](int64_t r, torch::serialize::InputArchive& archive) {
+        ampx::load_archive(archive, shard_file(r));
+      });
     } catch (const c10::Error& e) {
       std::cout << "load failed: " << e.what_without_backtrace() << std::endl;
-      const auto after = fsdp.full_state_dict();
-      bool same = true;
-      for (const auto& item : before) same = same && torch::equal(item.value(), after[item.key()]);
+      const auto after = c.state();
+      bool same = before.size() == after.size();
+      for (size_t i = 0; same && i < after.size(); ++i) same = torch::equal(before[i], after[i]);
       std::cout << "unchanged " << same << std::endl;
       return 1;
     }
     scaler.load_state_dict(ampx::load_state_dict((dir / "scaler.pt").string()));
-    write_params(fsdp.full_state_dict(), model, out + ".at4");
+    c.write_params(out + ".at4");
     first = 4;
   }
   const auto [x, y] = batch_shard(rank, world);
@@ -286,14 +284,13 @@ int checkpoint_run(const std::string& scenario, const std::string& out,
     if (save && step == 4) {
       fs::create_directories(dir);
       torch::serialize::OutputArchive archive;
-      fsdp.save_shard(archive, &opt);
+      c.save(archive);
       ampx::save_archive(archive, shard_file(rank));
       if (rank == 0) ampx::save_state_dict(scaler.state_dict(), (dir / "scaler.pt").string());
-      write_params(fsdp.full_state_dict(), model, out + ".at4");
+      c.write_params(out + ".at4");
     }
     opt.zero_grad();
-    torch::Tensor loss;
-    loss = torch::mse_loss(ampx::dist::sharded_forward(model, x), y);
+    const auto loss = torch::mse_loss(c.forward(x), y);
     scaler.scale(loss).backward();
     const bool stepped = static_cast<bool>(scaler.step(opt));
     scaler.update();
@@ -301,8 +298,51 @@ int checkpoint_run(const std::string& scenario, const std::string& out,
         << " " << stepped << "\n";
   }
   log.close();
-  write_params(fsdp.full_state_dict(), model, out + ".final");
+  c.write_params(out + ".final");
   return 0;
+}
+
+/// A ckpt-* or zero-ckpt-* scenario's saved world (its own when saving)
+/// and shard folder: <dir>/ckpt-<N> (FSDP's) or <dir>/zckpt-<N> (ZeRO-1's).
+std::pair<int64_t, std::filesystem::path> saved_shards(const std::string& scenario, bool save,
+                                                       const std::string& out, int64_t world) {
+  const bool zero_run = scenario.rfind("zero-", 0) == 0;
+  const std::string from = zero_run ? "zero-ckpt-resume-from-" : "ckpt-resume-from-";
+  const std::string other = zero_run ? "fsdp-" : "zero-";  // the other kind's shards
+  const bool from_other = !save && scenario.rfind(from + other, 0) == 0;
+  const int64_t saved_world =
+      save ? world : std::stoll(scenario.substr(from.size() + (from_other ? other.size() : 0)));
+  const bool zero_files = zero_run != from_other;
+  return {saved_world, std::filesystem::path(out).parent_path() /
+                           ((zero_files ? "zckpt-" : "ckpt-") + std::to_string(saved_world))};
+}
+
+int checkpoint_run(const std::string& scenario, const std::string& out,
+                   ampx::dist::ProcessGroup& pg) {
+  const bool save = scenario == "ckpt-save";
+  const auto [saved_world, dir] = saved_shards(scenario, save, out, pg.world_size());
+  torch::manual_seed(save ? 100 : 555 + pg.rank());  // resumed: other weights, replaced
+  Net model;
+  ampx::dist::FullyShardedDataParallel fsdp(
+      model.ptr(), pg,
+      {model->in.ptr(), model->block0.ptr(), model->block1.ptr(), model->head.ptr()},
+      ampx::dist::FullyShardedDataParallelOptions());
+  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  Checkpointed c;
+  c.save = [&](torch::serialize::OutputArchive& a) { fsdp.save_shard(a, &opt); };
+  c.load = [&](int64_t w, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
+    fsdp.load_shards(w, read, &opt);
+  };
+  c.state = [&] {
+    std::vector<torch::Tensor> values;
+    for (const auto& item : fsdp.full_state_dict()) values.push_back(item.value());
+    return values;
+  };
+  c.write_params = [&](const std::string& path) {
+    write_params(fsdp.full_state_dict(), model, path);
+  };
+  c.forward = [&](const torch::Tensor& x) { return ampx::dist::sharded_forward(model, x); };
+  return checkpoint_scenario(save, saved_world, dir, c, opt, out, pg);
 }
 
 /// Rank 0 writes every parameter of `model` (whole on every rank) to `path`.
@@ -317,72 +357,27 @@ void write_model_params(Net& model, int64_t rank, const std::string& path) {
 
 int zero_checkpoint_run(const std::string& scenario, const std::string& out,
                         ampx::dist::ProcessGroup& pg) {
-  namespace fs = std::filesystem;
-  const int64_t rank = pg.rank(), world = pg.world_size();
   const bool save = scenario == "zero-ckpt-save";
-  const std::string from = "zero-ckpt-resume-from-";
-  const bool from_fsdp = scenario.rfind(from + "fsdp-", 0) == 0;
-  const int64_t saved_world =
-      save ? world : std::stoll(scenario.substr(from.size() + (from_fsdp ? 5 : 0)));
-  const fs::path dir = fs::path(out).parent_path() /
-                       ((from_fsdp ? "ckpt-" : "zckpt-") + std::to_string(saved_world));
-  const auto shard_file = [&](int64_t r) {
-    return (dir / ("shard-" + std::to_string(r) + ".pt")).string();
-  };
-  torch::manual_seed(save ? 100 : 555 + rank);  // resumed: other weights, which the load replaces
+  const auto [saved_world, dir] = saved_shards(scenario, save, out, pg.world_size());
+  torch::manual_seed(save ? 100 : 555 + pg.rank());  // resumed: other weights, replaced
   Net model;
-  ampx::dist::ZeroRedundancyOptimizer opt(
-      model->parameters(), pg, [](std::vector<torch::Tensor> s) {
-        return std::make_unique<ampx::optim::AdamW>(
-            std::move(s), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
-      });
-  ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(2));
-  ampx::dist::synchronize_found_inf(scaler, pg);
-  int first = 0;
-  if (!save) {
-    std::vector<torch::Tensor> before;
-    for (const auto& p : model->parameters()) before.push_back(p.detach().clone());
-    try {
-      opt.load_shards(
-          saved_world,
-          [&](int64_t r, torch::serialize::InputArchive& archive) {
-            ampx::load_archive(archive, shard_file(r));
-          },
-          *model);
-    } catch (const c10::Error& e) {
-      std::cout << "load failed: " << e.what_without_backtrace() << std::endl;
-      bool same = true;
-      const auto after = model->parameters();
-      for (size_t i = 0; i < after.size(); ++i) same = same && torch::equal(before[i], after[i]);
-      std::cout << "unchanged " << same << std::endl;
-      return 1;
-    }
-    scaler.load_state_dict(ampx::load_state_dict((dir / "scaler.pt").string()));
-    write_model_params(model, rank, out + ".at4");
-    first = 4;
-  }
-  const auto [x, y] = batch_shard(rank, world);
-  std::ofstream log(out + ".fsdp");
-  for (int step = first; step < kSteps; ++step) {
-    if (save && step == 4) {
-      fs::create_directories(dir);
-      torch::serialize::OutputArchive archive;
-      opt.save_shard(archive, *model);
-      ampx::save_archive(archive, shard_file(rank));
-      if (rank == 0) ampx::save_state_dict(scaler.state_dict(), (dir / "scaler.pt").string());
-      write_model_params(model, rank, out + ".at4");
-    }
-    opt.zero_grad();
-    const auto loss = torch::mse_loss(model->forward(x), y);
-    scaler.scale(loss).backward();
-    const bool stepped = static_cast<bool>(scaler.step(opt));
-    scaler.update();
-    log << "loss " << step << " " << hex(loss.item<double>()) << " " << hex(scaler.get_scale())
-        << " " << stepped << "\n";
-  }
-  log.close();
-  write_model_params(model, rank, out + ".final");
-  return 0;
+  ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg, [](std::vector<torch::Tensor> s) {
+    return std::make_unique<ampx::optim::AdamW>(std::move(s),
+                                                ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  });
+  Checkpointed c;
+  c.save = [&](torch::serialize::OutputArchive& a) { opt.save_shard(a, *model); };
+  c.load = [&](int64_t w, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
+    opt.load_shards(w, read, *model);
+  };
+  c.state = [&] {
+    std::vector<torch::Tensor> values;
+    for (const auto& p : model->parameters()) values.push_back(p.detach().clone());
+    return values;
+  };
+  c.write_params = [&](const std::string& path) { write_model_params(model, pg.rank(), path); };
+  c.forward = [&](const torch::Tensor& x) { return model->forward(x); };
+  return checkpoint_scenario(save, saved_world, dir, c, opt, out, pg);
 }
 
 }  // namespace
