@@ -146,7 +146,7 @@ def ampx_rows(compare, prefix="ampx", mfu=True):
 def python_row(label, result):
     """A table row of one torch_amp_bench result."""
     return {"label": label, "ms": result["median_step_ms"],
-            "round_ms": result.get("round_ms", []), "peak_bytes": None,
+            "round_ms": result.get("round_ms", []), "peak_bytes": result.get("peak_bytes"),
             "dtype": "fp32" if result["precision"] == "fp32" else "bf16",
             "loss": result["train_loss"], "mfu": True,
             "compile_s": (result.get("compile") or {}).get("compile_s_rounds")
@@ -167,7 +167,9 @@ def workload_table(workload, settings, rows, peaks):
     w(f"Batch {settings['batch_size']}, {settings['steps']} steps, AdamW lr {settings['lr']}, "
       f"median over the steps after warm-up; {flops / 1e9:.2f} GFLOP of matrix products per step "
       "(forward + backward). MFU: achieved matrix-product FLOP/s over the measured peak of the "
-      "row's compute dtype."
+      "row's compute dtype. Peak MiB: the CPU allocator's most live bytes from the model's "
+      "construction on (ampx: its tracking allocator; Python: the profiler's memory events over "
+      "its first two steps, the same allocations; \"-\" where Debian's torch 1.13 records none)."
       + (" Here LibTorch's bf16 products run slower than its fp32 ones (the peaks above: a "
          "scalar loop without AVX-512, oneDNN's AVX512-BF16 kernels on a Xeon without AMX), so "
          "a bf16 row's MFU is against that slow peak and exceeds 100% where ampx multiplies bf16 "

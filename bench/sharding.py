@@ -87,7 +87,7 @@ def run_fsdp2(python, out, shard, seed, data_dir):
         cmd += ["--data-dir", data_dir]
     env = dict(os.environ)
     env.pop("LD_LIBRARY_PATH", None)  # the wheel brings its own BLAS; Debian's is for 1.13
-    for _ in range(2):  # once more if it fails: the profiler has aborted a rank (1 run in ~20)
+    for _ in range(2):  # once more if a rank fails (torch 2.15's CPU FSDP2 has aborted at exit)
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode == 0:
             break

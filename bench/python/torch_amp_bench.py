@@ -18,7 +18,12 @@ optimizer is torch.optim.AdamW with ampx-train's hyper-parameters (betas
 --device cuda runs on the GPU (the GPT's attention: PyTorch's fused causal
 scaled_dot_product_attention, as ampx-train's on CUDA; --tf32 allows TF32 in
 fp32 products and convolutions; --adamw-impl fused is Python's
-AdamW(fused=True)); peak_bytes is torch.cuda.max_memory_allocated().
+AdamW(fused=True)); peak_bytes is torch.cuda.max_memory_allocated(). On the CPU
+peak_bytes is the CPU allocator's peak of live bytes from the model's construction
+through the first --memory-steps steps (default 2; the profiler's memory events,
+torch_runtime.MemoryProbe: the allocations ampx-train's tracking allocator counts;
+those steps are warm-up, never timed; Debian's torch 1.13 records no memory events:
+None there); memory_method names which.
 
 Each step is timed as trainer.cpp times ampx-train's: batch fetch, zero_grad,
 forward, loss, backward, optimizer step and loss.item(). median_step_ms and
@@ -75,7 +80,8 @@ import torch
 sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 from ampx_models import (GPT_DEFAULTS, GPT_WORKLOADS, LINEARS, WORKLOADS, attention_on, build_model,
                          cross_entropy)
-from torch_runtime import attention_path, bf16_matmuls, profile_step, runtime
+from torch_runtime import (MEMORY_METHOD, MemoryProbe, attention_path, bf16_matmuls, profile_step,
+                           runtime)
 
 PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16")
 
@@ -281,6 +287,8 @@ def train(args):
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
     batches, vocab = make_batches(args)
+    # CPU peak memory as ampx-train counts its own: from the model's construction on.
+    probe = MemoryProbe(args.device == "cpu" and args.memory_steps > 0)
     torch.manual_seed(args.seed)  # as trainer.cpp before Workload::build
     model = build_model(args.workload, vocab=vocab or 0, block_size=args.block_size,
                         layers=args.layers, heads=args.heads, d_model=args.d_model, linear=args.linear)
@@ -309,7 +317,10 @@ def train(args):
 
     losses, step_ms = [], []
     run_start = time.perf_counter()
+    probe.steps_begin()
     for step in range(args.steps):
+        if step == args.memory_steps:
+            probe.stop()  # the steps it profiled are warm-up steps
         t0 = time.perf_counter()
         loss_value = one_step(step)
         step_ms.append((time.perf_counter() - t0) * 1000.0)
@@ -318,6 +329,8 @@ def train(args):
             print(f"[{args.precision}] step {step + 1}/{args.steps}  loss {loss_value:.4f}  "
                   f"{step_ms[-1]:.1f} ms", flush=True)
     wall_s = time.perf_counter() - run_start
+    probe.stop()
+    cpu_peak, _ = probe.peaks()
     # One more step, profiled: which kernels ran (not timed, not in the losses).
     op_names, op_table, op_self_ms = profile_step(lambda: one_step(args.steps))
     if args.op_profile:
@@ -327,7 +340,7 @@ def train(args):
                     f"{' compiled' if args.compile else ''}, torch {torch.__version__}, "
                     f"{args.threads} threads: one training step (batch {args.steps}, after the timed ones)\n{op_table}\n")
 
-    warm = default_warmup(args.steps) if args.warmup is None else args.warmup
+    warm = args.warmup
     timed = step_ms[warm:]
     tail = max(1, len(losses) // 10)
     result = {
@@ -339,7 +352,9 @@ def train(args):
         "device": args.device,
         "tf32": bool(args.tf32 and args.device == "cuda"),
         "grad_scaler": scaler is not None,
-        "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else None,
+        "peak_bytes": torch.cuda.max_memory_allocated() if args.device == "cuda" else cpu_peak or None,
+        "memory_method": ("torch.cuda.max_memory_allocated()" if args.device == "cuda" else
+                          MEMORY_METHOD if cpu_peak else None),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -424,6 +439,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps")
     p.add_argument("--warmup", type=int, default=None,
                    help="steps left out of the timing [default: ampx-train's min(10, max(1, steps/10))]")
+    p.add_argument("--memory-steps", type=int, default=2,
+                   help="CPU: steps measured for peak memory with the profiler (left out of the "
+                        "timing; 0: no memory measured)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the weights and the data order")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY,
@@ -454,6 +472,12 @@ def parse_args(argv=None):
         p.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.warmup is not None and not 0 <= args.warmup < args.steps:
         p.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    if args.memory_steps < 0:
+        p.error(f"--memory-steps must be >= 0, got {args.memory_steps}")
+    if args.warmup is None:  # the profiled steps are never timed
+        args.warmup = max(default_warmup(args.steps),
+                          args.memory_steps if args.device == "cpu" else 0)
+        args.warmup = min(args.warmup, args.steps - 1)
     if args.workload in GPT_WORKLOADS and args.d_model % args.heads:
         p.error(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -7,12 +7,17 @@ side ran rather than assuming it. Works under Debian's torch 1.13 and the wheel'
     blas = fp32_blas()                      # "MKL 2024.2 (in LibTorch)" / "OpenBLAS (openmp)"
     ops, table, top = profile_step(run_step)  # op names of one step, its table, top self times
     attention_path(ops, compiled=False)     # "SDPA: _scaled_dot_product_flash_attention_for_cpu"
+    probe = MemoryProbe(True); ...; probe.steps_begin(); ...; probe.stop(); probe.peaks()
+                                            # the CPU allocator's peak live bytes (MEMORY_METHOD)
 
 The oneDNN ISA its products ran is not knowable from inside the process without
 parsing oneDNN's verbose output; bench/kernel_probe.py runs a short step with
 ONEDNN_VERBOSE=1 for that.
 """
+import json
+import os
 import re
+import tempfile
 
 import torch
 
@@ -133,3 +138,51 @@ def attention_path(op_names, compiled=False):
     softmax = ("ATen's softmax" if "aten::_softmax" in op_names else
                "softmax in inductor's generated code" if compiled else "no softmax op seen")
     return f"explicit: {' / '.join(products)} products, {softmax}"
+
+
+MEMORY_METHOD = ("peak of the CPU allocator's live bytes (PyTorch profiler, profile_memory=True) "
+                 "from the model's construction on, less the bytes live before it")
+
+
+class MemoryProbe:
+    """PyTorch's memory profiler around the model's construction and the first
+    steps; does nothing when `enabled` is false (--memory-steps 0)."""
+
+    def __init__(self, enabled):
+        self.profiler = self.steps = None
+        self.stopped = False
+        if enabled:
+            from torch.profiler import ProfilerActivity, profile
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler.start()
+
+    def steps_begin(self):
+        if self.profiler:
+            self.steps = torch.profiler.record_function("training steps")
+            self.steps.__enter__()
+
+    def stop(self):
+        """Ends the measurement (once; later calls do nothing)."""
+        if self.profiler and not self.stopped:
+            if self.steps:
+                self.steps.__exit__(None, None, None)
+            self.profiler.stop()
+            self.stopped = True
+
+    def peaks(self):
+        """(the largest "Total Allocated" of the memory events, the largest within
+        the "training steps" range); None, None without the profiler."""
+        if not self.profiler:
+            return None, None
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            self.profiler.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        # torch 2.x writes {"traceEvents": [...]}, 1.13 the list alone
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        steps = [e for e in events if e.get("name") == "training steps" and e.get("ph") == "X"]
+        memory = [(e["ts"], e["args"]["Total Allocated"]) for e in events
+                  if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+        in_steps = [t for ts, t in memory for r in steps if r["ts"] <= ts <= r["ts"] + r["dur"]]
+        return max((t for _, t in memory), default=0), max(in_steps, default=0)
