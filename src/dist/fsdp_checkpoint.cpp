@@ -35,12 +35,6 @@ int64_t piece_begin(const fsdp::Impl& impl, const fsdp::Param& p) {
   return impl.group.rank() * space.master.numel() + p.piece_offset - p.offset;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> buffers_of(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
-}
-
 }  // namespace
 
 void FullyShardedDataParallel::save_shard(torch::serialize::OutputArchive& archive,
@@ -72,7 +66,7 @@ void FullyShardedDataParallel::save_shard(torch::serialize::OutputArchive& archi
     pieces.push_back(std::move(s));
   }
   shard::write_shard(archive, impl_->group.rank(), impl_->group.world_size(), pieces,
-                     buffers_of(*impl_->model), opt);
+                     shard::buffers_of(*impl_->model), opt);
 }
 
 void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const ShardReader& read_shard,
@@ -93,7 +87,7 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
                          p.tensor.requires_grad()});
     }
     loaded = shard::read_shards(who, saved_world_size, read_shard, targets, opt != nullptr,
-                                buffers_of(*impl.model));
+                                shard::buffers_of(*impl.model));
     if (opt) {
       std::unordered_map<const c10::TensorImpl*, size_t> index_of;
       for (size_t i = 0; i < impl.params.size(); ++i) {
@@ -115,13 +109,9 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
   } catch (const std::exception& e) {
     error = message_of(e);
   }
-  // Every rank commits, or none.
-  const auto errors = impl.group.all_gather_bytes(error);
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
+  shard::commit_everywhere(who, impl.group, error, [&] {
     if (optimizer_loaded) shard::restore_optimizer(*opt, backup);
-    TORCH_CHECK(false, who, ": nothing was loaded: rank ", r, " failed: ", errors[r]);
-  }
+  });
   for (size_t i = 0; i < impl.params.size(); ++i) {
     if (impl.params[i].piece.numel() > 0) impl.params[i].piece.copy_(loaded.pieces[i].value);
   }

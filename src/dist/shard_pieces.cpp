@@ -339,6 +339,22 @@ void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optim
                     bytes.str());  // checks everything again; changes nothing if it throws
 }
 
+std::vector<std::pair<std::string, at::Tensor>> buffers_of(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+void commit_everywhere(const char* who, const ProcessGroup& group, const std::string& error,
+                       const std::function<void()>& roll_back) {
+  const auto errors = group.all_gather_bytes(error);
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r].empty()) continue;
+    roll_back();
+    TORCH_CHECK(false, who, ": nothing was loaded: rank ", r, " failed: ", errors[r]);
+  }
+}
+
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);

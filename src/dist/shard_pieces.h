@@ -15,6 +15,7 @@
 //   num_buffers B                    buffer<j>.name, buffer<j>.value
 //   optimizer.type, optimizer.seed, optimizer.num_groups, optimizer.group<g>.lr
 
+#include "ampx/dist.h"
 #include "ampx/optim/optimizer.h"
 
 #include <torch/serialize/input-archive.h>
@@ -110,6 +111,17 @@ struct OptimizerSlot {
 void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optimizer,
                     const OptimizerHeader& header,
                     const std::function<OptimizerSlot(size_t group, size_t param)>& fill);
+
+/// `model`'s buffers by name, as shards save them.
+std::vector<std::pair<std::string, at::Tensor>> buffers_of(const torch::nn::Module& model);
+
+/// Every rank commits a load, or none: `error` ("" if this rank's reading
+/// and checking went well) is gathered from every rank; if any failed,
+/// `roll_back` undoes what this rank changed and every rank throws, naming
+/// the first failed rank and its error after "<who>: nothing was loaded".
+/// Collective.
+void commit_everywhere(const char* who, const ProcessGroup& group, const std::string& error,
+                       const std::function<void()>& roll_back);
 
 /// `optimizer`'s state as bytes (for a rollback), and back.
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);

@@ -128,12 +128,6 @@ std::vector<std::string> names_of(const std::vector<at::Tensor>& params,
   return names;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> buffers_of(const torch::nn::Module& model) {
-  std::vector<std::pair<std::string, at::Tensor>> out;
-  for (const auto& b : model.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
-}
-
 /// Where parameter element range [a, b) of a space lies in this rank's shard.
 struct Overlap {
   int64_t begin = 0, length = 0;  // in the parameter
@@ -176,7 +170,7 @@ void ZeroRedundancyOptimizer::save_shard(torch::serialize::OutputArchive& archiv
       pieces.push_back(std::move(piece));
     }
   }
-  shard::write_shard(archive, impl.rank(), impl.world(), pieces, buffers_of(model), opt);
+  shard::write_shard(archive, impl.rank(), impl.world(), pieces, shard::buffers_of(model), opt);
 }
 
 void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardReader& read_shard,
@@ -206,8 +200,8 @@ void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardR
         where.emplace_back(k, o);
       }
     }
-    loaded =
-        shard::read_shards(who, saved_world_size, read_shard, targets, true, buffers_of(model));
+    loaded = shard::read_shards(who, saved_world_size, read_shard, targets, true,
+                                shard::buffers_of(model));
     for (size_t k = 0; k < n; ++k) masters[k] = torch::zeros_like(impl.masters[k]);
     for (size_t t = 0; t < targets.size(); ++t) {
       const auto& [k, o] = where[t];
@@ -242,12 +236,9 @@ void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardR
   } catch (const std::exception& e) {
     error = message_of(e);
   }
-  const auto errors = impl.group.all_gather_bytes(error);  // every rank commits, or none
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (errors[r].empty()) continue;
+  shard::commit_everywhere(who, impl.group, error, [&] {
     if (optimizer_loaded) shard::restore_optimizer(*opt, backup);
-    TORCH_CHECK(false, who, ": nothing was loaded: rank ", r, " failed: ", errors[r]);
-  }
+  });
   for (size_t k = 0; k < n; ++k) impl.masters[k].copy_(masters[k]);
   for (const auto& b : model.named_buffers()) b.value().copy_(loaded.buffers.at(b.key()));
   impl.gather_parameters();  // the model's parameters from the masters, in their dtypes
