@@ -29,10 +29,6 @@ void check_optimizer_config(const TrainConfig& c) {
                 ": sharded training keeps fp32 masters in the ranks' shards; drop --masters or "
                 "--shard");
   }
-  TORCH_CHECK(c.optimizer_state == "fp32" || c.shard == "none" || (c.save_every == 0 && !c.resume),
-              "ampx-train: --optimizer-state ", c.optimizer_state, " with --shard ", c.shard,
-              ": sharded checkpoints keep fp32 moments only for now; drop --save-every and "
-              "--resume, or train with --optimizer-state fp32");
   TORCH_CHECK(!(c.masters == "stochastic" && c.dtype == "fp16"),
               "ampx-train: --masters stochastic rounds bf16 weights; with --dtype fp16 use fp32 "
               "or kahan");

@@ -190,7 +190,11 @@ class FullyShardedDataParallel {
   /// at a time, keeps the elements of its own pieces and checks that every
   /// element came from exactly one shard of the same parameter. `optimizer`
   /// (the same kind and param groups as the saved one, over parameters())
-  /// gets the pieces' moments and step counts. Everything is read and
+  /// gets the pieces' moments and step counts. Coded moments (bf16, FP8,
+  /// 8-bit state_format) resume bit for bit on the ranks and pieces that
+  /// saved them; on others they are encoded again in this rank's blocks
+  /// (each block's scale from its new elements). A state_format other than
+  /// the saved one is refused, naming both. Everything is read and
   /// checked before anything changes: an error on any rank throws on every
   /// rank, naming the rank and its error, and changes nothing. Collective.
   void load_shards(int64_t saved_world_size, const ShardReader& read_shard,

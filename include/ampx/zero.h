@@ -128,8 +128,10 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// FullyShardedDataParallel::save_shard (ampx/fsdp.h): `model` (whose
   /// parameters() this optimizer was built over) names the parameters and
   /// gives the buffers; the masters, and the local optimizer's step and
-  /// moments (one of ampx::optim's, fp32 moments). Any number of ranks
-  /// loads them, with load_shards() or as a FullyShardedDataParallel.
+  /// moments (one of ampx::optim's, in any state_format: coded moments are
+  /// saved as they are kept, for a load on the same ranks, and decoded, for
+  /// one on others). Any number of ranks loads them, with load_shards() or
+  /// as a FullyShardedDataParallel.
   void save_shard(torch::serialize::OutputArchive& archive, const torch::nn::Module& model) const;
   /// Reads saved rank r's archive into `archive`, for r in [0, saved_world_size).
   using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArchive& archive)>;

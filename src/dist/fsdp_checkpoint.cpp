@@ -17,6 +17,7 @@
 #include <torch/serialize/output-archive.h>
 #include <torch/torch.h>
 
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -33,6 +34,29 @@ namespace {
 int64_t piece_begin(const fsdp::Impl& impl, const fsdp::Param& p) {
   const auto& space = impl.units[static_cast<size_t>(p.unit)].spaces[static_cast<size_t>(p.space)];
   return impl.group.rank() * space.master.numel() + p.piece_offset - p.offset;
+}
+
+/// This rank's layout as a shard records it (shard::write_shard): the
+/// piece of a parameter each of the optimizer's params is.
+std::string layout_of(const fsdp::Impl& impl, const ampx::optim::MixedPrecisionOptimizer& opt) {
+  std::unordered_map<const c10::TensorImpl*, const fsdp::Param*> param_of;
+  for (const auto& p : impl.params) param_of[p.piece.unsafeGetTensorImpl()] = &p;
+  std::ostringstream s;
+  s << "FullyShardedDataParallel rank " << impl.group.rank() << " of " << impl.group.world_size();
+  for (const auto& g : opt.param_groups()) {
+    s << "; group:";
+    for (const auto& t : g.params()) {
+      const auto found = param_of.find(t.unsafeGetTensorImpl());
+      if (found == param_of.end()) {
+        s << " ?" << t.numel();
+        continue;
+      }
+      const auto& p = *found->second;
+      s << " " << p.name << "[" << (p.piece.numel() > 0 ? piece_begin(impl, p) : 0) << "+"
+        << p.piece.numel() << "]";
+    }
+  }
+  return s.str();
 }
 
 }  // namespace
@@ -66,7 +90,7 @@ void FullyShardedDataParallel::save_shard(torch::serialize::OutputArchive& archi
     pieces.push_back(std::move(s));
   }
   shard::write_shard(archive, impl_->group.rank(), impl_->group.world_size(), pieces,
-                     shard::buffers_of(*impl_->model), opt);
+                     shard::buffers_of(*impl_->model), opt, opt ? layout_of(*impl_, *opt) : "");
 }
 
 void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const ShardReader& read_shard,
@@ -86,15 +110,16 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
       targets.push_back({p.name, p.numel, length > 0 ? piece_begin(impl, p) : 0, length,
                          p.tensor.requires_grad()});
     }
-    loaded = shard::read_shards(who, saved_world_size, read_shard, targets, opt != nullptr,
-                                shard::buffers_of(*impl.model));
+    loaded = shard::read_shards(
+        who, saved_world_size, read_shard, targets, opt != nullptr, shard::buffers_of(*impl.model),
+        {impl.group.rank(), impl.group.world_size(), opt ? layout_of(impl, *opt) : ""});
     if (opt) {
       std::unordered_map<const c10::TensorImpl*, size_t> index_of;
       for (size_t i = 0; i < impl.params.size(); ++i) {
         index_of[impl.params[i].piece.unsafeGetTensorImpl()] = i;
       }
       backup = shard::optimizer_bytes(*opt);
-      shard::load_optimizer(who, *opt, loaded.optimizer, [&](size_t g, size_t i) {
+      shard::load_optimizer(who, *opt, loaded, [&](size_t g, size_t i) {
         const auto& t = opt->param_groups()[g].params()[i];
         const auto found = index_of.find(t.unsafeGetTensorImpl());
         TORCH_CHECK(found != index_of.end(), who, ": the optimizer's param ", i, " of group ", g,

@@ -21,8 +21,8 @@ namespace shard {
 
 namespace {
 
-constexpr int64_t kShardVersion = 1;
-constexpr int64_t kOptimStateVersion = 1;  // src/optim/optimizer_state.cpp's
+constexpr int64_t kShardVersion = 2;       // reads 1 (fp32 moments only) too
+constexpr int64_t kOptimStateVersion = 2;  // src/optim/optimizer_state.cpp's
 
 template <typename Optimizer>
 auto* checked(Optimizer* o, const char* who) {
@@ -34,14 +34,6 @@ auto* checked(Optimizer* o, const char* who) {
   TORCH_CHECK(mixed != nullptr, who,
               ": optimizer must be one of ampx::optim's (AdamW, SGD, LAMB), whose state is saved "
               "by parameter; got another torch::optim::Optimizer");
-  const auto& c = mixed->config();
-  TORCH_CHECK(c.state_format == ampx::optim::StateFormat::kFp32 && !c.kahan_summation, who,
-              ": the optimizer keeps ",
-              c.kahan_summation ? std::string("Kahan compensations")
-                                : std::string("state_format ") +
-                                      ampx::optim::state_format_name(c.state_format) + " moments",
-              ", which sharded checkpoints do not carry yet (they keep fp32 moments); save the "
-              "optimizer with its own save() on each rank instead");
   return mixed;
 }
 
@@ -91,6 +83,15 @@ class ShardFields {
   bool try_tensor(const std::string& k, at::Tensor& t) const {
     return archive_.try_read(k, t, /*is_buffer=*/true);
   }
+  /// Bytes kept as a 1-D uint8 tensor.
+  std::string bytes(const std::string& k) const {
+    at::Tensor t;
+    TORCH_CHECK(try_tensor(k, t) && t.scalar_type() == at::kByte && t.dim() == 1, where_,
+                " has no bytes '", k, "'");
+    const auto c = t.contiguous();
+    return std::string(reinterpret_cast<const char*>(c.data_ptr<uint8_t>()),
+                       static_cast<size_t>(c.numel()));
+  }
   const std::string& where() const { return where_; }
 
  private:
@@ -132,11 +133,12 @@ void read_piece_state(const ShardFields& f, int64_t k, const std::string& name, 
 /// Reads saved rank `rank`'s shard into `loaded`; returns its optimizer header.
 OptimizerHeader read_one(torch::serialize::InputArchive& archive, int64_t rank, int64_t saved_world,
                          bool with_optimizer, const std::vector<PieceTarget>& targets,
-                         const std::unordered_map<std::string, size_t>& by_name, Loaded& loaded) {
+                         const std::unordered_map<std::string, size_t>& by_name,
+                         const Reader& reader, Loaded& loaded) {
   const ShardFields f(archive, rank);
   const int64_t version = f.integer("ampx_fsdp_shard_version");
-  TORCH_CHECK(version == kShardVersion, f.where(), " has format version ", version,
-              "; this ampx reads version ", kShardVersion);
+  TORCH_CHECK(version == 1 || version == kShardVersion, f.where(), " has format version ", version,
+              "; this ampx reads versions 1 and ", kShardVersion);
   TORCH_CHECK(f.integer("rank") == rank && f.integer("world_size") == saved_world, f.where(),
               " was written by rank ", f.integer("rank"), " of ", f.integer("world_size"),
               ", not rank ", rank, " of ", saved_world);
@@ -191,6 +193,14 @@ OptimizerHeader read_one(torch::serialize::InputArchive& archive, int64_t rank, 
   const int64_t groups = f.integer("optimizer.num_groups");
   TORCH_CHECK(groups >= 0 && groups <= (1 << 20), f.where(), " has ", groups, " param groups");
   for (int64_t g = 0; g < groups; ++g) h.lrs.push_back(f.real(key("optimizer.group", g, "lr")));
+  if (version < 2) return h;  // fp32 moments, no Kahan
+  h.state_format = f.text("optimizer.state_format");
+  h.state_block = f.integer("optimizer.state_block");
+  h.kahan_summation = f.integer("optimizer.kahan_summation") != 0;
+  if (h.state_format != "fp32" && rank == reader.rank && saved_world == reader.world &&
+      f.text("optimizer.layout") == reader.layout) {
+    loaded.same_layout_state = f.bytes("optimizer.local");
+  }
   return h;
 }
 
@@ -239,7 +249,7 @@ ampx::optim::MixedPrecisionOptimizer* checkpointable(torch::optim::Optimizer* o,
 void write_shard(torch::serialize::OutputArchive& archive, int64_t rank, int64_t world,
                  const std::vector<SavedPiece>& pieces,
                  const std::vector<std::pair<std::string, at::Tensor>>& buffers,
-                 const ampx::optim::MixedPrecisionOptimizer* optimizer) {
+                 const ampx::optim::MixedPrecisionOptimizer* optimizer, const std::string& layout) {
   const auto cpu_copy = [](const at::Tensor& t) { return t.detach().cpu().clone(); };
   archive.write("ampx_fsdp_shard_version", c10::IValue(kShardVersion));
   archive.write("rank", c10::IValue(rank));
@@ -280,11 +290,23 @@ void write_shard(torch::serialize::OutputArchive& archive, int64_t rank, int64_t
     archive.write(key("optimizer.group", static_cast<int64_t>(g), "lr"),
                   c10::IValue(groups[g].options().get_lr()));
   }
+  const auto& c = optimizer->config();
+  archive.write("optimizer.state_format",
+                c10::IValue(std::string(ampx::optim::state_format_name(c.state_format))));
+  archive.write("optimizer.state_block", c10::IValue(c.state_block));
+  archive.write("optimizer.kahan_summation", c10::IValue(static_cast<int64_t>(c.kahan_summation)));
+  if (c.state_format == ampx::optim::StateFormat::kFp32) return;  // the pieces are the state
+  const std::string bytes = optimizer_bytes(*optimizer);
+  auto local = torch::empty({static_cast<int64_t>(bytes.size())}, torch::kByte);
+  std::memcpy(local.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  archive.write("optimizer.layout", c10::IValue(layout));
+  archive.write("optimizer.local", local, /*is_buffer=*/true);
 }
 
 Loaded read_shards(const char* who, int64_t saved_world, const ShardReader& read,
                    const std::vector<PieceTarget>& targets, bool with_optimizer,
-                   const std::vector<std::pair<std::string, at::Tensor>>& model_buffers) {
+                   const std::vector<std::pair<std::string, at::Tensor>>& model_buffers,
+                   const Reader& reader) {
   TORCH_CHECK(saved_world >= 1, who, ": saved_world_size must be >= 1, got ", saved_world);
   Loaded loaded;
   std::unordered_map<std::string, size_t> by_name;
@@ -296,9 +318,11 @@ Loaded read_shards(const char* who, int64_t saved_world, const ShardReader& read
   for (int64_t r = 0; r < saved_world; ++r) {
     torch::serialize::InputArchive archive;
     read(r, archive);
-    const auto h = read_one(archive, r, saved_world, with_optimizer, targets, by_name, loaded);
+    const auto h =
+        read_one(archive, r, saved_world, with_optimizer, targets, by_name, reader, loaded);
     TORCH_CHECK(r == 0 || h == loaded.optimizer, who, ": saved rank ", r,
-                "'s optimizer settings (type, seed, learning rates) differ from rank 0's");
+                "'s optimizer settings (type, seed, learning rates, state format) differ from "
+                "rank 0's");
     loaded.optimizer = h;
   }
   check_covered(who, targets, loaded);
@@ -307,11 +331,20 @@ Loaded read_shards(const char* who, int64_t saved_world, const ShardReader& read
 }
 
 void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optimizer,
-                    const OptimizerHeader& header,
+                    const Loaded& loaded,
                     const std::function<OptimizerSlot(size_t group, size_t param)>& fill_slot) {
+  const auto& header = loaded.optimizer;
   TORCH_CHECK(header.type == optimizer.name(), who,
               ": the saved optimizer state is ampx::optim::", header.type,
               "'s; this optimizer is ampx::optim::", optimizer.name());
+  const auto& config = optimizer.config();
+  const std::string format = ampx::optim::state_format_name(config.state_format);
+  TORCH_CHECK(header.state_format == format, who, ": the saved shards keep ", header.state_format,
+              " moments; this optimizer has state_format ", format);
+  if (!loaded.same_layout_state.empty()) {  // the same pieces in the same places: as saved
+    restore_optimizer(optimizer, loaded.same_layout_state);
+    return;
+  }
   const auto& groups = optimizer.param_groups();
   TORCH_CHECK(header.lrs.size() == groups.size(), who, ": the saved optimizer has ",
               header.lrs.size(), " param groups; this one has ", groups.size());
@@ -320,17 +353,35 @@ void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optim
   state.write("ampx_optim_type", c10::IValue(header.type));
   state.write("seed", c10::IValue(header.seed));
   state.write("num_groups", c10::IValue(static_cast<int64_t>(groups.size())));
+  state.write("state_format", c10::IValue(header.state_format));
+  // (version 1 shards: fp32 moments, whose block the optimizer does not read)
+  state.write("state_block",
+              c10::IValue(header.state_block > 0 ? header.state_block : config.state_block));
+  state.write("kahan_summation", c10::IValue(static_cast<int64_t>(header.kahan_summation)));
+  uint64_t seed;
+  std::memcpy(&seed, &header.seed, sizeof(seed));
+  int64_t position = 0;
   for (size_t g = 0; g < groups.size(); ++g) {
     const std::string prefix = "group" + std::to_string(g);
     state.write(prefix + ".num_params",
                 c10::IValue(static_cast<int64_t>(groups[g].params().size())));
     state.write(prefix + ".lr", c10::IValue(header.lrs[g]));
-    for (size_t i = 0; i < groups[g].params().size(); ++i) {
+    for (size_t i = 0; i < groups[g].params().size(); ++i, ++position) {
       const OptimizerSlot slot = fill_slot(g, i);
       const std::string param = prefix + ".param" + std::to_string(i);
       state.write(param + ".step", c10::IValue(slot.step));
-      if (slot.exp_avg.defined()) state.write(param + ".exp_avg", slot.exp_avg, true);
-      if (slot.exp_avg_sq.defined()) state.write(param + ".exp_avg_sq", slot.exp_avg_sq, true);
+      // The moments encoded in this rank's blocks (bf16: rounded
+      // stochastically, a stream of its own per parameter position).
+      const uint64_t key = seed ^ (0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(position + 1));
+      const std::pair<const char*, const at::Tensor*> moments[] = {
+          {"exp_avg", &slot.exp_avg}, {"exp_avg_sq", &slot.exp_avg_sq}};
+      for (const auto& [name, values] : moments) {
+        if (!values->defined()) continue;
+        const auto coded =
+            ampx::optim::coded_moment(config, values->cpu(), name == moments[0].first, key);
+        state.write(param + "." + name, coded.values, true);
+        if (coded.scale.defined()) state.write(param + "." + name + "_scale", coded.scale, true);
+      }
     }
   }
   std::ostringstream bytes;

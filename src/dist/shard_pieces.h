@@ -5,8 +5,8 @@
 // keyed by parameter name and element range, never by rank layout, so that
 // any number of ranks, under either, can load them (resharding).
 //
-// A shard's archive (version 1):
-//   ampx_fsdp_shard_version 1        rank, world_size      ints
+// A shard's archive (version 2; version 1, fp32 moments only, is read too):
+//   ampx_fsdp_shard_version 2        rank, world_size      ints
 //   num_params K                     param<k>.name         str
 //   param<k>.numel   the whole parameter's elements
 //   param<k>.begin   the element of the parameter where this piece starts
@@ -14,6 +14,14 @@
 //   param<k>.step, param<k>.exp_avg, param<k>.exp_avg_sq   the optimizer's, when given
 //   num_buffers B                    buffer<j>.name, buffer<j>.value
 //   optimizer.type, optimizer.seed, optimizer.num_groups, optimizer.group<g>.lr
+//   optimizer.state_format "fp32" | "bf16" | "fp8" | "8bit"   optimizer.state_block,
+//   optimizer.kahan_summation   ints (version 2)
+//   optimizer.layout, optimizer.local   with coded moments (state_format other
+//       than fp32): the wrapper's description of this rank's layout, and the
+//       optimizer's own save() as bytes (uint8), which a load on the same
+//       layout restores bit for bit; the pieces' exp_avg and exp_avg_sq hold
+//       the moments decoded to fp32, which a load on another layout encodes
+//       again in its own blocks
 
 #include "ampx/dist.h"
 #include "ampx/optim/optimizer.h"
@@ -34,8 +42,8 @@ namespace shard {
 
 #if defined(AMPX_WITH_DIST)
 
-/// `o` as one of ampx::optim's optimizers with fp32 moments (null: none);
-/// another kind, or coded moments, are refused naming `who`.
+/// `o` as one of ampx::optim's optimizers (null: none); another kind is
+/// refused naming `who`.
 const ampx::optim::MixedPrecisionOptimizer* checkpointable(const torch::optim::Optimizer* o,
                                                            const char* who);
 ampx::optim::MixedPrecisionOptimizer* checkpointable(torch::optim::Optimizer* o, const char* who);
@@ -48,15 +56,17 @@ struct SavedPiece {
   at::Tensor value;     // fp32 [length]
   bool trains = false;  // saves the optimizer's step and moments
   int64_t step = 0;
-  at::Tensor exp_avg, exp_avg_sq;  // fp32 [length] or undefined
+  at::Tensor exp_avg, exp_avg_sq;  // fp32 [length] (decoded) or undefined
 };
 
 /// Writes a shard: `pieces`, `buffers` and, when `optimizer` is given, its
-/// type, seed and learning rates.
+/// type, seed, learning rates and state format, and with coded moments its
+/// own state and `layout` (a text that is equal on a load exactly when the
+/// optimizer's params are the same pieces in the same places).
 void write_shard(torch::serialize::OutputArchive& archive, int64_t rank, int64_t world,
                  const std::vector<SavedPiece>& pieces,
                  const std::vector<std::pair<std::string, at::Tensor>>& buffers,
-                 const ampx::optim::MixedPrecisionOptimizer* optimizer);
+                 const ampx::optim::MixedPrecisionOptimizer* optimizer, const std::string& layout);
 
 /// One piece this rank loads: elements [begin, begin + length) of parameter `name`.
 struct PieceTarget {
@@ -78,8 +88,12 @@ struct OptimizerHeader {
   std::string type;
   int64_t seed = 0;
   std::vector<double> lrs;
+  std::string state_format = "fp32";
+  int64_t state_block = 0;  // as saved (0: version 1, fp32 moments)
+  bool kahan_summation = false;
   bool operator==(const OptimizerHeader& o) const {
-    return type == o.type && seed == o.seed && lrs == o.lrs;
+    return type == o.type && seed == o.seed && lrs == o.lrs && state_format == o.state_format &&
+           state_block == o.state_block && kahan_summation == o.kahan_summation;
   }
 };
 
@@ -88,6 +102,16 @@ struct Loaded {
   std::vector<Rebuilt> pieces;  // by target
   std::map<std::string, at::Tensor> buffers;
   OptimizerHeader optimizer;
+  /// The optimizer's own state as saved by the rank of this one's number,
+  /// when the saved world and that rank's layout are this rank's and it has
+  /// coded moments (write_shard); empty otherwise.
+  std::string same_layout_state;
+};
+
+/// Who reads: this rank, its world and its layout (write_shard's `layout`).
+struct Reader {
+  int64_t rank = 0, world = 1;
+  std::string layout;
 };
 
 using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArchive& archive)>;
@@ -98,18 +122,22 @@ using ShardReader = std::function<void(int64_t rank, torch::serialize::InputArch
 /// that the ranks' optimizer headers agree. Errors start with `who`.
 Loaded read_shards(const char* who, int64_t saved_world, const ShardReader& read,
                    const std::vector<PieceTarget>& targets, bool with_optimizer,
-                   const std::vector<std::pair<std::string, at::Tensor>>& model_buffers);
+                   const std::vector<std::pair<std::string, at::Tensor>>& model_buffers,
+                   const Reader& reader);
 
-/// The state ampx::optim's own load() reads (its position keys) for
-/// `optimizer`, whose parameter `p` of group `g` is filled by `fill(g, p)`
-/// (step, exp_avg, exp_avg_sq: undefined tensors are left out), after
-/// checking `header` against it.
+/// Loads `loaded`'s optimizer state into `optimizer`: the saved state
+/// itself where `loaded.same_layout_state` has it (bit for bit), otherwise
+/// the state ampx::optim's own load() reads (its position keys), whose
+/// parameter `p` of group `g` is filled by `fill(g, p)` (step, and exp_avg,
+/// exp_avg_sq in fp32, encoded here in the optimizer's state format:
+/// undefined tensors are left out), after checking the saved header
+/// (type, groups, state format) against it.
 struct OptimizerSlot {
   int64_t step = 0;
   at::Tensor exp_avg, exp_avg_sq;
 };
 void load_optimizer(const char* who, ampx::optim::MixedPrecisionOptimizer& optimizer,
-                    const OptimizerHeader& header,
+                    const Loaded& loaded,
                     const std::function<OptimizerSlot(size_t group, size_t param)>& fill);
 
 /// `model`'s buffers by name, as shards save them.

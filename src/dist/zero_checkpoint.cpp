@@ -140,6 +140,22 @@ Overlap overlap(int64_t lo, int64_t shard, int64_t offset, int64_t numel) {
   return {a - offset, b - a, a - lo};
 }
 
+/// This rank's layout as a shard records it (shard::write_shard): the local
+/// optimizer's params are the spaces' shards, each of its parameters' pieces
+/// at a place in one.
+std::string layout_of(int64_t rank, int64_t world, const std::vector<Space>& spaces,
+                      const std::vector<std::string>& names) {
+  std::ostringstream s;
+  s << "ZeroRedundancyOptimizer rank " << rank << " of " << world;
+  for (const auto& space : spaces) {
+    s << "; group " << space.group << " " << space.dtype << " shard " << space.shard << ":";
+    for (size_t j = 0; j < space.params.size(); ++j) {
+      s << " " << names[static_cast<size_t>(space.params[j])] << "@" << space.offsets[j];
+    }
+  }
+  return s.str();
+}
+
 }  // namespace
 
 void ZeroRedundancyOptimizer::save_shard(torch::serialize::OutputArchive& archive,
@@ -170,7 +186,8 @@ void ZeroRedundancyOptimizer::save_shard(torch::serialize::OutputArchive& archiv
       pieces.push_back(std::move(piece));
     }
   }
-  shard::write_shard(archive, impl.rank(), impl.world(), pieces, shard::buffers_of(model), opt);
+  shard::write_shard(archive, impl.rank(), impl.world(), pieces, shard::buffers_of(model), opt,
+                     layout_of(impl.rank(), impl.world(), impl.spaces, names));
 }
 
 void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardReader& read_shard,
@@ -200,8 +217,9 @@ void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardR
         where.emplace_back(k, o);
       }
     }
-    loaded = shard::read_shards(who, saved_world_size, read_shard, targets, true,
-                                shard::buffers_of(model));
+    loaded = shard::read_shards(
+        who, saved_world_size, read_shard, targets, true, shard::buffers_of(model),
+        {impl.rank(), impl.world(), layout_of(impl.rank(), impl.world(), impl.spaces, names)});
     for (size_t k = 0; k < n; ++k) masters[k] = torch::zeros_like(impl.masters[k]);
     for (size_t t = 0; t < targets.size(); ++t) {
       const auto& [k, o] = where[t];
@@ -227,7 +245,7 @@ void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardR
     std::unordered_map<const c10::TensorImpl*, size_t> space_of;
     for (size_t k = 0; k < n; ++k) space_of[impl.masters[k].unsafeGetTensorImpl()] = k;
     backup = shard::optimizer_bytes(*opt);
-    shard::load_optimizer(who, *opt, loaded.optimizer, [&](size_t g, size_t i) {
+    shard::load_optimizer(who, *opt, loaded, [&](size_t g, size_t i) {
       const auto& t = opt->param_groups()[g].params()[i];
       const size_t k = space_of.at(t.unsafeGetTensorImpl());
       return shard::OptimizerSlot{std::max<int64_t>(steps[k], 0), exp_avg[k], exp_avg_sq[k]};

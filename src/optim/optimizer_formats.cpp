@@ -108,6 +108,37 @@ at::Tensor decoded(const at::Tensor& moment, const at::Tensor& scale, int moment
 
 }  // namespace
 
+CodedMoment coded_moment(const MixedPrecisionConfig& config, const at::Tensor& values,
+                         bool first_moment, uint64_t key) {
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_cpu(),
+              "ampx::optim::coded_moment: values must be a float32 CPU tensor, got ",
+              values.scalar_type(), " on ", values.device());
+  const auto in = values.contiguous();
+  if (config.state_format == StateFormat::kFp32 || in.numel() < config.state_min_numel) {
+    return {in.clone(), at::Tensor()};
+  }
+  const int moment = first_moment ? 0 : 1;
+  const int64_t n = in.numel(), block = config.state_block;
+  CodedMoment out;
+  detail::FusedParam p;
+  p.state_format = static_cast<detail::FusedState>(config.state_format);
+  p.state_block = static_cast<int32_t>(block);
+  if (config.state_format == StateFormat::kBf16) {
+    out.values = at::empty(in.sizes(), in.options().dtype(at::kBFloat16));
+    (moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes) = out.values.data_ptr();
+    detail::encode_moment(p, key, moment, 0, n, in.data_ptr<float>());
+    return out;
+  }
+  out.values = at::empty(in.sizes(), in.options().dtype(at::kByte));
+  out.scale = at::empty({(n + block - 1) / block}, in.options());
+  (moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes) = out.values.data_ptr();
+  (moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale) = out.scale.data_ptr<float>();
+  for (int64_t b = 0; b < n; b += block) {
+    detail::encode_moment(p, key, moment, b, std::min(block, n - b), in.data_ptr<float>() + b);
+  }
+  return out;
+}
+
 at::Tensor MixedPrecisionOptimizer::exp_avg(const at::Tensor& param) const {
   const auto* st = find_state(param);
   return st ? decoded(st->exp_avg, st->exp_avg_scale, 0, config_) : at::Tensor();

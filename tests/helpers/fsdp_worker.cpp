@@ -26,6 +26,11 @@
 // ranks. The zero-* scenarios do the same with ZeroRedundancyOptimizer
 // (ZeRO-1: the model whole on every rank) in <dir>/zckpt-<world>;
 // zero-ckpt-resume-from-fsdp-<N> loads the shards ckpt-save wrote.
+// In the ckpt-* and zero-ckpt-* scenarios, AMPX_FSDP_WORKER_STATE names
+// AdamW's state_format (default fp32; coded moments from 256 elements in
+// blocks of 64, so that the pieces of 1, 2 and 3 ranks code theirs in
+// blocks that differ), and AMPX_FSDP_WORKER_FAIL_RANK a rank whose reading
+// of the shards fails.
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
@@ -37,6 +42,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -262,8 +268,11 @@ int checkpoint_scenario(bool save, int64_t saved_world, const std::filesystem::p
   int first = 0;
   if (!save) {
     const auto before = c.state();
+    const char* fail = std::getenv("AMPX_FSDP_WORKER_FAIL_RANK");
     try {
       c.load(saved_world, [&](int64_t r, torch::serialize::InputArchive& archive) {
+        TORCH_CHECK(!(fail && std::to_string(rank) == fail), "this rank cannot read shard ", r,
+                    " (AMPX_FSDP_WORKER_FAIL_RANK)");
         ampx::load_archive(archive, shard_file(r));
       });
     } catch (const c10::Error& e) {
@@ -317,6 +326,17 @@ std::pair<int64_t, std::filesystem::path> saved_shards(const std::string& scenar
                            ((zero_files ? "zckpt-" : "ckpt-") + std::to_string(saved_world))};
 }
 
+/// The checkpoint scenarios' AdamW (AMPX_FSDP_WORKER_STATE: see the top).
+ampx::optim::AdamWOptions checkpoint_adamw() {
+  auto options = ampx::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  if (const char* format = std::getenv("AMPX_FSDP_WORKER_STATE")) {
+    options.state_format(ampx::optim::state_format_from_name(format))
+        .state_block(64)
+        .state_min_numel(256);
+  }
+  return options;
+}
+
 int checkpoint_run(const std::string& scenario, const std::string& out,
                    ampx::dist::ProcessGroup& pg) {
   const bool save = scenario == "ckpt-save";
@@ -327,7 +347,7 @@ int checkpoint_run(const std::string& scenario, const std::string& out,
       model.ptr(), pg,
       {model->in.ptr(), model->block0.ptr(), model->block1.ptr(), model->head.ptr()},
       ampx::dist::FullyShardedDataParallelOptions());
-  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  ampx::optim::AdamW opt(fsdp.parameters(), checkpoint_adamw());
   Checkpointed c;
   c.save = [&](torch::serialize::OutputArchive& a) { fsdp.save_shard(a, &opt); };
   c.load = [&](int64_t w, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {
@@ -361,10 +381,10 @@ int zero_checkpoint_run(const std::string& scenario, const std::string& out,
   const auto [saved_world, dir] = saved_shards(scenario, save, out, pg.world_size());
   torch::manual_seed(save ? 100 : 555 + pg.rank());  // resumed: other weights, replaced
   Net model;
-  ampx::dist::ZeroRedundancyOptimizer opt(model->parameters(), pg, [](std::vector<torch::Tensor> s) {
-    return std::make_unique<ampx::optim::AdamW>(std::move(s),
-                                                ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  });
+  ampx::dist::ZeroRedundancyOptimizer opt(
+      model->parameters(), pg, [](std::vector<torch::Tensor> s) {
+        return std::make_unique<ampx::optim::AdamW>(std::move(s), checkpoint_adamw());
+      });
   Checkpointed c;
   c.save = [&](torch::serialize::OutputArchive& a) { opt.save_shard(a, *model); };
   c.load = [&](int64_t w, const ampx::dist::FullyShardedDataParallel::ShardReader& read) {

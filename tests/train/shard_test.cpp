@@ -103,16 +103,20 @@ class ShardTest : public ::testing::Test {
   }
 
   /// fp32 gpt run `name` under `shard` on `nproc` ranks to step `steps`,
-  /// saving every 4 steps into ck(name), resuming it if `resume`.
+  /// saving every 4 steps into ck(name), resuming it if `resume`; `extra`
+  /// flags last.
   ShardRun train(const std::string& name, const std::string& shard, int nproc, int steps,
-                 bool resume, int expected_status = 0) {
-    auto args = flags("gpt", shard, "fp32",
-                      {{"--out-dir", (tmp_.path() / name).string()},
-                       {"--result-file", (tmp_.path() / (name + ".json")).string()},
-                       {"--checkpoint-dir", ck(name).string()},
-                       {"--nproc", std::to_string(nproc)},
-                       {"--steps", std::to_string(steps)},
-                       {"--save-every", "4"}});
+                 bool resume, int expected_status = 0,
+                 const std::vector<std::pair<std::string, std::string>>& extra = {}) {
+    std::vector<std::pair<std::string, std::string>> more = {
+        {"--out-dir", (tmp_.path() / name).string()},
+        {"--result-file", (tmp_.path() / (name + ".json")).string()},
+        {"--checkpoint-dir", ck(name).string()},
+        {"--nproc", std::to_string(nproc)},
+        {"--steps", std::to_string(steps)},
+        {"--save-every", "4"}};
+    more.insert(more.end(), extra.begin(), extra.end());
+    auto args = flags("gpt", shard, "fp32", more);
     if (resume) args.push_back("--resume");
     const auto exit = ampx::train::test::run_train(args, tmp_.path() / (name + ".log"));
     EXPECT_EQ(exit.status, expected_status) << name << ": " << exit.output;
@@ -346,6 +350,32 @@ TEST_F(ShardTest, ZeroOneCheckpointsResumeOnAnyNumberOfRanksAndAsFullSharding) {
                                         missing.string()}))
       << refused.output;
   for (const auto& [path, bytes] : before) EXPECT_EQ(bytes_of(path), bytes) << path;
+}
+
+// --optimizer-state 8bit under --shard optimizer: the shards carry the
+// moments' codes and scales, and a resume on the same ranks trains the
+// uninterrupted run's losses and weights bit for bit; an optimizer with
+// fp32 moments is refused, naming both formats.
+TEST_F(ShardTest, EightBitMomentsInZeroOneCheckpointsResumeBitForBit) {
+  // d 64: ZeRO-1's shard of the block's weights is large enough for coded moments.
+  const std::vector<std::pair<std::string, std::string>> coded = {{"--optimizer-state", "8bit"},
+                                                                  {"--d-model", "64"}};
+  const ShardRun reference = train("coded-reference", "optimizer", 2, 8, false, 0, coded);
+  ASSERT_EQ(losses(reference).size(), 8u);
+  // Each rank's state: half the fp32 masters and 8-bit moments, about 3
+  // bytes a parameter (6 with fp32 moments).
+  EXPECT_LT(reference.result.value("optimizer_bytes", 0.0),
+            4.0 * reference.result.value("params", 0.0));
+  train("coded", "optimizer", 2, 4, false, 0, coded);
+  const ShardRun resumed = train("coded", "optimizer", 2, 8, true, 0, coded);
+  EXPECT_EQ(losses(resumed), losses(reference));
+  EXPECT_EQ(resumed.result.value("weights_checksum", ""),
+            reference.result.value("weights_checksum", ""));
+  const ShardRun other =
+      train("coded", "optimizer", 2, 12, true, 1, {{"--d-model", "64"}});  // fp32 moments
+  EXPECT_TRUE(contains(other.output, {"the saved shards keep 8bit moments; this optimizer has "
+                                      "state_format fp32"}))
+      << other.output;
 }
 
 // What --shard cannot do yet is refused before anything trains, naming it.
