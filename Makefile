@@ -38,7 +38,8 @@
 #                   2.14) next to the wheel's Python, eager and torch.compile'd, and
 #                   Debian's Python 1.13, FP8 against torchao, data parallel, causal
 #                   attention by shape (on 1.13 and on 2.14, against LibTorch's
-#                   SDPA); writes docs/PERFORMANCE.md and docs/performance.json
+#                   SDPA); writes the run of record of this kind of CPU under
+#                   docs/performance/ and its row of docs/PERFORMANCE.md
 #                   (bench/run_all.py; BENCH_ARGS adds flags). About an hour on 2
 #                   cores with AVX512-BF16; many hours on a CPU without AVX-512,
 #                   where Python's bf16 products are a scalar loop

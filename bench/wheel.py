@@ -211,7 +211,8 @@ def targets(data):
 
 # --------------------------------------------------------------------- report
 def report(data):
-    """The wheel's section of docs/PERFORMANCE.md: one table per workload."""
+    """The wheel's section of the run's page (docs/performance/cpu-KIND.md): one table per
+    workload."""
     wh = data.get("wheel")
     if not wh or not wh["e2e"]:
         return []

@@ -25,7 +25,7 @@
 #          where CPU_COMPILE=1), interleaved, at each thread count of --threads
 #          (default: 2 and all cores): OUT/cpu-tN/
 #   then   scripts/device_report.py: OUT/summary.md (a section for
-#          docs/PERFORMANCE.md) and OUT/summary.json, naming what was skipped
+#          docs/performance/gpu.md) and OUT/summary.json, naming what was skipped
 #
 # Each part fits a device call of under 9 minutes on 16 cores (build+test in
 # one, bench in the other). --build DIR uses an existing build as it is (no
