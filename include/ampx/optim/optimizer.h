@@ -277,18 +277,19 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   std::shared_ptr<detail::cuda::MetaCache> cuda_cache_;  // the fused CUDA step's operands
 };
 
+/// A moment as an optimizer keeps it: coded_moment()'s result.
+struct CodedMoment {
+  at::Tensor values;  ///< float32, bfloat16 or uint8 codes
+  at::Tensor scale;   ///< float32 [ceil(numel / state_block)], or undefined
+};
 /// A moment as an optimizer of `config` keeps it for a param of
 /// values.numel() elements: `values` (float32, the param's shape) itself
 /// where it keeps fp32 moments (StateFormat::kFp32, or fewer than
 /// state_min_numel elements), otherwise encoded in state_format with a new
 /// scale per block of state_block elements (bf16: rounded stochastically
-/// under `key`) and its scales in `scale`. What a sharded checkpoint loaded
-/// on another number of ranks, whose pieces were saved as fp32 values, is
-/// made into. CPU tensors.
-struct CodedMoment {
-  at::Tensor values;  ///< float32, bfloat16 or uint8 codes
-  at::Tensor scale;   ///< float32 [ceil(numel / state_block)], or undefined
-};
+/// under `key`) and its scales in `scale`; `first_moment` picks the signed
+/// 8-bit map. What a sharded checkpoint loaded on another number of ranks,
+/// whose pieces were saved as fp32 values, is made into. CPU tensors.
 CodedMoment coded_moment(const MixedPrecisionConfig& config, const at::Tensor& values,
                          bool first_moment, uint64_t key);
 
