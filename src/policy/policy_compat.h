@@ -16,13 +16,33 @@ namespace detail {
 
 /// While alive, drops on this thread the dispatcher's "Overriding a previously
 /// registered kernel for the same operator and the same dispatch key" warning,
-/// which LibTorch 1.13 prints (8 lines) at every registration that shadows a
-/// kernel. Every other warning goes to the previous handler. On 2.x the
-/// dispatcher warns once per process (TORCH_WARN_ONCE) and this filter does
-/// nothing, so that the one warning is not consumed and later lost for
-/// registrations that are not ampx's.
+/// which LibTorch prints (8 lines) when a registration shadows a kernel:
+/// 1.13 at every one, 2.x at the first of a process ("Warning only once for
+/// all operators", though ampx-train's console showed it twice). ampx's cast
+/// policies replace PyTorch's autocast kernels on purpose, and users read the
+/// warning as a bug (issue 66). Every other warning goes to the previous
+/// handler. (On 2.x the dropped warning is the process's one: a later
+/// override that is not ampx's may then print none.)
 #if AMPX_TORCH_AT_LEAST(2, 0)
-class OverrideWarningFilter {};
+class OverrideWarningFilter final : public c10::WarningHandler {
+ public:
+  OverrideWarningFilter() : prev_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+  }
+  ~OverrideWarningFilter() override { c10::WarningUtils::set_warning_handler(prev_); }
+  OverrideWarningFilter(const OverrideWarningFilter&) = delete;
+  OverrideWarningFilter& operator=(const OverrideWarningFilter&) = delete;
+
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("Overriding a previously registered kernel") != std::string::npos) {
+      return;
+    }
+    prev_->process(warning);
+  }
+
+ private:
+  c10::WarningHandler* prev_;
+};
 #else
 class OverrideWarningFilter final : public c10::WarningHandler {
  public:

@@ -50,7 +50,7 @@ void apply_locked(Registry& r, c10::DeviceType device_type, const c10::OperatorN
     return;
   }
   if (it != r.registrations.end() && it->second.entry == *entry) return;
-  [[maybe_unused]] OverrideWarningFilter quiet;  // an empty class on 2.x
+  [[maybe_unused]] OverrideWarningFilter quiet;
   // Register the new kernel before dropping the old one, so that no call in
   // between meets PyTorch's kernel.
   auto handle = c10::Dispatcher::singleton().registerImpl(

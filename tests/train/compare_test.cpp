@@ -178,6 +178,17 @@ TEST_F(CompareTest, TrainsEachModeAndWritesTableJsonAndPlotData) {
   }
 }
 
+// Issue 66: the main job's console showed LibTorch's "Overriding a
+// previously registered kernel" warning (8 lines, twice) on LibTorch 2.x,
+// where O1's and O2's cast policies replace PyTorch's own autocast kernels
+// (scaled_dot_product_attention, linalg_cond): it read as a bug. ampx drops
+// exactly that warning while it registers its kernels.
+TEST_F(CompareTest, TheConsoleShowsNoDispatcherWarningAboutAmpxsKernels) {
+  ASSERT_EQ(run("--steps 2 --compare fp32,O1,O2"), 0) << output_;
+  EXPECT_EQ(output_.find("Overriding a previously registered kernel"), std::string::npos)
+      << output_;
+}
+
 // Issue 12.1: `make run` chose the BLAS when make parsed the Makefile, before
 // it installed libopenblas0-openmp, so a first run's fp32 baseline ran on the
 // pthreads build (2x slower) and every speed-up looked 2x better. The choice
