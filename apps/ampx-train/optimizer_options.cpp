@@ -86,4 +86,14 @@ int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer) {
   return 0;
 }
 
+int64_t weight_and_grad_bytes(const torch::nn::Module& model) {
+  int64_t total = 0;
+  for (const auto& p : model.parameters()) {
+    total += p.numel() * static_cast<int64_t>(p.element_size());
+    const auto& g = p.grad();
+    if (g.defined()) total += g.numel() * static_cast<int64_t>(g.element_size());
+  }
+  return total;
+}
+
 }  // namespace ampx::train

@@ -13,6 +13,8 @@
 
 #include <ampx/optim.h>
 
+#include <torch/nn/module.h>
+
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
@@ -40,5 +42,10 @@ std::string optimizer_description(const TrainConfig& config);
 
 /// The bytes `optimizer` keeps (ampx::optim's, ZeRO's; 0 for another kind).
 int64_t optimizer_state_bytes(torch::optim::Optimizer& optimizer);
+
+/// The bytes `model`'s parameters and their gradients hold now (counted
+/// from the tensors: bf16 or fp32 each as it is; a sharded module's
+/// parameters between steps are empty).
+int64_t weight_and_grad_bytes(const torch::nn::Module& model);
 
 }  // namespace ampx::train

@@ -21,6 +21,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("rank_peak_bytes", r.rank_peak_bytes);
   visit("optimizer_bytes", r.optimizer_bytes);
   visit("params", r.params);
+  visit("weight_bytes", r.weight_bytes);
   visit("train_loss", r.train_loss);
   visit("eval", r.eval);
   visit("skipped", r.skipped);
@@ -40,7 +41,7 @@ void for_each_field(Result& r, Visit&& visit) {
 bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
          name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes" ||
-         name == "optimizer_bytes" || name == "params";
+         name == "optimizer_bytes" || name == "params" || name == "weight_bytes";
 }
 
 template <typename T>

@@ -435,6 +435,7 @@ RunResult ModeRun::finish() {
   result.peak_bytes = peak_allocated_bytes(device_) - base_bytes_;
   result.optimizer_bytes = optimizer_state_bytes(*setup_.optimizer);
   result.params = setup_.model_params;
+  result.weight_bytes = weight_and_grad_bytes(*setup_.model);
   result.nonfinite_summary = diagnostics_.nonfinite_summary();
   if (config_.range_stats && lead_) {
     const auto path = fs::path(config_.out_dir) / ("range-stats-" + mode_.name + ".json");
