@@ -80,9 +80,10 @@ FORKY_CMAKE_FLAGS := -DAMPX_BUILD_BENCHMARKS=OFF -DAMPX_BUILD_TRAIN_TESTS=OFF
 # on the host and wheel legs: on 2.6 they took a third of the leg's time and
 # test no CUDA code.
 CUDA_CMAKE_FLAGS := -DAMPX_NCCL=ON -DAMPX_BUILD_TRAIN_TESTS=OFF
-# The host leg always runs the API reference's test (docs.reference): a
-# missing doxygen fails its configure.
-HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON
+# The host leg always runs the API reference's test (docs.reference) and the
+# structure check (structure): a missing doxygen or Universal Ctags fails its
+# configure.
+HOST_CMAKE_FLAGS := -DAMPX_REQUIRE_DOCS_TEST=ON -DAMPX_REQUIRE_STRUCTURE_TEST=ON
 
 # The datasets, on the host; the chroot legs see them at the same path.
 DATA_DIR := $(or $(AMPX_DATA_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/ampx/data)

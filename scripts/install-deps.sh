@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what ampx needs on a Debian 12 host (LibTorch 1.13 leg): compilers,
 # CMake, LibTorch, an optimised BLAS, test and benchmark frameworks,
-# Python's torch for reference values, and Doxygen for the API reference.
+# Python's torch for reference values, Doxygen for the API reference, and
+# Universal Ctags for the structure check (scripts/check-structure.py).
 # Idempotent: packages already present are not fetched again.
 set -euo pipefail
 
@@ -12,7 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcli11-dev nlohmann-json3-dev zlib1g-dev libgloo-dev
   gnuplot-nox dataset-fashion-mnist curl ca-certificates
-  debootstrap doxygen
+  debootstrap doxygen universal-ctags
 )
 
 missing=()
