@@ -35,14 +35,14 @@
 #                   each (default 60; host leg); a finding's input lands in build/fuzz/
 #   make bench      every benchmark in one run: GEMM peaks, micro-benchmarks,
 #                   ampx-train's workloads in every mode (on the wheel, on 1.13, on
-#                   2.14) next to the wheel's Python, eager and torch.compile'd, and
-#                   Debian's Python 1.13, FP8 against torchao, data parallel, causal
-#                   attention by shape (on 1.13 and on 2.14, against LibTorch's
-#                   SDPA); writes the run of record of this kind of CPU under
-#                   docs/performance/ and its row of docs/PERFORMANCE.md
-#                   (bench/run_all.py; BENCH_ARGS adds flags). About an hour on 2
-#                   cores with AVX512-BF16; many hours on a CPU without AVX-512,
-#                   where Python's bf16 products are a scalar loop
+#                   2.14) next to the wheel's Python, eager and torch.compile'd, with
+#                   the default and the fused AdamW, and Debian's Python 1.13, FP8
+#                   against torchao, data parallel, causal attention by shape (on
+#                   1.13 and on 2.14, against LibTorch's SDPA); writes the run of
+#                   record of this kind of CPU under docs/performance/ and its row
+#                   of docs/PERFORMANCE.md (bench/run_all.py; BENCH_ARGS adds flags).
+#                   Over an hour on 2 cores with AVX512-BF16; many hours on a CPU
+#                   without AVX-512, where Python's bf16 products are a scalar loop
 #   make help       this list
 #
 # The scripts behind them, and the ones for the lent GPU machine:
@@ -268,8 +268,9 @@ FORKY_BENCH_CMAKE_FLAGS := -DAMPX_BUILD_TESTS=OFF -DAMPX_BUILD_EXAMPLES=OFF -DAM
 	-DAMPX_BUILD_BENCHMARKS=ON
 
 # The main anchor is PyTorch's wheel (issue 39): ampx-train built against it
-# (the wheel leg's build) beside its Python, eager and torch.compile'd; and
-# ampx-train on LibTorch 2.14 (the forky leg's build) for the 2.14 target.
+# (the wheel leg's build) beside its Python, eager and torch.compile'd, with the
+# default and the fused AdamW (issue 67); and ampx-train on LibTorch 2.14 (the
+# forky leg's build) for the 2.14 target.
 bench: build data
 	$(call leg_build,forky,$(FORKY_BENCH_BUILD),$(FORKY_BENCH_CMAKE_FLAGS),ampx_attention_bench)
 	$(call leg_build,forky,$(FORKY_BUILD),$(FORKY_CMAKE_FLAGS),ampx-train)

@@ -1,16 +1,18 @@
 """The end-to-end comparison's pieces for run_all.py: the workloads and their FLOPs, one run of
 ampx-train (every mode) or of bench/python/torch_amp_bench.py (one precision, eager or
-compiled), and the per-workload table of the report.
+compiled, one AdamW implementation), and the per-workload table of the report.
 
 Only the standard library: the orchestration runs under any python3.
 
     r = ampx_train(exe, args, out_dir, "gpt")                       # compare.json
-    p = python_amp(python, args, out_dir, "gpt", "autocast-bf16", compiled=True)
+    p = python_amp(python, args, out_dir, "gpt", "autocast-bf16", compiled=True, adamw="fused")
+    adamw_impls(python)                                  # ['default', 'for-loop', 'foreach', ...]
     lines = workload_table("gpt", [row, ...], peaks)                 # markdown
 """
 import json
 import os
 import shutil
+import subprocess
 
 from harness import ROOT, fmt, run
 
@@ -105,11 +107,12 @@ def default_data_dir():
 
 
 def python_amp(python, args, out, workload, precision, rnd=0, tag="", compiled=False, env=None,
-               op_profile=None):
+               op_profile=None, adamw="default"):
     """torch_amp_bench.py under the interpreter `python`: its JSON. tag names the torch in
-    the output's file name; op_profile (a path) gets the per-op table of its profiled extra
-    step (untimed)."""
-    name = (f"{workload}-{'compiled-' if compiled else ''}{precision}" + (f"-r{rnd}" if rnd else "")
+    the output's file name; adamw is its --adamw-impl (default: what that torch picks);
+    op_profile (a path) gets the per-op table of its profiled extra step (untimed)."""
+    name = (f"{workload}-{'compiled-' if compiled else ''}{precision}"
+            + ("" if adamw == "default" else f"-adamw-{adamw}") + (f"-r{rnd}" if rnd else "")
             + ".json")
     path = os.path.join(out, "python" + (f"-{tag}" if tag else ""), name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -118,14 +121,27 @@ def python_amp(python, args, out, workload, precision, rnd=0, tag="", compiled=F
     cmd += size_flags(args, workload)
     if compiled:
         cmd.append("--compile")
+    if adamw != "default":
+        cmd += ["--adamw-impl", adamw]
     if op_profile:
         cmd += ["--op-profile", op_profile]
     if args.data_dir:
         cmd += ["--data-dir", args.data_dir]
     run(cmd, label=f"torch_amp_bench{' ' + tag if tag else ''} {workload} "
-                   f"{'compiled ' if compiled else ''}{precision}", env=env)
+                   f"{'compiled ' if compiled else ''}{precision}"
+                   + ("" if adamw == "default" else f", AdamW {adamw}"), env=env)
     with open(path) as f:
         return json.load(f)
+
+
+def adamw_impls(python):
+    """The AdamW implementations (torch_amp_bench.py's --adamw-impl) the torch of the interpreter
+    `python` runs on the CPU: 'fused' only from torch 2.4 on (Debian's 1.13 has none)."""
+    p = subprocess.run([python, PY_SCRIPT, "--adamw-impls"], cwd=ROOT, text=True,
+                       capture_output=True)
+    if p.returncode != 0:
+        raise SystemExit(f"bench: {python} {PY_SCRIPT} --adamw-impls failed:\n{p.stderr[-2000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def step_of(compare, mode):
@@ -144,8 +160,9 @@ def ampx_rows(compare, prefix="ampx", mfu=True):
 
 
 def python_row(label, result):
-    """A table row of one torch_amp_bench result."""
-    return {"label": label, "ms": result["median_step_ms"],
+    """A table row of one torch_amp_bench result, its label followed by the AdamW that ran."""
+    impl = (result.get("optimizer") or {}).get("impl")
+    return {"label": label + (f", AdamW {impl}" if impl else ""), "ms": result["median_step_ms"],
             "round_ms": result.get("round_ms", []), "peak_bytes": result.get("peak_bytes"),
             "dtype": "fp32" if result["precision"] == "fp32" else "bf16",
             "loss": result["train_loss"], "mfu": True,

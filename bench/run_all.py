@@ -12,10 +12,12 @@ In one run, on one machine, with the same threads everywhere:
   3. end to end against PyTorch's wheel, the main anchor (wheel.py; --wheel-build, --wheel-python):
      ampx-train built against the wheel's LibTorch in every mode (fp32, O1, O2, O3: pure bf16
      with stochastic rounding) and the wheel's Python on the same models (bench/python), eager
-     and torch.compile'd, fp32 and torch.autocast bf16; ampx-train on LibTorch 2.14 (the forky
-     chroot, --forky-train) beside them when built;
+     and torch.compile'd, fp32 and torch.autocast bf16, torch's default AdamW and
+     AdamW(fused=True) (--wheel-adamw); ampx-train on LibTorch 2.14 (the forky chroot,
+     --forky-train) beside them when built;
   4. end to end against Debian's 1.13, the second anchor: ampx-train built against it, and
-     Debian's python3-torch with torch.autocast and torch.optim.AdamW, fp32 and bf16;
+     Debian's python3-torch with torch.autocast and torch.optim.AdamW (its for-loop: 1.13 has
+     no fused CPU AdamW), fp32 and bf16;
      parts 3 and 4 interleaved, round after round; median step, throughput, peak allocated
      memory, MFU;
   5. what each side ran (kernel_probe.py): a one-step bf16 run of each with oneDNN's verbose
@@ -31,11 +33,12 @@ In one run, on one machine, with the same threads everywhere:
      at::scaled_dot_product_attention too;
   9. FP8 against torchao (fp8.py; --wheel-build, --wheel-python): ampx_fp8_bench and torchao's
      Float8Linear on a GPT-2-small block's shapes, both emulated on the CPU.
-Then the targets, each as a ratio measured in this run, met or not: the wheel's (issue 39)
-first. The report is the run of record of the CPU's kind (AMX, AVX512-BF16, AVX2, ...: from
-/proc/cpuinfo, or --cpu-kind): docs/performance/cpu-KIND.md (machine, targets, end to end),
-cpu-KIND-parts.md (parts 2 and 6 to 9), cpu-KIND.json, and the kind's row of the index,
-docs/PERFORMANCE.md; the other kinds' runs stay (record.py).
+Then the targets, each as a ratio measured in this run, met or not: the wheel's (issues 39
+and 67: against Python's best variant per precision) first. The report is the run of record
+of the CPU's kind (AMX, AVX512-BF16, AVX2, ...: from /proc/cpuinfo, or --cpu-kind):
+docs/performance/cpu-KIND.md (machine, targets, end to end), cpu-KIND-parts.md (parts 2 and
+6 to 9), cpu-KIND.json, and the kind's row of the index, docs/PERFORMANCE.md; the other
+kinds' runs stay (record.py).
 
 Only the standard library: the orchestration (this file and bench/'s harness.py, e2e.py,
 wheel.py, kernel_probe.py, step_profile.py, attention.py, fp8.py, record.py) runs under any
@@ -284,7 +287,7 @@ def build_report(args, data, files):
         w("")
         w(f"ampx-train built against Debian's LibTorch (`{args.build}`) next to Debian's own "
           f"Python torch on the same models and data, fp32 and `torch.autocast` bf16 (eager: "
-          "no `torch.compile` before 2.0).")
+          "no `torch.compile` before 2.0; AdamW's for-loop: no fused CPU AdamW before 2.4).")
         w("")
     for workload in WORKLOADS:
         if workload not in e2e_r:
@@ -397,7 +400,7 @@ OWN_GROUP = "ampx's kernels and diagnostics"
 
 
 def targets(data):
-    """Every target measured in this run: the wheel's (issue 39) first."""
+    """Every target measured in this run: the wheel's (issues 39 and 67) first."""
     out = wheel.targets(data) if "wheel" in data["parts"] else []
     peaks = {"fp32": data["gemm"].get("fp32_peak_gflops"),
              "bf16": data["gemm"].get("bf16_peak_gflops")}
@@ -597,6 +600,12 @@ def main():
                    help="the wheel's Python (scripts/wheel-env.sh --python): eager and "
                         "torch.compile'd runs of the same models (part 'wheel'), torchao's FP8 "
                         "Linear (part 'fp8')")
+    p.add_argument("--wheel-adamw", default="default,fused",
+                   help="the AdamW implementations the wheel's Python runs, each in every "
+                        "configuration (eager and compiled, fp32 and autocast bf16): torch's "
+                        "default and AdamW(fused=True), skipped where that torch has none on "
+                        "the CPU (before 2.4); 'default' alone halves part 'wheel''s Python runs "
+                        "[default: default,fused]")
     p.add_argument("--forky-train", default=os.path.join(ROOT, "build", "forky", "apps",
                                                          "ampx-train", "ampx-train"),
                    help="the forky chroot's ampx-train (LibTorch 2.14), run beside the wheel's "

@@ -4,11 +4,17 @@ on it, the targets measured against it, and its part of the report.
 On every workload, once per round and interleaved with the Debian 1.13 runs:
   - ampx-train built against the wheel's LibTorch (--wheel-build), every mode;
   - the wheel's Python (--wheel-python) on the same models (bench/python): eager fp32, eager
-    torch.autocast bf16, torch.compile'd fp32 and torch.compile'd autocast bf16;
+    torch.autocast bf16, torch.compile'd fp32 and torch.compile'd autocast bf16, each with
+    torch's default AdamW (on the CPU its for-loop) and with AdamW(fused=True) (issue 67;
+    --wheel-adamw picks, and a torch without a fused CPU AdamW, before 2.4, skips it);
   - ampx-train built against Debian's LibTorch 2.14 in the forky chroot (--forky-train), every
     mode, when that build exists: the "no slower than on 2.14" target.
 Inductor's cache lives in the run's output folder and starts empty, so the first round's
-compile is a cold one and later rounds show the cached one.
+compile is a cold one and later rounds show the cached one (the fused-AdamW compiled runs
+compile the same forward and loss as the default-AdamW ones, after them in each round).
+
+The targets (issue 67) are against Python's best variant per precision: the fastest of eager
+and compiled, default and fused AdamW, named in the target's row.
 
 Only the standard library: the orchestration runs under any python3.
 """
@@ -21,13 +27,28 @@ import step_profile
 from e2e import GPT_WORKLOADS, MODES, WORKLOADS, step_of
 from harness import ROOT, combine_e2e, combine_python, fmt, log, run, target_row
 
-# (precision, compiled) of the wheel's Python runs, in the order they run and are shown.
-PY_CONFIGS = [("fp32", False), ("autocast-bf16", False), ("fp32", True), ("autocast-bf16", True)]
+PRECISIONS = ("fp32", "autocast-bf16")
+# AdamW implementations (torch_amp_bench.py --adamw-impl) the wheel's Python can run: torch's
+# default, and AdamW(fused=True) (torch >= 2.4 on the CPU).
+ADAMW = ("default", "fused")
+# (precision, compiled, AdamW) of the wheel's Python runs, in the order they run and are shown.
+PY_CONFIGS = [(p, c, a) for a in ADAMW for c in (False, True) for p in PRECISIONS]
 GROUP = "PyTorch's wheel"
 
 
-def config_key(precision, compiled):
-    return ("compiled " if compiled else "eager ") + precision
+def config_key(precision, compiled, adamw="default"):
+    """A configuration's name in performance.json: 'eager fp32', 'compiled autocast-bf16, AdamW
+    fused' (the default AdamW's keep the names they had before the fused ones)."""
+    return (("compiled " if compiled else "eager ") + precision
+            + ("" if adamw == "default" else f", AdamW {adamw}"))
+
+
+def variant(result):
+    """A Python run's name in the report: eager or compiled, the precision and the AdamW that
+    ran (torch_amp_bench's optimizer.impl: 'for-loop' for torch's default on the CPU)."""
+    impl = (result.get("optimizer") or {}).get("impl", "?")
+    how = "compiled" if result.get("compiled") else "eager"
+    return f"{how} {result['precision']}, AdamW {impl}"
 
 
 def enabled(args):
@@ -46,6 +67,9 @@ def check_args(args, parser):
                      "and ampx_gemm_peak there)")
     if not os.access(args.wheel_python, os.X_OK):
         parser.error(f"--wheel-python {args.wheel_python}: not an executable")
+    wrong = [a for a in args.wheel_adamw.split(",") if a not in ADAMW]
+    if wrong or not args.wheel_adamw:
+        parser.error(f"--wheel-adamw {args.wheel_adamw}: expected some of {', '.join(ADAMW)}")
 
 
 def ampx_train_of(build):
@@ -72,11 +96,29 @@ def python_env(out):
     return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(out, "inductor-cache"))
 
 
+def python_configs(args):
+    """(the PY_CONFIGS this run's Python runs, why some AdamW is left out or None): those of
+    the AdamW implementations --wheel-adamw names that the wheel's torch has on the CPU. A
+    torch without one (fused before 2.4, as Debian's 1.13) skips it, logged and reported."""
+    wanted = args.wheel_adamw.split(",")
+    has = e2e.adamw_impls(args.wheel_python)
+    missing = [a for a in wanted if a not in has]
+    skipped = None
+    if missing:
+        skipped = (f"AdamW {', '.join(missing)} not run: the wheel's torch has none on the CPU "
+                   "(fused: torch >= 2.4)")
+        log(skipped)
+    return [c for c in PY_CONFIGS if c[2] in wanted and c[2] in has], skipped
+
+
 def start(args, out):
-    """Empties inductor's cache of this run (the first compile of the run is a cold one)."""
+    """Empties inductor's cache of this run (the first compile of the run is a cold one) and
+    settles the Python configurations (python_configs)."""
     shutil.rmtree(os.path.join(out, "inductor-cache"), ignore_errors=True)
-    return {"e2e": {w: [] for w in WORKLOADS}, "forky": {w: [] for w in WORKLOADS},
-            "python": {w: {config_key(*c): [] for c in PY_CONFIGS} for w in WORKLOADS}}
+    configs, skipped = python_configs(args)
+    return {"configs": configs, "adamw_skipped": skipped,
+            "e2e": {w: [] for w in WORKLOADS}, "forky": {w: [] for w in WORKLOADS},
+            "python": {w: {config_key(*c): [] for c in configs} for w in WORKLOADS}}
 
 
 def run_round(args, out, workload, rnd, rounds, forky_exe):
@@ -88,12 +130,14 @@ def run_round(args, out, workload, rnd, rounds, forky_exe):
         ampx_train_of(args.wheel_build), args, out, workload, rnd, tag="wheel",
         profile=step_profile.ampx_profile_path(out, workload, "wheel") if first else None))
     env = python_env(out)
-    for precision, compiled in PY_CONFIGS:
-        key = config_key(precision, compiled)
-        table = os.path.join(out, "profiles", f"{workload}-python-wheel-{key.replace(' ', '-')}.txt")
+    for precision, compiled, adamw in rounds["configs"]:
+        key = config_key(precision, compiled, adamw)
+        slug = key.replace(", ", "-").replace(" ", "-").lower()
+        table = os.path.join(out, "profiles", f"{workload}-python-wheel-{slug}.txt")
         rounds["python"][workload][key].append(
             e2e.python_amp(args.wheel_python, args, out, workload, precision, rnd, tag="wheel",
-                           compiled=compiled, env=env, op_profile=table if first else None))
+                           compiled=compiled, env=env, op_profile=table if first else None,
+                           adamw=adamw))
     if forky_exe:
         rounds["forky"][workload].append(
             e2e.ampx_train(forky_exe, args, out, workload, rnd, tag="forky", chroot="forky"))
@@ -102,15 +146,16 @@ def run_round(args, out, workload, rnd, rounds, forky_exe):
 def combine(args, out, rounds, gemm):
     """performance.json's "wheel": each configuration's rounds combined, and the first
     round's profiles (step_profile.report's input)."""
-    first = next((r for w in WORKLOADS for r in rounds["python"][w]["eager fp32"]), {})
+    first = next((r for w in WORKLOADS for runs in rounds["python"][w].values() for r in runs),
+                 {})
     profiles = {}
     for w in WORKLOADS:
         if rounds["e2e"][w]:
             profiles[w] = {f"ampx {m}": top for m, top in
                            step_profile.ampx_profiles(out, w, "wheel", MODES).items()}
-        for key, r in rounds["python"][w].items():
+        for r in rounds["python"][w].values():
             if r:
-                profiles.setdefault(w, {})[f"PyTorch {key}"] = r[0].get("op_self_ms", [])
+                profiles.setdefault(w, {})[f"PyTorch {variant(r[0])}"] = r[0].get("op_self_ms", [])
     return {
         "python": args.wheel_python, "build": args.wheel_build,
         "torch_version": first.get("torch_version"),
@@ -118,6 +163,7 @@ def combine(args, out, rounds, gemm):
         "e2e": {w: combine_e2e(r) for w, r in rounds["e2e"].items() if r},
         "python_runs": {w: {k: combine_python(r) for k, r in cfg.items() if r}
                         for w, cfg in rounds["python"].items() if any(cfg.values())},
+        "adamw_skipped": rounds["adamw_skipped"],
         "forky_e2e": {w: combine_e2e(r) for w, r in rounds["forky"].items() if r},
         "forky_train": args.forky_train,
         "profiles": profiles,
@@ -141,54 +187,86 @@ def gemm_peaks(args, out, quick):
 
 
 # --------------------------------------------------------------------- targets
+def best_python(runs, precisions):
+    """The fastest of one workload's Python runs (python_runs[w]) in `precisions`, or None."""
+    timed = [r for r in runs.values() if r["precision"] in precisions and r.get("median_step_ms")]
+    return min(timed, key=lambda r: r["median_step_ms"]) if timed else None
+
+
+def faster_row(what, want, mine, theirs, note=""):
+    """A target row: Python's step over ampx's (`mine` ms; `theirs` a Python run or None)."""
+    ms = theirs["median_step_ms"] if theirs else None
+    return target_row(what, f">= {want:g}x", ms / mine if ms and mine else None, want,
+                      note=f"{fmt(mine)} vs {fmt(ms)} ms" + (f"; {note}" if note else ""),
+                      group=GROUP)
+
+
+def memory_rows(w, c, runs):
+    """Issue 67's memory targets on a GPT: ampx O2's peak against ampx fp32's and against the
+    lowest peak of Python's autocast runs."""
+    peak = {x["mode"]: x.get("peak_allocated_bytes") for x in c["modes"]}
+    o2, f32 = peak.get("O2"), peak.get("fp32")
+    mib = lambda b: fmt(b / 2**20 if b else None)
+    out = [target_row(f"{w}, ampx O2 peak memory vs ampx fp32's", "<= 0.55x",
+                      o2 / f32 if o2 and f32 else None, 0.55, higher_is_better=False,
+                      note=f"{mib(o2)} vs {mib(f32)} MiB", group=GROUP)]
+    theirs = [r for r in runs.values() if r["precision"] != "fp32" and r.get("peak_bytes")]
+    low = min(theirs, key=lambda r: r["peak_bytes"]) if theirs else None
+    out.append(target_row(
+        f"{w}, ampx O2 peak memory vs Python autocast's lowest"
+        + (f" ({variant(low)})" if low else ""), "<= 0.8x",
+        o2 / low["peak_bytes"] if o2 and low else None, 0.8, higher_is_better=False,
+        note=(f"{mib(o2)} vs {mib(low['peak_bytes'])} MiB" if low
+              else "no Python autocast run recorded its peak"), group=GROUP))
+    return out
+
+
 def targets(data):
-    """Issue 39's targets, each a ratio of step times measured in this run (above 1: ampx is
-    faster), or not measured with the reason."""
+    """Issue 67's targets, each a ratio measured in this run (step times: above 1, ampx is
+    faster; memory: below 1, ampx holds less), against Python's best variant per precision
+    (eager or compiled, default or fused AdamW), or not measured with the reason."""
     wh = data.get("wheel")
     out = []
     if not wh:
         why = "not run: run_all.py was given no --wheel-build / --wheel-python"
-        for what, t in (("gpt and gpt-nn, ampx vs the wheel's Python, eager and compiled",
-                         ">= 1.0x / 1.3x"),
-                        ("mnist-cnn and fashion-mlp, ampx's best vs Python's best", ">= 1.0x")):
-            out.append(target_row(what, t, None, 1.0, note=why, group=GROUP))
+        for what, t, want in (
+                ("gpt and gpt-nn, ampx fp32 vs the wheel's Python's best fp32", ">= 1.2x", 1.2),
+                ("gpt and gpt-nn, ampx best mixed vs the wheel's Python's best mixed", ">= 1.5x",
+                 1.5),
+                ("gpt and gpt-nn, ampx O2 peak memory vs ampx fp32's / Python autocast's",
+                 "<= 0.55x / 0.8x", 1.0),
+                ("mnist-cnn and fashion-mlp, ampx's best vs Python's best", ">= 1.2x", 1.2)):
+            out.append(target_row(what, t, None, want, note=why, group=GROUP))
         return out
-    py = lambda w, k: (wh["python_runs"].get(w, {}).get(k) or {}).get("median_step_ms")
+    skipped = f"; {wh['adamw_skipped']}" if wh.get("adamw_skipped") else ""
     for w in GPT_WORKLOADS:
         c = wh["e2e"].get(w)
         if c is None:
             continue
-        f32 = step_of(c, "fp32")
-        best_mode = min((m for m in MODES if m != "fp32"), key=lambda m: step_of(c, m))
-        best = step_of(c, best_mode)
         runs = wh["python_runs"].get(w, {})
-        kernel = lambda key: (runs.get(key) or {}).get("attention_kernel")
-        for what, key, mine, want, note in (
-                ("ampx fp32 vs the wheel's eager fp32", "eager fp32", f32, 1.0,
-                 f"attention: ampx {c['settings'].get('attention')}; Python "
-                 f"{kernel('eager autocast-bf16')}"),
-                (f"ampx best mixed ({best_mode}) vs eager torch.autocast bf16",
-                 "eager autocast-bf16", best, 1.3, ""),
-                (f"ampx best mixed ({best_mode}) vs torch.compile'd autocast bf16",
-                 "compiled autocast-bf16", best, 1.0,
-                 f"compiled attention: {kernel('compiled autocast-bf16')}")):
-            theirs = py(w, key)
-            out.append(target_row(
-                f"{w}, {what} (step time)", f">= {want:g}x", theirs / mine if theirs else None,
-                want, note=(f"{fmt(mine)} vs {fmt(theirs)} ms" + (f"; {note}" if note else "")),
-                group=GROUP))
+        best_mode = min((m for m in MODES if m != "fp32"), key=lambda m: step_of(c, m))
+        f32, mixed = best_python(runs, ("fp32",)), best_python(runs, ("autocast-bf16",))
+        name = lambda r: variant(r) if r else "none ran"
+        kernel = lambda r: (r or {}).get("attention_kernel")
+        out.append(faster_row(
+            f"{w} step time, ampx fp32 vs Python's best fp32 ({name(f32)})", 1.2,
+            step_of(c, "fp32"), f32,
+            f"attention: ampx {c['settings'].get('attention')}; Python {kernel(f32)}{skipped}"))
+        out.append(faster_row(
+            f"{w} step time, ampx best mixed ({best_mode}) vs Python's best mixed "
+            f"({name(mixed)})", 1.5, step_of(c, best_mode), mixed,
+            f"Python's attention: {kernel(mixed)}{skipped}"))
+        out += memory_rows(w, c, runs)
     for w in ("mnist-cnn", "fashion-mlp"):
         c = wh["e2e"].get(w)
         if c is None:
             continue
         mine_mode = min(MODES, key=lambda m: step_of(c, m))
-        runs = {k: r["median_step_ms"] for k, r in wh["python_runs"].get(w, {}).items()}
-        theirs_key = min(runs, key=runs.get) if runs else None
-        out.append(target_row(
-            f"{w}, ampx's best mode vs Python's best (eager or compiled)", ">= 1.0x",
-            runs[theirs_key] / step_of(c, mine_mode) if runs else None, 1.0,
-            note=(f"ampx {mine_mode} {fmt(step_of(c, mine_mode))} ms vs Python {theirs_key} "
-                  f"{fmt(runs[theirs_key])} ms" if runs else ""), group=GROUP))
+        theirs = best_python(wh["python_runs"].get(w, {}), PRECISIONS)
+        out.append(faster_row(
+            f"{w} step time, ampx's best mode ({mine_mode}) vs Python's best "
+            f"({variant(theirs) if theirs else 'none ran'})", 1.2, step_of(c, mine_mode), theirs,
+            skipped[2:]))
     forky = wh.get("forky_e2e") or {}
     if not forky:
         out.append(target_row(
@@ -223,7 +301,10 @@ def report(data):
     w(f"ampx-train built against the wheel's LibTorch (`{wh['build']}`) next to the wheel's own "
       f"Python (`{wh['python']}`) on the same models and data (`bench/python`): eager and "
       "`torch.compile`'d (inductor; forward and loss compiled, backward through AOTAutograd, "
-      "AdamW eager), fp32 and `torch.autocast` bf16."
+      "AdamW eager), fp32 and `torch.autocast` bf16, each with torch's default AdamW and with "
+      "`AdamW(fused=True)` (each row names the AdamW that ran; the targets take Python's fastest "
+      "per precision)."
+      + (f" {wh['adamw_skipped']}." if wh.get("adamw_skipped") else "")
       + (" `ampx on 2.14`: ampx-train built against Debian's LibTorch 2.14 (forky chroot)."
          if wh.get("forky_e2e") else "")
       + f" MFU against the wheel build's own products: fp32 {fmt(peaks['fp32'])}, bf16 "
@@ -237,10 +318,11 @@ def report(data):
         rows = e2e.ampx_rows(c)
         if workload in wh.get("forky_e2e", {}):
             rows += e2e.ampx_rows(wh["forky_e2e"][workload], prefix="ampx on 2.14", mfu=False)
-        for precision, compiled in PY_CONFIGS:
-            r = wh["python_runs"].get(workload, {}).get(config_key(precision, compiled))
-            if r:
-                rows.append(e2e.python_row(f"PyTorch {config_key(precision, compiled)}", r))
+        for precision, compiled, adamw in PY_CONFIGS:
+            r = wh["python_runs"].get(workload, {}).get(config_key(precision, compiled, adamw))
+            if r:  # python_row adds the AdamW that ran
+                rows.append(e2e.python_row(
+                    f"PyTorch {'compiled' if compiled else 'eager'} {precision}", r))
         w(f"### {workload} (wheel)")
         w("")
         lines += e2e.workload_table(workload, c["settings"], rows, peaks)

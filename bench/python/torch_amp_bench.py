@@ -46,8 +46,12 @@ ATen's vector ISA and where bf16 products go (torch_runtime.py).
 --linear torch (default) runs nn.Linear, what Python users write; --linear
 libtorch runs the ops of LibTorch's C++ torch::nn::Linear (see ampx_models.py),
 which makes the bf16 forward bit-identical to ampx-train's O1.
---adamw-impl default takes torch's own choice on CPU (the for-loop on 1.13 and
-2.6); the JSON records which one ran.
+--adamw-impl default takes torch's own choice on CPU (the for-loop on 1.13, 2.6
+and 2.15); fused is AdamW(fused=True) (torch >= 2.4 on the CPU; make bench runs
+it beside the default on the wheel); the JSON records which one ran.
+--adamw-impls prints the choices this torch runs on --device as a JSON list
+(["default", "for-loop", "foreach"] on Debian's 1.13, "fused" too from 2.4) and
+exits; an --adamw-impl it lacks is refused before training.
 
   LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/openblas-openmp \\
   /usr/bin/python3 bench/python/torch_amp_bench.py --workload gpt --precision autocast-bf16 \\
@@ -231,19 +235,37 @@ def forward_loss(model, inputs, target, precision, device="cpu"):
         return cross_entropy(output, target), output
 
 
+ADAMW_IMPLS = ("default", "for-loop", "foreach", "fused")
+
+
+def adamw_kwargs(impl):
+    """torch.optim.AdamW's arguments that pick the implementation `impl` (ADAMW_IMPLS)."""
+    return {"default": {}, "for-loop": {"foreach": False}, "foreach": {"foreach": True},
+            "fused": {"fused": True}}[impl]
+
+
 def make_optimizer(model, lr, weight_decay=DEFAULT_WEIGHT_DECAY, impl="default"):
     """torch.optim.AdamW with ampx-train's settings; impl picks the implementation
     (default: whatever this torch picks) and is returned resolved."""
-    kwargs = {}
-    if impl == "foreach":
-        kwargs["foreach"] = True
-    elif impl == "for-loop":
-        kwargs["foreach"] = False
-    elif impl == "fused":
-        kwargs["fused"] = True  # torch >= 2.4 on CPU; older versions raise
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
-                            weight_decay=weight_decay, **kwargs)
+                            weight_decay=weight_decay, **adamw_kwargs(impl))
     return opt, resolved_adamw_impl(opt)
+
+
+def adamw_impls(device="cpu"):
+    """The ADAMW_IMPLS this torch runs on `device`: each that builds an AdamW and steps a
+    tensor. fused: torch >= 2.4 on the CPU (2.0-2.3 refuse CPU tensors; 1.13's AdamW has no
+    fused argument)."""
+    found = ["default"]
+    for impl in ADAMW_IMPLS[1:]:
+        p = torch.zeros(4, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        try:
+            torch.optim.AdamW([p], lr=1e-3, **adamw_kwargs(impl)).step()
+        except (TypeError, RuntimeError, ValueError):
+            continue
+        found.append(impl)
+    return found
 
 
 def resolved_adamw_impl(opt):
@@ -446,8 +468,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=DEFAULT_WEIGHT_DECAY,
                    help="AdamW decoupled weight decay")
-    p.add_argument("--adamw-impl", choices=("default", "for-loop", "foreach", "fused"), default="default",
-                   help="AdamW implementation [default: what this torch picks on CPU]")
+    p.add_argument("--adamw-impl", choices=ADAMW_IMPLS, default="default",
+                   help="AdamW implementation [default: what this torch picks on CPU]; fused: "
+                        "AdamW(fused=True), torch >= 2.4 on the CPU")
+    p.add_argument("--adamw-impls", action="store_true",
+                   help="print the --adamw-impl choices this torch runs on --device (a JSON "
+                        "list) and exit")
     p.add_argument("--linear", choices=LINEARS, default="torch",
                    help="torch: nn.Linear (aten::linear, what Python users run); libtorch: the ops "
                         "LibTorch's C++ torch::nn::Linear runs (matmul + in-place bias add on 3-D inputs)")
@@ -486,6 +512,10 @@ def parse_args(argv=None):
         p.error(f"--compile needs torch.compile (torch >= 2.0); this is torch {torch.__version__}")
     if args.compile and args.warmup == 0:
         p.error("--compile compiles in the first step: --warmup must be >= 1")
+    if args.adamw_impl != "default" and not args.adamw_impls \
+            and args.adamw_impl not in adamw_impls(args.device):
+        p.error(f"--adamw-impl {args.adamw_impl}: this torch ({torch.__version__}) has no such "
+                f"AdamW on {args.device} (fused on the CPU: torch >= 2.4)")
     if args.tf32 and args.device != "cuda":
         p.error("--tf32 is for --device cuda")
     if args.precision == "autocast-fp16" and args.device != "cuda" and not torch.__version__.startswith("2."):
@@ -495,6 +525,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.adamw_impls:
+        print(json.dumps(adamw_impls(args.device)))
+        return
     settings = [("workload", args.workload),
                 ("precision", args.precision + (", torch.compile (inductor)" if args.compile else "")),
                 ("threads", args.threads),
