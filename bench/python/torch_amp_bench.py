@@ -141,8 +141,9 @@ def load_images(data_dir, workload):
     return images, labels
 
 
-def load_text(data_dir, val_fraction=0.1):
-    """(train ids int64, vocab size): Moby Dick by bytes, vocab = sorted distinct bytes, first 90% for training."""
+def load_text_split(data_dir, val_fraction=0.1):
+    """(train ids int64, held-out ids int64, vocab size): Moby Dick by bytes, vocab = sorted
+    distinct bytes, the first 90% for training, the rest held out (data.cpp's load_text)."""
     text = read_bytes(os.path.join(data_dir, "moby-dick", "data.txt"))
     byte_ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     vocab = torch.unique(byte_ids)  # sorted
@@ -150,7 +151,14 @@ def load_text(data_dir, val_fraction=0.1):
     lut[vocab] = torch.arange(vocab.numel())
     n = len(text)
     n_val = int(math.floor(n * val_fraction + 0.5))  # std::llround: halves away from zero
-    return lut[byte_ids[: n - n_val]], vocab.numel()
+    ids = lut[byte_ids]
+    return ids[: n - n_val], ids[n - n_val:], vocab.numel()
+
+
+def load_text(data_dir, val_fraction=0.1):
+    """(train ids int64, vocab size): load_text_split's training split."""
+    train, _, vocab = load_text_split(data_dir, val_fraction)
+    return train, vocab
 
 
 def generator_for(seed, stream, index):
