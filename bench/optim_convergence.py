@@ -18,6 +18,10 @@ Resumable: a run whose result.json exists is read, not rerun; ampx-train writes 
 folder that becomes the run's only once it finished, so a killed run starts over. Runs are
 sequential, in the order of COMBOS then seeds: cut short, it leaves whole combinations.
 
+With <out>/anchor/*.json (bench/python/low_bit_optim_convergence.py's results) a second gpt
+table sets torchao's AdamW8bit and AdamWFp8 (and torch's AdamW) beside ampx's run of the same
+seed, steps and moments format (fp32 masters), against the same seed spread.
+
 Writes <out>/<workload>-<steps>/<masters>-<state>/seed<S>/result.json per run, and
 <out>/<workload>-<steps>/convergence.json (its runs) and convergence.md (its table).
 
@@ -38,6 +42,10 @@ COMBOS = [("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "fp8"), ("fp32", "8bit"),
 BASELINE = COMBOS[0]
 PRECISION = "O2"
 REL_TARGET = 0.005  # 8-bit and FP8 state: within 0.5% of the baseline
+# bench/python/low_bit_optim_convergence.py's optimizers and the ampx combination each anchors:
+# fp32 parameters under bf16 autocast against O2's bf16 weights with fp32 masters.
+ANCHORS = {"torchao-adamw8bit": ("fp32", "8bit"), "torchao-adamwfp8": ("fp32", "fp8"),
+           "torch-adamw": ("fp32", "fp32")}
 
 
 def log(*a):
@@ -143,6 +151,41 @@ def table(args, workload):
     return lines
 
 
+def anchor_table(args, workload):
+    """torchao's (and torch's) runs of bench/python/low_bit_optim_convergence.py in
+    <out>/anchor/*.json beside ampx's run of the same seed and combination."""
+    d = os.path.join(args.out, "anchor")
+    if workload != "gpt" or not os.path.isdir(d):
+        return []
+    base = [r["test_loss"] for r in stored(args, workload, *BASELINE)]
+    spread = max(base) - min(base) if base else None
+    lines = [f"Against the anchor (gpt, {args.steps} steps; the seed spread is ampx's fp32/fp32 "
+             f"max - min over seeds {' '.join(map(str, args.seeds))}"
+             + (f": {spread:.4f}" if spread is not None else "") + "):", "",
+             "| anchor | seed | anchor test loss | ampx masters / state | ampx test loss "
+             "| ampx - anchor | within spread |", "|---|---|---|---|---|---|---|"]
+    for name in sorted(os.listdir(d)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(d, name)) as f:
+            a = json.load(f)
+        if a["steps"] != args.steps or a["optimizer"] not in ANCHORS:
+            continue
+        masters, state = ANCHORS[a["optimizer"]]
+        mine = [r for r in stored(args, workload, masters, state) if r["seed"] == a["seed"]]
+        if not mine:
+            lines.append(f"| {a['optimizer']} | {a['seed']} | {a['test_loss']:.4f} | "
+                         f"{masters} / {state} | not run | | |")
+            continue
+        diff = mine[0]["test_loss"] - a["test_loss"]
+        within = "" if spread is None else ("yes" if abs(diff) <= spread else "no")
+        lines.append(f"| {a['optimizer']} (torch {a['torch_version']}, torchao "
+                     f"{a['torchao_version']}) | {a['seed']} | {a['test_loss']:.4f} | "
+                     f"{masters} / {state} | {mine[0]['test_loss']:.4f} | "
+                     f"{diff:+.4f} ({diff / a['test_loss']:+.2%}) | {within} |")
+    return lines
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ampx-train", required=True, help="the ampx-train program")
@@ -166,6 +209,9 @@ def main():
     for workload in args.workloads:
         runs = [r for c in COMBOS for r in stored(args, workload, *c)]
         lines = table(args, workload)
+        anchor = anchor_table(args, workload)
+        if anchor:
+            lines += [""] + anchor
         d = os.path.join(args.out, f"{workload}-{args.steps}")
         os.makedirs(d, exist_ok=True)
         with open(os.path.join(d, "convergence.json"), "w") as f:
