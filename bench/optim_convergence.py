@@ -10,6 +10,9 @@ changing only --masters and --optimizer-state, so the baseline is O2's own defau
 masters, fp32 moments). A run's final test loss is compare.json's test_loss (ampx-train's
 end-of-run evaluation: gpt, --eval-batches held-out batches; the image workloads, the test split).
 
+"same-seed differences" are each seed's test loss less the baseline's of that seed (the same
+initial weights and batches: only the format differs).
+
 Targets (the issue's): bf16 state and Kahan masters within the seed spread, i.e. |mean - the
 baseline's mean| <= the baseline's max - min over its seeds; 8-bit and FP8 state (with any
 masters) within 0.5% of the baseline's mean.
@@ -118,20 +121,25 @@ def stored(args, workload, masters, state):
 
 def table(args, workload):
     """The markdown table of one workload from its stored runs."""
-    base = [r["test_loss"] for r in stored(args, workload, *BASELINE)]
+    base_runs = {r["seed"]: r["test_loss"] for r in stored(args, workload, *BASELINE)}
+    base = list(base_runs.values())
     lines = [f"{workload}, {args.steps} steps, --precision {PRECISION}, seeds "
              f"{' '.join(map(str, args.seeds))}:", "",
              "| masters | optimizer state | seeds | mean test loss | min-max | vs fp32/fp32 "
-             "| target | met |", "|---|---|---|---|---|---|---|---|"]
+             "| same-seed differences | target | met |", "|---|---|---|---|---|---|---|---|---|"]
     if not base:
         return lines + ["(no baseline runs)"]
     b_mean = statistics.mean(base)
     spread = max(base) - min(base)
     for masters, state in COMBOS:
-        losses = [r["test_loss"] for r in stored(args, workload, masters, state)]
+        runs = stored(args, workload, masters, state)
+        losses = [r["test_loss"] for r in runs]
         if not losses:
-            lines.append(f"| {masters} | {state} | 0 | not run | | | | |")
+            lines.append(f"| {masters} | {state} | 0 | not run | | | | | |")
             continue
+        # The same seed: the same initial weights and batches, only the format differs.
+        paired = " ".join(f"{r['test_loss'] - base_runs[r['seed']]:+.4f}" for r in runs
+                          if r["seed"] in base_runs)
         mean = statistics.mean(losses)
         rel = (mean - b_mean) / b_mean
         kind = target_of(masters, state)
@@ -147,7 +155,7 @@ def table(args, workload):
                 met += " (partial seeds)"
         lines.append(f"| {masters} | {state} | {len(losses)} | {mean:.4f} | "
                      f"{min(losses):.4f}-{max(losses):.4f} | {rel:+.2%} "
-                     f"({mean - b_mean:+.4f}) | {target} | {met} |")
+                     f"({mean - b_mean:+.4f}) | {paired} | {target} | {met} |")
     return lines
 
 
