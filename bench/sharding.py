@@ -2,19 +2,26 @@
 """Bytes per parameter on each rank under ampx-train's --shard settings.
 
     bench/sharding.py [--build build/host] [--out runs/bench] [--worlds 1,2,4]
-                      [--wheel-build build/wheel --wheel-python PY]
+                      [--layers 12] [--wheel-build build/wheel --wheel-python PY]
 
-One gpt whose parameters dominate its memory (4 layers of d 768: 28.4M
-parameters; context 64, 2 sequences per rank, so activations are a few MiB)
-trained 3 steps in O2 (bf16) with AdamW, by ampx-train at every world size
-and sharding: none (DDP), optimizer (ZeRO-1), grad (ZeRO-2), full (ZeRO-3).
-Each rank's peak of allocated tensor bytes (ampx-train's tracking allocator,
-`rank_peak_bytes` in its result) over the parameter count is the table.
+One gpt whose parameters dominate its memory (GPT-2 small's blocks: 12 layers
+of d 768, 85.2M parameters; context 64, 2 sequences per rank, so activations
+are a few MiB a layer) trained 3 steps in O2 (bf16) with AdamW, by ampx-train
+at every world size and sharding: none (DDP), optimizer (ZeRO-1), grad
+(ZeRO-2), full (ZeRO-3). Each rank's peak of allocated tensor bytes
+(ampx-train's tracking allocator, `rank_peak_bytes` in its result) over the
+parameter count is the table, beside what rank 0 keeps between steps,
+measured from its tensors after the last step (`weight_bytes`: weights and
+gradients, under grad and full the fp32 shards and theirs; `optimizer_bytes`:
+masters where the optimizer keeps them, moments), the most gathered
+parameters it held at once (`gathered_bytes`) and the rest of the peak
+(activations, DDP's buckets, the reduce-scatter's fp32 buffer, transients).
 
-The expected peaks (O2, B bytes per parameter): DDP 2 (bf16 weights) + 2
-(bf16 gradients) + 4 (fp32 masters) + 8 (AdamW's two moments) = 16, plus
-DDP's flat gradient buckets; ZeRO-3 16/N plus the largest gathered unit
-(one block in bf16: 7.1M parameters, 14 MiB) and its gradients' buffers.
+The expected bytes kept (O2, per parameter): DDP 2 (bf16 weights) + 2 (bf16
+gradients) + 4 (fp32 masters) + 8 (AdamW's two moments) = 16, plus DDP's flat
+gradient buckets; ZeRO-3 16/N (fp32 shards, their gradients, the moments),
+and the gathered units: one block in bf16 (7.1M parameters, 14 MiB), two
+while the next one's gather is in flight.
 With --wheel-build and --wheel-python (as `make bench` passes them), a second
 table sets ampx-train built against the wheel's LibTorch beside the anchor a
 Python user picks instead, PyTorch's FSDP2 in the wheel's Python
@@ -36,22 +43,27 @@ import statistics
 import subprocess
 import sys
 
-LAYERS, D, HEADS, BLOCK, ROWS_PER_RANK, STEPS = 4, 768, 12, 64, 2, 3
+LAYERS, D, HEADS, BLOCK, ROWS_PER_RANK, STEPS = 12, 768, 12, 64, 2, 3
+ANCHOR_LAYERS = 4  # FSDP2's comparison: 20 steps x 3 seeds x 2 sides x 2 shardings
 SHARDINGS = ["none", "optimizer", "grad", "full"]
 ANCHOR_WORLD, ANCHOR_STEPS, ANCHOR_SEEDS = 2, 20, (1337, 1, 2)
 
 
-def gpt_parameters(vocab):
-    """gpt's parameter count (apps/workloads/models.h): embedding, positions,
-    blocks of two LayerNorms, qkv, proj, fc and out Linears, ln_f, head."""
-    block = 2 * 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + (D * 4 * D + 4 * D) + (4 * D * D + D)
-    return vocab * D + BLOCK * D + LAYERS * block + 2 * D + (D * vocab + vocab)
+def block_parameters():
+    """One gpt block's parameters (apps/workloads/models.h): two LayerNorms,
+    the qkv, proj, fc and out Linears: the largest unit of --shard full."""
+    return 2 * 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + (D * 4 * D + 4 * D) + (4 * D * D + D)
 
 
-def run_one(exe, out, world, shard, data_dir, steps=STEPS, seed=None, tag=""):
-    name = f"shard-{shard}-{world}{tag}"
+def gpt_parameters(vocab, layers=LAYERS):
+    """gpt's parameter count: embedding, positions, the blocks, ln_f, head."""
+    return vocab * D + BLOCK * D + layers * block_parameters() + 2 * D + (D * vocab + vocab)
+
+
+def run_one(exe, out, world, shard, data_dir, steps=STEPS, seed=None, tag="", layers=LAYERS):
+    name = f"shard-{shard}-{world}-{layers}l{tag}"
     result = os.path.join(out, name + ".json")
-    cmd = [exe, "--workload", "gpt", "--precision", "O2", "--layers", str(LAYERS),
+    cmd = [exe, "--workload", "gpt", "--precision", "O2", "--layers", str(layers),
            "--d-model", str(D), "--heads", str(HEADS), "--block-size", str(BLOCK),
            "--batch-size", str(ROWS_PER_RANK * world), "--steps", str(steps),
            "--eval-batches", "1", "--progress", "none", "--threads", "1",
@@ -69,7 +81,9 @@ def run_one(exe, out, world, shard, data_dir, steps=STEPS, seed=None, tag=""):
         r = json.load(f)
     peaks = r.get("rank_peak_bytes") or [r["peak_bytes"]]
     return {"rank_peak_bytes": peaks, "median_step_ms": r.get("median_step_ms"),
-            "losses": r.get("losses")}
+            "losses": r.get("losses"), "weight_bytes": r.get("weight_bytes"),
+            "optimizer_bytes": r.get("optimizer_bytes"),
+            "gathered_bytes": r.get("gathered_bytes", 0)}
 
 
 def run_fsdp2(python, out, shard, seed, data_dir):
@@ -78,7 +92,7 @@ def run_fsdp2(python, out, shard, seed, data_dir):
     name = f"fsdp2-{shard}-{ANCHOR_WORLD}-seed{seed}"
     result = os.path.join(out, name + ".json")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "fsdp2_bench.py")
-    cmd = [python, script, "--world", str(ANCHOR_WORLD), "--layers", str(LAYERS),
+    cmd = [python, script, "--world", str(ANCHOR_WORLD), "--layers", str(ANCHOR_LAYERS),
            "--d-model", str(D), "--heads", str(HEADS), "--block-size", str(BLOCK),
            "--batch-size", str(ROWS_PER_RANK * ANCHOR_WORLD), "--steps", str(ANCHOR_STEPS),
            "--seed", str(seed), "--threads", "1", "--json", result,
@@ -111,13 +125,13 @@ def anchor(args, out):
     for shard in ("full", "grad"):
         for seed in ANCHOR_SEEDS:
             ampx = run_one(exe, out, ANCHOR_WORLD, shard, data_dir, steps=ANCHOR_STEPS, seed=seed,
-                           tag=f"-wheel-seed{seed}")
+                           tag=f"-wheel-seed{seed}", layers=ANCHOR_LAYERS)
             torch_ = run_fsdp2(python, out, shard, seed, data_dir)
             runs[f"{shard}/{seed}"] = {"ampx": ampx, "fsdp2": torch_}
             print(f"sharding anchor: {shard} seed {seed}: ampx {ampx.get('median_step_ms')} ms, "
                   f"fsdp2 {torch_.get('median_step_ms')} ms", file=sys.stderr)
     return {"world": ANCHOR_WORLD, "steps": ANCHOR_STEPS, "seeds": list(ANCHOR_SEEDS),
-            "runs": runs}
+            "layers": ANCHOR_LAYERS, "runs": runs}
 
 
 def vocab_of(data_dir):
@@ -132,17 +146,55 @@ def vocab_of(data_dir):
 
 def measure(args, out, worlds=(1, 2, 4)):
     exe = os.path.join(args.build, "apps", "ampx-train", "ampx-train")
+    layers = getattr(args, "layers", LAYERS)
     runs = {}
     for world in worlds:
         for shard in (SHARDINGS if world > 1 else ["none"]):
             runs[f"{shard}/{world}"] = run_one(exe, out, world, shard,
-                                              getattr(args, "data_dir", None))
+                                              getattr(args, "data_dir", None), layers=layers)
             print(f"sharding: {shard} x{world}: {runs[f'{shard}/{world}']}", file=sys.stderr)
     vocab = vocab_of(getattr(args, "data_dir", None))
-    return {"layers": LAYERS, "d_model": D, "heads": HEADS, "block_size": BLOCK,
+    return {"layers": layers, "d_model": D, "heads": HEADS, "block_size": BLOCK,
             "rows_per_rank": ROWS_PER_RANK, "steps": STEPS, "vocab": vocab,
-            "parameters": gpt_parameters(vocab) if vocab else None, "runs": runs,
+            "parameters": gpt_parameters(vocab, layers) if vocab else None,
+            "block_parameters": block_parameters(), "runs": runs,
             "anchor": anchor(args, out)}
+
+
+def kept_bytes(r):
+    """What rank 0 keeps between steps: weights, gradients, masters, moments."""
+    return (r.get("weight_bytes") or 0) + (r.get("optimizer_bytes") or 0)
+
+
+def target_lines(result):
+    """Issue 64's memory target at each world size: ZeRO-3's per rank within
+    10% of DDP's over N plus the largest unit's gathered size (one block in
+    bf16), on what each rank keeps plus what it gathers, and on the peak."""
+    n, runs = result["parameters"], result["runs"]
+    unit = 2 * result["block_parameters"]
+    lines = []
+    for key, r in runs.items():
+        shard, world = key.split("/")
+        ddp = runs.get(f"none/{world}")
+        if shard != "full" or not ddp or "error" in r or "error" in ddp:
+            continue
+        w = int(world)
+        kept = kept_bytes(r) + r["gathered_bytes"]
+        kept_mark = kept_bytes(ddp) / w + unit
+        peak, peak_mark = max(r["rank_peak_bytes"]), max(ddp["rank_peak_bytes"]) / w + unit
+        verdict = lambda got, mark: "met" if got <= 1.1 * mark else "missed"
+        lines.append(f"- {w} ranks: kept and gathered {kept / n:.2f} B/param against DDP's "
+                     f"{kept_bytes(ddp) / n:.2f} / {w} + one block {unit / n:.2f} = "
+                     f"{kept_mark / n:.2f}: {kept / kept_mark:.2f}x, "
+                     f"{verdict(kept, kept_mark)}; peak {peak / n:.2f} against "
+                     f"{max(ddp['rank_peak_bytes']) / n:.2f} / {w} + {unit / n:.2f} = "
+                     f"{peak_mark / n:.2f} (activations and buffers that do not shrink with "
+                     f"the ranks divided too): {peak / peak_mark:.2f}x, "
+                     f"{verdict(peak, peak_mark)}.")
+    if lines:
+        lines = ["Target (issue 64): ZeRO-3 within 1.10x of DDP's per rank over N plus the "
+                 "largest unit gathered:", ""] + lines + [""]
+    return lines
 
 
 def report(result):
@@ -153,23 +205,33 @@ def report(result):
              f"ampx-train gpt, O2 (bf16, AdamW), {result['layers']} layers of d "
              f"{result['d_model']} ({n / 1e6:.1f}M parameters), context {result['block_size']}, "
              f"{result['rows_per_rank']} sequences per rank, {result['steps']} steps, ranks on "
-             "this machine over Gloo. Each rank's peak of allocated tensor bytes (ampx's "
-             "tracking allocator) over the parameter count; the largest rank's.", "",
-             "| ranks | sharding | bytes/param (largest rank) | per rank MiB | median step ms |",
-             "| ---: | --- | ---: | --- | ---: |"]
+             "this machine over Gloo. Peak: each rank's most allocated tensor bytes (ampx's "
+             "tracking allocator) over the parameter count, the largest rank's. Kept: rank 0's "
+             "weights, gradients, masters and moments after the last step, measured from its "
+             "tensors; gathered: the most gathered parameters rank 0 held at once; rest: the "
+             "peak less both (activations, DDP's buckets, the reduce-scatter's fp32 buffer, "
+             "transients).", "",
+             "| ranks | sharding | peak B/param (largest rank) | kept | gathered | rest | "
+             "per rank MiB | median step ms |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
     for key, r in result["runs"].items():
         shard, world = key.split("/")
         if "error" in r:
-            lines.append(f"| {world} | {shard} | failed: {' '.join(r['error'])} | | |")
+            lines.append(f"| {world} | {shard} | failed: {' '.join(r['error'])} | | | | | |")
             continue
         peaks = r["rank_peak_bytes"]
         mib = ", ".join(f"{p / 2**20:.0f}" for p in peaks)
         step = r.get("median_step_ms")
-        lines.append(f"| {world} | {shard} | {max(peaks) / n:.2f} | {mib} | "
-                     f"{step:.0f} |" if step else f"| {world} | {shard} | {max(peaks) / n:.2f} | "
-                     f"{mib} | - |")
+        kept, gathered = kept_bytes(r), r.get("gathered_bytes") or 0
+        rest = peaks[0] - kept - gathered
+        lines.append(f"| {world} | {shard} | {max(peaks) / n:.2f} | {kept / n:.2f} | "
+                     f"{gathered / n:.2f} | {rest / n:.2f} | {mib} | "
+                     + (f"{step:.0f} |" if step else "- |"))
     lines.append("")
-    return lines + report_anchor(result.get("anchor"), n)
+    lines += target_lines(result)
+    anchor_n = gpt_parameters(result["vocab"], result["anchor"].get("layers", LAYERS)) \
+        if result.get("anchor") and result.get("vocab") else n
+    return lines + report_anchor(result.get("anchor"), anchor_n)
 
 
 def final_loss(losses):
@@ -185,7 +247,7 @@ def report_anchor(anchor, n):
     first = next((r["fsdp2"] for r in anchor["runs"].values() if "error" not in r["fsdp2"]), {})
     rt = first.get("runtime", {})
     lines = [f"### Against PyTorch's FSDP2 ({anchor['world']} ranks)", "",
-             f"The same gpt, O2 against FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, "
+             f"A gpt of {anchor.get('layers', LAYERS)} layers of d {D}, O2 against FSDP2's `MixedPrecisionPolicy(param_dtype=bfloat16, "
              f"reduce_dtype=float32)` with `fully_shard` per block and on the root and "
              f"`torch.optim.AdamW(fused=True)` (bench/python/fsdp2_bench.py, torch "
              f"{first.get('torch_version', '?')}, fp32 BLAS {rt.get('fp32_blas', '?')}, ATen "
@@ -231,6 +293,8 @@ def main():
                                                    "host"))
     p.add_argument("--out", default=os.path.join("runs", "bench"))
     p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="gpt blocks of the memory table (12: GPT-2 small's)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--wheel-build", default=None, help="ampx built on the wheel's LibTorch")

@@ -39,6 +39,8 @@ struct TrainConfig {
   double weight_decay = 0.01;
   std::string masters;                   // --masters fp32|kahan|stochastic; "": the mode's
   std::string optimizer_state = "fp32";  // --optimizer-state fp32|bf16|fp8|8bit
+  double init_scale = 0;                 // --init-scale: the loss scaler's first scale; 0: 65536
+  int64_t growth_interval = 0;           // --growth-interval: its steps between growths; 0: 2000
   uint64_t seed = 1337;
   bool tf32 = false;  // --tf32: TF32 fp32 products and convolutions (CUDA)
   // gpt model shape

@@ -107,6 +107,7 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
     setup.amp = std::make_unique<ampx::AmpSession>(
         ampx::initialize(setup.model, {setup.optimizer.get()}, amp_options));
   }
+  apply_loss_scale_options(config, setup.amp->scaler());
   // Every submodule by its path, for the numerics diagnostics: ops that take
   // a parameter of "blocks.0.fc" run in that scope (after initialize(): the
   // parameters it cast are the ones the forward takes).

@@ -21,6 +21,16 @@ void add_optimizer_options(CLI::App& app, TrainConfig& c) {
                  "elements keep fp32")
       ->check(CLI::IsMember({"fp32", "bf16", "fp8", "8bit"}))
       ->capture_default_str();
+  app.add_option("--init-scale", c.init_scale,
+                 "fp16's loss scaler: its first scale (torch.amp.GradScaler's init_scale) "
+                 "[default: 65536]")
+      ->check(CLI::PositiveNumber)
+      ->default_str("65536");
+  app.add_option("--growth-interval", c.growth_interval,
+                 "fp16's loss scaler: steps without inf/NaN gradients before the scale doubles "
+                 "(torch.amp.GradScaler's growth_interval) [default: 2000]")
+      ->check(CLI::PositiveNumber)
+      ->default_str("2000");
 }
 
 void check_optimizer_config(const TrainConfig& c) {
@@ -32,6 +42,11 @@ void check_optimizer_config(const TrainConfig& c) {
   TORCH_CHECK(!(c.masters == "stochastic" && c.dtype == "fp16"),
               "ampx-train: --masters stochastic rounds bf16 weights; with --dtype fp16 use fp32 "
               "or kahan");
+  const bool scaler_flag = c.init_scale > 0 || c.growth_interval > 0;
+  TORCH_CHECK(!scaler_flag || c.dtype == "fp16",
+              "ampx-train: ", c.init_scale > 0 ? "--init-scale" : "--growth-interval",
+              " sets fp16's loss scaler; --dtype ", c.dtype,
+              " trains without loss scaling: add --dtype fp16 or drop the flag");
   for (const auto& name : modes_of(c)) {
     const Mode mode = parse_mode(name, c);
     TORCH_CHECK(!(c.masters == "fp32" && mode.level == ampx::OptLevel::O3),
@@ -63,6 +78,14 @@ void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
   options.state_format(ampx::optim::state_format_from_name(c.optimizer_state));
 }
 
+void apply_loss_scale_options(const TrainConfig& c, ampx::GradScaler& scaler) {
+  if (!scaler.is_enabled() || (c.init_scale <= 0 && c.growth_interval <= 0)) return;
+  auto state = scaler.state_dict();  // the session's bounds and factors, kept
+  if (c.init_scale > 0) state["scale"] = c.init_scale;
+  if (c.growth_interval > 0) state["growth_interval"] = c.growth_interval;
+  scaler.load_state_dict(state);
+}
+
 std::string optimizer_description(const TrainConfig& c) {
   std::ostringstream s;
   s << "moments " << c.optimizer_state;
@@ -73,6 +96,10 @@ std::string optimizer_description(const TrainConfig& c) {
     per_mode += (per_mode.empty() ? "" : ", ") + name + " " + masters;
   }
   if (!per_mode.empty()) s << "; 16-bit weights' lost bits: " << per_mode;
+  if (c.init_scale > 0 || c.growth_interval > 0) {
+    s << "; fp16 loss scale from " << (c.init_scale > 0 ? c.init_scale : 65536.0)
+      << ", doubled after " << (c.growth_interval > 0 ? c.growth_interval : 2000) << " clean steps";
+  }
   return s.str();
 }
 

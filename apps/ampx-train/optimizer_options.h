@@ -3,7 +3,8 @@
 // How ampx-train's AdamW keeps its state: --masters (what keeps a 16-bit
 // weight's lost bits) and --optimizer-state (the moments' format), their
 // checks, their row of the settings table, and the bytes the optimizer
-// holds for the results.
+// holds for the results; and fp16's loss scaler (--init-scale,
+// --growth-interval).
 //
 //   add_optimizer_options(app, config);          // the flags
 //   check_optimizer_config(config);              // from resolve_defaults()
@@ -36,6 +37,10 @@ std::string masters_of(const TrainConfig& config, const Mode& mode);
 /// keep no masters where O2's 16-bit weights keep their lost bits another way.
 void apply_optimizer_options(const TrainConfig& config, const Mode& mode,
                              ampx::optim::AdamWOptions& options, ampx::AmpOptions& amp_options);
+
+/// Sets `scaler` (a mode's loss scaler, when it has one) to start at
+/// --init-scale and grow every --growth-interval clean steps, where given.
+void apply_loss_scale_options(const TrainConfig& config, ampx::GradScaler& scaler);
 
 /// The settings table's row: the masters per mode and the moments' format.
 std::string optimizer_description(const TrainConfig& config);

@@ -22,6 +22,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("optimizer_bytes", r.optimizer_bytes);
   visit("params", r.params);
   visit("weight_bytes", r.weight_bytes);
+  visit("gathered_bytes", r.gathered_bytes);
   visit("train_loss", r.train_loss);
   visit("eval", r.eval);
   visit("skipped", r.skipped);
@@ -41,7 +42,8 @@ void for_each_field(Result& r, Visit&& visit) {
 bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
          name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes" ||
-         name == "optimizer_bytes" || name == "params" || name == "weight_bytes";
+         name == "optimizer_bytes" || name == "params" || name == "weight_bytes" ||
+         name == "gathered_bytes";
 }
 
 template <typename T>

@@ -34,8 +34,11 @@ struct RunResult {
   /// sharded runs: rank 0's share), and the model's parameter count.
   int64_t optimizer_bytes = 0;
   int64_t params = 0;
-  /// The model's parameters and gradients after the last step (rank 0's).
+  /// The model's parameters and gradients after the last step (rank 0's;
+  /// --shard grad/full: its fp32 shards and their gradients).
   int64_t weight_bytes = 0;
+  /// --shard grad/full: the most bytes of gathered parameters rank 0 held at once.
+  int64_t gathered_bytes = 0;
   double train_loss = 0;       // mean loss of the last tenth of the steps
   EvalResult eval;             // held-out loss and bpc / accuracy at the end
   int64_t skipped = 0;         // optimizer steps skipped for inf/NaN gradients

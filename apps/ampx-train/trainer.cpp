@@ -436,6 +436,10 @@ RunResult ModeRun::finish() {
   result.optimizer_bytes = optimizer_state_bytes(*setup_.optimizer);
   result.params = setup_.model_params;
   result.weight_bytes = weight_and_grad_bytes(*setup_.model);
+  if (setup_.fsdp) {  // between steps the model's parameters are empty; its shards are here
+    result.weight_bytes += setup_.fsdp->sharded_bytes();
+    result.gathered_bytes = setup_.fsdp->peak_gathered_bytes();
+  }
   result.nonfinite_summary = diagnostics_.nonfinite_summary();
   if (config_.range_stats && lead_) {
     const auto path = fs::path(config_.out_dir) / ("range-stats-" + mode_.name + ".json");

@@ -7,10 +7,18 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <utility>
 #include <vector>
 
 namespace ampx {
 namespace dist {
+
+std::pair<double, double> divide_factors(int64_t world, c10::ScalarType dtype) {
+  if (dtype != c10::kHalf) return {1.0, static_cast<double>(world)};
+  int64_t factor = 1;
+  while (world % factor == 0 && world / factor > factor) factor *= 2;
+  return {static_cast<double>(factor), static_cast<double>(world) / static_cast<double>(factor)};
+}
 
 #if defined(AMPX_WITH_DIST)
 

@@ -69,7 +69,9 @@ struct DistributedDataParallel::Impl {
     for (int64_t i = static_cast<int64_t>(params.size()) - 1; i >= 0; --i) {
       const auto& p = params[i];
       auto dtype = options.communication_dtype().value_or(p.scalar_type());
-      if (dtype == at::kBFloat16 && !bf16_sums) dtype = at::kFloat;  // widen: exact, 2x bytes
+      if (std::count(unsummable.begin(), unsummable.end(), dtype) > 0) {
+        dtype = at::kFloat;  // widen: exact, 2x bytes
+      }
       const auto width = static_cast<int64_t>(c10::elementSize(dtype));
       const int64_t cap = buckets.size() == 1
                               ? std::min(options.first_bucket_cap_bytes(), options.bucket_cap_bytes())
@@ -116,6 +118,10 @@ struct DistributedDataParallel::Impl {
   void launch_ready_buckets() {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       auto& b = buckets[next_bucket++];
+      // fp16 sums of `world` gradients overflow where their mean does not:
+      // part of the division comes first (PyTorch's DDP divides it all first).
+      const double pre = divide_factors(group.world_size(), b.flat.scalar_type()).first;
+      if (pre != 1.0) b.flat.div_(pre);
       b.work =
           detail::ProcessGroupAccess::impl(group).all_reduce_async(b.flat, c10d::ReduceOp::SUM);
     }
@@ -154,8 +160,8 @@ struct DistributedDataParallel::Impl {
                   ". Construct it with find_unused_parameters(true) to treat them as zero, or "
                   "freeze them (requires_grad false) before wrapping");
     }
-    const double inv_world = 1.0 / static_cast<double>(group.world_size());
     for (auto& b : buckets) {
+      const double post = divide_factors(group.world_size(), b.flat.scalar_type()).second;
       try {
         b.work->wait(detail::ProcessGroupAccess::impl(group).collective_timeout);
       } catch (const std::exception& e) {
@@ -165,7 +171,7 @@ struct DistributedDataParallel::Impl {
       bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
       for (const int64_t i : b.params) {
         auto& p = params[i];
-        auto averaged = view_of(i).view(p.sizes()).to(p.scalar_type()).mul_(inv_world);
+        auto averaged = view_of(i).view(p.sizes()).to(p.scalar_type()).mul_(1.0 / post);
         if (p.grad().defined()) {
           p.mutable_grad().copy_(averaged);
         } else {
@@ -196,7 +202,7 @@ struct DistributedDataParallel::Impl {
   size_t next_bucket = 0;  // the first bucket not launched yet
   std::vector<unsigned> hooks;
   bool sync = true;
-  bool bf16_sums = true;  // whether this Gloo can all-reduce bfloat16
+  std::vector<at::ScalarType> unsummable;  // 16-bit types this Gloo cannot all-reduce
   int64_t bytes = 0;
   std::mutex mutex;
 };
@@ -255,18 +261,20 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
           "float32", other_works ? "" : " (it cannot sum Half or BFloat16)", ": ", error);
     }
   }
-  // bfloat16 gradients (O2/O3 models) travel as they are where Gloo can sum
-  // them and widened to float32 where it cannot (LibTorch 1.13).
-  bool has_bf16 = false;
-  for (const auto& p : impl->module->parameters()) {
-    has_bf16 = has_bf16 || (p.requires_grad() && p.scalar_type() == at::kBFloat16);
-  }
-  if (has_bf16 && !cdt) {
-    auto probe = torch::ones({1}, torch::TensorOptions().dtype(at::kBFloat16).device(device));
+  // 16-bit gradients (O2/O3 models) travel as they are where Gloo can sum
+  // them and widened to float32 where it cannot (bfloat16 on LibTorch 1.13,
+  // both on Debian's 2.14). Every rank probes the same types: its parameters'.
+  for (const auto type : {at::kBFloat16, at::kHalf}) {
+    bool has = false;
+    for (const auto& p : impl->module->parameters()) {
+      has = has || (p.requires_grad() && p.scalar_type() == type);
+    }
+    if (!has || cdt) continue;
+    auto probe = torch::ones({1}, torch::TensorOptions().dtype(type).device(device));
     try {
       impl->group.all_reduce_sum(probe);
     } catch (const c10::Error&) {
-      impl->bf16_sums = false;
+      impl->unsummable.push_back(type);
     }
   }
   impl->build_buckets();

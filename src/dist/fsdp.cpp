@@ -59,18 +59,6 @@ void release_storage(const at::Tensor& t) {
   storage->set_nbytes(0);
 }
 
-namespace {
-
-/// FSDP's factors around the sum (fp16: a power of two near sqrt(world)
-/// before it, the rest after; otherwise all after).
-std::pair<double, double> divide_factors(int64_t world, at::ScalarType reduce_dtype) {
-  if (reduce_dtype != at::kHalf) return {1.0, static_cast<double>(world)};
-  int64_t factor = 1;
-  while (world % factor == 0 && world / factor > factor) factor *= 2;
-  return {static_cast<double>(factor), static_cast<double>(world) / static_cast<double>(factor)};
-}
-
-}  // namespace
 }  // namespace fsdp
 
 using fsdp::Space;
@@ -192,7 +180,7 @@ void FullyShardedDataParallel::Impl::on_grad(int64_t i) {
 }
 
 void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
-  const double pre = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).first;
+  const double pre = divide_factors(group.world_size(), options.reduce_dtype()).first;
   if (pre != 1.0) s.reduce_in.div_(pre);
   s.reduce_out = at::empty({s.master.numel()}, s.reduce_in.options());
   s.reduce =
@@ -214,7 +202,7 @@ void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
 
 void FullyShardedDataParallel::Impl::finish_reduce(Space& s) {
   torch::NoGradGuard no_grad;
-  const double post = fsdp::divide_factors(group.world_size(), options.reduce_dtype()).second;
+  const double post = divide_factors(group.world_size(), options.reduce_dtype()).second;
   detail::ProcessGroupAccess::impl(group).wait(s.reduce);
   s.reduce_in = at::Tensor();  // the unit's full-size buffer: free as soon as the sum is in
   auto mean = s.reduce_out.scalar_type() == at::kFloat ? s.reduce_out : s.reduce_out.to(at::kFloat);

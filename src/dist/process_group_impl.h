@@ -43,6 +43,13 @@ inline std::string message_of(const std::exception& e) {
   return e.what();
 }
 
+/// The factors a gradient mean's sum is divided by, before and after it:
+/// fp16 divides by a power of two near sqrt(world) before the sum and by the
+/// rest after, so that neither the sum of large gradients overflows nor small
+/// ones underflow (FSDP's rule; on 2 ranks all of it before, where a sum of
+/// finite halves cannot overflow); other dtypes divide once, after.
+std::pair<double, double> divide_factors(int64_t world, c10::ScalarType dtype);
+
 #if defined(AMPX_WITH_DIST)
 // What Gloo and NCCL groups derive from: c10d::Backend since LibTorch 2.0,
 // c10d::ProcessGroup before; both have the collectives used here.

@@ -5,7 +5,7 @@
 //   ampx_dist_worker <scenario> <out-file>
 //   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
-//              unused-order | grads-fp32 | grads-fp16 | grads-bf16
+//              unused-order | grads-fp32 | grads-fp16 | grads-bf16 | fp16-sum
 //              fp8 | fp8-local | plan-watch | plan-watch-alone
 //              mismatch-shape | mismatch-count | mismatch-dtype | mismatch-options
 //              (the last rank wraps another model, or the same with other
@@ -21,7 +21,6 @@
 #include <ampx/debug.h>
 #include <ampx/dist.h>
 #include <ampx/fp8/autocast.h>
-#include <ampx/precision_plan.h>
 #include <ampx/serialize.h>
 #include <ampx/zero.h>
 
@@ -36,6 +35,12 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace dist_worker {
+/// The plan-watch scenarios (dist_worker_plan.cpp).
+int run_plan_watch(const std::string& scenario, const std::string& out,
+                   ampx::dist::ProcessGroup pg);
+}  // namespace dist_worker
 
 namespace {
 
@@ -322,9 +327,13 @@ int run_unused_order(const std::string& out, ampx::dist::ProcessGroup pg) {
 }
 
 // One backward on this rank's shard and one synchronize() with gradients
-// communicated in `dtype`: writes the averaged fp32 gradients, parameter by
+// communicated in the scenario's dtype (grads-fp32, -fp16, -bf16): writes the
+// averaged fp32 gradients, parameter by
 // parameter (the model of rank 0, which DDP broadcasts).
-int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::ProcessGroup pg) {
+int run_grads(const std::string& scenario, const std::string& out, ampx::dist::ProcessGroup pg) {
+  const auto dtype = scenario == "grads-fp32"   ? torch::kFloat
+                     : scenario == "grads-fp16" ? torch::kHalf
+                                                : torch::kBFloat16;
   auto model = make_model(100 + pg.rank());
   ampx::dist::DistributedDataParallelOptions options;
   options.bucket_cap_bytes(512);
@@ -341,62 +350,21 @@ int run_grads(torch::ScalarType dtype, const std::string& out, ampx::dist::Proce
   return 0;
 }
 
-// plan-watch: one NVFP4 Linear (64 -> 32) on a noisy regression, checked by
-// a PlanWatch with widen. Rank 0 sits at the least-squares solution (its
-// gradient is NVFP4's noise: reported), rank 1 at zero weights (a large
-// gradient: nothing to report), and with a threshold that never reports;
-// no DDP, so the ranks' numbers differ, as they could in their last bits in
-// real data-parallel training. With the
-// group (plan-watch) every rank takes rank 0's numbers and decisions;
-// plan-watch-alone leaves the group out. Writes each event and the
-// layer's final format.
-int run_plan_watch(const std::string& scenario, const std::string& out,
-                   ampx::dist::ProcessGroup pg) {
-  struct NetImpl : torch::nn::Module {
-    NetImpl() : fc(register_module("fc", torch::nn::Linear(64, 32))) {}
-    torch::nn::Linear fc;
+// fp16-sum: fp16 parameters (O2's with --dtype fp16) whose gradient is
+// 40000 on every rank, under DDP on its own dtype: the sum of two is past
+// fp16's largest (65504), their mean is not. Writes each gradient as float32.
+int run_fp16_sum(const std::string& out, ampx::dist::ProcessGroup pg) {
+  struct Weights : torch::nn::Module {
+    at::Tensor w = register_parameter("w", torch::zeros({8}, torch::kHalf));
   };
-  auto net = std::make_shared<NetImpl>();
-  torch::manual_seed(11);
-  const auto x = torch::randn({256, 64});
-  const auto y = x.mm(0.1 * torch::randn({32, 64}).t()) + torch::randn({256, 32});
-  {
-    torch::NoGradGuard no_grad;
-    net->fc->weight.zero_();
-    net->fc->bias.zero_();
-    if (pg.rank() == 0) {  // least squares in float64, bias included
-      const auto a = torch::cat({x, torch::ones({256, 1})}, 1).to(torch::kDouble);
-      const auto sol = std::get<0>(torch::linalg_lstsq(a, y.to(torch::kDouble)));
-      net->fc->weight.copy_(sol.narrow(0, 0, 64).t());
-      net->fc->bias.copy_(sol[64]);
-    }
-  }
-  ampx::plan::PrecisionPlan plan;
-  plan.target = "b200";
-  plan.loss_budget = 0.005;
-  const auto nvfp4 = ampx::plan::LayerFormat::kNvfp4;
-  plan.layers.push_back({"fc", nvfp4, ampx::plan::scale_rule_of(nvfp4), 0, 0, 1, "test"});
-  ampx::plan::apply_plan(*net, plan, 3);
-  auto options = ampx::plan::WatchOptions().widen(true);
-  if (pg.rank() == 1) options.noise_ratio(1e-9);
-  if (scenario == "plan-watch") options.group(pg);
-  ampx::plan::PlanWatch watch(*net, plan, options);
-  const auto backward = [&] {
-    ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
-    torch::mse_loss(net->fc->forward(x).to(torch::kFloat), y).backward();
-  };
-  {
-    ampx::fp8::Fp8AutocastGuard fp8;
-    backward();
-  }
-  std::ofstream f(out);
-  f.precision(17);
-  for (const auto& e : watch.check(0, backward)) {
-    f << e.module << " " << ampx::plan::to_string(e.finding) << " " << e.gradient_norm << " "
-      << e.noise_norm << " " << ampx::plan::to_string(e.moved_to) << "\n";
-  }
-  f << "fc in " << ampx::plan::to_string(watch.plan().layers[0].format) << "\n";
-  return 0;
+  auto model = std::make_shared<Weights>();
+  ampx::dist::DistributedDataParallel ddp(model, pg);
+  (model->w * 40000.0).sum().backward();
+  ddp.synchronize();
+  std::ofstream file(out, std::ios::binary);
+  auto g = model->w.grad().to(torch::kFloat).contiguous();
+  file.write(static_cast<const char*>(g.data_ptr()), g.numel() * g.element_size());
+  return model->w.grad().scalar_type() == torch::kHalf ? 0 : 2;
 }
 
 // FP8 Linears (every layer converted, delayed scaling, history 4) under DDP:
@@ -452,12 +420,11 @@ int run(std::string scenario, const std::string& out) {
   auto pg = ampx::dist::init_process_group(init);
   if (scenario == "zero-groups") return run_zero_groups(out, pg);
   if (scenario == "unused-order") return run_unused_order(out, pg);
-  if (scenario == "grads-fp32") return run_grads(torch::kFloat, out, pg);
-  if (scenario == "grads-fp16") return run_grads(torch::kHalf, out, pg);
-  if (scenario == "grads-bf16") return run_grads(torch::kBFloat16, out, pg);
+  if (scenario.rfind("grads-", 0) == 0) return run_grads(scenario, out, pg);
+  if (scenario == "fp16-sum") return run_fp16_sum(out, pg);
   if (scenario.rfind("zero", 0) == 0) return run_zero(scenario, out, pg);
   if (scenario.rfind("fp8", 0) == 0) return run_fp8(scenario, out, pg);
-  if (scenario.rfind("plan-watch", 0) == 0) return run_plan_watch(scenario, out, pg);
+  if (scenario.rfind("plan-watch", 0) == 0) return dist_worker::run_plan_watch(scenario, out, pg);
   const int64_t rank = pg.rank(), world = pg.world_size();
   auto model = make_model(100 + rank);  // different on each rank: DDP broadcasts rank 0's
   ampx::dist::DistributedDataParallelOptions options;

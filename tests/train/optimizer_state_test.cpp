@@ -1,6 +1,6 @@
-// ampx-train's --masters and --optimizer-state: the settings they resolve
-// to and refuse, a Kahan + 8-bit run resumed from its checkpoint bit for bit,
-// and the optimizer's bytes per parameter in compare.json.
+// ampx-train's --masters, --optimizer-state and fp16's loss-scaler flags:
+// the settings they resolve to and refuse, a Kahan + 8-bit run resumed from its checkpoint bit for
+// bit, and the optimizer's bytes per parameter in compare.json.
 
 #include "checkpoint.h"
 #include "test_support.h"
@@ -47,6 +47,18 @@ TEST(OptimizerStateFlagsTest, ResolveToTheModesMastersAndRefuseWhatCannotWork) {
         resolved_config({"--nproc", "2", "--shard", "full", "--masters", "kahan"});
       },
       {"ampx-train: --masters kahan with --shard full"}));
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config({"--precision", "O2", "--init-scale", "1024"});
+      },
+      {"ampx-train: --init-scale sets fp16's loss scaler; --dtype bf16 trains without loss "
+       "scaling: add --dtype fp16 or drop the flag"}));
+#if TORCH_VERSION_MAJOR >= 2
+  c = resolved_config(
+      {"--precision", "O2", "--dtype", "fp16", "--init-scale", "1024", "--growth-interval", "5"});
+  EXPECT_TRUE(contains(ampx::train::settings_table(c),
+                       {"fp16 loss scale from 1024, doubled after 5 clean steps"}));
+#endif
   // Sharded checkpoints carry coded moments (FsdpTest.CodedMomentsResume...).
   EXPECT_NO_THROW(resolved_config(
       {"--nproc", "2", "--shard", "grad", "--optimizer-state", "8bit", "--save-every", "10"}));

@@ -6,6 +6,7 @@
 #include "test_support.h"
 
 #include <ampx/dist.h>
+#include <ampx/version.h>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -147,6 +148,18 @@ std::vector<double> losses(const ShardRun& r) {
   return r.result.value("losses", std::vector<double>{});
 }
 
+/// The steps the loss scaler skipped in the run whose --out-dir is
+/// `out_dir`, mode `mode`, from its metrics file.
+std::vector<int64_t> skipped_steps(const fs::path& out_dir, const std::string& mode) {
+  std::vector<int64_t> steps;
+  std::ifstream in(out_dir / ("metrics-" + mode + ".jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.value("skipped", false)) steps.push_back(record["step"].get<int64_t>());
+  }
+  return steps;
+}
+
 /// The bytes of the file at `path` ("" if there is none).
 std::string bytes_of(const fs::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -223,6 +236,44 @@ TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
       for (size_t s = 1; s < steps; ++s) {
         EXPECT_NEAR(losses(*r)[s], losses(ddp)[s], 5e-3 * losses(ddp)[s])
             << workload << " step " << s;
+      }
+    }
+  }
+}
+
+// fp16 with loss scaling, on a run that overflows on purpose (the first
+// scale 2^24, doubled again after every 3 clean steps): every sharding skips
+// the steps DDP skips. Each rank's backward is the same computation under
+// every wrapper (16-bit weights cast from the same fp32 values, the same
+// rows), so an overflow in it reaches every wrapper's found-inf, which the
+// ranks agree on; and no sum adds one of its own (the wrapper and ZeRO-1
+// reduce in fp32, DDP's fp16 sums are divided first). O1's gradients are
+// fp32 everywhere: DDP's losses bit for bit; O2's within the rounding of the
+// averaged gradients, as in bf16 above. LibTorch 2.x (fp16 on the CPU).
+TEST_F(ShardTest, Fp16RunsThatOverflowSkipTheStepsDdpSkips) {
+  if (std::string(ampx::torch_version()).rfind("1.", 0) == 0) {
+    GTEST_SKIP() << "fp16 on the CPU needs LibTorch 2.x; this is " << ampx::torch_version();
+  }
+  const std::vector<std::pair<std::string, std::string>> fp16 = {
+      {"--dtype", "fp16"}, {"--init-scale", "16777216"}, {"--growth-interval", "3"}};
+  for (const std::string mode : {"O1", "O2"}) {
+    const ShardRun ddp = run("gpt", "none", mode, fp16);
+    const auto skipped = skipped_steps(tmp_.path() / ("gpt-none-" + mode), mode);
+    // It overflows at first, and again after the scale has grown back.
+    ASSERT_GE(skipped.size(), 2u) << mode << ": " << ddp.output;
+    ASSERT_LE(skipped.size(), static_cast<size_t>(steps_ / 2)) << mode;
+    EXPECT_TRUE(std::adjacent_find(skipped.begin(), skipped.end(),
+                                   [](int64_t a, int64_t b) { return b > a + 1; }) != skipped.end())
+        << mode << ": no overflow after a clean step";
+    EXPECT_EQ(ddp.result.value("skipped", int64_t{-1}), static_cast<int64_t>(skipped.size()));
+    for (const std::string shard : {"optimizer", "grad", "full"}) {
+      const ShardRun sharded = run("gpt", shard, mode, fp16);
+      EXPECT_EQ(skipped_steps(tmp_.path() / ("gpt-" + shard + "-" + mode), mode), skipped)
+          << mode << " " << shard;
+      if (mode == "O1") {
+        EXPECT_EQ(losses(sharded), losses(ddp)) << shard;
+      } else {
+        EXPECT_LT(near(losses(sharded), losses(ddp)), 5e-3) << shard;
       }
     }
   }
