@@ -107,9 +107,11 @@ double excess_over_bound(StateFormat format, bool is_signed, const torch::Tensor
                                 // subnormal quantum 2^-133
         bound += std::ldexp(std::fabs(x[k]) + 1e-6 * t[k], -7) + std::ldexp(1.0, -133);
         break;
-      case StateFormat::kFp8: {  // nearest E4M3 of x / s: half an ulp, or half the quantum 2^-9
+      case StateFormat::kFp8: {  // nearest E4M3 of x / s: half an ulp, or half the quantum
+                                 // 2^-9; a second moment under it at least the quantum
         const double s = std::max(absmax, 1e-12) / 448;
-        bound += std::ldexp(std::fabs(x[k]), -4) + std::ldexp(s, -10) + 1e-6 * s * 448;
+        bound +=
+            std::ldexp(std::fabs(x[k]), -4) + std::ldexp(s, is_signed ? -10 : -9) + 1e-6 * s * 448;
         break;
       }
       case StateFormat::kInt8: {  // the nearest map value of x / s, times s

@@ -200,6 +200,37 @@ TEST(OptimStateTest, EveryFormatTrainsAsFp32Moments) {
   RecordProperty("loss_fp32", std::to_string(fp32));
 }
 
+// A block whose gradients span 10^4 (one element 1e3, the others 0.1):
+// its first moments span 10^4 and keep their codes, its second moments span
+// 10^8 (2^26.6), past E4M3's 2^17.8. Had the small ones coded to 0, the
+// next step, whose gradients for them are 0, would divide m by eps alone
+// and move them by millions of lr; they code to the smallest subnormal, and
+// every element moves by at most 3 lr (Adam's steps are about lr), as with
+// fp32 moments (0.67 lr).
+TEST(OptimStateTest, Fp8SecondMomentsThatWouldFlushToZeroDoNotBlowUpTheNextStep) {
+  for (const auto format : {StateFormat::kFp32, StateFormat::kFp8}) {
+    SCOPED_TRACE(aopt::state_format_name(format));
+    auto p = torch::zeros({4096}).requires_grad_();
+    const double lr = 1e-3;
+    aopt::AdamW opt({p}, aopt::AdamWOptions(lr).weight_decay(0).state_format(format));
+    auto g = torch::full({4096}, 0.1f);
+    g[0] = 1e3f;
+    p.mutable_grad() = g.clone();
+    opt.step();
+    const auto v = opt.exp_avg_sq(p).narrow(0, 1, 255);
+    EXPECT_GT(v.min().item<float>(), 0.f) << "a second moment coded to zero";
+    EXPECT_GT(opt.exp_avg(p).narrow(0, 1, 255).min().item<float>(), 0.f);
+    const auto before = p.detach().clone();
+    g.narrow(0, 1, 4095).zero_();
+    p.mutable_grad() = g.clone();
+    opt.step();
+    const double moved = (p.detach() - before).abs().max().item<double>();
+    EXPECT_LE(moved, 3 * lr);
+    RecordProperty(std::string("moved_lr_") + aopt::state_format_name(format),
+                   std::to_string(moved / lr));
+  }
+}
+
 // --- refusals -------------------------------------------------------------------
 
 TEST(OptimStateTest, AStateOfAnotherFormatBlockOrWeightIsRefusedNamingBoth) {

@@ -81,6 +81,19 @@ typename L::I fp8_code(typename L::F q) {
   return L::or_(L::template sll<7>(L::template srl<31>(u)), code);
 }
 
+/// fp8_code of a second moment's q: a positive q whose nearest code is 0
+/// takes code 1 instead (the smallest subnormal, 2^-9 of the scale). A block
+/// spans 2^17.8 in v, half that in the gradient, while the first moment,
+/// linear in the gradient, spans all of it: an element could keep its m and
+/// lose its v, and the next step divide m by sqrt(0.001 g^2), or by eps.
+/// Rounded up instead, its step is damped, never blown up (the zero-point
+/// problem of 4-bit optimizers, Li et al. 2023).
+template <class L>
+typename L::I fp8_second_moment_code(typename L::F q) {
+  const auto code = fp8_code<L>(q);
+  return L::select(L::ltf(L::setf(0.0f), q), L::max(code, L::set(1u)), code);
+}
+
 /// The 8-bit code of q (map_bucket_code of its bucket's entry; NaN: 0).
 template <class L>
 typename L::I map_code(const uint32_t* buckets, typename L::F q) {
@@ -216,9 +229,14 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
                   static_cast<uint16_t*>(codes) + b);
       return;
     case FusedState::kFp8:
-      for_blocks(p, moment, b, n, in, [](const float* x, int64_t nb, uint8_t* out) {
+      for_blocks(p, moment, b, n, in, [moment](const float* x, int64_t nb, uint8_t* out) {
         const float scale = math::fp8_state_scale(absmax_of(x, nb));
-        encode_block(x, nb, scale, out, []<class L>(typename L::F q) { return fp8_code<L>(q); });
+        if (moment == 0) {
+          encode_block(x, nb, scale, out, []<class L>(typename L::F q) { return fp8_code<L>(q); });
+        } else {
+          encode_block(x, nb, scale, out,
+                       []<class L>(typename L::F q) { return fp8_second_moment_code<L>(q); });
+        }
         return scale;
       });
       return;
