@@ -171,7 +171,14 @@ struct DistributedDataParallel::Impl {
       bytes += b.flat.numel() * static_cast<int64_t>(b.flat.element_size());
       for (const int64_t i : b.params) {
         auto& p = params[i];
-        auto averaged = view_of(i).view(p.sizes()).to(p.scalar_type()).mul_(1.0 / post);
+        // Divided in the wider of the two types: a sum widened to float32
+        // (16-bit gradients this Gloo cannot sum) may not fit a 16-bit type
+        // before it is divided; a float32 gradient sent in 16 bits is
+        // divided after it is widened back.
+        auto sum = view_of(i).view(p.sizes());
+        auto averaged = sum.element_size() > p.element_size()
+                            ? sum.mul_(1.0 / post).to(p.scalar_type())
+                            : sum.to(p.scalar_type()).mul_(1.0 / post);
         if (p.grad().defined()) {
           p.mutable_grad().copy_(averaged);
         } else {
