@@ -38,8 +38,6 @@ struct Space {
   std::vector<int64_t> offsets;  // each one's first element in the space
   int64_t numel = 0;             // unpadded
   int64_t shard = 0;             // elements per rank
-  at::Tensor grads;              // fp32 [world * shard]: packed, then reduced
-  at::Tensor gathered;           // dtype [world * shard]
 };
 
 std::string describe(const std::vector<Space>& spaces) {
@@ -99,8 +97,6 @@ struct ZeroRedundancyOptimizer::Impl {
     for (auto& s : spaces) {
       s.shard = (s.numel + world() - 1) / world();
       const auto opts = params[s.params[0]].options();
-      s.grads = torch::zeros({world() * s.shard}, opts.dtype(at::kFloat));
-      s.gathered = torch::empty({world() * s.shard}, opts.dtype(s.dtype));
       // This rank's slice of the space, from the fp32 snapshot where there is one.
       auto master = torch::zeros({s.shard}, opts.dtype(at::kFloat));
       const int64_t lo = rank() * s.shard, hi = lo + s.shard;
@@ -173,13 +169,19 @@ struct ZeroRedundancyOptimizer::Impl {
     }
   }
 
+  // Each space's gradients packed into an fp32 buffer of the whole space,
+  // reduce-scattered into this rank's shard, the buffer freed: it is held
+  // only while one space's reduction runs, not through forward and backward
+  // (4 bytes a parameter).
   void reduce_gradients() {
     const double inv_world = 1.0 / static_cast<double>(world());
     for (size_t k = 0; k < spaces.size(); ++k) {
       auto& s = spaces[k];
+      auto grads = torch::empty({world() * s.shard}, masters[k].options());
+      grads.narrow(0, s.numel, world() * s.shard - s.numel).zero_();  // the padding
       for (size_t j = 0; j < s.params.size(); ++j) {
         const auto& p = params[s.params[j]];
-        auto slot = s.grads.narrow(0, s.offsets[j], p.numel());
+        auto slot = grads.narrow(0, s.offsets[j], p.numel());
         const auto& g = p.grad();
         if (!g.defined()) {
           slot.zero_();  // no gradient: counts as zero, as in the optimizers
@@ -189,13 +191,11 @@ struct ZeroRedundancyOptimizer::Impl {
                     " has a sparse gradient; only dense gradients are sharded");
         slot.copy_(g.reshape({-1}));
       }
-      // The padding stays zero (reduce-scatter writes only the output, the
-      // all-reduce fallback sums zeros).
       auto& shard_grad = masters[k].mutable_grad();
       if (!shard_grad.defined()) shard_grad = torch::empty_like(masters[k]);
-      group.reduce_scatter_sum(shard_grad, s.grads);
+      group.reduce_scatter_sum(shard_grad, grads);
       shard_grad.mul_(inv_world);
-      bytes += s.grads.numel() * static_cast<int64_t>(sizeof(float));
+      bytes += grads.numel() * static_cast<int64_t>(sizeof(float));
     }
   }
 
@@ -208,15 +208,18 @@ struct ZeroRedundancyOptimizer::Impl {
     last_norm = ampx::detail::clip_sharded_grad_norm(grads, group, *max_grad_norm, unscale);
   }
 
+  // Each space's shards all-gathered in the parameters' dtype into a buffer
+  // of the whole space, copied into the parameters, the buffer freed.
   void gather_parameters() {
     for (size_t k = 0; k < spaces.size(); ++k) {
       auto& s = spaces[k];
       const auto mine = masters[k].to(s.dtype);  // round to nearest even, as the optimizers do
-      group.all_gather(s.gathered, mine);
-      bytes += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+      auto gathered = torch::empty({world() * s.shard}, mine.options());
+      group.all_gather(gathered, mine);
+      bytes += gathered.numel() * static_cast<int64_t>(gathered.element_size());
       for (size_t j = 0; j < s.params.size(); ++j) {
         auto p = params[s.params[j]].detach();
-        p.copy_(s.gathered.narrow(0, s.offsets[j], p.numel()).view(p.sizes()));
+        p.copy_(gathered.narrow(0, s.offsets[j], p.numel()).view(p.sizes()));
       }
     }
   }
