@@ -3,8 +3,8 @@
 // roles, or its block recipe's rounding stream). The recipes and the
 // delayed-scaling state they use: scaling.cpp.
 
-#include "ampx/fp8/scaling.h"
 #include "ampx/fp8/linear.h"
+#include "ampx/fp8/scaling.h"
 #include "autocast_internal.h"
 #include "block_internal.h"
 #include "cuda_cast.h"
@@ -199,8 +199,7 @@ Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, boo
   // An inference tensor has no version counter to tell its changes by, and
   // under InferenceMode the codes would be inference tensors, which a
   // later training forward could not save for its backward: neither keeps.
-  if (casts == WeightCasts::kEveryForward || w.is_inference() ||
-      c10::InferenceMode::is_enabled()) {
+  if (casts == WeightCasts::kEveryForward || w.is_inference() || c10::InferenceMode::is_enabled()) {
     // A training forward drops what was kept (states are written then, so it
     // runs on one thread); a no-grad one may run beside others and leaves it.
     if (record && casts == WeightCasts::kEveryForward) kept_.reset();
