@@ -8,7 +8,17 @@
 
 namespace ampx::train {
 
+namespace {
+
+/// Whether --init-scale or --growth-interval was given.
+bool sets_loss_scaler(const TrainConfig& c) {
+  return c.init_scale > 0 || c.growth_interval > 0;
+}
+
+}  // namespace
+
 void add_optimizer_options(CLI::App& app, TrainConfig& c) {
+  const ampx::GradScalerOptions scaler_defaults;
   app.add_option("--masters", c.masters,
                  "what keeps the lost low bits of 16-bit weights (O2, O3): fp32 (an fp32 master "
                  "copy, O2's default), kahan (a 16-bit compensation, 2 bytes a parameter), "
@@ -22,15 +32,14 @@ void add_optimizer_options(CLI::App& app, TrainConfig& c) {
       ->check(CLI::IsMember({"fp32", "bf16", "fp8", "8bit"}))
       ->capture_default_str();
   app.add_option("--init-scale", c.init_scale,
-                 "fp16's loss scaler: its first scale (torch.amp.GradScaler's init_scale) "
-                 "[default: 65536]")
+                 "fp16's loss scaler: its first scale (torch.amp.GradScaler's init_scale)")
       ->check(CLI::PositiveNumber)
-      ->default_str("65536");
+      ->default_str(std::to_string(static_cast<int64_t>(scaler_defaults.init_scale())));
   app.add_option("--growth-interval", c.growth_interval,
                  "fp16's loss scaler: steps without inf/NaN gradients before the scale doubles "
-                 "(torch.amp.GradScaler's growth_interval) [default: 2000]")
+                 "(torch.amp.GradScaler's growth_interval)")
       ->check(CLI::PositiveNumber)
-      ->default_str("2000");
+      ->default_str(std::to_string(scaler_defaults.growth_interval()));
 }
 
 void check_optimizer_config(const TrainConfig& c) {
@@ -42,8 +51,7 @@ void check_optimizer_config(const TrainConfig& c) {
   TORCH_CHECK(!(c.masters == "stochastic" && c.dtype == "fp16"),
               "ampx-train: --masters stochastic rounds bf16 weights; with --dtype fp16 use fp32 "
               "or kahan");
-  const bool scaler_flag = c.init_scale > 0 || c.growth_interval > 0;
-  TORCH_CHECK(!scaler_flag || c.dtype == "fp16",
+  TORCH_CHECK(!sets_loss_scaler(c) || c.dtype == "fp16",
               "ampx-train: ", c.init_scale > 0 ? "--init-scale" : "--growth-interval",
               " sets fp16's loss scaler; --dtype ", c.dtype,
               " trains without loss scaling: add --dtype fp16 or drop the flag");
@@ -79,7 +87,7 @@ void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
 }
 
 void apply_loss_scale_options(const TrainConfig& c, ampx::GradScaler& scaler) {
-  if (!scaler.is_enabled() || (c.init_scale <= 0 && c.growth_interval <= 0)) return;
+  if (!scaler.is_enabled() || !sets_loss_scaler(c)) return;
   auto state = scaler.state_dict();  // the session's bounds and factors, kept
   if (c.init_scale > 0) state["scale"] = c.init_scale;
   if (c.growth_interval > 0) state["growth_interval"] = c.growth_interval;
@@ -96,9 +104,11 @@ std::string optimizer_description(const TrainConfig& c) {
     per_mode += (per_mode.empty() ? "" : ", ") + name + " " + masters;
   }
   if (!per_mode.empty()) s << "; 16-bit weights' lost bits: " << per_mode;
-  if (c.init_scale > 0 || c.growth_interval > 0) {
-    s << "; fp16 loss scale from " << (c.init_scale > 0 ? c.init_scale : 65536.0)
-      << ", doubled after " << (c.growth_interval > 0 ? c.growth_interval : 2000) << " clean steps";
+  if (sets_loss_scaler(c)) {
+    const ampx::GradScalerOptions defaults;
+    s << "; fp16 loss scale from " << (c.init_scale > 0 ? c.init_scale : defaults.init_scale())
+      << ", doubled after "
+      << (c.growth_interval > 0 ? c.growth_interval : defaults.growth_interval()) << " clean steps";
   }
   return s.str();
 }

@@ -12,6 +12,7 @@
 
 #include "config.h"
 
+#include <ampx/grad_scaler.h>
 #include <ampx/optim.h>
 
 #include <torch/nn/module.h>

@@ -49,13 +49,18 @@ pid_t spawn_self(int argc, char** argv, const std::vector<std::string>& extra,
   return pid;
 }
 
+/// A wait status as a shell shows it: the exit code, or 128 + the signal.
+int exit_code(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
 int wait_child(pid_t pid) {
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
     TORCH_CHECK(errno == EINTR, "ampx-train: waitpid failed: ", std::strerror(errno));
   }
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  return exit_code(status);
 }
 
 }  // namespace
@@ -92,7 +97,7 @@ int run_ranks(int argc, char** argv, int nproc, const std::vector<std::string>& 
       continue;
     }
     if (pid < 0) break;
-    const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    const int code = exit_code(status);
     if (code == kExitPreempted && result == 0) result = code;  // the others stop too
     if (code != 0 && code != kExitPreempted && (result == 0 || result == kExitPreempted)) {
       result = code;

@@ -68,14 +68,15 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
                     const ampx::AmpOptions& amp_options, ModeSetUp& setup) {
   if (config.shard == "optimizer") {
     // The model stays whole; ZeRO-1 snapshots its fp32 values before O2's cast.
-    setup.optimizer = std::make_unique<ampx::dist::ZeroRedundancyOptimizer>(
+    auto zero = std::make_unique<ampx::dist::ZeroRedundancyOptimizer>(
         setup.model->parameters(), group, [options](std::vector<torch::Tensor> shard) {
           return std::make_unique<ampx::optim::AdamW>(std::move(shard), options);
         });
     setup.amp = std::make_unique<ampx::AmpSession>(ampx::initialize(setup.model, {}, amp_options));
     // Its shards cut now, after the cast, rather than at the first step: the
     // fp32 snapshot (4 bytes a parameter) is gone before the first forward.
-    static_cast<ampx::dist::ZeroRedundancyOptimizer&>(*setup.optimizer).master_shards();
+    zero->master_shards();
+    setup.optimizer = std::move(zero);
   } else {
     auto fsdp_options =
         ampx::dist::FullyShardedDataParallelOptions()

@@ -98,6 +98,11 @@ class ShardTest : public ::testing::Test {
     return r;
   }
 
+  /// Run `name`'s metrics of mode `mode` (its --out-dir is <tmp>/<name>).
+  ampx::train::test::Metrics metrics_of(const std::string& name, const std::string& mode) const {
+    return ampx::train::test::read_metrics(tmp_.path() / name / ("metrics-" + mode + ".jsonl"));
+  }
+
   /// Run `name`'s checkpoint folder.
   std::filesystem::path ck(const std::string& name) const {
     return tmp_.path() / (name + "-ck");
@@ -146,18 +151,6 @@ class ShardTest : public ::testing::Test {
 
 std::vector<double> losses(const ShardRun& r) {
   return r.result.value("losses", std::vector<double>{});
-}
-
-/// The steps the loss scaler skipped in the run whose --out-dir is
-/// `out_dir`, mode `mode`, from its metrics file.
-std::vector<int64_t> skipped_steps(const fs::path& out_dir, const std::string& mode) {
-  std::vector<int64_t> steps;
-  std::ifstream in(out_dir / ("metrics-" + mode + ".jsonl"));
-  for (std::string line; std::getline(in, line);) {
-    const auto record = nlohmann::json::parse(line);
-    if (record.value("skipped", false)) steps.push_back(record["step"].get<int64_t>());
-  }
-  return steps;
 }
 
 /// The bytes of the file at `path` ("" if there is none).
@@ -258,7 +251,7 @@ TEST_F(ShardTest, Fp16RunsThatOverflowSkipTheStepsDdpSkips) {
       {"--dtype", "fp16"}, {"--init-scale", "16777216"}, {"--growth-interval", "3"}};
   for (const std::string mode : {"O1", "O2"}) {
     const ShardRun ddp = run("gpt", "none", mode, fp16);
-    const auto skipped = skipped_steps(tmp_.path() / ("gpt-none-" + mode), mode);
+    const auto skipped = metrics_of("gpt-none-" + mode, mode).skipped_steps;
     // It overflows at first, and again after the scale has grown back.
     ASSERT_GE(skipped.size(), 2u) << mode << ": " << ddp.output;
     ASSERT_LE(skipped.size(), static_cast<size_t>(steps_ / 2)) << mode;
@@ -268,7 +261,7 @@ TEST_F(ShardTest, Fp16RunsThatOverflowSkipTheStepsDdpSkips) {
     EXPECT_EQ(ddp.result.value("skipped", int64_t{-1}), static_cast<int64_t>(skipped.size()));
     for (const std::string shard : {"optimizer", "grad", "full"}) {
       const ShardRun sharded = run("gpt", shard, mode, fp16);
-      EXPECT_EQ(skipped_steps(tmp_.path() / ("gpt-" + shard + "-" + mode), mode), skipped)
+      EXPECT_EQ(metrics_of("gpt-" + shard + "-" + mode, mode).skipped_steps, skipped)
           << mode << " " << shard;
       if (mode == "O1") {
         EXPECT_EQ(losses(sharded), losses(ddp)) << shard;

@@ -128,6 +128,28 @@ inline std::vector<double> losses_in_metrics(const fs::path& path) {
   return metrics_field(path, "loss");
 }
 
+/// A metrics-<mode>.jsonl file, column by column, and the steps the loss
+/// scaler skipped.
+struct Metrics {
+  std::vector<int64_t> steps;
+  std::vector<double> losses, scales, step_ms;
+  std::vector<int64_t> skipped_steps;
+};
+
+inline Metrics read_metrics(const fs::path& path) {
+  Metrics out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    const auto r = nlohmann::json::parse(line);
+    out.steps.push_back(r.at("step"));
+    out.losses.push_back(r.at("loss"));
+    out.scales.push_back(r.at("scale"));
+    out.step_ms.push_back(r.at("step_ms"));
+    if (r.at("skipped").get<bool>()) out.skipped_steps.push_back(out.steps.back());
+  }
+  return out;
+}
+
 inline std::string shell_quote(const std::string& s) {
   std::string out = "'";
   for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
