@@ -99,18 +99,35 @@ std::string weights_checksum(torch::nn::Module& model) {
   return weights_checksum(model.parameters());
 }
 
-std::string weights_checksum(const std::vector<torch::Tensor>& tensors) {
-  uint64_t h = 1469598103934665603ull;
-  for (const auto& p : tensors) {
-    const auto c = p.detach().to(torch::kCPU).contiguous();
-    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
-    for (int64_t i = 0; i < c.numel() * static_cast<int64_t>(c.element_size()); ++i) {
-      h = (h ^ bytes[i]) * 1099511628211ull;
-    }
-  }
+namespace {
+
+constexpr uint64_t kFnvStart = 1469598103934665603ull, kFnvPrime = 1099511628211ull;
+
+uint64_t fnv1a(uint64_t h, const unsigned char* bytes, size_t n) {
+  for (size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * kFnvPrime;
+  return h;
+}
+
+}  // namespace
+
+uint64_t tensor_hash(const torch::Tensor& t) {
+  const auto c = t.detach().to(torch::kCPU).contiguous();
+  return fnv1a(kFnvStart, static_cast<const unsigned char*>(c.data_ptr()),
+               static_cast<size_t>(c.numel()) * c.element_size());
+}
+
+std::string weights_checksum(const std::vector<uint64_t>& hashes) {
+  uint64_t h = kFnvStart;
+  for (const uint64_t t : hashes) h = fnv1a(h, reinterpret_cast<const unsigned char*>(&t), 8);
   char text[24];
   std::snprintf(text, sizeof(text), "0x%016llx", static_cast<unsigned long long>(h));
   return text;
+}
+
+std::string weights_checksum(const std::vector<torch::Tensor>& tensors) {
+  std::vector<uint64_t> hashes;
+  for (const auto& t : tensors) hashes.push_back(tensor_hash(t));
+  return weights_checksum(hashes);
 }
 
 }  // namespace ampx::train

@@ -48,10 +48,15 @@ void check_ranks_agree(const ampx::dist::ProcessGroup& group, const nlohmann::js
 std::string from_rank0(const ampx::dist::ProcessGroup* group,
                        const std::function<std::string()>& fn);
 
-/// FNV-1a (64-bit) of every parameter's bytes in order, "0x..." : equal on
-/// ranks whose weights are bitwise equal.
+/// FNV-1a (64-bit) over the FNV-1a of each parameter's bytes, in order,
+/// "0x...": equal on ranks whose weights are bitwise equal.
 std::string weights_checksum(torch::nn::Module& model);
-/// The same over `tensors`, in order (a sharded model's gathered weights).
+/// The same over `tensors`, in order.
 std::string weights_checksum(const std::vector<torch::Tensor>& tensors);
+/// The same from each tensor's tensor_hash(), in order (a sharded model's
+/// parameters, hashed as they are gathered a unit at a time).
+std::string weights_checksum(const std::vector<uint64_t>& hashes);
+/// FNV-1a (64-bit) of `t`'s bytes.
+uint64_t tensor_hash(const torch::Tensor& t);
 
 }  // namespace ampx::train

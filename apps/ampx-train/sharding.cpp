@@ -135,17 +135,20 @@ void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result)
 void finish_fully_sharded(const TrainConfig& config, const std::string& mode,
                           const nlohmann::json& identity, const ampx::dist::ProcessGroup& group,
                           ModeSetUp& setup, RunResult& result) {
-  const auto state = setup.fsdp->full_state_dict();  // rank 0's; the others' are empty
-  result.weights_checksum = from_rank0(&group, [&] {
-    std::vector<torch::Tensor> params;
-    for (const auto& p : setup.model->named_parameters()) params.push_back(state[p.key()]);
-    return weights_checksum(params);
+  // Rank 0 hashes each parameter as its unit is gathered, and the export
+  // streams unit by unit: no rank ever holds the whole fp32 model.
+  std::map<std::string, uint64_t> hashes;
+  setup.fsdp->for_each_full_parameter([&](const std::string& name, const torch::Tensor& value) {
+    hashes[name] = tensor_hash(value);
   });
-  if (group.rank() != 0 || config.export_weights.empty()) return;
+  result.weights_checksum = from_rank0(&group, [&] {
+    std::vector<uint64_t> ordered;
+    for (const auto& p : setup.model->named_parameters()) ordered.push_back(hashes.at(p.key()));
+    return weights_checksum(ordered);
+  });
+  if (config.export_weights.empty()) return;
   result.weights_path = export_path_for(config, mode);
-  std::map<std::string, torch::Tensor> weights;
-  for (const auto& item : state) weights[item.key()] = item.value();
-  export_weights(result.weights_path, weights, identity);
+  export_weights(result.weights_path, *setup.fsdp, identity, group.rank() == 0);
 }
 
 }  // namespace ampx::train

@@ -41,16 +41,44 @@ void export_weights(const std::string& path, const torch::nn::Module& model,
   export_weights(path, exported_weights(model, optimizer, fp8_layers), identity);
 }
 
-void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
-                    const nlohmann::json& identity) {
+namespace {
+
+/// The header's metadata: "format": "pt" and the run's identity.
+std::map<std::string, std::string> metadata_of(const nlohmann::json& identity) {
   std::map<std::string, std::string> metadata = {{"format", "pt"}};
   for (const auto& [key, value] : identity.items()) {
     metadata[key] = value.is_string() ? value.get<std::string>() : value.dump();
   }
+  return metadata;
+}
+
+void make_folder_of(const std::string& path) {
   const auto folder = std::filesystem::path(path).parent_path();
   if (!folder.empty()) std::filesystem::create_directories(folder);
+}
+
+}  // namespace
+
+void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
+                    const nlohmann::json& identity) {
+  make_folder_of(path);
   try {
-    ampx::save_safetensors(weights, path, metadata);
+    ampx::save_safetensors(weights, path, metadata_of(identity));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace());
+  }
+}
+
+void export_weights(const std::string& path, ampx::dist::FullyShardedDataParallel& fsdp,
+                    const nlohmann::json& identity, bool rank0) {
+  if (rank0) {
+    // A folder that cannot be made fails the write on rank 0, which every
+    // rank then reports: no rank may leave the collective early.
+    std::error_code ignored;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+  }
+  try {
+    fsdp.save_full_safetensors(path, metadata_of(identity));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace());
   }

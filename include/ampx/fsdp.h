@@ -83,6 +83,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -174,6 +175,30 @@ class FullyShardedDataParallel {
   /// dtype) on rank 0, gathered one unit at a time; empty on the others.
   /// Collective.
   torch::OrderedDict<std::string, at::Tensor> full_state_dict();
+
+  /// Calls `visit(name, value)` on rank 0 for every parameter at full size
+  /// in fp32, gathered one unit at a time (the units as listed, the root
+  /// last): `value` lives only during the call, and rank 0 holds one unit's
+  /// parameters at a time, never the whole model. The other ranks take part
+  /// in the gathers and call nothing. If `visit` throws, the gathers go on
+  /// without it and every rank throws rank 0's error. Collective.
+  void for_each_full_parameter(
+      const std::function<void(const std::string& name, const at::Tensor& value)>& visit);
+
+  /// Writes every parameter at full size in `dtype` (float32: the masters;
+  /// bfloat16 or float16: rounded to nearest) and every buffer to the
+  /// safetensors file `path` on rank 0, gathered and written one unit at a
+  /// time (for_each_full_parameter()): ampx::save_safetensors() of
+  /// full_state_dict(), its parameters in `dtype`, byte for byte, without
+  /// rank 0 ever holding the whole model. `metadata` is the header's
+  /// "__metadata__". Atomic, as save_safetensors() is: a temp file beside
+  /// `path`, renamed over it once every tensor is in. An error on rank 0 (a
+  /// missing folder, a full disk) throws on every rank, naming it, and
+  /// leaves `path` as it was. Python: safetensors.torch.load_file(path).
+  /// Collective.
+  void save_full_safetensors(const std::string& path,
+                             const std::map<std::string, std::string>& metadata = {},
+                             c10::ScalarType dtype = c10::kFloat);
 
   /// Writes this rank's shard into `archive`: its fp32 piece of each
   /// parameter with the element of the parameter where the piece starts,

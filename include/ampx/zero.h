@@ -29,8 +29,11 @@
 /// (summed; Gloo on LibTorch 1.13 has no reduce-scatter: all-reduce there),
 /// averaged, clipped by their global norm if asked (max_grad_norm), the
 /// local optimizer updates this rank's fp32 shard (the masters), and the
-/// shards are all-gathered into the parameters in their own dtype. The model
-/// is not wrapped: use it without DistributedDataParallel.
+/// shards are all-gathered into the parameters in their own dtype. Both
+/// collectives go through a space in pieces of at most bucket_bytes (as
+/// DDP's buckets), so a step's communication buffers stay that size
+/// whatever the model's. The model is not wrapped: use it without
+/// DistributedDataParallel.
 
 #include "ampx/dist.h"
 #include "ampx/scaler_aware_optimizer.h"
@@ -57,6 +60,12 @@ struct ZeroRedundancyOptimizerOptions
   /// coefficient max / (norm + 1e-6), at most 1. None: no clipping. (The
   /// local optimizer's own max_grad_norm would see only its shard.)
   TORCH_ARG(c10::optional<double>, max_grad_norm) = c10::nullopt;
+  /// The most bytes one reduce-scatter or all-gather of a step moves, all
+  /// ranks' parts together (DDP's bucket_cap_mb, 25 MiB): a space larger
+  /// goes in several, each rank's part at least one element. Pieces change
+  /// no result on 2 ranks; on more, Gloo's all-reduce may add the ranks'
+  /// gradients in another order.
+  TORCH_ARG(int64_t, bucket_bytes) = 25 * 1024 * 1024;
 };
 
 /// ZeRO stage 1 over a process group: each rank keeps the fp32 masters and the

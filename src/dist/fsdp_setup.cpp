@@ -302,28 +302,6 @@ FullyShardedDataParallel::piece_sums() const {
   };
 }
 
-torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
-  torch::NoGradGuard no_grad;
-  const bool root = impl_->group.rank() == 0;
-  std::unordered_map<std::string, at::Tensor> values;
-  for (auto& u : impl_->units) {
-    for (auto& s : u.spaces) {
-      auto flat = torch::empty({s.master.numel() * impl_->group.world_size()}, s.master.options());
-      impl_->group.all_gather(flat, s.master);
-      if (!root) continue;
-      for (const int64_t i : s.params) {
-        const auto& p = impl_->params[static_cast<size_t>(i)];
-        values[p.name] = flat.narrow(0, p.offset, p.numel).view(p.shape).clone();
-      }
-    }
-  }
-  torch::OrderedDict<std::string, at::Tensor> out;
-  if (!root) return out;
-  for (const auto& p : impl_->params) out.insert(p.name, values.at(p.name));
-  for (const auto& b : impl_->model->named_buffers()) out.insert(b.key(), b.value().clone());
-  return out;
-}
-
 int64_t FullyShardedDataParallel::sharded_bytes() const {
   int64_t bytes = 0;
   for (const auto& u : impl_->units) {
@@ -376,9 +354,6 @@ double FullyShardedDataParallel::clip_grad_norm_(double) {
 }
 std::function<at::Tensor(const std::vector<at::Tensor>&, const at::Tensor&)>
 FullyShardedDataParallel::piece_sums() const {
-  return {};
-}
-torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
   return {};
 }
 int64_t FullyShardedDataParallel::sharded_bytes() const {

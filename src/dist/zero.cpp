@@ -45,8 +45,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
   TORCH_CHECK(!options.max_grad_norm() || *options.max_grad_norm() > 0.0,
               "ZeroRedundancyOptimizer: max_grad_norm must be > 0, got ",
               options.max_grad_norm().value_or(0.0));
+  TORCH_CHECK(options.bucket_bytes() > 0, "ZeroRedundancyOptimizer: bucket_bytes must be > 0, got ",
+              options.bucket_bytes());
   impl_ = std::make_unique<Impl>(std::move(group), std::move(make_optimizer),
-                                 options.max_grad_norm());
+                                 options.max_grad_norm(), options.bucket_bytes());
   for (size_t g = 0; g < param_groups.size(); ++g) {
     for (const auto& p : param_groups[g].params()) {
       const auto dtype = p.scalar_type();

@@ -63,14 +63,18 @@ struct ZeroRedundancyOptimizer::Impl {
   GroupOptimizerFactory make_optimizer;
   c10::optional<double> max_grad_norm;
   c10::optional<double> last_norm;
+  int64_t bucket_bytes = 0;
   std::vector<at::Tensor> snapshot;  // fp32 values at construction, until build()
   std::vector<Space> spaces;
   std::vector<at::Tensor> masters;  // fp32 [shard] per space: this rank's
   std::unique_ptr<torch::optim::Optimizer> local;
   int64_t bytes = 0;
 
-  Impl(ProcessGroup g, GroupOptimizerFactory f, c10::optional<double> max_norm)
-      : group(std::move(g)), make_optimizer(std::move(f)), max_grad_norm(max_norm) {}
+  Impl(ProcessGroup g, GroupOptimizerFactory f, c10::optional<double> max_norm, int64_t bucket)
+      : group(std::move(g)),
+        make_optimizer(std::move(f)),
+        max_grad_norm(max_norm),
+        bucket_bytes(bucket) {}
 
   int64_t rank() const { return group.rank(); }
   int64_t world() const { return group.world_size(); }
@@ -169,33 +173,79 @@ struct ZeroRedundancyOptimizer::Impl {
     }
   }
 
-  // Each space's gradients packed into an fp32 buffer of the whole space,
-  // reduce-scattered into this rank's shard, the buffer freed: it is held
-  // only while one space's reduction runs, not through forward and backward
-  // (4 bytes a parameter).
+  // A collective's elements per rank in a piece of space `s` whose
+  // elements take `element_size` bytes: bucket_bytes over every rank.
+  int64_t piece_elements(const Space& s, int64_t element_size) const {
+    return std::min(s.shard, std::max<int64_t>(1, bucket_bytes / (element_size * world())));
+  }
+
+  // Copies elements [begin, begin + out.numel()) of space `s` from the
+  // parameters' gradients into `out` (fp32): zeros for a parameter without
+  // one (as in the optimizers) and for the padding.
+  void pack_grads(const Space& s, int64_t begin, at::Tensor out) const {
+    const int64_t end = begin + out.numel();
+    if (end > s.numel) {
+      const int64_t pad = std::max(begin, s.numel);
+      out.narrow(0, pad - begin, end - pad).zero_();
+    }
+    for (size_t j = 0; j < s.params.size(); ++j) {
+      const auto& p = params[s.params[j]];
+      const int64_t a = std::max(begin, s.offsets[j]), b = std::min(end, s.offsets[j] + p.numel());
+      if (a >= b) continue;
+      auto slot = out.narrow(0, a - begin, b - a);
+      const auto& g = p.grad();
+      if (!g.defined()) {
+        slot.zero_();
+        continue;
+      }
+      TORCH_CHECK(!g.is_sparse(), "ZeroRedundancyOptimizer: parameter ", s.params[j],
+                  " has a sparse gradient; only dense gradients are sharded");
+      slot.copy_(g.reshape({-1}).narrow(0, a - s.offsets[j], b - a));
+    }
+  }
+
+  // Copies `values`, elements [begin, begin + values.numel()) of space `s`,
+  // into the parameters (the padding's go nowhere).
+  void unpack_params(const Space& s, int64_t begin, const at::Tensor& values) {
+    const int64_t end = begin + values.numel();
+    for (size_t j = 0; j < s.params.size(); ++j) {
+      auto p = params[s.params[j]].detach();
+      const int64_t a = std::max(begin, s.offsets[j]), b = std::min(end, s.offsets[j] + p.numel());
+      if (a >= b) continue;
+      const auto part = values.narrow(0, a - begin, b - a);
+      if (p.is_contiguous()) {
+        p.view({-1}).narrow(0, a - s.offsets[j], b - a).copy_(part);
+      } else {
+        auto flat = p.contiguous().view({-1});
+        flat.narrow(0, a - s.offsets[j], b - a).copy_(part);
+        p.copy_(flat.view(p.sizes()));
+      }
+    }
+  }
+
+  // Each space's gradients reduce-scattered into this rank's fp32 shard of
+  // them, a piece at a time: rank r's part of a piece is elements
+  // [r shard + at, r shard + at + n) of the space, packed into an fp32
+  // buffer of at most bucket_bytes, held only while the space is reduced.
   void reduce_gradients() {
     const double inv_world = 1.0 / static_cast<double>(world());
     for (size_t k = 0; k < spaces.size(); ++k) {
       auto& s = spaces[k];
-      auto grads = torch::empty({world() * s.shard}, masters[k].options());
-      grads.narrow(0, s.numel, world() * s.shard - s.numel).zero_();  // the padding
-      for (size_t j = 0; j < s.params.size(); ++j) {
-        const auto& p = params[s.params[j]];
-        auto slot = grads.narrow(0, s.offsets[j], p.numel());
-        const auto& g = p.grad();
-        if (!g.defined()) {
-          slot.zero_();  // no gradient: counts as zero, as in the optimizers
-          continue;
-        }
-        TORCH_CHECK(!g.is_sparse(), "ZeroRedundancyOptimizer: parameter ", s.params[j],
-                    " has a sparse gradient; only dense gradients are sharded");
-        slot.copy_(g.reshape({-1}));
-      }
       auto& shard_grad = masters[k].mutable_grad();
       if (!shard_grad.defined()) shard_grad = torch::empty_like(masters[k]);
-      group.reduce_scatter_sum(shard_grad, grads);
+      const int64_t most = piece_elements(s, static_cast<int64_t>(sizeof(float)));
+      auto buffer = torch::empty({world() * most}, masters[k].options());
+      for (int64_t at = 0; at < s.shard; at += most) {
+        const int64_t n = std::min(most, s.shard - at);
+        auto in = buffer.narrow(0, 0, world() * n);
+        for (int64_t r = 0; r < world(); ++r) {
+          pack_grads(s, r * s.shard + at, in.narrow(0, r * n, n));
+        }
+        auto out = shard_grad.narrow(0, at, n);
+        group.reduce_scatter_sum(out, in);
+        bytes += in.numel() * static_cast<int64_t>(sizeof(float));
+      }
       shard_grad.mul_(inv_world);
-      bytes += grads.numel() * static_cast<int64_t>(sizeof(float));
     }
   }
 
@@ -208,18 +258,25 @@ struct ZeroRedundancyOptimizer::Impl {
     last_norm = ampx::detail::clip_sharded_grad_norm(grads, group, *max_grad_norm, unscale);
   }
 
-  // Each space's shards all-gathered in the parameters' dtype into a buffer
-  // of the whole space, copied into the parameters, the buffer freed.
+  // Each space's shards all-gathered in the parameters' dtype and copied
+  // into the parameters, a piece at a time as reduce_gradients() goes.
   void gather_parameters() {
     for (size_t k = 0; k < spaces.size(); ++k) {
       auto& s = spaces[k];
-      const auto mine = masters[k].to(s.dtype);  // round to nearest even, as the optimizers do
-      auto gathered = torch::empty({world() * s.shard}, mine.options());
-      group.all_gather(gathered, mine);
-      bytes += gathered.numel() * static_cast<int64_t>(gathered.element_size());
-      for (size_t j = 0; j < s.params.size(); ++j) {
-        auto p = params[s.params[j]].detach();
-        p.copy_(gathered.narrow(0, s.offsets[j], p.numel()).view(p.sizes()));
+      const int64_t size = static_cast<int64_t>(c10::elementSize(s.dtype));
+      const int64_t most = piece_elements(s, size);
+      auto mine = torch::empty({most}, masters[k].options().dtype(s.dtype));
+      auto buffer = torch::empty({world() * most}, mine.options());
+      for (int64_t at = 0; at < s.shard; at += most) {
+        const int64_t n = std::min(most, s.shard - at);
+        auto send = mine.narrow(0, 0, n);
+        send.copy_(masters[k].narrow(0, at, n));  // round to nearest even, as the optimizers do
+        auto gathered = buffer.narrow(0, 0, world() * n);
+        group.all_gather(gathered, send);
+        bytes += gathered.numel() * size;
+        for (int64_t r = 0; r < world(); ++r) {
+          unpack_params(s, r * s.shard + at, gathered.narrow(0, r * n, n));
+        }
       }
     }
   }

@@ -5,7 +5,8 @@
 //   scenarios: fp32 | bf16 | bf16-grad | bf16-noprefetch | overflow | clip
 //              | mismatch-units | O2 | lamb | lamb-pieces | ckpt-save
 //              | ckpt-resume-from-<N> | ckpt-resume-from-zero-<N> | zero-ckpt-save
-//              | zero-ckpt-resume-from-<N> | zero-ckpt-resume-from-fsdp-<N>
+//              | zero-ckpt-resume-from-<N> | zero-ckpt-resume-from-fsdp-<N> | export
+//              | zero-pieces
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -30,7 +31,8 @@
 // AdamW's state_format (default fp32; coded moments from 256 elements in
 // blocks of 64, so that the pieces of 1, 2 and 3 ranks code theirs in
 // blocks that differ), and AMPX_FSDP_WORKER_FAIL_RANK a rank whose reading
-// of the shards fails.
+// of the shards fails. export: fsdp_worker_export.cpp; zero-pieces:
+// fsdp_worker_zero_pieces.cpp.
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
@@ -52,6 +54,13 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+namespace fsdp_worker {
+/// The export scenario (fsdp_worker_export.cpp).
+int run_export(const std::string& out, ampx::dist::ProcessGroup& pg);
+/// The zero-pieces scenario (fsdp_worker_zero_pieces.cpp).
+int run_zero_pieces(const std::string& out, ampx::dist::ProcessGroup& pg);
+}  // namespace fsdp_worker
 
 namespace {
 
@@ -411,6 +420,8 @@ int main(int argc, char** argv) {
     auto pg =
         ampx::dist::init_process_group(ampx::dist::InitOptions().timeout(std::chrono::seconds(60)));
     const std::string scenario = argv[1];
+    if (scenario == "export") return fsdp_worker::run_export(argv[2], pg);
+    if (scenario == "zero-pieces") return fsdp_worker::run_zero_pieces(argv[2], pg);
     if (scenario.rfind("ckpt-", 0) == 0) return checkpoint_run(scenario, argv[2], pg);
     if (scenario.rfind("zero-ckpt-", 0) == 0) return zero_checkpoint_run(scenario, argv[2], pg);
     if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;

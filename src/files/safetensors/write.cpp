@@ -1,5 +1,6 @@
 // save_safetensors (ampx/safetensors.h): the header written with the
-// library's JSON writer, then every tensor's CPU bytes, in one atomic write.
+// library's JSON writer, then every tensor's CPU bytes, in one atomic write;
+// and SafetensorsFileWriter (writer.h): the same file, an entry at a time.
 
 #include "ampx/safetensors.h"
 
@@ -8,6 +9,7 @@
 #include "ampx/detail/compat.h"
 #include "ampx/fp8/cast.h"
 #include "dtypes.h"
+#include "writer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -26,7 +28,8 @@ const char* fp8_dtype_name(fp8::Fp8Format format) {
   TORCH_CHECK(false, "save_safetensors: unknown FP8 format ", static_cast<int>(format));
 }
 
-const char* dtype_name(c10::ScalarType type, const std::string& tensor) {
+const char* dtype_name(c10::ScalarType type, const std::string& tensor,
+                       const char* caller = "save_safetensors") {
   for (const auto& d : detail::kSafetensorsDtypes) {
     if (d.type == type) return d.name;
   }
@@ -35,7 +38,7 @@ const char* dtype_name(c10::ScalarType type, const std::string& tensor) {
     if (type == fp8::torch_dtype(d.format)) return d.name;
   }
 #endif
-  TORCH_CHECK(false, "save_safetensors: tensor '", tensor, "' is ", type,
+  TORCH_CHECK(false, caller, ": tensor '", tensor, "' is ", type,
               "; safetensors files take F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL"
 #if AMPX_HAS_TORCH_FLOAT8
               ", Float8_e4m3fn or Float8_e5m2"
@@ -49,8 +52,17 @@ struct OutEntry {
   at::Tensor tensor;
 };
 
-void write_entries(const std::map<std::string, OutEntry>& entries, const std::string& path,
-                   const std::map<std::string, std::string>& metadata) {
+// An entry of the header: its dtype's name, its shape and its bytes.
+struct HeaderEntry {
+  const char* dtype;
+  std::vector<int64_t> shape;
+  uint64_t bytes;
+};
+
+// The file up to its data: the header's length (u64, little-endian) and the
+// header of `entries`, whose data lie end to end in name order.
+std::string file_start(const std::map<std::string, HeaderEntry>& entries,
+                       const std::map<std::string, std::string>& metadata) {
   using detail::json_string;
   std::string header = "{";
   if (!metadata.empty()) {
@@ -62,28 +74,41 @@ void write_entries(const std::map<std::string, OutEntry>& entries, const std::st
     }
     header += "}";
   }
-  std::vector<at::Tensor> bytes_of;
   uint64_t offset = 0;
   for (const auto& [name, entry] : entries) {
-    const at::Tensor c = entry.tensor.detach().to(at::kCPU).contiguous();
-    const uint64_t n = static_cast<uint64_t>(c.numel()) * c.element_size();
     header += std::string(header.size() > 1 ? "," : "") + json_string(name) + ":{\"dtype\":\"" +
               entry.dtype + "\",\"shape\":[";
-    for (int64_t d = 0; d < c.dim(); ++d) header += (d ? "," : "") + std::to_string(c.size(d));
-    header +=
-        "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + n) + "]}";
-    offset += n;
-    bytes_of.push_back(c);
+    for (size_t d = 0; d < entry.shape.size(); ++d) {
+      header += (d ? "," : "") + std::to_string(entry.shape[d]);
+    }
+    header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
+              std::to_string(offset + entry.bytes) + "]}";
+    offset += entry.bytes;
   }
   header += "}";
   // The data start 8-aligned, as the reference writer makes them: spaces pad
   // the header (JSON ignores them).
   header.append((8 - (8 + header.size()) % 8) % 8, ' ');
-  std::string file(8, '\0');
+  std::string start(8, '\0');
   const uint64_t header_bytes = header.size();
-  std::memcpy(file.data(), &header_bytes, 8);
-  file.reserve(8 + header.size() + offset);
-  file += header;
+  std::memcpy(start.data(), &header_bytes, 8);
+  return start + header;
+}
+
+void write_entries(const std::map<std::string, OutEntry>& entries, const std::string& path,
+                   const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, HeaderEntry> header;
+  std::vector<at::Tensor> bytes_of;
+  uint64_t data_bytes = 0;
+  for (const auto& [name, entry] : entries) {
+    const at::Tensor c = entry.tensor.detach().to(at::kCPU).contiguous();
+    const uint64_t n = static_cast<uint64_t>(c.numel()) * c.element_size();
+    header.emplace(name, HeaderEntry{entry.dtype, c.sizes().vec(), n});
+    data_bytes += n;
+    bytes_of.push_back(c);
+  }
+  std::string file = file_start(header, metadata);
+  file.reserve(file.size() + data_bytes);
   for (const auto& c : bytes_of) {
     file.append(static_cast<const char*>(c.data_ptr()),
                 static_cast<size_t>(c.numel()) * c.element_size());
@@ -107,6 +132,57 @@ void add_tensor(std::map<std::string, OutEntry>& entries, const std::string& nam
 }
 
 }  // namespace
+
+namespace detail {
+
+SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
+                                             const std::vector<SafetensorsEntry>& entries,
+                                             const std::map<std::string, std::string>& metadata,
+                                             const char* caller)
+    : caller_(caller), file_(path, caller) {
+  std::map<std::string, HeaderEntry> header;
+  for (const auto& e : entries) {
+    TORCH_CHECK(e.name != "__metadata__", caller_, ": a tensor cannot be named __metadata__");
+    int64_t numel = 1;
+    for (const int64_t d : e.shape) numel *= d;
+    const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(e.dtype);
+    TORCH_CHECK(
+        header.emplace(e.name, HeaderEntry{dtype_name(e.dtype, e.name, caller_), e.shape, bytes})
+            .second,
+        caller_, ": two entries are named '", e.name, "'");
+    places_[e.name] = Place{0, bytes, e.dtype, e.shape, false};
+  }
+  uint64_t offset = 0;
+  for (auto& [name, place] : places_) {  // name order, as file_start lays them
+    place.offset = offset;
+    offset += place.bytes;
+  }
+  const std::string start = file_start(header, metadata);
+  data_start_ = start.size();
+  file_.write_at(0, start.data(), start.size());
+}
+
+void SafetensorsFileWriter::write(const std::string& name, const at::Tensor& value) {
+  const auto found = places_.find(name);
+  TORCH_CHECK(found != places_.end(), caller_, ": '", name, "' is not an entry of the file");
+  Place& place = found->second;
+  TORCH_CHECK(!place.written, caller_, ": entry '", name, "' is written twice");
+  TORCH_CHECK(value.scalar_type() == place.dtype && value.sizes().vec() == place.shape, caller_,
+              ": entry '", name, "' is ", place.dtype, " ", c10::IntArrayRef(place.shape),
+              "; given ", value.scalar_type(), " ", value.sizes());
+  const at::Tensor c = value.detach().to(at::kCPU).contiguous();
+  file_.write_at(data_start_ + place.offset, c.data_ptr(), static_cast<size_t>(place.bytes));
+  place.written = true;
+}
+
+void SafetensorsFileWriter::commit() {
+  for (const auto& [name, place] : places_) {
+    TORCH_CHECK(place.written, caller_, ": entry '", name, "' was never written");
+  }
+  file_.commit();
+}
+
+}  // namespace detail
 
 std::string fp8_scale_name(const std::string& name) {
   return name + "_scale";
