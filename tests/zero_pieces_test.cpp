@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -42,6 +43,11 @@ Trained read_trained(const fs::path& path) {
   return t;
 }
 
+std::string bytes_of(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 class ZeroPiecesTest : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -61,7 +67,9 @@ class ZeroPiecesTest : public ::testing::TestWithParam<int> {
 // (at most 2^-7 of their size). Both are near the same steps taken in one
 // process on every rank's batch. Every rank holds the same
 // weights, the same bytes are communicated, and bucket_bytes 0 is refused
-// naming its value.
+// naming its value. The trained masters stream into safetensors a piece at
+// a time: the file of the gathered masters, byte for byte; a write that
+// cannot be made is refused on every rank.
 TEST_P(ZeroPiecesTest, PiecesTrainTheWeightsOfOnePieceASpace) {
   const int world = GetParam();
   auto workers =
@@ -100,7 +108,19 @@ TEST_P(ZeroPiecesTest, PiecesTrainTheWeightsOfOnePieceASpace) {
     EXPECT_EQ(read_trained(w.out.string() + ".pieces").params, pieces.params) << w.output;
     EXPECT_THAT(w.output, HasSubstr("refused bucket: ZeroRedundancyOptimizer: bucket_bytes must "
                                     "be > 0, got 0"));
+    EXPECT_THAT(w.output, HasSubstr("refused export: ZeroRedundancyOptimizer::"
+                                    "save_full_safetensors: rank 0 failed: writing safetensors: "
+                                    "cannot write '" +
+                                    (dir_ / "missing" / "w.safetensors").string() +
+                                    "': creating its temp file"));
   }
+  // The masters streamed to safetensors a piece at a time are rank 0's file
+  // of gather_masters() (every rank holding every master), byte for byte.
+  const std::string exported = workers[0].out.string() + ".pieces";
+  ASSERT_GT(bytes_of(exported + ".gathered").size(), 4 * kAll);
+  EXPECT_EQ(bytes_of(exported + ".streamed"), bytes_of(exported + ".gathered"));
+  EXPECT_EQ(bytes_of(exported + ".streamed-bf16"), bytes_of(exported + ".gathered-bf16"));
+  EXPECT_NE(bytes_of(exported + ".streamed-bf16"), bytes_of(exported + ".streamed"));
 }
 
 INSTANTIATE_TEST_SUITE_P(World, ZeroPiecesTest, ::testing::Values(2, 3));

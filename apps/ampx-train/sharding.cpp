@@ -113,16 +113,6 @@ ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup) {
       }};
 }
 
-std::map<std::string, torch::Tensor> gathered_zero_weights(ModeSetUp& setup) {
-  auto& zero = dynamic_cast<ampx::dist::ZeroRedundancyOptimizer&>(*setup.optimizer);
-  const auto masters = zero.gather_masters();  // in model->parameters()'s order
-  std::map<std::string, torch::Tensor> weights;
-  size_t i = 0;
-  for (const auto& p : setup.model->named_parameters()) weights[p.key()] = masters.at(i++);
-  for (const auto& b : setup.model->named_buffers()) weights[b.key()] = b.value();
-  return weights;
-}
-
 void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result) {
   result.rank_peak_bytes.clear();
   for (const auto& text : group.all_gather_bytes(std::to_string(result.peak_bytes))) {

@@ -64,7 +64,6 @@ ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup);
 /// --shard optimizer's weights for --export-weights: the fp32 masters
 /// gathered from every rank's ZeRO-1 shards, and the model's buffers, by
 /// name. Collective.
-std::map<std::string, torch::Tensor> gathered_zero_weights(ModeSetUp& setup);
 
 /// Every rank's peak_bytes of `result` in rank_peak_bytes, and the largest
 /// of them as peak_bytes: what must fit on each rank. Collective.

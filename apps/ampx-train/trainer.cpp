@@ -466,11 +466,10 @@ RunResult ModeRun::finish() {
   }
   result.weights_checksum = weights_checksum(*setup_.model);
   if (config_.shard == "optimizer" && !config_.export_weights.empty()) {
-    const auto weights = gathered_zero_weights(setup_);  // every rank takes part
-    if (lead_) {
-      result.weights_path = export_path_for(config_, mode_.name);
-      export_weights(result.weights_path, weights, identity_);
-    }
+    result.weights_path = export_path_for(config_, mode_.name);  // every rank takes part
+    export_weights(result.weights_path,
+                   dynamic_cast<ampx::dist::ZeroRedundancyOptimizer&>(*setup_.optimizer),
+                   *setup_.model, identity_, lead_);
   } else if (lead_ && !config_.export_weights.empty()) {
     result.weights_path = export_path_for(config_, mode_.name);
     export_weights(result.weights_path, *setup_.model,

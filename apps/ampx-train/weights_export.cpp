@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
+#include <system_error>
 
 namespace ampx::train {
 
@@ -35,12 +37,6 @@ std::map<std::string, torch::Tensor> exported_weights(
   return out;
 }
 
-void export_weights(const std::string& path, const torch::nn::Module& model,
-                    const ampx::optim::MixedPrecisionOptimizer& optimizer,
-                    const std::vector<std::string>& fp8_layers, const nlohmann::json& identity) {
-  export_weights(path, exported_weights(model, optimizer, fp8_layers), identity);
-}
-
 namespace {
 
 /// The header's metadata: "format": "pt" and the run's identity.
@@ -52,36 +48,46 @@ std::map<std::string, std::string> metadata_of(const nlohmann::json& identity) {
   return metadata;
 }
 
-void make_folder_of(const std::string& path) {
-  const auto folder = std::filesystem::path(path).parent_path();
-  if (!folder.empty()) std::filesystem::create_directories(folder);
-}
-
-}  // namespace
-
-void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
-                    const nlohmann::json& identity) {
-  make_folder_of(path);
-  try {
-    ampx::save_safetensors(weights, path, metadata_of(identity));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace());
-  }
-}
-
-void export_weights(const std::string& path, ampx::dist::FullyShardedDataParallel& fsdp,
-                    const nlohmann::json& identity, bool rank0) {
+/// Makes `path`'s folder (`rank0` only) and runs `save` with the metadata,
+/// its error said as --export-weights'. A folder that cannot be made fails
+/// the write on rank 0, which every rank then reports: under a streamed
+/// export no rank may leave the collective early.
+void export_with(const std::string& path, const nlohmann::json& identity, bool rank0,
+                 const std::function<void(const std::map<std::string, std::string>&)>& save) {
   if (rank0) {
-    // A folder that cannot be made fails the write on rank 0, which every
-    // rank then reports: no rank may leave the collective early.
     std::error_code ignored;
     std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
   }
   try {
-    fsdp.save_full_safetensors(path, metadata_of(identity));
+    save(metadata_of(identity));
   } catch (const c10::Error& e) {
     TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace());
   }
+}
+
+}  // namespace
+
+void export_weights(const std::string& path, const torch::nn::Module& model,
+                    const ampx::optim::MixedPrecisionOptimizer& optimizer,
+                    const std::vector<std::string>& fp8_layers, const nlohmann::json& identity) {
+  const auto weights = exported_weights(model, optimizer, fp8_layers);
+  export_with(path, identity, true, [&](const std::map<std::string, std::string>& metadata) {
+    ampx::save_safetensors(weights, path, metadata);
+  });
+}
+
+void export_weights(const std::string& path, ampx::dist::FullyShardedDataParallel& fsdp,
+                    const nlohmann::json& identity, bool rank0) {
+  export_with(path, identity, rank0, [&](const std::map<std::string, std::string>& metadata) {
+    fsdp.save_full_safetensors(path, metadata);
+  });
+}
+
+void export_weights(const std::string& path, ampx::dist::ZeroRedundancyOptimizer& zero,
+                    const torch::nn::Module& model, const nlohmann::json& identity, bool rank0) {
+  export_with(path, identity, rank0, [&](const std::map<std::string, std::string>& metadata) {
+    zero.save_full_safetensors(path, model, metadata);
+  });
 }
 
 }  // namespace ampx::train

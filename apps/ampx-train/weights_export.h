@@ -8,6 +8,7 @@
 //   // python: load_model(GPT(...), path)  # strict: the same names and shapes
 
 #include <ampx/fsdp.h>
+#include <ampx/zero.h>
 #include <ampx/optim/optimizer.h>
 
 #include <torch/nn/module.h>
@@ -44,13 +45,14 @@ std::map<std::string, torch::Tensor> exported_weights(
 void export_weights(const std::string& path, const torch::nn::Module& model,
                     const ampx::optim::MixedPrecisionOptimizer& optimizer,
                     const std::vector<std::string>& fp8_layers, const nlohmann::json& identity);
-/// The same for weights already gathered (ZeRO-1's masters).
-void export_weights(const std::string& path, const std::map<std::string, torch::Tensor>& weights,
-                    const nlohmann::json& identity);
 /// The same for a fully sharded model, streamed by rank 0 a unit at a
 /// time (FullyShardedDataParallel::save_full_safetensors; `rank0` makes
 /// the folder). Collective: an error on rank 0 throws on every rank.
 void export_weights(const std::string& path, ampx::dist::FullyShardedDataParallel& fsdp,
                     const nlohmann::json& identity, bool rank0);
+/// The same for ZeRO-1's masters of `model`, streamed by rank 0 a piece at
+/// a time (ZeroRedundancyOptimizer::save_full_safetensors).
+void export_weights(const std::string& path, ampx::dist::ZeroRedundancyOptimizer& zero,
+                    const torch::nn::Module& model, const nlohmann::json& identity, bool rank0);
 
 }  // namespace ampx::train

@@ -42,7 +42,9 @@
 #include <torch/optim/optimizer.h>
 
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace ampx {
@@ -132,6 +134,20 @@ class ZeroRedundancyOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// holds 4 bytes a parameter more until the tensors are dropped (for an
   /// export at the end of training). Collective.
   std::vector<at::Tensor> gather_masters();
+
+  /// Writes every parameter's fp32 master at full size, in `dtype`
+  /// (float32; bfloat16 or float16, rounded to nearest), and `model`'s
+  /// buffers to the safetensors file `path` on rank 0, named by `model`
+  /// (whose parameters() this optimizer was built over). The shards are
+  /// all-gathered a piece of bucket_bytes at a time and each piece written
+  /// where it belongs, so no rank holds more than a piece: the bytes of
+  /// ampx::save_safetensors() of gather_masters() by name with the
+  /// buffers. Atomic (a temp file renamed over `path` once complete); an
+  /// error on rank 0 throws on every rank, naming it, and leaves `path` as
+  /// it was. Collective.
+  void save_full_safetensors(const std::string& path, const torch::nn::Module& model,
+                             const std::map<std::string, std::string>& metadata = {},
+                             c10::ScalarType dtype = c10::kFloat);
 
   /// This rank's shards by parameter name and element range, the format of
   /// FullyShardedDataParallel::save_shard (ampx/fsdp.h): `model` (whose

@@ -5,12 +5,15 @@
 
 #include "zero_impl.h"
 
+#include "../files/safetensors/writer.h"
 #include "shard_pieces.h"
 
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
 #include <algorithm>
+#include <functional>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -262,8 +265,79 @@ void ZeroRedundancyOptimizer::load_shards(int64_t saved_world_size, const ShardR
   impl.gather_parameters();  // the model's parameters from the masters, in their dtypes
 }
 
+void ZeroRedundancyOptimizer::save_full_safetensors(
+    const std::string& path, const torch::nn::Module& model,
+    const std::map<std::string, std::string>& metadata, c10::ScalarType dtype) {
+  const char* who = "ZeroRedundancyOptimizer::save_full_safetensors";
+  TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, who,
+              ": dtype is ", dtype, "; the parameters are written in Float, BFloat16 or Half");
+  auto& impl = *impl_;
+  impl.build();
+  const auto names = names_of(impl.params, model, who);  // the same model, the same check, everywhere
+  const auto buffers = model.named_buffers();
+  std::optional<ampx::detail::SafetensorsFileWriter> file;
+  std::string error;
+  const auto attempt = [&](const std::function<void()>& write) {
+    if (!file || !error.empty()) return;
+    try {
+      write();
+    } catch (const std::exception& e) {
+      error = message_of(e);
+    }
+  };
+  if (impl.rank() == 0) {
+    try {
+      std::vector<ampx::detail::SafetensorsEntry> entries;
+      for (size_t i = 0; i < names.size(); ++i) {
+        entries.push_back({names[i], dtype, impl.params[i].sizes().vec()});
+      }
+      for (const auto& b : buffers) {
+        entries.push_back({b.key(), b.value().scalar_type(), b.value().sizes().vec()});
+      }
+      file.emplace(path, entries, metadata, "writing safetensors");
+    } catch (const std::exception& e) {
+      error = message_of(e);
+    }
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < impl.spaces.size(); ++k) {
+    const auto& s = impl.spaces[k];
+    const int64_t most = impl.piece_elements(s, static_cast<int64_t>(sizeof(float)));
+    auto buffer = torch::empty({impl.world() * most}, impl.masters[k].options());
+    for (int64_t at = 0; at < s.shard; at += most) {
+      const int64_t n = std::min(most, s.shard - at);
+      auto gathered = buffer.narrow(0, 0, impl.world() * n);
+      impl.group.all_gather(gathered, impl.masters[k].narrow(0, at, n));
+      attempt([&] {  // rank 0: each rank's part where its parameters' elements go
+        for (int64_t r = 0; r < impl.world(); ++r) {
+          const int64_t lo = r * s.shard + at;
+          for (size_t j = 0; j < s.params.size(); ++j) {
+            const int64_t i = s.params[j];
+            const auto o = overlap(lo, n, s.offsets[j], impl.params[i].numel());
+            if (o.length == 0) continue;
+            file->write_part(names[i], o.begin,
+                             gathered.narrow(0, r * n + o.at, o.length).to(dtype));
+          }
+        }
+      });
+    }
+  }
+  attempt([&] {
+    for (const auto& b : buffers) file->write(b.key(), b.value());
+    file->commit();
+  });
+  file.reset();  // an uncommitted file's temp file goes before the others hear of it
+  const auto errors = impl.group.all_gather_bytes(error);
+  TORCH_CHECK(errors.front().empty(), who, ": rank 0 failed: ", errors.front());
+}
+
 #else  // !AMPX_WITH_DIST
 
+void ZeroRedundancyOptimizer::save_full_safetensors(const std::string&, const torch::nn::Module&,
+                                                    const std::map<std::string, std::string>&,
+                                                    c10::ScalarType) {
+  TORCH_CHECK(false, "ampx::dist: this ampx was built without c10d/Gloo");
+}
 void ZeroRedundancyOptimizer::save_shard(torch::serialize::OutputArchive&,
                                          const torch::nn::Module&) const {
   TORCH_CHECK(false, "ampx::dist: this ampx was built without c10d/Gloo");

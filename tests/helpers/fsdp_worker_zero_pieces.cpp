@@ -7,14 +7,18 @@
 // one process on every rank's batch. Writes <out>.whole, <out>.pieces and
 // <out>.unsharded: every parameter's values ("param %a"), and "bytes
 // <communicated>"; prints "refused bucket: <error>" for bucket_bytes 0.
+// The pieces' masters are exported too (export_masters, below).
 
 #include <ampx/dist.h>
+#include <ampx/safetensors.h>
 #include <ampx/optim.h>
 #include <ampx/zero.h>
 
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -25,21 +29,22 @@
 namespace fsdp_worker {
 namespace {
 
-/// The layers' parameters: fc1 in fp32, fc2 in bf16 (used in fp32).
-struct Mlp {
+/// The layers' parameters: fc1 in fp32, fc2 in bf16 (used in fp32); and a
+/// buffer, which exports carry.
+struct Mlp : torch::nn::Module {
   torch::Tensor w1, b1, w2, b2;
   Mlp() {
     torch::manual_seed(11);
-    w1 = (torch::randn({40, 8}) * 0.3).requires_grad_();
-    b1 = torch::zeros({40}).requires_grad_();
-    w2 = (torch::randn({6, 40}) * 0.2).to(torch::kBFloat16).requires_grad_();
-    b2 = torch::zeros({6}, torch::kBFloat16).requires_grad_();
+    w1 = register_parameter("w1", torch::randn({40, 8}) * 0.3);
+    b1 = register_parameter("b1", torch::zeros({40}));
+    w2 = register_parameter("w2", (torch::randn({6, 40}) * 0.2).to(torch::kBFloat16));
+    b2 = register_parameter("b2", torch::zeros({6}, torch::kBFloat16));
+    register_buffer("seen", torch::arange(3, torch::kLong));
   }
   torch::Tensor forward(const torch::Tensor& x) const {
     const auto h = torch::tanh(torch::addmm(b1, x, w1.t()));
     return torch::addmm(b2.to(torch::kFloat), h, w2.to(torch::kFloat).t());
   }
-  std::vector<torch::Tensor> parameters() const { return {w1, b1, w2, b2}; }
 };
 
 /// SGD with momentum: its update is linear in the gradients, so the
@@ -86,7 +91,38 @@ void train_unsharded(int64_t world, const std::string& path) {
   write(mlp, path, 0);
 }
 
-void train(ampx::dist::ProcessGroup& pg, int64_t bucket_bytes, const std::string& path) {
+/// save_full_safetensors() of `opt`'s masters, in fp32 and bf16, to
+/// <path>.streamed and <path>.streamed-bf16, beside rank 0's
+/// save_safetensors() of gather_masters() to <path>.gathered(-bf16); and
+/// one to a missing folder, refused on every rank ("refused export: ...").
+void export_masters(ampx::dist::ProcessGroup& pg, const Mlp& mlp,
+                    ampx::dist::ZeroRedundancyOptimizer& opt, const std::string& path) {
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  const auto masters = opt.gather_masters();  // every rank
+  if (pg.rank() == 0) {
+    std::map<std::string, torch::Tensor> fp32, bf16;
+    size_t i = 0;
+    for (const auto& p : mlp.named_parameters()) {
+      fp32[p.key()] = masters.at(i);
+      bf16[p.key()] = masters.at(i++).to(torch::kBFloat16);
+    }
+    for (const auto& b : mlp.named_buffers()) fp32[b.key()] = bf16[b.key()] = b.value();
+    ampx::save_safetensors(fp32, path + ".gathered", metadata);
+    ampx::save_safetensors(bf16, path + ".gathered-bf16", metadata);
+  }
+  opt.save_full_safetensors(path + ".streamed", mlp, metadata);
+  opt.save_full_safetensors(path + ".streamed-bf16", mlp, metadata, torch::kBFloat16);
+  try {
+    const auto missing = std::filesystem::path(path).parent_path() / "missing" / "w.safetensors";
+    opt.save_full_safetensors(missing.string(), mlp, metadata);
+    std::cout << "accepted export" << std::endl;
+  } catch (const c10::Error& e) {
+    std::cout << "refused export: " << e.what_without_backtrace() << std::endl;
+  }
+}
+
+void train(ampx::dist::ProcessGroup& pg, int64_t bucket_bytes, const std::string& path,
+           bool exports = false) {
   Mlp mlp;
   ampx::dist::ZeroRedundancyOptimizer opt(
       mlp.parameters(), pg,
@@ -101,20 +137,21 @@ void train(ampx::dist::ProcessGroup& pg, int64_t bucket_bytes, const std::string
     opt.step();
   }
   write(mlp, path, opt.bytes_communicated());
+  if (exports) export_masters(pg, mlp, opt, path);
 }
 
 }  // namespace
 
 int run_zero_pieces(const std::string& out, ampx::dist::ProcessGroup& pg) {
   train(pg, ampx::dist::ZeroRedundancyOptimizerOptions().bucket_bytes(), out + ".whole");
-  train(pg, 24, out + ".pieces");
+  train(pg, 24, out + ".pieces", true);
   train_unsharded(pg.world_size(), out + ".unsharded");
   try {
     Mlp mlp;
     ampx::dist::ZeroRedundancyOptimizer opt(
         mlp.parameters(), pg,
         [](std::vector<torch::Tensor> shard) {
-          return std::make_unique<ampx::optim::AdamW>(std::move(shard));
+          return std::make_unique<ampx::optim::SGD>(std::move(shard), sgd_options());
         },
         ampx::dist::ZeroRedundancyOptimizerOptions().bucket_bytes(0));
     std::cout << "accepted bucket" << std::endl;

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 namespace ampx {
@@ -150,7 +151,7 @@ SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
         header.emplace(e.name, HeaderEntry{dtype_name(e.dtype, e.name, caller_), e.shape, bytes})
             .second,
         caller_, ": two entries are named '", e.name, "'");
-    places_[e.name] = Place{0, bytes, e.dtype, e.shape, false};
+    places_[e.name] = Place{0, bytes, e.dtype, e.shape, numel, {}, 0};
   }
   uint64_t offset = 0;
   for (auto& [name, place] : places_) {  // name order, as file_start lays them
@@ -165,19 +166,42 @@ SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
 void SafetensorsFileWriter::write(const std::string& name, const at::Tensor& value) {
   const auto found = places_.find(name);
   TORCH_CHECK(found != places_.end(), caller_, ": '", name, "' is not an entry of the file");
-  Place& place = found->second;
-  TORCH_CHECK(!place.written, caller_, ": entry '", name, "' is written twice");
+  const Place& place = found->second;
   TORCH_CHECK(value.scalar_type() == place.dtype && value.sizes().vec() == place.shape, caller_,
               ": entry '", name, "' is ", place.dtype, " ", c10::IntArrayRef(place.shape),
               "; given ", value.scalar_type(), " ", value.sizes());
-  const at::Tensor c = value.detach().to(at::kCPU).contiguous();
-  file_.write_at(data_start_ + place.offset, c.data_ptr(), static_cast<size_t>(place.bytes));
-  place.written = true;
+  write_part(name, 0, value);
+}
+
+void SafetensorsFileWriter::write_part(const std::string& name, int64_t first,
+                                       const at::Tensor& values) {
+  const auto found = places_.find(name);
+  TORCH_CHECK(found != places_.end(), caller_, ": '", name, "' is not an entry of the file");
+  Place& place = found->second;
+  const int64_t n = values.numel(), end = first + n;
+  TORCH_CHECK(values.scalar_type() == place.dtype, caller_, ": entry '", name, "' is ",
+              place.dtype, "; given ", values.scalar_type());
+  TORCH_CHECK(first >= 0 && end <= place.numel, caller_, ": elements [", first, ", ", end,
+              ") are not in entry '", name, "' of ", place.numel);
+  if (n == 0) return;
+  // The ranges written so far neither reach into this one from below nor start inside it.
+  const auto next = place.written.lower_bound(first);
+  const bool overlaps = (next != place.written.end() && next->first < end) ||
+                        (next != place.written.begin() && std::prev(next)->second > first);
+  TORCH_CHECK(!overlaps, caller_, ": elements [", first, ", ", end, ") of entry '", name,
+              "' are written twice");
+  const at::Tensor c = values.detach().to(at::kCPU).contiguous();
+  const uint64_t size = c10::elementSize(place.dtype);
+  file_.write_at(data_start_ + place.offset + static_cast<uint64_t>(first) * size, c.data_ptr(),
+                 static_cast<size_t>(n) * size);
+  place.written.emplace(first, end);
+  place.written_elements += n;
 }
 
 void SafetensorsFileWriter::commit() {
   for (const auto& [name, place] : places_) {
-    TORCH_CHECK(place.written, caller_, ": entry '", name, "' was never written");
+    TORCH_CHECK(place.written_elements == place.numel, caller_, ": entry '", name, "' has ",
+                place.written_elements, " of its ", place.numel, " elements written");
   }
   file_.commit();
 }

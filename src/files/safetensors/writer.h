@@ -9,6 +9,7 @@
 //   ampx::detail::SafetensorsFileWriter file(path, {{"fc.weight", at::kFloat, {4, 8}}, ...},
 //                                            metadata, "save_full_safetensors");
 //   file.write("fc.weight", w);  // each entry once, in any order
+//   file.write_part("fc.bias", 0, b.narrow(0, 0, 2));  // or in parts
 //   file.commit();               // every entry written: the file appears at path
 
 #include "../atomic_file.h"
@@ -43,6 +44,10 @@ class SafetensorsFileWriter {
   /// Writes entry `name`'s bytes: `value` (any device) must have its dtype
   /// and shape, and each entry is written once.
   void write(const std::string& name, const at::Tensor& value);
+  /// Writes elements [first, first + values.numel()) of entry `name`, in
+  /// its row-major order, from `values` (its dtype, any shape): an entry
+  /// can come in parts, each of its elements once.
+  void write_part(const std::string& name, int64_t first, const at::Tensor& values);
   /// Every entry written: renames the file over `path`. Without it the
   /// temp file is removed and `path` is as it was.
   void commit();
@@ -52,7 +57,9 @@ class SafetensorsFileWriter {
     uint64_t offset = 0, bytes = 0;  // in the data, after the header
     c10::ScalarType dtype;
     std::vector<int64_t> shape;
-    bool written = false;
+    int64_t numel = 0;
+    std::map<int64_t, int64_t> written;  // element ranges written: first -> end
+    int64_t written_elements = 0;
   };
   const char* caller_;
   AtomicFile file_;
