@@ -23,6 +23,7 @@
 #include <fstream>
 #include <random>
 #include <regex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,23 +77,37 @@ class PreemptionTest : public ::testing::Test {
   }
 
   /// A tiny gpt run writing into <tmp>/<name>, its checkpoint only at the
-  /// end: every other one comes from a preemption.
-  std::vector<std::string> args(const std::string& name, const std::string& precision,
+  /// end: every other one comes from a preemption. `mode`: a precision,
+  /// then "/"-separated --masters (kahan, stochastic) or --optimizer-state
+  /// (bf16, fp8, 8bit) values: "O3/kahan/8bit".
+  std::vector<std::string> args(const std::string& name, const std::string& mode,
                                 int64_t steps) const {
     const auto out = dir_.path() / name;
-    return ampx::train::test::tiny_gpt({{"--precision", precision},
-                                        {"--data-dir", (dir_.path() / "data").string()},
-                                        {"--out-dir", out.string()},
-                                        {"--checkpoint-dir", (out / "ck").string()},
-                                        {"--steps", std::to_string(steps)},
-                                        {"--seed", "5"},
-                                        {"--save-every", "1000"}});
+    std::vector<std::pair<std::string, std::string>> flags = {
+        {"--precision", precision_of(mode)},
+        {"--data-dir", (dir_.path() / "data").string()},
+        {"--out-dir", out.string()},
+        {"--checkpoint-dir", (out / "ck").string()},
+        {"--steps", std::to_string(steps)},
+        {"--seed", "5"},
+        {"--save-every", "1000"}};
+    std::istringstream parts(mode);
+    std::string part;
+    std::getline(parts, part, '/');  // the precision
+    while (std::getline(parts, part, '/')) {
+      const bool masters = part == "kahan" || part == "stochastic";
+      flags.emplace_back(masters ? "--masters" : "--optimizer-state", part);
+    }
+    return ampx::train::test::tiny_gpt(flags);
+  }
+  static std::string precision_of(const std::string& mode) {
+    return mode.substr(0, mode.find('/'));
   }
   fs::path checkpoint(const std::string& name) const {
     return dir_.path() / name / "ck" / "checkpoint.ampx";
   }
-  fs::path metrics(const std::string& name, const std::string& precision) const {
-    return dir_.path() / name / ("metrics-" + precision + ".jsonl");
+  fs::path metrics(const std::string& name, const std::string& mode) const {
+    return dir_.path() / name / ("metrics-" + precision_of(mode) + ".jsonl");
   }
 
   TempDir dir_;
@@ -165,7 +180,10 @@ TEST_P(PreemptionModeTest, SignalsAtRandomStepsEachCheckpointAndResumeBitwise) {
   EXPECT_EQ(losses_in_metrics(metrics("reference", mode)), losses_in_metrics(metrics("run", mode)));
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, PreemptionModeTest, ::testing::Values("fp32", "O1", "O2", "O3"));
+// The modes, and the optimizer's other formats (issue 65): O2's fp32 masters
+// with 8-bit moments, O3's Kahan-compensated bf16 weights with FP8 moments.
+INSTANTIATE_TEST_SUITE_P(Modes, PreemptionModeTest,
+                         ::testing::Values("fp32", "O1", "O2", "O3", "O2/8bit", "O3/kahan/fp8"));
 
 /// The step each rank said it stopped after ("[O2] rank 1: SIGTERM: stopped after step 7").
 std::vector<int64_t> stop_steps(const std::string& output, int nproc) {
