@@ -29,6 +29,20 @@ const std::vector<std::string> kWorkloads = {"gpt", "gpt-nn", "mnist-cnn", "fash
 const std::vector<std::string> kModes = {"fp32",  "O1",    "O2",        "O3",  "fp8",
                                          "mxfp8", "nvfp4", "fp8-block", "auto"};
 
+/// --compare's and --only-mode's check: a mode, "+" parts allowed (parse_mode).
+CLI::Validator mode_name_check() {
+  return CLI::Validator(
+      [](std::string& name) -> std::string {
+        try {
+          (void)parse_mode(name, TrainConfig());
+          return "";
+        } catch (const c10::Error& e) {
+          return e.what_without_backtrace();
+        }
+      },
+      "MODE[+MASTERS][+STATE]");
+}
+
 struct WorkloadDefaults {
   int64_t batch_size;
   int64_t steps;  // 0: use epochs
@@ -94,9 +108,11 @@ void add_mode_options(CLI::App& app, TrainConfig& c) {
                                    "--loss-budget, --target, --precision-plan)")
                         ->check(CLI::IsMember(kModes));
   app.add_option("--compare", c.compare,
-                 "train once per listed mode from the same seed and compare, e.g. fp32,O1,O2")
+                 "train once per listed mode from the same seed and compare, e.g. fp32,O1,O2; "
+                 "fp32, O1, O2 and O3 may add +kahan or +stochastic masters and a +bf16, +fp8 or "
+                 "+8bit optimizer state, e.g. O2,O2+8bit,O3+kahan+8bit")
       ->delimiter(',')
-      ->check(CLI::IsMember(kModes))
+      ->check(mode_name_check())
       ->excludes(precision);
   app.add_option("--dtype", c.dtype,
                  "16-bit type of the mixed modes: bf16 or fp16 "
@@ -341,7 +357,7 @@ std::optional<int> parse_command_line(int argc, const char* const* argv, TrainCo
   add_diagnostic_options(app, c);
   add_fp8_options(app, c);
   // Internal: a --compare run starts one process per mode with these.
-  app.add_option("--only-mode", c.only_mode)->check(CLI::IsMember(kModes))->group("");
+  app.add_option("--only-mode", c.only_mode)->check(mode_name_check())->group("");
   app.add_option("--result-file", c.result_file)->group("");
   try {
     app.parse(argc, argv);
@@ -390,15 +406,41 @@ std::string Mode::dtype_name() const {
   return dtype == c10::kHalf ? "fp16" : dtype == c10::kBFloat16 ? "bf16" : "fp32";
 }
 
+std::string precision_of(const std::string& name) {
+  return name.substr(0, name.find('+'));
+}
+
 Mode parse_mode(const std::string& name, const TrainConfig& config) {
-  TORCH_CHECK(std::find(kModes.begin(), kModes.end(), name) != kModes.end(),
+  const std::string precision = precision_of(name);
+  TORCH_CHECK(std::find(kModes.begin(), kModes.end(), precision) != kModes.end(),
               "ampx-train: unknown precision mode '", name,
               "' (fp32, O1, O2, O3, fp8, mxfp8, nvfp4, fp8-block, auto)");
   Mode mode;
   mode.name = name;
-  if (name == "fp32") return mode;
-  mode.fp8 = is_fp8_mode(name);
-  mode.level = mode.fp8 ? ampx::OptLevel::O1 : ampx::parse_opt_level(name);
+  mode.precision = precision;
+  for (size_t at = precision.size(); at < name.size();) {  // name[at] is a "+"
+    const size_t end = std::min(name.find('+', at + 1), name.size());
+    const std::string part = name.substr(at + 1, end - at - 1);
+    at = end;
+    const bool masters = part == "kahan" || part == "stochastic";
+    TORCH_CHECK(masters || part == "bf16" || part == "fp8" || part == "8bit", "ampx-train: mode '",
+                name, "': '", part,
+                "' is neither masters (kahan, stochastic) nor an optimizer state (bf16, fp8, "
+                "8bit)");
+    std::string& slot = masters ? mode.masters : mode.optimizer_state;
+    TORCH_CHECK(slot.empty(), "ampx-train: mode '", name, "' gives ",
+                masters ? "masters" : "an optimizer state", " twice");
+    slot = part;
+  }
+  TORCH_CHECK(name == precision || !is_fp8_mode(precision), "ampx-train: mode '", name,
+              "': ", precision,
+              " takes --masters and --optimizer-state as flags, not as \"+\" parts");
+  TORCH_CHECK(mode.masters.empty() || precision == "O2" || precision == "O3", "ampx-train: mode '",
+              name, "': ", mode.masters, " keeps the lost bits of 16-bit weights, and ", precision,
+              " trains none (O2 and O3 do)");
+  if (precision == "fp32") return mode;
+  mode.fp8 = is_fp8_mode(precision);
+  mode.level = mode.fp8 ? ampx::OptLevel::O1 : ampx::parse_opt_level(precision);
   mode.dtype = config.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
   return mode;
 }

@@ -128,6 +128,11 @@ std::vector<std::string> modes_of(const TrainConfig& config);
 ///   Mode m = parse_mode("O2", config);  // {"O2", OptLevel::O2, kBFloat16} on CPU
 struct Mode {
   std::string name = "fp32";  // fp32 | O1 | O2 | O3 | an FP8 mode: file names, tables, checkpoints
+  std::string precision = "fp32";  // name without its "+" parts: "O2" of "O2+8bit"
+  /// From the name's "+" parts (fp32, O1, O2, O3): --masters (kahan,
+  /// stochastic) and --optimizer-state (bf16, fp8, 8bit) for this mode
+  /// alone, so that --compare can set them side by side ("": the flags').
+  std::string masters, optimizer_state;
   ampx::OptLevel level = ampx::OptLevel::O0;
   c10::ScalarType dtype = c10::kFloat;  // the low precision (fp32: kFloat)
   bool fp8 = false;  // fp8, mxfp8, nvfp4, fp8-block, auto: O1 with the Linears in FP8 (or FP4)
@@ -137,9 +142,14 @@ struct Mode {
   std::string dtype_name() const;
 };
 
-/// The mode `name` (fp32, O1, O2, O3 or an FP8 mode) in config.dtype. Throws c10::Error
-/// naming the modes for any other name.
+/// The mode `name` (fp32, O1, O2, O3 or an FP8 mode) in config.dtype; fp32,
+/// O1, O2 and O3 may end in "+" parts, each a masters or an optimizer
+/// state ("O2+8bit", "O3+kahan+fp8": Mode::masters, optimizer_state).
+/// Throws c10::Error naming the modes for any other name.
 Mode parse_mode(const std::string& name, const TrainConfig& config);
+
+/// The precision of mode name `name`: "O2" of "O2+8bit".
+std::string precision_of(const std::string& name);
 
 /// Whether `name` is an FP8 mode: fp8 (tensorwise scales), mxfp8, nvfp4,
 /// fp8-block, or auto (each Linear in the format of a plan).

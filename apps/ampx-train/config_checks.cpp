@@ -34,7 +34,8 @@ void check_device(const TrainConfig& c) {
               "ampx-train: --tf32 is for --device cuda (TF32 is a tensor-core format of NVIDIA "
               "GPUs); on the CPU fp32 products stay fp32");
   const auto modes = modes_of(c);
-  const bool mixed = std::any_of(modes.begin(), modes.end(), [](auto& m) { return m != "fp32"; });
+  const bool mixed =
+      std::any_of(modes.begin(), modes.end(), [](auto& m) { return precision_of(m) != "fp32"; });
   TORCH_CHECK(!(mixed && c.dtype == "fp16" && c.device == "cpu" &&
                 !ampx::detail::compat::cpu_autocast_supports_half()),
               "ampx-train: --dtype fp16 on --device cpu needs LibTorch 2.x; this is ",

@@ -43,20 +43,23 @@ void add_optimizer_options(CLI::App& app, TrainConfig& c) {
 }
 
 void check_optimizer_config(const TrainConfig& c) {
-  if (!c.masters.empty() && c.masters != "fp32") {
-    TORCH_CHECK(c.shard == "none", "ampx-train: --masters ", c.masters, " with --shard ", c.shard,
-                ": sharded training keeps fp32 masters in the ranks' shards; drop --masters or "
-                "--shard");
-  }
-  TORCH_CHECK(!(c.masters == "stochastic" && c.dtype == "fp16"),
-              "ampx-train: --masters stochastic rounds bf16 weights; with --dtype fp16 use fp32 "
-              "or kahan");
   TORCH_CHECK(!sets_loss_scaler(c) || c.dtype == "fp16",
               "ampx-train: ", c.init_scale > 0 ? "--init-scale" : "--growth-interval",
               " sets fp16's loss scaler; --dtype ", c.dtype,
               " trains without loss scaling: add --dtype fp16 or drop the flag");
   for (const auto& name : modes_of(c)) {
     const Mode mode = parse_mode(name, c);
+    // Each mode's masters, and who asked for them: the mode's name or the flag.
+    const std::string masters = mode.masters.empty() ? c.masters : mode.masters;
+    const std::string who =
+        mode.masters.empty() ? "--masters " + masters : "mode " + mode.name + "'s " + masters;
+    if (!masters.empty() && masters != "fp32") {
+      TORCH_CHECK(c.shard == "none", "ampx-train: ", who, " with --shard ", c.shard,
+                  ": sharded training keeps fp32 masters in the ranks' shards; drop ",
+                  mode.masters.empty() ? "--masters" : "them", " or --shard");
+    }
+    TORCH_CHECK(!(masters == "stochastic" && c.dtype == "fp16"), "ampx-train: ", who,
+                " rounds bf16 weights; with --dtype fp16 use fp32 or kahan");
     TORCH_CHECK(!(c.masters == "fp32" && mode.level == ampx::OptLevel::O3),
                 "ampx-train: --masters fp32 with --precision O3: O3 trains without masters; use "
                 "O2 for fp32 masters, or --masters kahan or stochastic");
@@ -66,9 +69,14 @@ void check_optimizer_config(const TrainConfig& c) {
 std::string masters_of(const TrainConfig& c, const Mode& mode) {
   const bool weights16 = mode.level == ampx::OptLevel::O2 || mode.level == ampx::OptLevel::O3;
   if (!weights16) return "";
+  if (!mode.masters.empty()) return mode.masters;
   if (!c.masters.empty()) return c.masters;
   if (mode.level == ampx::OptLevel::O2) return "fp32";
   return mode.dtype == c10::kBFloat16 ? "stochastic" : "nearest";
+}
+
+std::string optimizer_state_of(const TrainConfig& c, const Mode& mode) {
+  return mode.optimizer_state.empty() ? c.optimizer_state : mode.optimizer_state;
 }
 
 void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
@@ -83,7 +91,7 @@ void apply_optimizer_options(const TrainConfig& c, const Mode& mode,
     // live in the optimizer's compensation or its rounding, not in masters.
     if (mode.level == ampx::OptLevel::O2) amp_options.master_weights(false);
   }
-  options.state_format(ampx::optim::state_format_from_name(c.optimizer_state));
+  options.state_format(ampx::optim::state_format_from_name(optimizer_state_of(c, mode)));
 }
 
 void apply_loss_scale_options(const TrainConfig& c, ampx::GradScaler& scaler) {
@@ -96,13 +104,17 @@ void apply_loss_scale_options(const TrainConfig& c, ampx::GradScaler& scaler) {
 
 std::string optimizer_description(const TrainConfig& c) {
   std::ostringstream s;
-  s << "moments " << c.optimizer_state;
-  std::string per_mode;
+  std::string per_mode, moments;
+  bool own_moments = false;  // some mode's name sets its optimizer state
   for (const auto& name : modes_of(c)) {
-    const auto masters = masters_of(c, parse_mode(name, c));
+    const Mode mode = parse_mode(name, c);
+    own_moments = own_moments || !mode.optimizer_state.empty();
+    moments += (moments.empty() ? "" : ", ") + name + " " + optimizer_state_of(c, mode);
+    const auto masters = masters_of(c, mode);
     if (masters.empty()) continue;
     per_mode += (per_mode.empty() ? "" : ", ") + name + " " + masters;
   }
+  s << "moments " << (own_moments ? moments : c.optimizer_state);
   if (!per_mode.empty()) s << "; 16-bit weights' lost bits: " << per_mode;
   if (sets_loss_scaler(c)) {
     const ampx::GradScalerOptions defaults;

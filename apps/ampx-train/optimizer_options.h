@@ -32,6 +32,8 @@ void check_optimizer_config(const TrainConfig& config);
 /// What keeps mode `mode`'s weights: "fp32" (an fp32 master), "kahan",
 /// "stochastic", "nearest" (O3 in fp16) or "" (fp32 and O1: fp32 weights).
 std::string masters_of(const TrainConfig& config, const Mode& mode);
+/// Mode `mode`'s optimizer state: its name's "+" part, else --optimizer-state.
+std::string optimizer_state_of(const TrainConfig& config, const Mode& mode);
 
 /// Sets `options` (AdamW's) for mode `mode`: masters, stochastic rounding
 /// or Kahan compensation, and the moments' format; and `amp_options` to

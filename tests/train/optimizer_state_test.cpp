@@ -3,6 +3,7 @@
 // bit, and the optimizer's bytes per parameter in compare.json.
 
 #include "checkpoint.h"
+#include "optimizer_options.h"
 #include "test_support.h"
 
 #include <gtest/gtest.h>
@@ -62,6 +63,44 @@ TEST(OptimizerStateFlagsTest, ResolveToTheModesMastersAndRefuseWhatCannotWork) {
   // Sharded checkpoints carry coded moments (FsdpTest.CodedMomentsResume...).
   EXPECT_NO_THROW(resolved_config(
       {"--nproc", "2", "--shard", "grad", "--optimizer-state", "8bit", "--save-every", "10"}));
+}
+
+// --compare sets masters and optimizer states side by side: a mode's "+"
+// parts are its own --masters and --optimizer-state, said per mode in the
+// settings; parts that cannot apply are refused naming the mode.
+TEST(OptimizerStateFlagsTest, CompareModesCarryTheirOwnMastersAndOptimizerState) {
+  auto c = resolved_config({"--compare", "O2,O2+8bit,O3+kahan+fp8"});
+  EXPECT_TRUE(contains(ampx::train::settings_table(c),
+                       {"moments O2 fp32, O2+8bit 8bit, O3+kahan+fp8 fp8; 16-bit weights' lost "
+                        "bits: O2 fp32, O2+8bit fp32, O3+kahan+fp8 kahan"}));
+  const ampx::train::Mode m = ampx::train::parse_mode("O3+kahan+fp8", c);
+  EXPECT_EQ(m.name, "O3+kahan+fp8");
+  EXPECT_EQ(m.precision, "O3");
+  EXPECT_EQ(m.level, ampx::OptLevel::O3);
+  EXPECT_EQ(m.masters, "kahan");
+  EXPECT_EQ(m.optimizer_state, "fp8");
+  EXPECT_EQ(ampx::train::masters_of(c, ampx::train::parse_mode("O2+8bit", c)), "fp32");
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"O1+kahan",
+       "mode 'O1+kahan': kahan keeps the lost bits of 16-bit weights, and O1 trains "
+       "none (O2 and O3 do)"},
+      {"O2+fp32",
+       "mode 'O2+fp32': 'fp32' is neither masters (kahan, stochastic) nor an optimizer "
+       "state (bf16, fp8, 8bit)"},
+      {"O2+", "mode 'O2+': '' is neither masters"},
+      {"O2+8bit+bf16", "mode 'O2+8bit+bf16' gives an optimizer state twice"},
+      {"fp8+8bit", "mode 'fp8+8bit': fp8 takes --masters and --optimizer-state as flags"},
+      {"O4+8bit", "unknown precision mode 'O4+8bit'"}};
+  for (const auto& [name, error] : refused) {
+    EXPECT_TRUE(
+        expect_error_contains([&] { ampx::train::parse_mode(name, c); }, {"ampx-train: " + error}))
+        << name;
+  }
+  EXPECT_TRUE(expect_error_contains(
+      [] {
+        resolved_config({"--nproc", "2", "--shard", "full", "--compare", "O2,O2+kahan"});
+      },
+      {"ampx-train: mode O2+kahan's kahan with --shard full"}));
 }
 
 #ifdef AMPX_TRAIN_BINARY
@@ -136,6 +175,28 @@ TEST_F(OptimizerStateRunTest, KahanAnd8BitRunResumesBitwiseAndKeepsFewerBytes) {
   RecordProperty("bytes_per_param_fp32", std::to_string(full));
   EXPECT_GT(full, 11.0);  // fp32 master and two fp32 moments: 12 a parameter
   EXPECT_LT(low, 0.6 * full);
+}
+
+// One --compare run trains O2 with fp32 and with 8-bit moments side by
+// side: its own metrics file and row each, the 8-bit one with fewer
+// optimizer bytes a parameter.
+TEST_F(OptimizerStateRunTest, CompareTrainsEachOptimizerStateSideBySide) {
+  const auto out = dir_.path() / "side";
+  const auto a = ampx::train::test::tiny_gpt({{"--compare", "O2,O2+8bit"},
+                                              {"--data-dir", (dir_.path() / "data").string()},
+                                              {"--out-dir", out.string()},
+                                              {"--d-model", "64"},
+                                              {"--steps", "4"},
+                                              {"--seed", "5"}});
+  const Exit e = ampx::train::test::run_train(a, dir_.path() / "side.log");
+  ASSERT_EQ(e.status, 0) << e.output;
+  const auto modes = compare("side")["modes"];
+  ASSERT_EQ(modes.size(), 2u);
+  EXPECT_EQ(modes[0]["mode"], "O2");
+  EXPECT_EQ(modes[1]["mode"], "O2+8bit");
+  EXPECT_TRUE(fs::exists(dir_.path() / "side" / "metrics-O2+8bit.jsonl"));
+  EXPECT_LT(modes[1]["optimizer_bytes_per_param"].get<double>(),
+            0.6 * modes[0]["optimizer_bytes_per_param"].get<double>());
 }
 
 #endif  // AMPX_TRAIN_BINARY
