@@ -77,7 +77,7 @@ TEST_P(ZeroPiecesTest, PiecesTrainTheWeightsOfOnePieceASpace) {
   ASSERT_EQ(workers.size(), static_cast<size_t>(world));
   const Trained whole = read_trained(workers[0].out.string() + ".whole");
   const Trained pieces = read_trained(workers[0].out.string() + ".pieces");
-  constexpr size_t kFp32 = 40 * 8 + 40, kAll = kFp32 + 6 * 40 + 6;
+  constexpr size_t kFp32 = 41 * 6 + 41, kAll = kFp32 + 5 * 41 + 5 + 1;
   ASSERT_EQ(whole.params.size(), kAll);
   ASSERT_EQ(pieces.params.size(), kAll);
   EXPECT_GT(whole.bytes, 0);

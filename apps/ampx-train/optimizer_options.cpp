@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <sstream>
+#include <vector>
 
 namespace ampx::train {
 
@@ -43,12 +44,9 @@ void add_optimizer_options(CLI::App& app, TrainConfig& c) {
 }
 
 void check_optimizer_config(const TrainConfig& c) {
-  TORCH_CHECK(!sets_loss_scaler(c) || c.dtype == "fp16",
-              "ampx-train: ", c.init_scale > 0 ? "--init-scale" : "--growth-interval",
-              " sets fp16's loss scaler; --dtype ", c.dtype,
-              " trains without loss scaling: add --dtype fp16 or drop the flag");
-  for (const auto& name : modes_of(c)) {
-    const Mode mode = parse_mode(name, c);
+  std::vector<Mode> modes;
+  for (const auto& name : modes_of(c)) modes.push_back(parse_mode(name, c));
+  for (const auto& mode : modes) {
     // Each mode's masters, and who asked for them: the mode's name or the flag.
     const std::string masters = mode.masters.empty() ? c.masters : mode.masters;
     const std::string who =
@@ -56,11 +54,18 @@ void check_optimizer_config(const TrainConfig& c) {
     if (!masters.empty() && masters != "fp32") {
       TORCH_CHECK(c.shard == "none", "ampx-train: ", who, " with --shard ", c.shard,
                   ": sharded training keeps fp32 masters in the ranks' shards; drop ",
-                  mode.masters.empty() ? "--masters" : "them", " or --shard");
+                  mode.masters.empty() ? "--masters" : "the part", " or --shard");
     }
     TORCH_CHECK(!(masters == "stochastic" && c.dtype == "fp16"), "ampx-train: ", who,
-                " rounds bf16 weights; with --dtype fp16 use fp32 or kahan");
-    TORCH_CHECK(!(c.masters == "fp32" && mode.level == ampx::OptLevel::O3),
+                " rounds bf16 weights; with --dtype fp16 use ",
+                mode.masters.empty() ? "fp32 or kahan" : "+kahan, or no masters part");
+  }
+  TORCH_CHECK(!sets_loss_scaler(c) || c.dtype == "fp16",
+              "ampx-train: ", c.init_scale > 0 ? "--init-scale" : "--growth-interval",
+              " sets fp16's loss scaler; --dtype ", c.dtype,
+              " trains without loss scaling: add --dtype fp16 or drop the flag");
+  for (const auto& mode : modes) {  // (a "+" part of O3 is its own masters, never fp32)
+    TORCH_CHECK(!(mode.masters.empty() && c.masters == "fp32" && mode.level == ampx::OptLevel::O3),
                 "ampx-train: --masters fp32 with --precision O3: O3 trains without masters; use "
                 "O2 for fp32 masters, or --masters kahan or stochastic");
   }

@@ -61,10 +61,6 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
 /// functions for --shard none.
 ShardIo shard_io(const TrainConfig& config, ModeSetUp& setup);
 
-/// --shard optimizer's weights for --export-weights: the fp32 masters
-/// gathered from every rank's ZeRO-1 shards, and the model's buffers, by
-/// name. Collective.
-
 /// Every rank's peak_bytes of `result` in rank_peak_bytes, and the largest
 /// of them as peak_bytes: what must fit on each rank. Collective.
 void gather_rank_peaks(const ampx::dist::ProcessGroup& group, RunResult& result);

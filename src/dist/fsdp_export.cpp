@@ -46,8 +46,7 @@ std::string gather_each(FullyShardedDataParallel::Impl& impl, const Visit& visit
           visit(p.name, flat.narrow(0, p.offset, p.numel).view(p.shape));
         }
       } catch (const std::exception& e) {
-        const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-        error = c10_error ? c10_error->what_without_backtrace() : e.what();
+        error = message_of(e);
       }
     }
   }
@@ -97,8 +96,8 @@ void FullyShardedDataParallel::save_full_safetensors(
         entries.push_back({b.key(), b.value().scalar_type(), b.value().sizes().vec()});
       }
       file.emplace(path, entries, metadata, "writing safetensors");
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = message_of(e);
     }
   }
   // Rank 0 without a file still takes part in the gathers, writing nothing.
@@ -110,8 +109,8 @@ void FullyShardedDataParallel::save_full_safetensors(
     try {
       for (const auto& b : buffers) file->write(b.key(), b.value());
       file->commit();
-    } catch (const c10::Error& e) {
-      error = e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = message_of(e);
     }
   }
   file.reset();  // an uncommitted file's temp file goes before the others hear of it

@@ -69,7 +69,8 @@ void AtomicFile::write_at(uint64_t offset, const void* data, size_t size) {
     const ssize_t n =
         ::pwrite(fd_, bytes + written, size - written, static_cast<off_t>(offset + written));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail(errno_text());
+    if (n == 0) fail("the system wrote no byte");
+    if (n < 0) fail(errno_text());
     written += static_cast<size_t>(n);
   }
 }

@@ -177,12 +177,13 @@ TEST_F(OptimizerStateRunTest, KahanAnd8BitRunResumesBitwiseAndKeepsFewerBytes) {
   EXPECT_LT(low, 0.6 * full);
 }
 
-// One --compare run trains O2 with fp32 and with 8-bit moments side by
-// side: its own metrics file and row each, the 8-bit one with fewer
-// optimizer bytes a parameter.
+// One --compare run trains O2 with fp32 and with 8-bit moments, and O3
+// with Kahan weights and 8-bit moments, side by side: its own metrics file
+// and row each, the 8-bit ones with fewer optimizer bytes a parameter, O3's
+// fewest (a bf16 compensation instead of an fp32 master).
 TEST_F(OptimizerStateRunTest, CompareTrainsEachOptimizerStateSideBySide) {
   const auto out = dir_.path() / "side";
-  const auto a = ampx::train::test::tiny_gpt({{"--compare", "O2,O2+8bit"},
+  const auto a = ampx::train::test::tiny_gpt({{"--compare", "O2,O2+8bit,O3+kahan+8bit"},
                                               {"--data-dir", (dir_.path() / "data").string()},
                                               {"--out-dir", out.string()},
                                               {"--d-model", "64"},
@@ -191,12 +192,15 @@ TEST_F(OptimizerStateRunTest, CompareTrainsEachOptimizerStateSideBySide) {
   const Exit e = ampx::train::test::run_train(a, dir_.path() / "side.log");
   ASSERT_EQ(e.status, 0) << e.output;
   const auto modes = compare("side")["modes"];
-  ASSERT_EQ(modes.size(), 2u);
+  ASSERT_EQ(modes.size(), 3u);
   EXPECT_EQ(modes[0]["mode"], "O2");
   EXPECT_EQ(modes[1]["mode"], "O2+8bit");
+  EXPECT_EQ(modes[2]["mode"], "O3+kahan+8bit");
   EXPECT_TRUE(fs::exists(dir_.path() / "side" / "metrics-O2+8bit.jsonl"));
-  EXPECT_LT(modes[1]["optimizer_bytes_per_param"].get<double>(),
-            0.6 * modes[0]["optimizer_bytes_per_param"].get<double>());
+  EXPECT_TRUE(contains(e.output, {"O3+kahan+8bit kahan"})) << e.output;
+  const auto bytes = [&](size_t i) { return modes[i]["optimizer_bytes_per_param"].get<double>(); };
+  EXPECT_LT(bytes(1), 0.6 * bytes(0));
+  EXPECT_LT(bytes(2), bytes(1));
 }
 
 #endif  // AMPX_TRAIN_BINARY
