@@ -3,6 +3,7 @@
 
     bench/sharding.py [--build build/host] [--out runs/bench] [--worlds 1,2,4]
                       [--layers 12] [--wheel-build build/wheel --wheel-python PY]
+                      [--anchor-layers 4]
 
 One gpt whose parameters dominate its memory (GPT-2 small's blocks: 12 layers
 of d 768, 85.2M parameters; context 64, 2 sequences per rank, so activations
@@ -86,13 +87,13 @@ def run_one(exe, out, world, shard, data_dir, steps=STEPS, seed=None, tag="", la
             "gathered_bytes": r.get("gathered_bytes", 0)}
 
 
-def run_fsdp2(python, out, shard, seed, data_dir):
+def run_fsdp2(python, out, shard, seed, data_dir, layers=ANCHOR_LAYERS):
     """fsdp2_bench.py at the anchor's settings: shard "full" (reshard after
     forward) or "grad" (keep the gathered units until backward)."""
     name = f"fsdp2-{shard}-{ANCHOR_WORLD}-seed{seed}"
     result = os.path.join(out, name + ".json")
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python", "fsdp2_bench.py")
-    cmd = [python, script, "--world", str(ANCHOR_WORLD), "--layers", str(ANCHOR_LAYERS),
+    cmd = [python, script, "--world", str(ANCHOR_WORLD), "--layers", str(layers),
            "--d-model", str(D), "--heads", str(HEADS), "--block-size", str(BLOCK),
            "--batch-size", str(ROWS_PER_RANK * ANCHOR_WORLD), "--steps", str(ANCHOR_STEPS),
            "--seed", str(seed), "--threads", "1", "--json", result,
@@ -121,17 +122,18 @@ def anchor(args, out):
         return None
     exe = os.path.join(build, "apps", "ampx-train", "ampx-train")
     data_dir = getattr(args, "data_dir", None)
+    layers = getattr(args, "anchor_layers", ANCHOR_LAYERS)
     runs = {}
     for shard in ("full", "grad"):
         for seed in ANCHOR_SEEDS:
             ampx = run_one(exe, out, ANCHOR_WORLD, shard, data_dir, steps=ANCHOR_STEPS, seed=seed,
-                           tag=f"-wheel-seed{seed}", layers=ANCHOR_LAYERS)
-            torch_ = run_fsdp2(python, out, shard, seed, data_dir)
+                           tag=f"-wheel-seed{seed}", layers=layers)
+            torch_ = run_fsdp2(python, out, shard, seed, data_dir, layers)
             runs[f"{shard}/{seed}"] = {"ampx": ampx, "fsdp2": torch_}
             print(f"sharding anchor: {shard} seed {seed}: ampx {ampx.get('median_step_ms')} ms, "
                   f"fsdp2 {torch_.get('median_step_ms')} ms", file=sys.stderr)
     return {"world": ANCHOR_WORLD, "steps": ANCHOR_STEPS, "seeds": list(ANCHOR_SEEDS),
-            "layers": ANCHOR_LAYERS, "runs": runs}
+            "layers": layers, "runs": runs}
 
 
 def vocab_of(data_dir):
@@ -201,6 +203,10 @@ def report(result):
     if not result:
         return []
     n = result["parameters"]
+    anchor_n = gpt_parameters(result["vocab"], result["anchor"].get("layers", LAYERS)) \
+        if result.get("anchor") and result.get("vocab") else n
+    if not result["runs"]:  # --worlds "": the FSDP2 comparison alone
+        return report_anchor(result.get("anchor"), anchor_n)
     lines = [f"## Sharding: bytes per parameter on each rank (`bench/sharding.py`)", "",
              f"ampx-train gpt, O2 (bf16, AdamW), {result['layers']} layers of d "
              f"{result['d_model']} ({n / 1e6:.1f}M parameters), context {result['block_size']}, "
@@ -229,8 +235,6 @@ def report(result):
                      + (f"{step:.0f} |" if step else "- |"))
     lines.append("")
     lines += target_lines(result)
-    anchor_n = gpt_parameters(result["vocab"], result["anchor"].get("layers", LAYERS)) \
-        if result.get("anchor") and result.get("vocab") else n
     return lines + report_anchor(result.get("anchor"), anchor_n)
 
 
@@ -292,16 +296,19 @@ def main():
     p.add_argument("--build", default=os.path.join(os.path.dirname(__file__), "..", "build",
                                                    "host"))
     p.add_argument("--out", default=os.path.join("runs", "bench"))
-    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--worlds", default="1,2,4", help='the memory table\'s world sizes ("": none)')
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="gpt blocks of the memory table (12: GPT-2 small's)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--json", default=None, help="also write the result here")
     p.add_argument("--wheel-build", default=None, help="ampx built on the wheel's LibTorch")
     p.add_argument("--wheel-python", default=None, help="the wheel's Python (FSDP2's side)")
+    p.add_argument("--anchor-layers", type=int, default=ANCHOR_LAYERS,
+                   help="gpt blocks of the FSDP2 comparison (4: the run of record's; 12: "
+                        "GPT-2 small's, three times as long)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    result = measure(args, args.out, [int(w) for w in args.worlds.split(",")])
+    result = measure(args, args.out, [int(w) for w in args.worlds.split(",") if w])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
