@@ -82,8 +82,8 @@ void check_plan_flags(TrainConfig& c) {
     return is_fp8_mode(m) && m != "auto";
   });
   if (fp8_modes) (void)parse_tail(c.fp8_tail, "--fp8-tail");
-  TORCH_CHECK(fp8_modes || no_tail(c.fp8_tail), "ampx-train: --fp8-tail ",
-              c.fp8_tail, " is for the FP8 modes (fp8, mxfp8, nvfp4, fp8-block; --precision auto "
+  TORCH_CHECK(fp8_modes || no_tail(c.fp8_tail), "ampx-train: --fp8-tail ", c.fp8_tail,
+              " is for the FP8 modes (fp8, mxfp8, nvfp4, fp8-block; --precision auto "
               "has --plan-tail)");
   TORCH_CHECK(c.plan_watch <= 0 || plan_mode, "ampx-train: --plan-watch ", c.plan_watch,
               " is for --precision auto");
@@ -91,8 +91,7 @@ void check_plan_flags(TrainConfig& c) {
   TORCH_CHECK(c.plan_reference == "bf16" || plan_mode, "ampx-train: --plan-reference ",
               c.plan_reference, " is for --precision auto");
   TORCH_CHECK(c.plan_ends == TrainConfig().plan_ends || plan_mode, "ampx-train: --plan-ends ",
-              c.plan_ends,
-              " is for --precision auto");
+              c.plan_ends, " is for --precision auto");
   if (c.plan_watch < 0) c.plan_watch = plan_mode ? 50 : 0;
   TORCH_CHECK(std::isfinite(c.plan_noise_ratio) && c.plan_noise_ratio > 0,
               "ampx-train: --plan-noise-ratio ", c.plan_noise_ratio, " is not a number > 0");

@@ -8,8 +8,8 @@
 //   // python: load_model(GPT(...), path)  # strict: the same names and shapes
 
 #include <ampx/fsdp.h>
-#include <ampx/zero.h>
 #include <ampx/optim/optimizer.h>
+#include <ampx/zero.h>
 
 #include <torch/nn/module.h>
 #include <nlohmann/json.hpp>

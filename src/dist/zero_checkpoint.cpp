@@ -273,7 +273,8 @@ void ZeroRedundancyOptimizer::save_full_safetensors(
               ": dtype is ", dtype, "; the parameters are written in Float, BFloat16 or Half");
   auto& impl = *impl_;
   impl.build();
-  const auto names = names_of(impl.params, model, who);  // the same model, the same check, everywhere
+  // The same model gives the same check everywhere: every rank throws or none.
+  const auto names = names_of(impl.params, model, who);
   const auto buffers = model.named_buffers();
   std::optional<ampx::detail::SafetensorsFileWriter> file;
   std::string error;

@@ -10,17 +10,17 @@
 // The pieces' masters are exported too (export_masters, below).
 
 #include <ampx/dist.h>
-#include <ampx/safetensors.h>
 #include <ampx/optim.h>
+#include <ampx/safetensors.h>
 #include <ampx/zero.h>
 
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
-#include <map>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>

@@ -179,8 +179,8 @@ void SafetensorsFileWriter::write_part(const std::string& name, int64_t first,
   TORCH_CHECK(found != places_.end(), caller_, ": '", name, "' is not an entry of the file");
   Place& place = found->second;
   const int64_t n = values.numel(), end = first + n;
-  TORCH_CHECK(values.scalar_type() == place.dtype, caller_, ": entry '", name, "' is ",
-              place.dtype, "; given ", values.scalar_type());
+  TORCH_CHECK(values.scalar_type() == place.dtype, caller_, ": entry '", name, "' is ", place.dtype,
+              "; given ", values.scalar_type());
   TORCH_CHECK(first >= 0 && end <= place.numel, caller_, ": elements [", first, ", ", end,
               ") are not in entry '", name, "' of ", place.numel);
   if (n == 0) return;
