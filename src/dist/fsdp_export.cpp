@@ -9,6 +9,7 @@
 #include "../files/safetensors/writer.h"
 #include "fsdp_impl.h"
 #include "process_group_impl.h"
+#include "shard_pieces.h"
 
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
@@ -53,12 +54,6 @@ std::string gather_each(FullyShardedDataParallel::Impl& impl, const Visit& visit
   return error;
 }
 
-/// Every rank learns rank 0's `error` ("" if none) and throws it, after `who`.
-void throw_rank0_error(const char* who, const ProcessGroup& group, const std::string& error) {
-  const auto errors = group.all_gather_bytes(error);
-  TORCH_CHECK(errors.front().empty(), who, ": rank 0 failed: ", errors.front());
-}
-
 }  // namespace
 
 torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state_dict() {
@@ -66,7 +61,7 @@ torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state
   const auto error = gather_each(*impl_, [&](const std::string& name, const at::Tensor& value) {
     values[name] = value.clone();
   });
-  throw_rank0_error("FullyShardedDataParallel::full_state_dict", impl_->group, error);
+  shard::throw_rank0_error("FullyShardedDataParallel::full_state_dict", impl_->group, error);
   torch::OrderedDict<std::string, at::Tensor> out;
   if (impl_->group.rank() != 0) return out;
   for (const auto& p : impl_->params) out.insert(p.name, values.at(p.name));
@@ -75,16 +70,15 @@ torch::OrderedDict<std::string, at::Tensor> FullyShardedDataParallel::full_state
 }
 
 void FullyShardedDataParallel::for_each_full_parameter(const Visit& visit) {
-  throw_rank0_error("FullyShardedDataParallel::for_each_full_parameter", impl_->group,
-                    gather_each(*impl_, visit));
+  shard::throw_rank0_error("FullyShardedDataParallel::for_each_full_parameter", impl_->group,
+                           gather_each(*impl_, visit));
 }
 
 void FullyShardedDataParallel::save_full_safetensors(
     const std::string& path, const std::map<std::string, std::string>& metadata,
     c10::ScalarType dtype) {
   const char* who = "FullyShardedDataParallel::save_full_safetensors";
-  TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, who,
-              ": dtype is ", dtype, "; the parameters are written in Float, BFloat16 or Half");
+  shard::check_export_dtype(who, dtype);
   std::optional<ampx::detail::SafetensorsFileWriter> file;
   std::string error;
   const auto buffers = impl_->model->named_buffers();
@@ -114,7 +108,7 @@ void FullyShardedDataParallel::save_full_safetensors(
     }
   }
   file.reset();  // an uncommitted file's temp file goes before the others hear of it
-  throw_rank0_error(who, impl_->group, error);
+  shard::throw_rank0_error(who, impl_->group, error);
 }
 
 #else  // !AMPX_WITH_DIST

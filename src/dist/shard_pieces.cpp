@@ -406,6 +406,16 @@ void commit_everywhere(const char* who, const ProcessGroup& group, const std::st
   }
 }
 
+void check_export_dtype(const char* who, c10::ScalarType dtype) {
+  TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, who,
+              ": dtype is ", dtype, "; the parameters are written in Float, BFloat16 or Half");
+}
+
+void throw_rank0_error(const char* who, const ProcessGroup& group, const std::string& error) {
+  const auto errors = group.all_gather_bytes(error);
+  TORCH_CHECK(errors.front().empty(), who, ": rank 0 failed: ", errors.front());
+}
+
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);

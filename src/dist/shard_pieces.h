@@ -151,6 +151,15 @@ std::vector<std::pair<std::string, at::Tensor>> buffers_of(const torch::nn::Modu
 void commit_everywhere(const char* who, const ProcessGroup& group, const std::string& error,
                        const std::function<void()>& roll_back);
 
+/// A full-state export's dtype: float32, bfloat16 or float16, else an error
+/// after "<who>: ". (FullyShardedDataParallel's and ZeroRedundancyOptimizer's
+/// save_full_safetensors.)
+void check_export_dtype(const char* who, c10::ScalarType dtype);
+
+/// Every rank learns rank 0's `error` ("" if none) and, if there is one,
+/// throws it after "<who>: rank 0 failed: ". Collective.
+void throw_rank0_error(const char* who, const ProcessGroup& group, const std::string& error);
+
 /// `optimizer`'s state as bytes (for a rollback), and back.
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
 void restore_optimizer(torch::optim::Optimizer& optimizer, const std::string& bytes);

@@ -269,8 +269,7 @@ void ZeroRedundancyOptimizer::save_full_safetensors(
     const std::string& path, const torch::nn::Module& model,
     const std::map<std::string, std::string>& metadata, c10::ScalarType dtype) {
   const char* who = "ZeroRedundancyOptimizer::save_full_safetensors";
-  TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kBFloat16 || dtype == c10::kHalf, who,
-              ": dtype is ", dtype, "; the parameters are written in Float, BFloat16 or Half");
+  shard::check_export_dtype(who, dtype);
   auto& impl = *impl_;
   impl.build();
   // The same model gives the same check everywhere: every rank throws or none.
@@ -328,8 +327,7 @@ void ZeroRedundancyOptimizer::save_full_safetensors(
     file->commit();
   });
   file.reset();  // an uncommitted file's temp file goes before the others hear of it
-  const auto errors = impl.group.all_gather_bytes(error);
-  TORCH_CHECK(errors.front().empty(), who, ": rank 0 failed: ", errors.front());
+  shard::throw_rank0_error(who, impl.group, error);
 }
 
 #else  // !AMPX_WITH_DIST
