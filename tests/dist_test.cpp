@@ -71,12 +71,6 @@ using ampx_test::Worker;
 
 class DistTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "ampx-dist-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   /// Starts `world` workers of `scenario` and waits (at most `limit`) for all.
   std::vector<Worker> run(const std::string& scenario, int world,
                           std::chrono::seconds limit = std::chrono::seconds(120)) {
@@ -180,7 +174,8 @@ class DistTest : public ::testing::Test {
     return differ;
   }
 
-  fs::path dir_;
+  ampx_test::TempFolder tmp_{"ampx-dist"};
+  fs::path dir_ = tmp_.path();
 };
 
 float max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {

@@ -24,19 +24,10 @@ using ::testing::HasSubstr;
 
 #ifdef AMPX_FSDP_WORKER
 
-std::string bytes_of(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 class FsdpExportTest : public ::testing::TestWithParam<int> {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "ampx-fsdp-export-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  ampx_test::TempFolder tmp_{"ampx-fsdp-export"};
+  fs::path dir_ = tmp_.path();
 };
 
 // The streamed files (parameters in fp32, then in bf16, both with the
@@ -53,12 +44,13 @@ TEST_P(FsdpExportTest, StreamedExportIsSaveSafetensorsOfTheWholeModelAndFailsOnE
       ampx_test::run_ranks(AMPX_FSDP_WORKER, dir_, "export", world, std::chrono::seconds(120));
   ASSERT_EQ(workers.size(), static_cast<size_t>(world));
   const std::string out = workers[0].out.string();
-  const std::string whole = bytes_of(out + ".whole"), whole_bf16 = bytes_of(out + ".whole-bf16");
+  const std::string whole = ampx_test::file_bytes(out + ".whole"),
+                    whole_bf16 = ampx_test::file_bytes(out + ".whole-bf16");
   ASSERT_GT(whole.size(), 4u * (8 * 48 + 48 * 40 + 40 * 4));
-  EXPECT_EQ(bytes_of(out + ".streamed"), whole);
-  EXPECT_EQ(bytes_of(out + ".streamed-bf16"), whole_bf16);
+  EXPECT_EQ(ampx_test::file_bytes(out + ".streamed"), whole);
+  EXPECT_EQ(ampx_test::file_bytes(out + ".streamed-bf16"), whole_bf16);
   EXPECT_LT(whole_bf16.size(), whole.size());
-  EXPECT_EQ(bytes_of(out + ".after"), whole);
+  EXPECT_EQ(ampx_test::file_bytes(out + ".after"), whole);
 
   const std::string who = "FullyShardedDataParallel::save_full_safetensors: rank 0 failed: ";
   const std::string taken = (dir_ / "taken.safetensors").string();

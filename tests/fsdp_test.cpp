@@ -70,12 +70,6 @@ int64_t printed(const std::string& output, const std::string& name) {
 
 class FsdpTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "ampx-fsdp-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   std::vector<ampx_test::Worker> run(const std::string& scenario, int world) {
     auto workers = ampx_test::run_ranks(AMPX_FSDP_WORKER, dir_, scenario, world);
     for (const auto& w : workers) EXPECT_EQ(w.status, 0) << scenario << ": " << w.output;
@@ -85,7 +79,8 @@ class FsdpTest : public ::testing::Test {
   static Record ddp(const ampx_test::Worker& w) { return read_record(w.out.string() + ".ddp"); }
   static Record fsdp(const ampx_test::Worker& w) { return read_record(w.out.string() + ".fsdp"); }
 
-  fs::path dir_;
+  ampx_test::TempFolder tmp_{"ampx-fsdp"};
+  fs::path dir_ = tmp_.path();
 };
 
 class FsdpWorldTest : public FsdpTest, public ::testing::WithParamInterface<int> {};

@@ -4,12 +4,14 @@
 
 #include "ampx/precision_plan.h"
 
+#include "ampx/detail/plan_solver.h"
 #include "ampx/fp8/autocast.h"
 #include "ampx/fp8/convert.h"
 #include "test_util.h"
 
 #include <torch/torch.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -17,8 +19,6 @@
 #include <functional>
 #include <random>
 #include <sstream>
-
-#include <unistd.h>
 
 namespace ampx {
 namespace {

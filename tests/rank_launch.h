@@ -2,7 +2,8 @@
 
 // Starts the ranks of a multi-process test on loopback with torchrun's
 // variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
-// waits for them, bounded in time (dist_test.cpp, fsdp_test.cpp).
+// waits for them, bounded in time (dist_test.cpp, fsdp_test.cpp); the
+// folder they write into, and the bytes of what they wrote.
 
 #include <ampx/dist.h>
 
@@ -16,7 +17,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -97,6 +100,35 @@ inline std::vector<Worker> run_ranks(const std::string& binary, const std::files
     auto workers = launch_ranks(binary, dir, scenario, world, limit);
     if (attempt == 3 || !port_taken(workers[0])) return workers;
   }
+}
+
+/// A new folder under the system's temp folder, named `prefix`-XXXXXX,
+/// removed with what it holds when this goes.
+class TempFolder {
+ public:
+  explicit TempFolder(const std::string& prefix) {
+    std::string pattern = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      throw std::runtime_error("cannot make a temp folder " + pattern);
+    }
+    path_ = pattern;
+  }
+  ~TempFolder() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempFolder(const TempFolder&) = delete;
+  TempFolder& operator=(const TempFolder&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// The bytes of the file at `path` ("" if there is none).
+inline std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
 }  // namespace ampx_test

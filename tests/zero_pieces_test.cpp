@@ -43,19 +43,10 @@ Trained read_trained(const fs::path& path) {
   return t;
 }
 
-std::string bytes_of(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 class ZeroPiecesTest : public ::testing::TestWithParam<int> {
  protected:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "ampx-zero-pieces-XXXXXX").string();
-    dir_ = ::mkdtemp(pattern.data());
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  ampx_test::TempFolder tmp_{"ampx-zero-pieces"};
+  fs::path dir_ = tmp_.path();
 };
 
 // Pieces of 24 bytes (3 fp32 elements a rank on 2 ranks, 2 on 3; 6 and 4
@@ -117,10 +108,13 @@ TEST_P(ZeroPiecesTest, PiecesTrainTheWeightsOfOnePieceASpace) {
   // The masters streamed to safetensors a piece at a time are rank 0's file
   // of gather_masters() (every rank holding every master), byte for byte.
   const std::string exported = workers[0].out.string() + ".pieces";
-  ASSERT_GT(bytes_of(exported + ".gathered").size(), 4 * kAll);
-  EXPECT_EQ(bytes_of(exported + ".streamed"), bytes_of(exported + ".gathered"));
-  EXPECT_EQ(bytes_of(exported + ".streamed-bf16"), bytes_of(exported + ".gathered-bf16"));
-  EXPECT_NE(bytes_of(exported + ".streamed-bf16"), bytes_of(exported + ".streamed"));
+  ASSERT_GT(ampx_test::file_bytes(exported + ".gathered").size(), 4 * kAll);
+  EXPECT_EQ(ampx_test::file_bytes(exported + ".streamed"),
+            ampx_test::file_bytes(exported + ".gathered"));
+  EXPECT_EQ(ampx_test::file_bytes(exported + ".streamed-bf16"),
+            ampx_test::file_bytes(exported + ".gathered-bf16"));
+  EXPECT_NE(ampx_test::file_bytes(exported + ".streamed-bf16"),
+            ampx_test::file_bytes(exported + ".streamed"));
 }
 
 INSTANTIATE_TEST_SUITE_P(World, ZeroPiecesTest, ::testing::Values(2, 3));

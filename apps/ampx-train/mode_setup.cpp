@@ -71,7 +71,7 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
                        .every(config.plan_watch)
                        .widen(config.plan_widen)
                        .noise_ratio(config.plan_noise_ratio);
-    if (group) options.group(*group);
+    options.group(group);  // null: one process
     setup.watch = std::make_unique<ampx::plan::PlanWatch>(*setup.model, plan, options);
   }
   for (const auto& item : setup.model->named_modules("", /*include_self=*/false)) {
@@ -80,6 +80,27 @@ void set_up_plan(const TrainConfig& config, ModeSetUp& setup,
     if (std::find(f.begin(), f.end(), item.key()) == f.end())
       setup.bf16_layers.push_back(item.key());
   }
+}
+
+/// O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
+/// (dimensions multiples of 16), as torchao does, but those kept in bf16.
+void convert_fp8_linears(const TrainConfig& config, Workload& workload, const Mode& mode,
+                         ModeSetUp& setup) {
+  setup.fp8 = true;
+  setup.bf16_layers = bf16_layers_of(config, mode.name, *setup.model);
+  const auto& keep = setup.bf16_layers;
+  setup.fp8_layers = ampx::fp8::convert_linears(
+      *setup.model,
+      ampx::fp8::ConvertOptions()
+          .recipe(fp8_recipe_of(config, mode.name))
+          .filter([&keep](const std::string& path, const torch::nn::LinearImpl& linear) {
+            const auto& o = linear.options;
+            return o.in_features() % 16 == 0 && o.out_features() % 16 == 0 &&
+                   std::find(keep.begin(), keep.end(), path) == keep.end();
+          }));
+  TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision ", mode.name, ", but ",
+              workload.name(),
+              " has no Linear layer whose dimensions are multiples of 16 outside --bf16-layers");
 }
 
 }  // namespace
@@ -100,6 +121,8 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
   // updates alive by rounding stochastically (fp16 has the mantissa to do
   // without); --masters and --optimizer-state as asked.
   apply_optimizer_options(config, mode, options, amp_options);
+  // Before the sharding wrapper, which gathers the FP8 Linears' weights as codes.
+  if (mode.fp8 && mode.name != "auto") convert_fp8_linears(config, workload, mode, setup);
   if (group && config.shard != "none") {
     set_up_sharded(config, workload, mode, *group, options, amp_options, setup);
   } else {
@@ -117,24 +140,6 @@ ModeSetUp set_up_mode(const TrainConfig& config, Workload& workload, const Mode&
     // --bf16-layers keeps layers in bf16).
     setup.fp8 = true;
     set_up_plan(config, setup, group);
-  } else if (mode.fp8) {
-    // O1 plus FP8 (or FP4) Linears: every Linear FP8 tensor cores take
-    // (dimensions multiples of 16), as torchao does, but those kept in bf16.
-    setup.fp8 = true;
-    setup.bf16_layers = bf16_layers_of(config, mode.name, *setup.model);
-    const auto& keep = setup.bf16_layers;
-    setup.fp8_layers = ampx::fp8::convert_linears(
-        *setup.model,
-        ampx::fp8::ConvertOptions()
-            .recipe(fp8_recipe_of(config, mode.name))
-            .filter([&keep](const std::string& path, const torch::nn::LinearImpl& linear) {
-              const auto& o = linear.options;
-              return o.in_features() % 16 == 0 && o.out_features() % 16 == 0 &&
-                     std::find(keep.begin(), keep.end(), path) == keep.end();
-            }));
-    TORCH_CHECK(!setup.fp8_layers.empty(), "ampx-train: --precision ", mode.name, ", but ",
-                workload.name(),
-                " has no Linear layer whose dimensions are multiples of 16 outside --bf16-layers");
   }
   return setup;
 }

@@ -43,9 +43,14 @@ void check_shard_mode(const TrainConfig& c, const Mode& mode) {
               " keeps the fp32 master weights in the ranks' shards, but --precision O3 trains "
               "without masters; use O2 (its weights in ",
               mode.dtype_name(), ", masters fp32)");
-  TORCH_CHECK(!mode.fp8, "ampx-train: --shard ", c.shard, " with --precision ", mode.name,
-              ": FP8 and block-scaled weights are not gathered in their own format yet; shard "
-              "fp32, O1 or O2");
+  // FP8 Linears under delayed or current scaling: their weights gathered as codes.
+  TORCH_CHECK(!mode.fp8 || (mode.name == "fp8" && c.shard != "optimizer"), "ampx-train: --shard ",
+              c.shard, " with --precision ", mode.name,
+              mode.name == "fp8"
+                  ? ": ZeRO-1 is not tried with FP8 Linears yet; use --shard grad or full, "
+                    "which gather their weights as E4M3 codes"
+                  : ": block-scaled and planned weights are not gathered in their own format "
+                    "yet; shard fp32, O1, O2 or fp8");
 }
 
 std::string shard_description(const TrainConfig& c) {
@@ -59,6 +64,10 @@ std::string shard_description(const TrainConfig& c) {
       << " of the fp32 masters, gradients and AdamW state; gathered in the mode's dtype "
       << (c.shard == "full" ? "one unit (a block, the rest) at a time"
                             : "from forward to backward");
+    const auto modes = modes_of(c);
+    if (std::find(modes.begin(), modes.end(), "fp8") != modes.end()) {
+      s << "; fp8: the FP8 Linears' weights as their E4M3 codes";
+    }
   }
   return s.str();
 }
@@ -81,7 +90,8 @@ void set_up_sharded(const TrainConfig& config, Workload& workload, const Mode& m
     auto fsdp_options =
         ampx::dist::FullyShardedDataParallelOptions()
             .param_dtype(mode.level == ampx::OptLevel::O2 ? mode.dtype : c10::kFloat)
-            .reshard_after_forward(config.shard == "full");
+            .reshard_after_forward(config.shard == "full")
+            .fp8_all_gather(mode.fp8);  // the Linears set_up_mode converted before
     setup.fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(
         setup.model, group, workload.units(*setup.model), fsdp_options);
     setup.optimizer = std::make_unique<ampx::optim::AdamW>(setup.fsdp->parameters(), options);

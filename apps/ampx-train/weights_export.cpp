@@ -50,18 +50,24 @@ std::map<std::string, std::string> metadata_of(const nlohmann::json& identity) {
 
 /// Makes `path`'s folder (`rank0` only) and runs `save` with the metadata,
 /// its error said as --export-weights'. A folder that cannot be made fails
-/// the write on rank 0, which every rank then reports: under a streamed
-/// export no rank may leave the collective early.
+/// the write on rank 0, which every rank then reports (under a streamed
+/// export no rank may leave the collective early); rank 0's error says why
+/// the folder could not be made.
 void export_with(const std::string& path, const nlohmann::json& identity, bool rank0,
                  const std::function<void(const std::map<std::string, std::string>&)>& save) {
+  std::string folder_error;
   if (rank0) {
-    std::error_code ignored;
-    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ignored);
+    const auto folder = std::filesystem::path(path).parent_path();
+    std::error_code error;
+    if (!folder.empty()) std::filesystem::create_directories(folder, error);
+    if (error) {
+      folder_error = "; its folder '" + folder.string() + "' could not be made: " + error.message();
+    }
   }
   try {
     save(metadata_of(identity));
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace());
+    TORCH_CHECK(false, "ampx-train: --export-weights: ", e.what_without_backtrace(), folder_error);
   }
 }
 

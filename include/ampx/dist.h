@@ -216,9 +216,12 @@ struct DistributedDataParallelOptions {
   /// that communication starts early in backward (PyTorch uses 1 MiB too).
   TORCH_ARG(int64_t, first_bucket_cap_bytes) = 1024 * 1024;
   /// Type the gradients travel in: nullopt keeps each gradient's own type
-  /// (bfloat16 ones go as float32 where Gloo cannot sum bfloat16: LibTorch 1.13);
-  /// kBFloat16 or kHalf halve the bytes of fp32 gradients (summed in that
-  /// type by Gloo, then averaged back into the gradient's type).
+  /// (a 16-bit one goes as float32 where this Gloo cannot sum its type:
+  /// bfloat16 on LibTorch 1.13, float16 on Debian's 2.14); kBFloat16 or kHalf
+  /// halve the bytes of fp32 gradients (summed in that type by Gloo, then
+  /// averaged back into the gradient's type). A float16 sum is divided by
+  /// the world size in two parts, before and after it (FSDP's factors), so
+  /// that it neither overflows nor underflows; other types after it.
   TORCH_ARG(c10::optional<c10::ScalarType>, communication_dtype) = c10::nullopt;
   /// Parameters that get no gradient in an iteration count as zero instead
   /// of being an error (PyTorch's find_unused_parameters).

@@ -61,6 +61,29 @@
 /// underflows). At the end of backward the shards' gradients are in fp32 in
 /// parameters()'s .grad (added to what is there).
 ///
+/// FP8 all-gather (fp8_all_gather): the weights of a unit's FP8 layers
+/// form a flat space of their own. Gathered for a forward in an FP8 region,
+/// each rank casts its fp32 shard of each weight to the layer's E4M3 codes
+/// (one all-reduce (max) of the shards' amaxes first, so that every rank
+/// casts with the scale of the whole weight: delayed scaling's from its
+/// history, current scaling's from that amax) and the ranks gather the
+/// codes: 1 byte an element where bfloat16 moves 2 and float32 4. The layer
+/// computes with the gathered codes (TensorScaling::give_weight) and records
+/// the whole weight's amax, as it would casting the gathered weight: with
+/// param_dtype float32 the codes, the amaxes and so the training are those
+/// of a gather in float32, bit for bit (on the CPU, where it is tested).
+/// With a 16-bit param_dtype they are closer to the masters (one rounding,
+/// not two). The scales are taken at a unit's first gather of codes after a
+/// backward (or load_shards()) and kept until the next backward ends, so
+/// that every gather of one backward's forwards, and the gather again for
+/// the backward, writes the same codes. A unit gathered (prefetched) in one
+/// way and called in the other is gathered again; one backward's forwards
+/// of a unit must run all inside or all outside the FP8 region (a forward
+/// without backward, under torch::NoGradGuard, may differ), and FP8 must
+/// stay on, or off, for the whole of a unit's forward: the gathered weight
+/// is a stand-in (fp8::weight_stand_in) that ampx::fp8::Linear refuses
+/// outside a region and that computes NaN in a converted Linear there.
+///
 /// Every rank must call the units in the same order (no data-dependent
 /// control flow), and a parameter belongs to one unit (no weights tied
 /// across units). What is not in a listed unit belongs to the root, `model`.
@@ -133,6 +156,14 @@ struct FullyShardedDataParallelOptions {
   TORCH_ARG(bool, keep_norms_fp32) = true;
   /// Broadcast rank 0's parameters and buffers at construction.
   TORCH_ARG(bool, broadcast_parameters) = true;
+  /// Gather the weights of FP8 layers (ampx::fp8::Linear, and Linears
+  /// ampx::fp8::convert_linears converted before this wrapper was made)
+  /// under delayed or current scaling as their E4M3 codes, one byte an
+  /// element, when their unit is gathered for a forward in an
+  /// Fp8AutocastGuard region (torchao's enable_fsdp_float8_all_gather; see
+  /// "FP8 all-gather" above). Outside a region, and for block-scaled
+  /// layers, they are gathered in param_dtype as the other weights are.
+  TORCH_ARG(bool, fp8_all_gather) = false;
 };
 
 /// Shards `model` over `group` (see the top of this header). Construction is

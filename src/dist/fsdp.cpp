@@ -64,23 +64,48 @@ void release_storage(const at::Tensor& t) {
 using fsdp::Space;
 using fsdp::Unit;
 
-void FullyShardedDataParallel::Impl::start_gather(Unit& u) {
+namespace {
+
+/// Where a space's gather lands: its codes or its dtype's elements.
+at::Tensor& gather_target(Space& s) {
+  return s.as_codes ? s.codes : s.gathered;
+}
+
+int64_t size_in_bytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+}  // namespace
+
+void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
   if (u.state != Unit::State::kFree) return;
   auto& pg = detail::ProcessGroupAccess::impl(group);
   for (auto& s : u.spaces) {
-    fsdp::allocate_storage(s.gathered);
-    s.send = s.master.to(s.dtype);  // the cast, once, on the shard
-    s.gather = pg.all_gather_async(s.gathered, s.send);
-    bytes_communicated += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
-    gathered_bytes += s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+    if (s.fp8) s.as_codes = fsdp::gather_as_codes(*this, u, s, forward);
+    at::Tensor& target = gather_target(s);
+    fsdp::allocate_storage(target);
+    // The cast, once, on the shard.
+    s.send = s.as_codes ? fsdp::cast_shard(*this, s) : s.master.to(s.dtype);
+    s.gather = pg.all_gather_async(target, s.send);
+    bytes_communicated += size_in_bytes(target);
+    gathered_bytes += size_in_bytes(target);
   }
   peak_gathered_bytes = std::max(peak_gathered_bytes, gathered_bytes);
   u.state = Unit::State::kGathering;
 }
 
-void FullyShardedDataParallel::Impl::finish_gather(Unit& u) {
+void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
+  // Prefetched (or kept) otherwise than this call needs: a forward as its
+  // FP8 region says, a backward as its forwards were.
+  const auto other_way = [&](const Space& s) {
+    return s.fp8 && s.as_codes != (forward ? fsdp::codes_wanted(*this, s)
+                                           : s.backward_codes.value_or(s.as_codes));
+  };
+  if (u.state != Unit::State::kFree && std::any_of(u.spaces.begin(), u.spaces.end(), other_way)) {
+    reshard(u);
+  }
   if (u.state == Unit::State::kGathered) return;
-  start_gather(u);
+  start_gather(u, forward);
   auto& pg = detail::ProcessGroupAccess::impl(group);
   for (auto& s : u.spaces) {
     pg.wait(s.gather, "all-gather (parameters)");
@@ -88,8 +113,11 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u) {
     s.send = at::Tensor();
     for (const int64_t i : s.params) {
       auto& p = params[i];
-      p.tensor.set_data(s.gathered.narrow(0, p.offset, p.numel).view(p.shape));
+      // A weight gathered as codes is read through them: its own data is a stand-in.
+      p.tensor.set_data(s.as_codes ? p.stand_in
+                                   : s.gathered.narrow(0, p.offset, p.numel).view(p.shape));
     }
+    if (s.as_codes && forward) fsdp::give_codes(*this, s);
   }
   u.state = Unit::State::kGathered;
 }
@@ -102,8 +130,10 @@ void FullyShardedDataParallel::Impl::reshard(Unit& u) {
     s.gather.reset();
     s.send = at::Tensor();
     for (const int64_t i : s.params) params[i].tensor.set_data(params[i].placeholder);
-    fsdp::release_storage(s.gathered);
-    gathered_bytes -= s.gathered.numel() * static_cast<int64_t>(s.gathered.element_size());
+    if (s.fp8) fsdp::drop_codes(*this, s);
+    at::Tensor& target = gather_target(s);
+    fsdp::release_storage(target);
+    gathered_bytes -= size_in_bytes(target);
   }
   u.state = Unit::State::kFree;
 }
@@ -114,10 +144,10 @@ void FullyShardedDataParallel::Impl::pre_forward(Unit& u) {
   if (depth == 0 && !order.empty() && order.front() == index) order.clear();
   ++depth;
   order.push_back(index);
-  finish_gather(u);
+  finish_gather(u, /*forward=*/true);
   const size_t k = order.size() - 1;
   if (options.prefetch() && k + 1 < recorded_order.size() && recorded_order[k] == index) {
-    start_gather(units[recorded_order[k + 1]]);
+    start_gather(units[recorded_order[k + 1]], /*forward=*/true);
   }
 }
 
@@ -140,7 +170,7 @@ void FullyShardedDataParallel::Impl::post_forward(Unit& u, const std::vector<at:
 
 void FullyShardedDataParallel::Impl::pre_backward(Unit& u) {
   queue_end_of_backward();
-  finish_gather(u);
+  finish_gather(u, /*forward=*/false);
   if (!options.prefetch()) return;
   // The unit whose backward comes next: the one called before this one
   // (for the first called, the last).
@@ -149,7 +179,7 @@ void FullyShardedDataParallel::Impl::pre_backward(Unit& u) {
   const auto position = static_cast<size_t>(std::distance(at, order.rend())) - 1;
   const int64_t next = position == 0 ? order.back() : order[position - 1];
   if (next != u.index && units[next].grads_expected > 0 && !units[next].reduced) {
-    start_gather(units[next]);
+    start_gather(units[next], /*forward=*/false);
   }
 }
 
@@ -235,7 +265,11 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
   for (auto& u : units) {
     reshard(u);
     u.reduced = false;
-    for (auto& s : u.spaces) s.reduced = false;
+    for (auto& s : u.spaces) {
+      s.reduced = false;
+      s.backward_codes.reset();  // the next forwards gather as their region says
+      s.casts.clear();           // and cast with the scales the stepped masters give
+    }
   }
   if (recorded_order.empty()) recorded_order = order;
   end_queued = false;

@@ -141,6 +141,10 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
     if (impl.params[i].piece.numel() > 0) impl.params[i].piece.copy_(loaded.pieces[i].value);
   }
   for (const auto& b : impl.model->named_buffers()) b.value().copy_(loaded.buffers.at(b.key()));
+  // New masters and FP8 scaling states: the next codes are cast anew.
+  for (auto& u : impl.units) {
+    for (auto& s : u.spaces) s.casts.clear();
+  }
 }
 
 #else  // !AMPX_WITH_DIST

@@ -4,6 +4,7 @@
 // gathers, hooks and reduce-scatters of a step) and fsdp_setup.cpp
 // (construction, sharding, clipping, the full state).
 
+#include "ampx/fp8/cast.h"
 #include "ampx/fsdp.h"
 
 #include <ATen/Tensor.h>
@@ -42,6 +43,14 @@ struct Param {
   at::Tensor piece;             // this rank's fp32 part, a view of the space's master shard
   int64_t piece_offset = 0;     // in the master shard
   Accumulator accumulator;      // kept: it carries the hook
+  torch::nn::Module* fp8_layer = nullptr;  // fp8_all_gather: the FP8 layer it is the weight of
+  at::Tensor stand_in;  // such a weight's data while gathered as codes (fp8::weight_stand_in)
+};
+
+/// How a weight of an FP8 space was cast for its last forward gather.
+struct Fp8Cast {
+  at::Tensor scale, scale_inv, amax;  // float32 [1]; amax: the whole weight's
+  fp8::Fp8Format format = fp8::Fp8Format::kE4M3;
 };
 
 /// The parameters of one unit gathered in one dtype, end to end.
@@ -58,6 +67,16 @@ struct Space {
   at::Tensor reduce_in, reduce_out;  // the reduce dtype: padded, and this rank's shard
   ampx::detail::ProcessGroupAccess::Impl::ReduceScatter reduce;
   bool reduced = false;   // launched in this backward (in flight or finished)
+  // fp8_all_gather: a space of FP8 layers' weights, gathered as codes for a
+  // forward in an FP8 region (and for the backward after it), else in dtype.
+  bool fp8 = false;
+  bool as_codes = false;               // the gather in hand (or the last) is of codes
+  std::optional<bool> backward_codes;  // how this backward's forwards gathered it
+  at::Tensor codes;                    // uint8, padded; its storage freed between uses
+  // Per params[j], how its codes are cast: computed at the first gather of
+  // codes after a backward (or a load), then kept, so that every gather of
+  // one backward's forwards writes the same bytes.
+  std::vector<Fp8Cast> casts;
 };
 
 struct Unit {
@@ -76,6 +95,26 @@ void allocate_storage(const at::Tensor& t);
 /// Frees `t`'s storage; tensors saved for backward keep the storage object,
 /// which the gather before backward fills again.
 void release_storage(const at::Tensor& t);
+
+/// fp8_all_gather: the FP8 layer (ampx::fp8::Linear or a converted
+/// torch::nn::Linear) whose weight `t` is, `owner` holding it; else null.
+torch::nn::Module* fp8_layer_of(torch::nn::Module& owner, const at::Tensor& t);
+/// Whether a forward gather of the FP8 space `s` moves codes: an FP8 region
+/// is on and each of its layers is still FP8 under a tensorwise recipe.
+bool codes_wanted(const Impl& impl, const Space& s);
+/// How a gather of `s` (of unit `u`) moves it: for a forward, as
+/// codes_wanted() says, noted for the backward where gradients are
+/// recorded (a backward whose forwards gathered it both ways is refused);
+/// for a backward, as its forwards did.
+bool gather_as_codes(const Impl& impl, const Unit& u, Space& s, bool forward);
+/// This rank's shard of `s` as its layers' codes, padded, cast as s.casts
+/// says: where it is empty, first the scales of the whole weights (one
+/// all-reduce (max) of the shards' amaxes).
+at::Tensor cast_shard(Impl& impl, Space& s);
+/// Gives each layer of `s` its gathered codes (TensorScaling::give_weight).
+void give_codes(Impl& impl, Space& s);
+/// Takes them back.
+void drop_codes(Impl& impl, Space& s);
 
 /// Makes sharded_forward() find `units` (throws if another instance has one).
 void register_units(std::vector<Unit>& units);
@@ -103,8 +142,10 @@ struct FullyShardedDataParallel::Impl {
   Impl(std::shared_ptr<torch::nn::Module> m, ProcessGroup g, FullyShardedDataParallelOptions o)
       : model(std::move(m)), group(std::move(g)), options(std::move(o)) {}
 
-  void start_gather(fsdp::Unit& u);
-  void finish_gather(fsdp::Unit& u);
+  /// `forward`: a gather for a forward (its FP8 spaces as an FP8 region
+  /// says), else for a backward (as the last forward's).
+  void start_gather(fsdp::Unit& u, bool forward);
+  void finish_gather(fsdp::Unit& u, bool forward);
   void reshard(fsdp::Unit& u);
   void pre_forward(fsdp::Unit& u);
   void post_forward(fsdp::Unit& u, const std::vector<at::Tensor>& outputs);

@@ -4,6 +4,7 @@
 #include "ampx/fsdp.h"
 
 #include "../norm_layers.h"
+#include "ampx/fp8/scaling.h"
 #include "fsdp_impl.h"
 #include "model_check.h"
 #include "process_group_impl.h"
@@ -18,6 +19,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -63,6 +65,7 @@ std::vector<std::pair<std::string, std::string>> describe_sharded(
   out.emplace_back("option prefetch", o.prefetch() ? "true" : "false");
   out.emplace_back("option keep_norms_fp32", o.keep_norms_fp32() ? "true" : "false");
   out.emplace_back("option broadcast_parameters", o.broadcast_parameters() ? "true" : "false");
+  out.emplace_back("option fp8_all_gather", o.fp8_all_gather() ? "true" : "false");
   return out;
 }
 
@@ -107,7 +110,7 @@ std::vector<std::string> unit_names_in(
 /// in that unit's flat space of its gather dtype. Returns their device.
 c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
                                    const std::vector<std::shared_ptr<torch::nn::Module>>& units) {
-  std::unordered_map<const c10::TensorImpl*, const torch::nn::Module*> owner;  // direct
+  std::unordered_map<const c10::TensorImpl*, torch::nn::Module*> owner;  // direct
   for (const auto& m : impl.model->modules()) {
     for (const auto& p : m->parameters(/*recurse=*/false)) {
       owner.emplace(p.unsafeGetTensorImpl(), m.get());
@@ -117,7 +120,7 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
   for (size_t k = 0; k < units.size(); ++k) {
     for (const auto& p : units[k]->parameters()) held[k].insert(p.unsafeGetTensorImpl());
   }
-  std::map<std::pair<int64_t, int>, int64_t> space_of;  // (unit, dtype) -> space
+  std::map<std::tuple<int64_t, int, bool>, int64_t> space_of;  // (unit, dtype, fp8) -> space
   c10::optional<c10::Device> device;
   for (const auto& np : impl.model->named_parameters()) {
     const auto& t = np.value();
@@ -135,17 +138,20 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
         unit = static_cast<int64_t>(k);
       }
     }
-    const bool fp32 = impl.options.keep_norms_fp32() &&
-                      ampx::detail::is_norm_layer(*owner.at(t.unsafeGetTensorImpl()));
+    auto& module = *owner.at(t.unsafeGetTensorImpl());
+    const bool fp32 = impl.options.keep_norms_fp32() && ampx::detail::is_norm_layer(module);
     const auto dtype = fp32 ? at::kFloat : impl.options.param_dtype();
+    auto* fp8_layer = impl.options.fp8_all_gather() ? fsdp::fp8_layer_of(module, t) : nullptr;
     auto& u = impl.units[static_cast<size_t>(unit)];
-    const auto key = std::make_pair(unit, static_cast<int>(dtype));
+    const auto key = std::make_tuple(unit, static_cast<int>(dtype), fp8_layer != nullptr);
     if (!space_of.count(key)) {
       space_of[key] = static_cast<int64_t>(u.spaces.size());
       u.spaces.emplace_back();
       u.spaces.back().dtype = dtype;
+      u.spaces.back().fp8 = fp8_layer != nullptr;
     }
     fsdp::Param p;
+    p.fp8_layer = fp8_layer;
     p.name = np.key();
     p.tensor = t;
     p.shape = t.sizes().vec();
@@ -182,6 +188,10 @@ void cut_shards(fsdp::Impl& impl, c10::Device device) {
       s.master = flat.narrow(0, rank * shard, shard).clone();
       s.gathered = torch::empty({shard * world}, fp32.dtype(s.dtype));
       fsdp::release_storage(s.gathered);
+      if (s.fp8) {
+        s.codes = torch::empty({shard * world}, fp32.dtype(at::kByte));
+        fsdp::release_storage(s.codes);
+      }
       for (const int64_t i : s.params) {
         auto& p = impl.params[static_cast<size_t>(i)];
         const int64_t begin = std::max(p.offset, rank * shard);
@@ -193,6 +203,7 @@ void cut_shards(fsdp::Impl& impl, c10::Device device) {
         // The gradient accumulator records the parameter's shape and dtype when
         // it is made: make it at the gathered shape, then free the parameter.
         p.placeholder = torch::empty({0}, fp32.dtype(s.dtype));
+        if (s.fp8) p.stand_in = fp8::weight_stand_in(p.shape, fp32.dtype(s.dtype));
         p.tensor.set_data(torch::empty(p.shape, fp32.dtype(s.dtype)));
         if (p.tensor.requires_grad()) {
           p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);

@@ -216,7 +216,13 @@ void LinearImpl::reset() {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
-  if (!is_fp8_enabled()) return torch::nn::functional::linear(x, weight, bias);
+  if (!is_fp8_enabled()) {
+    TORCH_CHECK(!is_weight_stand_in(weight),
+                "ampx::fp8::Linear: its weight was gathered as FP8 codes for an FP8 region "
+                "(FullyShardedDataParallel's fp8_all_gather), but the layer runs outside one: keep "
+                "FP8 on, or off, for the whole of a unit's forward");
+    return torch::nn::functional::linear(x, weight, bias);
+  }
   TORCH_CHECK(x.is_floating_point() && x.dim() >= 1 && x.size(-1) == options.in_features(),
               "ampx::fp8::Linear: input must be floating with last dimension ",
               options.in_features(), ", got ", x.scalar_type(), " ", x.sizes());

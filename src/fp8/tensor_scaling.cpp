@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -196,6 +197,12 @@ struct TensorScaling::Kept {
 
 Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, bool record,
                                      const dist::ProcessGroup* group, at::Tensor* transposed) {
+  if (given_ && !w.is_inference() && given_->of(w, /*asked=*/true))
+    return give(record, group, transposed);
+  TORCH_CHECK(!is_weight_stand_in(w),
+              "ampx::fp8: this layer's weight stands in for FP8 codes a sharding wrapper gathered "
+              "(FullyShardedDataParallel's fp8_all_gather), but the layer holds none for it: was "
+              "it converted again while its unit was gathered?");
   // An inference tensor has no version counter to tell its changes by, and
   // under InferenceMode the codes would be inference tensors, which a
   // later training forward could not save for its backward: neither keeps.
@@ -217,6 +224,55 @@ Fp8Tensor TensorScaling::cast_weight(const at::Tensor& w, WeightCasts casts, boo
   if (record) note(kept_->cast, group);
   if (transposed != nullptr) *transposed = kept_->cast.transposed;
   return kept_->cast.out;
+}
+
+std::pair<at::Tensor, at::Tensor> TensorScaling::scales_for(const at::Tensor& amax) const {
+  at::NoGradGuard no_grad;
+  if (delayed_) return {delayed_->scale().clone(), delayed_->scale_inv().clone()};
+  at::Tensor scale = current_scale(amax.to(at::kFloat).reshape({1}), format_, recipe_.current());
+  at::Tensor scale_inv = at::ones_like(scale).div(scale);  // as fresh() computes it
+  return {std::move(scale), std::move(scale_inv)};
+}
+
+void TensorScaling::give_weight(const at::Tensor& w, const at::Tensor& codes,
+                                const at::Tensor& scale, const at::Tensor& scale_inv,
+                                const at::Tensor& amax) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.sizes() == w.sizes(),
+              "ampx::fp8::TensorScaling::give_weight: codes must be uint8 of the weight's shape ",
+              w.sizes(), ", got ", codes.scalar_type(), " ", codes.sizes());
+  Fresh f;
+  f.out = {codes, scale_inv, format_};
+  f.scale = scale;
+  f.amax = amax.to(at::kFloat).reshape({1});
+  given_ = std::make_shared<Kept>(w, /*asked=*/true, std::move(f));
+}
+
+Fp8Tensor TensorScaling::give(bool record, const dist::ProcessGroup* group,
+                              at::Tensor* transposed) {
+  at::NoGradGuard no_grad;
+  check_group(group);
+  Fresh& f = given_->cast;
+  // The column-major operand CUDA's products take, once per gather.
+  if (transposed != nullptr && !f.transposed.defined() && f.out.codes.is_cuda() &&
+      detail::cuda::built() && f.out.codes.dim() == 2) {
+    f.transposed = f.out.codes.t().contiguous();
+  }
+  if (record) note(f, group);
+  if (transposed != nullptr) *transposed = f.transposed;
+  return f.out;
+}
+
+at::Tensor weight_stand_in(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::NoGradGuard no_grad;
+  return at::full({1}, std::numeric_limits<float>::quiet_NaN(), options).expand(shape);
+}
+
+bool is_weight_stand_in(const at::Tensor& w) {
+  if (!w.defined() || w.numel() <= 1) return false;
+  for (const int64_t stride : w.strides()) {
+    if (stride != 0) return false;
+  }
+  return true;
 }
 
 void TensorScaling::record_amax(at::Tensor amax, const dist::ProcessGroup* group) {

@@ -3,6 +3,8 @@
 
 #include "ampx/precision_plan.h"
 
+#include "ampx/detail/plan_solver.h"
+
 #include "linears.h"
 
 #include <c10/util/Exception.h>

@@ -2,6 +2,8 @@
 
 #include "ampx/precision_plan.h"
 
+#include "ampx/dist.h"
+
 #include "linears.h"
 
 #include "ampx/fp8/autocast.h"

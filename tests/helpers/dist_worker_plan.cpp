@@ -53,7 +53,7 @@ int run_plan_watch(const std::string& scenario, const std::string& out,
   ampx::plan::apply_plan(*net, plan, 3);
   auto options = ampx::plan::WatchOptions().widen(true);
   if (pg.rank() == 1) options.noise_ratio(1e-9);
-  if (scenario == "plan-watch") options.group(pg);
+  if (scenario == "plan-watch") options.group(&pg);
   ampx::plan::PlanWatch watch(*net, plan, options);
   const auto backward = [&] {
     ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);

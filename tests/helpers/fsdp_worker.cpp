@@ -6,7 +6,7 @@
 //              | mismatch-units | O2 | lamb | lamb-pieces | ckpt-save
 //              | ckpt-resume-from-<N> | ckpt-resume-from-zero-<N> | zero-ckpt-save
 //              | zero-ckpt-resume-from-<N> | zero-ckpt-resume-from-fsdp-<N> | export
-//              | zero-pieces
+//              | zero-pieces | fp8-gather
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -32,7 +32,7 @@
 // blocks of 64, so that the pieces of 1, 2 and 3 ranks code theirs in
 // blocks that differ), and AMPX_FSDP_WORKER_FAIL_RANK a rank whose reading
 // of the shards fails. export: fsdp_worker_export.cpp; zero-pieces:
-// fsdp_worker_zero_pieces.cpp.
+// fsdp_worker_zero_pieces.cpp; fp8-gather: fsdp_worker_fp8.cpp.
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
@@ -60,6 +60,8 @@ namespace fsdp_worker {
 int run_export(const std::string& out, ampx::dist::ProcessGroup& pg);
 /// The zero-pieces scenario (fsdp_worker_zero_pieces.cpp).
 int run_zero_pieces(const std::string& out, ampx::dist::ProcessGroup& pg);
+/// The fp8-gather scenario (fsdp_worker_fp8.cpp).
+int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg);
 }  // namespace fsdp_worker
 
 namespace {
@@ -422,6 +424,7 @@ int main(int argc, char** argv) {
     const std::string scenario = argv[1];
     if (scenario == "export") return fsdp_worker::run_export(argv[2], pg);
     if (scenario == "zero-pieces") return fsdp_worker::run_zero_pieces(argv[2], pg);
+    if (scenario == "fp8-gather") return fsdp_worker::run_fp8_gather(argv[2], pg);
     if (scenario.rfind("ckpt-", 0) == 0) return checkpoint_run(scenario, argv[2], pg);
     if (scenario.rfind("zero-ckpt-", 0) == 0) return zero_checkpoint_run(scenario, argv[2], pg);
     if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;

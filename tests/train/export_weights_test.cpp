@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -204,7 +205,8 @@ TEST_F(ExportWeightsTest, Fp8ExportsTheWeightsWithoutTheScalingState) {
 }
 
 // A missing folder is made; a path that cannot become the file (here a
-// folder) stops the run with status 1 naming it, and leaves it as it was.
+// folder) stops the run with status 1 naming it, and leaves it as it was;
+// a folder that cannot be made (under a file) is named with its error.
 TEST_F(ExportWeightsTest, MakesItsFolderAndAFailingWriteStopsTheRunNamingTheFile) {
   const fs::path weights = dir_.path() / "new" / "folder" / "w.safetensors";
   const Exit ok =
@@ -225,6 +227,20 @@ TEST_F(ExportWeightsTest, MakesItsFolderAndAFailingWriteStopsTheRunNamingTheFile
   for (const auto& e : fs::directory_iterator(dir_.path())) {
     EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();  // no temp file left
   }
+
+  // A folder that cannot be made (under a file): the error says why.
+  const fs::path file = dir_.path() / "a-file";
+  std::ofstream(file) << "kept";
+  const fs::path under = file / "sub" / "w.safetensors";
+  const Exit no_folder =
+      run_train(flags({{"--precision", "fp32"}, {"--export-weights", under.string()}}),
+                dir_.path() / "no-folder.log");
+  EXPECT_EQ(no_folder.status, 1) << no_folder.output;
+  EXPECT_TRUE(contains(no_folder.output,
+                       {"ampx-train: --export-weights: ",
+                        "; its folder '" + (file / "sub").string() + "' could not be made: "}))
+      << no_folder.output;
+  EXPECT_TRUE(fs::is_regular_file(file) && fs::file_size(file) == 4);
 }
 
 #endif  // AMPX_TRAIN_BINARY

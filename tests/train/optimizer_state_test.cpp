@@ -203,6 +203,48 @@ TEST_F(OptimizerStateRunTest, CompareTrainsEachOptimizerStateSideBySide) {
   EXPECT_LT(bytes(2), bytes(1));
 }
 
+// Modes named with "+" parts checkpoint and resume under their names: a
+// --compare run of O2 with 8-bit moments and O3 with Kahan weights and
+// 8-bit moments, stopped at step 8 and resumed to 16, ends each mode with
+// the losses and weights of the run that was never stopped, bit for bit.
+TEST_F(OptimizerStateRunTest, CompareModesWithPartsResumeBitwise) {
+  ampx::train::test::EnvGuard products("AMPX_CPU_PRODUCTS", "native");
+  const auto run = [&](const std::string& name, int64_t steps, std::vector<std::string> more) {
+    const auto out = dir_.path() / name;
+    auto a = ampx::train::test::tiny_gpt({{"--compare", "O2+8bit,O3+kahan+8bit"},
+                                          {"--data-dir", (dir_.path() / "data").string()},
+                                          {"--out-dir", out.string()},
+                                          {"--checkpoint-dir", (out / "ck").string()},
+                                          {"--d-model", "64"},
+                                          {"--steps", std::to_string(steps)},
+                                          {"--seed", "5"}});
+    a.insert(a.end(), more.begin(), more.end());
+    return ampx::train::test::run_train(a, dir_.path() / (name + std::to_string(steps) + ".log"));
+  };
+  const Exit whole = run("whole", 16, {"--save-every", "1000"});
+  ASSERT_EQ(whole.status, 0) << whole.output;
+  const Exit first = run("halves", 8, {"--save-every", "8"});
+  ASSERT_EQ(first.status, 0) << first.output;
+  const Exit second = run("halves", 16, {"--save-every", "1000", "--resume"});
+  ASSERT_EQ(second.status, 0) << second.output;
+  for (const std::string mode : {"O2+8bit", "O3+kahan+8bit"}) {
+    const auto ck = [&](const std::string& name) {
+      return dir_.path() / name / "ck" / mode / "checkpoint.ampx";
+    };
+    const auto a = ampx::train::read_checkpoint(ck("whole"));
+    const auto b = ampx::train::read_checkpoint(ck("halves"));
+    const auto losses = a.meta.at("losses").get<std::vector<double>>();
+    ASSERT_EQ(losses.size(), 16u) << mode;
+    EXPECT_EQ(b.meta.at("losses").get<std::vector<double>>(), losses) << mode;
+    const auto pa = ampx::train::test::model_tensors(ck("whole"));
+    const auto pb = ampx::train::test::model_tensors(ck("halves"));
+    ASSERT_EQ(pa.size(), pb.size()) << mode;
+    for (size_t i = 0; i < pa.size(); ++i) {
+      EXPECT_TRUE(torch::equal(pa[i].second, pb[i].second)) << mode << " " << pa[i].first;
+    }
+  }
+}
+
 #endif  // AMPX_TRAIN_BINARY
 
 }  // namespace

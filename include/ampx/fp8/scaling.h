@@ -282,6 +282,25 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   /// Records an amax: delayed scaling updates the history and the next scale.
   void record(const at::Tensor& amax);
 
+  /// The scale and scale_inv (float32 [1] each) a cast of a tensor whose
+  /// amax is `amax` (float32 [1]) gets now: delayed scaling, the state's
+  /// (copies: the next update writes the state in place); current scaling,
+  /// current_scale() of `amax` and its inverse. What a cast of the weight
+  /// made elsewhere uses (give_weight()).
+  std::pair<at::Tensor, at::Tensor> scales_for(const at::Tensor& amax) const;
+  /// Gives a cast of the weight `w` made elsewhere: a sharding wrapper's FP8
+  /// all-gather (ampx/fsdp.h), where each rank casts its shard of the
+  /// weight with scales_for() the whole weight's amax and the ranks gather
+  /// the codes. Until drop_given_weight() (or until w changes, as for a kept
+  /// cast), cast_weight(w, ...) gives `codes` (uint8, w's shape) with
+  /// `scale_inv`, whatever its WeightCasts, without reading w's values, and
+  /// `record` records `amax`, the whole weight's, as a cast of w would. On
+  /// CUDA the transpose's codes are made from `codes` when asked.
+  void give_weight(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& scale,
+                   const at::Tensor& scale_inv, const at::Tensor& amax);
+  /// Forgets what give_weight() gave.
+  void drop_given_weight() { given_.reset(); }
+
  private:
   struct Fresh;
   struct Kept;
@@ -293,6 +312,8 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   void check_group(const dist::ProcessGroup* group) const;
   // Records what `cast` saw, as cast() does after casting.
   void note(const Fresh& cast, const dist::ProcessGroup* group);
+  // cast_weight() of the weight give_weight() gave.
+  Fp8Tensor give(bool record, const dist::ProcessGroup* group, at::Tensor* transposed);
   // Records amax now, or defers it to `group`'s reduction.
   void record_amax(at::Tensor amax, const dist::ProcessGroup* group);
 
@@ -301,7 +322,17 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
   std::unique_ptr<DelayedScalingState> delayed_;
   at::Tensor last_amax_, scale_, scale_inv_;  // current scaling (scale_: delayed's own)
   std::shared_ptr<Kept> kept_;                 // cast_weight's last cast
+  std::shared_ptr<Kept> given_;                // give_weight's
 };
+
+/// What a sharding wrapper puts in place of a weight whose codes it gave an
+/// FP8 layer (TensorScaling::give_weight()): a tensor of the weight's shape,
+/// dtype and device holding one NaN and no other byte (every stride 0), so
+/// that anything reading it instead of the codes computes NaN, never a
+/// plausible number; ampx::fp8::Linear and the FP8 casts refuse it outright.
+[[nodiscard]] at::Tensor weight_stand_in(at::IntArrayRef shape, const at::TensorOptions& options);
+/// Whether `w` is such a stand-in: more than one element, every stride 0.
+bool is_weight_stand_in(const at::Tensor& w);
 
 /// The three roles of an FP8 linear layer, all under one recipe.
 struct LinearScaling {
