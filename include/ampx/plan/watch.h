@@ -79,16 +79,17 @@ struct WatchOptions {
   /// scaling starts afresh (the plans' formats keep no state between steps);
   /// the buffers its first format registered stay in the module's state.
   TORCH_ARG(bool, widen) = false;
-  /// Data-parallel training: the ranks' group. Every rank then takes rank
-  /// 0's numbers, findings and moves (one broadcast of six numbers per
-  /// watched layer), so that every rank reports and moves the same layers
-  /// at the same step even where its own numbers differ in their last bits
-  /// (or its thresholds differ). Every rank must call check() at the same
-  /// steps with the same plan: the broadcast pairs up by order. The
-  /// backward given to check() must average the gradients as the step's
-  /// did (DistributedDataParallel::synchronize() after it).
-  /// A group the caller owns, which must outlive the watch (null: none).
+  /// A process group the caller owns (the watch only points to it).
   using GroupPtr = const dist::ProcessGroup*;
+  /// Data-parallel training: the ranks' group, which must outlive the watch
+  /// (null: one process). Every rank then takes rank 0's numbers, findings
+  /// and moves (one broadcast of six numbers per watched layer), so that
+  /// every rank reports and moves the same layers at the same step even
+  /// where its own numbers differ in their last bits (or its thresholds
+  /// differ). Every rank must call check() at the same steps with the same
+  /// plan: the broadcast pairs up by order. The backward given to check()
+  /// must average the gradients as the step's did
+  /// (DistributedDataParallel::synchronize() after it).
   TORCH_ARG(GroupPtr, group) = nullptr;
 };
 
