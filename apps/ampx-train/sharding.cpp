@@ -43,14 +43,12 @@ void check_shard_mode(const TrainConfig& c, const Mode& mode) {
               " keeps the fp32 master weights in the ranks' shards, but --precision O3 trains "
               "without masters; use O2 (its weights in ",
               mode.dtype_name(), ", masters fp32)");
-  // FP8 Linears under delayed or current scaling: their weights gathered as codes.
-  TORCH_CHECK(!mode.fp8 || (mode.name == "fp8" && c.shard != "optimizer"), "ampx-train: --shard ",
-              c.shard, " with --precision ", mode.name,
-              mode.name == "fp8"
-                  ? ": ZeRO-1 is not tried with FP8 Linears yet; use --shard grad or full, "
-                    "which gather their weights as E4M3 codes"
-                  : ": block-scaled and planned weights are not gathered in their own format "
-                    "yet; shard fp32, O1, O2 or fp8");
+  // FP8 Linears under delayed or current scaling: ZeRO-1 keeps the model
+  // whole; ZeRO-2 and -3 gather their weights as codes.
+  TORCH_CHECK(!mode.fp8 || mode.name == "fp8", "ampx-train: --shard ", c.shard,
+              " with --precision ", mode.name,
+              ": block-scaled and planned weights are not gathered in their own format yet; "
+              "shard fp32, O1, O2 or fp8");
 }
 
 std::string shard_description(const TrainConfig& c) {
