@@ -47,7 +47,7 @@ struct Param {
   at::Tensor stand_in;  // such a weight's data while gathered as codes (fp8::weight_stand_in)
 };
 
-/// How a weight of an FP8 space was cast for its last forward gather.
+/// How a weight of an FP8 space is cast in this backward's gathers (Space::casts).
 struct Fp8Cast {
   at::Tensor scale, scale_inv, amax;  // float32 [1]; amax: the whole weight's
   fp8::Fp8Format format = fp8::Fp8Format::kE4M3;
@@ -143,7 +143,7 @@ struct FullyShardedDataParallel::Impl {
       : model(std::move(m)), group(std::move(g)), options(std::move(o)) {}
 
   /// `forward`: a gather for a forward (its FP8 spaces as an FP8 region
-  /// says), else for a backward (as the last forward's).
+  /// says), else for a backward (as that backward's forwards gathered them).
   void start_gather(fsdp::Unit& u, bool forward);
   void finish_gather(fsdp::Unit& u, bool forward);
   void reshard(fsdp::Unit& u);
