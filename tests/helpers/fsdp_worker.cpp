@@ -34,6 +34,8 @@
 // of the shards fails. export: fsdp_worker_export.cpp; zero-pieces:
 // fsdp_worker_zero_pieces.cpp; fp8-gather: fsdp_worker_fp8.cpp.
 
+#include "fsdp_worker.h"
+
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/fsdp.h>
@@ -56,15 +58,18 @@
 #include <vector>
 
 namespace fsdp_worker {
-/// The export scenario (fsdp_worker_export.cpp).
-int run_export(const std::string& out, ampx::dist::ProcessGroup& pg);
-/// The zero-pieces scenario (fsdp_worker_zero_pieces.cpp).
-int run_zero_pieces(const std::string& out, ampx::dist::ProcessGroup& pg);
-/// The fp8-gather scenario (fsdp_worker_fp8.cpp).
-int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg);
+
+std::string hex(double v) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%a", v);
+  return text;
+}
+
 }  // namespace fsdp_worker
 
 namespace {
+
+using fsdp_worker::hex;
 
 constexpr int64_t kGlobalBatch = 12;
 constexpr int kSteps = 8;
@@ -118,13 +123,6 @@ std::pair<torch::Tensor, torch::Tensor> batch_shard(int64_t rank, int64_t world)
   const int64_t shard = kGlobalBatch / world;
   return {x.slice(0, rank * shard, (rank + 1) * shard),
           y.slice(0, rank * shard, (rank + 1) * shard)};
-}
-
-/// `v` exactly, as C's %a writes it.
-std::string hex(double v) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%a", v);
-  return text;
 }
 
 int train(const std::string& scenario, bool sharded, const std::string& out,

@@ -11,6 +11,8 @@
 //   visit           for_each_full_parameter whose visit throws on rank 0
 // then streams <out>.after (the gathers still line up after the refusals).
 
+#include "fsdp_worker.h"
+
 #include <ampx/dist.h>
 #include <ampx/fsdp.h>
 #include <ampx/safetensors.h>

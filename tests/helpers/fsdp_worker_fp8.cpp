@@ -13,6 +13,8 @@
 // training ("scale <hex>"), and the training's "bytes <communicated>" and
 // "peak <gathered bytes>"; then <out>.gathers (gathers(), below).
 
+#include "fsdp_worker.h"
+
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
 #include <ampx/fp8.h>
@@ -20,7 +22,6 @@
 
 #include <torch/torch.h>
 
-#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -34,12 +35,6 @@ namespace {
 
 constexpr int64_t kGlobalBatch = 12;
 constexpr int kSteps = 5;
-
-std::string hex(double v) {
-  char text[64];
-  std::snprintf(text, sizeof(text), "%a", v);
-  return text;
-}
 
 /// The FP8 region of the forward in flight: the model may end it early.
 std::optional<ampx::fp8::Fp8AutocastGuard> g_region;

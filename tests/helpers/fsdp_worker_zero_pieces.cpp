@@ -9,6 +9,8 @@
 // <communicated>"; prints "refused bucket: <error>" for bucket_bytes 0.
 // The pieces' masters are exported too (export_masters, below).
 
+#include "fsdp_worker.h"
+
 #include <ampx/dist.h>
 #include <ampx/optim.h>
 #include <ampx/safetensors.h>
@@ -16,7 +18,6 @@
 
 #include <torch/torch.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -66,11 +67,7 @@ void write(const Mlp& mlp, const std::string& path, int64_t bytes) {
   std::ofstream out(path);
   for (const auto& p : mlp.parameters()) {
     const auto c = p.detach().to(torch::kFloat).contiguous();
-    for (int64_t i = 0; i < c.numel(); ++i) {
-      char text[64];
-      std::snprintf(text, sizeof(text), "%a", c.data_ptr<float>()[i]);
-      out << "param " << text << "\n";
-    }
+    for (int64_t i = 0; i < c.numel(); ++i) out << "param " << hex(c.data_ptr<float>()[i]) << "\n";
   }
   out << "bytes " << bytes << "\n";
 }
