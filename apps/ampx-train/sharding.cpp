@@ -43,12 +43,11 @@ void check_shard_mode(const TrainConfig& c, const Mode& mode) {
               " keeps the fp32 master weights in the ranks' shards, but --precision O3 trains "
               "without masters; use O2 (its weights in ",
               mode.dtype_name(), ", masters fp32)");
-  // FP8 Linears under delayed or current scaling: ZeRO-1 keeps the model
-  // whole; ZeRO-2 and -3 gather their weights as codes.
-  TORCH_CHECK(!mode.fp8 || mode.name == "fp8", "ampx-train: --shard ", c.shard,
-              " with --precision ", mode.name,
-              ": block-scaled and planned weights are not gathered in their own format yet; "
-              "shard fp32, O1, O2 or fp8");
+  // FP8 Linears: ZeRO-1 keeps the model whole; ZeRO-2 and -3 gather their
+  // weights as codes (and block-scaled ones' scales).
+  TORCH_CHECK(mode.name != "auto", "ampx-train: --shard ", c.shard,
+              " with --precision auto: a plan's layers are not gathered in their own formats "
+              "yet; shard fp32, O1, O2, fp8, mxfp8, nvfp4 or fp8-block");
 }
 
 std::string shard_description(const TrainConfig& c) {
@@ -62,9 +61,11 @@ std::string shard_description(const TrainConfig& c) {
       << " of the fp32 masters, gradients and AdamW state; gathered in the mode's dtype "
       << (c.shard == "full" ? "one unit (a block, the rest) at a time"
                             : "from forward to backward");
-    const auto modes = modes_of(c);
-    if (std::find(modes.begin(), modes.end(), "fp8") != modes.end()) {
-      s << "; fp8: the FP8 Linears' weights as their E4M3 codes";
+    for (const auto& mode : modes_of(c)) {
+      if (mode == "fp8") s << "; fp8: the FP8 Linears' weights as their E4M3 codes";
+      if (mode == "mxfp8" || mode == "nvfp4" || mode == "fp8-block") {
+        s << "; " << mode << ": the Linears' weights as their codes and block scales";
+      }
     }
   }
   return s.str();

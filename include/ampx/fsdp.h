@@ -84,6 +84,24 @@
 /// is a stand-in (fp8::weight_stand_in) that ampx::fp8::Linear refuses
 /// outside a region and that computes NaN in a converted Linear there.
 ///
+/// A block-scaled FP8 layer's weight (MXFP8, NVFP4, FP8 blockwise:
+/// ampx/fp8/block_recipe.h) is a space of its own, its rows cut into equal
+/// shards of whole blocks (a multiple of 32 rows for MXFP8, 16 for NVFP4,
+/// the block for FP8 blockwise; the last padded). Gathered in an FP8
+/// region, each rank quantizes its fp32 rows as the layer quantizes its
+/// weight (NVFP4 with the whole weight's amax, one all-reduce (max) at the
+/// first gather after a backward) and the ranks gather the codes (FP4 two
+/// to a byte) and the blocks' scales: for a forward the copy its product
+/// takes (blocks along the rows), for a backward the copy the input
+/// gradient takes (blocks down the columns), both for a forward whose unit
+/// is kept to its backward (reshard_after_forward false); 2-D weight blocks
+/// (NVFP4's 16 x 16, FP8 blockwise, MXFP8's weight_2d) one copy for both,
+/// as TE's FSDP2 gathers its MXFP8 weights. Each block depends on its own
+/// elements alone, so the layer computes with the codes and scales its own
+/// quantization of the fp32 weight has: with param_dtype float32 the
+/// training is that of a gather in float32, bit for bit (on the CPU). One
+/// all-gather per such weight, not one per unit.
+///
 /// Every rank must call the units in the same order (no data-dependent
 /// control flow), and a parameter belongs to one unit (no weights tied
 /// across units). What is not in a listed unit belongs to the root, `model`.
@@ -157,12 +175,13 @@ struct FullyShardedDataParallelOptions {
   /// Broadcast rank 0's parameters and buffers at construction.
   TORCH_ARG(bool, broadcast_parameters) = true;
   /// Gather the weights of FP8 layers (ampx::fp8::Linear, and Linears
-  /// ampx::fp8::convert_linears converted before this wrapper was made)
+  /// ampx::fp8::convert_linears converted before this wrapper was made):
   /// under delayed or current scaling as their E4M3 codes, one byte an
   /// element, when their unit is gathered for a forward in an
   /// Fp8AutocastGuard region (torchao's enable_fsdp_float8_all_gather; see
-  /// "FP8 all-gather" above). Outside a region, and for block-scaled
-  /// layers, they are gathered in param_dtype as the other weights are.
+  /// "FP8 all-gather" above); block-scaled layers' as their codes and
+  /// scales. Outside a region they are gathered in param_dtype as the
+  /// other weights are.
   TORCH_ARG(bool, fp8_all_gather) = false;
 };
 

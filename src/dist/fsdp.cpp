@@ -82,6 +82,10 @@ void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
   auto& pg = detail::ProcessGroupAccess::impl(group);
   for (auto& s : u.spaces) {
     if (s.fp8) s.as_codes = fsdp::gather_as_codes(*this, u, s, forward);
+    if (s.block && s.as_codes) {  // codes and scales, in the parts this call needs
+      fsdp::start_block_gather(*this, s, forward);
+      continue;
+    }
     at::Tensor& target = gather_target(s);
     fsdp::allocate_storage(target);
     // The cast, once, on the shard.
@@ -98,8 +102,11 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
   // Prefetched (or kept) otherwise than this call needs: a forward as its
   // FP8 region says, a backward as its forwards were.
   const auto other_way = [&](const Space& s) {
-    return s.fp8 && s.as_codes != (forward ? fsdp::codes_wanted(*this, s)
-                                           : s.backward_codes.value_or(s.as_codes));
+    if (!s.fp8) return false;
+    const bool codes =
+        forward ? fsdp::codes_wanted(*this, s) : s.backward_codes.value_or(s.as_codes);
+    // A block-scaled weight's codes: also the part this call multiplies.
+    return s.as_codes != codes || (codes && s.block && !fsdp::block_parts_ready(*this, s, forward));
   };
   if (u.state != Unit::State::kFree && std::any_of(u.spaces.begin(), u.spaces.end(), other_way)) {
     reshard(u);
@@ -108,7 +115,7 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
   start_gather(u, forward);
   auto& pg = detail::ProcessGroupAccess::impl(group);
   for (auto& s : u.spaces) {
-    pg.wait(s.gather, "all-gather (parameters)");
+    if (s.gather) pg.wait(s.gather, "all-gather (parameters)");
     s.gather.reset();
     s.send = at::Tensor();
     for (const int64_t i : s.params) {
@@ -117,7 +124,11 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
       p.tensor.set_data(s.as_codes ? p.stand_in
                                    : s.gathered.narrow(0, p.offset, p.numel).view(p.shape));
     }
-    if (s.as_codes && forward) fsdp::give_codes(*this, s);
+    if (s.as_codes && s.block) {
+      fsdp::finish_block_gather(*this, s, forward);
+    } else if (s.as_codes && forward) {
+      fsdp::give_codes(*this, s);
+    }
   }
   u.state = Unit::State::kGathered;
 }
@@ -131,6 +142,10 @@ void FullyShardedDataParallel::Impl::reshard(Unit& u) {
     s.send = at::Tensor();
     for (const int64_t i : s.params) params[i].tensor.set_data(params[i].placeholder);
     if (s.fp8) fsdp::drop_codes(*this, s);
+    if (s.block && s.as_codes) {
+      fsdp::release_block_codes(*this, s);
+      continue;
+    }
     at::Tensor& target = gather_target(s);
     fsdp::release_storage(target);
     gathered_bytes -= size_in_bytes(target);
@@ -269,6 +284,7 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
       s.reduced = false;
       s.backward_codes.reset();  // the next forwards gather as their region says
       s.casts.clear();           // and cast with the scales the stepped masters give
+      if (s.block) s.block->global_amax.reset();
     }
   }
   if (recorded_order.empty()) recorded_order = order;

@@ -49,6 +49,13 @@ torch::nn::Module* fp8_layer_of(torch::nn::Module& owner, const at::Tensor& t) {
 
 bool codes_wanted(const Impl& impl, const Space& s) {
   if (!s.fp8 || !fp8::is_fp8_enabled()) return false;
+  if (s.block) {  // still block-scaled, its weight in the formats its shards were cut for
+    const auto scaling = fp8::scaling_of(*impl.params[static_cast<size_t>(s.params[0])].fp8_layer);
+    if (!scaling || !scaling->recipe.is_block()) return false;
+    const auto formats = fp8::block_weight_formats(scaling->recipe);
+    return formats.forward.to_string() == s.block->formats.forward.to_string() &&
+           formats.backward.to_string() == s.block->formats.backward.to_string();
+  }
   for (const int64_t i : s.params) {
     if (!weight_role(*impl.params[static_cast<size_t>(i)].fp8_layer)) return false;
   }
@@ -123,6 +130,7 @@ void drop_codes(Impl& impl, Space& s) {
     // Also after a layer stopped being FP8: what it was given goes.
     const auto scaling = fp8::scaling_of(*impl.params[static_cast<size_t>(i)].fp8_layer);
     if (scaling && scaling->weight) scaling->weight->drop_given_weight();
+    if (scaling) scaling->drop_given_block_weight();
   }
 }
 

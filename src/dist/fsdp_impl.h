@@ -4,7 +4,9 @@
 // gathers, hooks and reduce-scatters of a step) and fsdp_setup.cpp
 // (construction, sharding, clipping, the full state).
 
+#include "ampx/fp8/block.h"
 #include "ampx/fp8/cast.h"
+#include "ampx/fp8/scaling.h"
 #include "ampx/fsdp.h"
 
 #include <ATen/Tensor.h>
@@ -53,6 +55,33 @@ struct Fp8Cast {
   fp8::Fp8Format format = fp8::Fp8Format::kE4M3;
 };
 
+/// fp8_all_gather of a block-scaled layer's weight, alone in its space: the
+/// weight's rows are sharded, each rank's a multiple of every block's rows,
+/// so that each rank quantizes whole blocks of its rows, the codes and
+/// scales the whole weight's quantization has there; the ranks gather them
+/// (FP4 codes two to a byte) into the whole weight's tensors.
+struct BlockGather {
+  enum Part { kForward = 0, kBackward = 1 };  // the forward product's, the input gradient's
+  fp8::BlockWeightFormats formats;            // the layer's recipe's at construction
+  int64_t rows = 0, cols = 0;                 // the weight's
+  int64_t shard_rows = 0;                     // each rank's, padding included
+  // Per part, the whole weight's codes [world * shard_rows, cols] and
+  // scales (padding rows included), their storage freed between uses, and
+  // the views of its real rows the layer is given (and saves for backward,
+  // the gather before which fills their storage again).
+  fp8::BlockTensor whole[2], given[2];
+  bool held[2] = {false, false};  // parts with storage: gathered, or on their way
+  std::vector<Part> moving;       // the parts of the gathers in flight
+  at::Tensor packed[2];           // FP4 codes two to a byte, where they land, until unpacked
+  // The gathers in flight (each part's codes and scales, straight into the
+  // whole tensors), and what they send.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> sends;
+  // NVFP4: the whole weight's amax (NaN if any element is), all-reduced at
+  // the first gather after a backward (or a load) and kept until the next.
+  std::optional<float> global_amax;
+};
+
 /// The parameters of one unit gathered in one dtype, end to end.
 struct Space {
   at::ScalarType dtype = at::kFloat;  // gathered and computed in
@@ -77,6 +106,9 @@ struct Space {
   // codes after a backward (or a load), then kept, so that every gather of
   // one backward's forwards writes the same bytes.
   std::vector<Fp8Cast> casts;
+  // A block-scaled layer's weight (fp8 is true): gathered as codes and
+  // scales, else as above.
+  std::shared_ptr<BlockGather> block;
 };
 
 struct Unit {
@@ -115,6 +147,23 @@ at::Tensor cast_shard(Impl& impl, Space& s);
 void give_codes(Impl& impl, Space& s);
 /// Takes them back.
 void drop_codes(Impl& impl, Space& s);
+
+/// fp8_all_gather: how `weight`, of the FP8 layer `layer`, is gathered as
+/// codes over `world` ranks where the layer is block-scaled; else null.
+std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at::Tensor& weight,
+                                             int64_t world);
+/// Whether a block space's gathered parts serve a gather for `forward`
+/// (else for a backward).
+bool block_parts_ready(const Impl& impl, const Space& s, bool forward);
+/// Starts a block space's gathers of codes and scales: this rank's rows
+/// quantized in the parts a forward (or backward) needs, each part's codes
+/// and scales gathered into the whole weight's (their storage made).
+void start_block_gather(Impl& impl, Space& s, bool forward);
+/// Waits for them, unpacks FP4 codes, and for a forward gives the layer
+/// its weight (LinearScaling::give_block_weight).
+void finish_block_gather(Impl& impl, Space& s, bool forward);
+/// Frees a block space's parts (after any gather in flight).
+void release_block_codes(Impl& impl, Space& s);
 
 /// Makes sharded_forward() find `units` (throws if another instance has one).
 void register_units(std::vector<Unit>& units);

@@ -120,7 +120,9 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
   for (size_t k = 0; k < units.size(); ++k) {
     for (const auto& p : units[k]->parameters()) held[k].insert(p.unsafeGetTensorImpl());
   }
-  std::map<std::tuple<int64_t, int, bool>, int64_t> space_of;  // (unit, dtype, fp8) -> space
+  // (unit, dtype, kind) -> space; kind: 0 plain, 1 FP8 weights, 2 + the
+  // parameter's index for a block-scaled weight (a space of its own).
+  std::map<std::tuple<int64_t, int, int64_t>, int64_t> space_of;
   c10::optional<c10::Device> device;
   for (const auto& np : impl.model->named_parameters()) {
     const auto& t = np.value();
@@ -142,13 +144,18 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
     const bool fp32 = impl.options.keep_norms_fp32() && ampx::detail::is_norm_layer(module);
     const auto dtype = fp32 ? at::kFloat : impl.options.param_dtype();
     auto* fp8_layer = impl.options.fp8_all_gather() ? fsdp::fp8_layer_of(module, t) : nullptr;
+    auto block =
+        fp8_layer ? fsdp::block_gather_of(*fp8_layer, t, impl.group.world_size()) : nullptr;
     auto& u = impl.units[static_cast<size_t>(unit)];
-    const auto key = std::make_tuple(unit, static_cast<int>(dtype), fp8_layer != nullptr);
+    const int64_t kind =
+        block ? 2 + static_cast<int64_t>(impl.params.size()) : (fp8_layer != nullptr ? 1 : 0);
+    const auto key = std::make_tuple(unit, static_cast<int>(dtype), kind);
     if (!space_of.count(key)) {
       space_of[key] = static_cast<int64_t>(u.spaces.size());
       u.spaces.emplace_back();
       u.spaces.back().dtype = dtype;
       u.spaces.back().fp8 = fp8_layer != nullptr;
+      u.spaces.back().block = std::move(block);
     }
     fsdp::Param p;
     p.fp8_layer = fp8_layer;
@@ -172,14 +179,16 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
 }
 
 /// Cuts each space into shards (rank r keeps elements [r S, (r+1) S) of it,
-/// padded), makes this rank's pieces, hooks the gradient accumulators and
-/// empties the module's parameters.
+/// padded; a block-scaled weight's S whole blocks of rows), makes this
+/// rank's pieces, hooks the gradient accumulators and empties the module's
+/// parameters.
 void cut_shards(fsdp::Impl& impl, c10::Device device) {
   const int64_t world = impl.group.world_size(), rank = impl.group.rank();
   const auto fp32 = torch::TensorOptions().dtype(at::kFloat).device(device);
   for (auto& u : impl.units) {
     for (auto& s : u.spaces) {
-      const int64_t shard = (s.numel + world - 1) / world;
+      const int64_t shard =
+          s.block ? s.block->shard_rows * s.block->cols : (s.numel + world - 1) / world;
       auto flat = torch::zeros({shard * world}, fp32);
       for (const int64_t i : s.params) {
         const auto& p = impl.params[static_cast<size_t>(i)];
@@ -188,7 +197,7 @@ void cut_shards(fsdp::Impl& impl, c10::Device device) {
       s.master = flat.narrow(0, rank * shard, shard).clone();
       s.gathered = torch::empty({shard * world}, fp32.dtype(s.dtype));
       fsdp::release_storage(s.gathered);
-      if (s.fp8) {
+      if (s.fp8 && !s.block) {  // a block space's landing buffer is made per gather
         s.codes = torch::empty({shard * world}, fp32.dtype(at::kByte));
         fsdp::release_storage(s.codes);
       }

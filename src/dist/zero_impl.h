@@ -40,7 +40,7 @@ struct Space {
   int64_t shard = 0;             // elements per rank
 };
 
-std::string describe(const std::vector<Space>& spaces) {
+inline std::string describe(const std::vector<Space>& spaces) {
   std::ostringstream s;
   for (size_t k = 0; k < spaces.size(); ++k) {
     s << (k ? ", " : "") << "group " << spaces[k].group << ": " << spaces[k].numel << " "

@@ -23,7 +23,7 @@ bool built() {
 }
 
 BlockTensor quantize(const at::Tensor&, const BlockFormat&,
-                     const c10::optional<StochasticRounding>&) {
+                     const c10::optional<StochasticRounding>&, const c10::optional<float>&) {
   none();
 }
 

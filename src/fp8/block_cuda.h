@@ -34,9 +34,11 @@ struct DecodeTable {
 };
 
 /// x (float32, bfloat16 or float16 on a CUDA device) in `format`, as
-/// BlockTensor::quantize on the CPU (checked by the caller).
+/// BlockTensor::quantize on the CPU (checked by the caller); NVFP4's
+/// global amax given, or x's own.
 BlockTensor quantize(const at::Tensor& x, const BlockFormat& format,
-                     const c10::optional<StochasticRounding>& stochastic);
+                     const c10::optional<StochasticRounding>& stochastic,
+                     const c10::optional<float>& global_amax);
 
 /// t's codes times their block's scales, float32, on t's CUDA device.
 at::Tensor block_values(const BlockTensor& t, const DecodeTable& table);

@@ -76,6 +76,17 @@ BlockFormat down_columns(const BlockFormat& f) {
   return BlockFormat(f).block_rows(f.block_cols()).block_cols(1);
 }
 
+// The weight's quantization for `formats` (given, else made from w).
+BlockTensor weight_for_forward(const GivenBlockWeight* given, const at::Tensor& w,
+                               const BlockWeightFormats& formats) {
+  if (given != nullptr) return given->forward;
+  TORCH_CHECK(!is_weight_stand_in(w),
+              "ampx::fp8: this layer's weight stands in for block codes a sharding wrapper "
+              "gathered (FullyShardedDataParallel's fp8_all_gather), but the layer holds none for "
+              "it: was it converted again while its unit was gathered?");
+  return BlockTensor::quantize(w, formats.forward);
+}
+
 // An operand [tokens, features] for the weight-gradient product, through
 // NVFP4's Hadamard transform along the tokens and bfloat16 (as TE's kernel
 // writes it) when asked; the tokens must then be a multiple of 16.
@@ -126,16 +137,18 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     const BlockRoles roles = block_roles(scaling->recipe);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     const at::Tensor w = weight.detach();
-    const BlockTensor wq = BlockTensor::quantize(w, roles.weight);
+    const BlockWeightFormats formats = block_weight_formats(scaling->recipe);
+    const GivenBlockWeight* given = scaling->given_block_weight(weight);
+    const BlockTensor wq = weight_for_forward(given, w, formats);
     at::Tensor y = product(BlockTensor::quantize(x2, roles.input), false, wq, true);
     if (bias.defined()) y.add_(bias.to(at::kFloat));
     if (at::GradMode::is_enabled() || x.requires_grad() || weight.requires_grad()) {
       auto saved = c10::make_intrusive<SavedOperands>();
       saved->x_columns =
           BlockTensor::quantize(along_tokens(x2, roles.hadamard), down_columns(roles.input));
-      saved->w_columns = roles.weight.block_rows() > 1
-                             ? wq
-                             : BlockTensor::quantize(w, down_columns(roles.weight));
+      saved->w_columns = formats.shared     ? wq
+                         : given != nullptr ? given->backward
+                                            : BlockTensor::quantize(w, formats.backward);
       saved->roles = roles;
       saved->scaling = std::move(scaling);
       ctx->saved_data["operands"] = c10::IValue::make_capsule(std::move(saved));
@@ -177,6 +190,39 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
 };
 
 }  // namespace
+
+BlockWeightFormats block_weight_formats(const Recipe& recipe) {
+  BlockWeightFormats f;
+  f.forward = block_roles(recipe).weight;
+  f.shared = f.forward.block_rows() > 1;
+  f.backward = f.shared ? f.forward : down_columns(f.forward);
+  return f;
+}
+
+void LinearScaling::give_block_weight(const at::Tensor& w, BlockTensor forward,
+                                      BlockTensor backward) {
+  const char* who = "ampx::fp8::LinearScaling::give_block_weight";
+  const BlockWeightFormats formats = block_weight_formats(recipe);
+  TORCH_CHECK(
+      w.dim() == 2 && forward.codes.sizes() == w.sizes() && backward.codes.sizes() == w.sizes(),
+      who, ": codes of the weight's shape ", w.sizes(), " expected, got ", forward.codes.sizes(),
+      " and ", backward.codes.sizes());
+  TORCH_CHECK(forward.format.to_string() == formats.forward.to_string() &&
+                  backward.format.to_string() == formats.backward.to_string(),
+              who, ": ", recipe.to_string(), " quantizes its weight in ",
+              formats.forward.to_string(), " and ", formats.backward.to_string(), ", got ",
+              forward.format.to_string(), " and ", backward.format.to_string());
+  auto given = std::make_shared<GivenBlockWeight>(w);
+  given->forward = std::move(forward);
+  given->backward = std::move(backward);
+  given_block_ = std::move(given);
+}
+
+const GivenBlockWeight* LinearScaling::given_block_weight(const at::Tensor& w) const {
+  if (!given_block_ || w.is_inference()) return nullptr;
+  const auto held = given_block_->weight.lock();
+  return held.get() == w.unsafeGetTensorImpl() ? given_block_.get() : nullptr;
+}
 
 int64_t detail::rounding_stream(uint64_t seed, const at::Tensor& weight) {
   uint64_t h = 0xCBF29CE484222325ull;  // FNV-1a over the seed and the weight's bits

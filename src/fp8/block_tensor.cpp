@@ -184,9 +184,13 @@ float global_amax_of(const float* v, int64_t n) {
 }  // namespace
 
 BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format,
-                                  const c10::optional<StochasticRounding>& stochastic) {
+                                  const c10::optional<StochasticRounding>& stochastic,
+                                  const c10::optional<float>& global_amax) {
   check_block_input(x, format, "BlockTensor::quantize");
-  if (x.is_cuda()) return detail::cuda_block::quantize(x, format, stochastic);
+  TORCH_CHECK_VALUE(!global_amax || format.rule() == ScaleRule::kNvfp4,
+                    "ampx::fp8::BlockTensor::quantize: global_amax is NVFP4's alone, got it for ",
+                    format.to_string());
+  if (x.is_cuda()) return detail::cuda_block::quantize(x, format, stochastic, global_amax);
   const at::Tensor values = x.to(at::kFloat).contiguous();
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   const int64_t br = format.block_rows(), bc = format.block_cols();
@@ -201,7 +205,7 @@ BlockTensor BlockTensor::quantize(const at::Tensor& x, const BlockFormat& format
   float s_enc = 1.0f;
   const float* v = values.data_ptr<float>();
   if (format.rule() == ScaleRule::kNvfp4) {
-    out.global_amax = global_amax_of(v, values.numel());
+    out.global_amax = global_amax ? *global_amax : global_amax_of(v, values.numel());
     s_enc = block_math::nvfp4_encode_scale(out.global_amax);
   }
   const Rounding rounding{stochastic ? &*stochastic : nullptr,

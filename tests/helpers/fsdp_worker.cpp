@@ -6,7 +6,7 @@
 //              | mismatch-units | O2 | lamb | lamb-pieces | ckpt-save
 //              | ckpt-resume-from-<N> | ckpt-resume-from-zero-<N> | zero-ckpt-save
 //              | zero-ckpt-resume-from-<N> | zero-ckpt-resume-from-fsdp-<N> | export
-//              | zero-pieces | fp8-gather
+//              | zero-pieces | fp8-gather | block-gather
 //
 // Trains a small residual MLP (input layer, two blocks with a LayerNorm,
 // a final LayerNorm in the root, a head) twice from rank 0's weights on
@@ -32,7 +32,8 @@
 // blocks of 64, so that the pieces of 1, 2 and 3 ranks code theirs in
 // blocks that differ), and AMPX_FSDP_WORKER_FAIL_RANK a rank whose reading
 // of the shards fails. export: fsdp_worker_export.cpp; zero-pieces:
-// fsdp_worker_zero_pieces.cpp; fp8-gather: fsdp_worker_fp8.cpp.
+// fsdp_worker_zero_pieces.cpp; fp8-gather: fsdp_worker_fp8.cpp; block-gather:
+// fsdp_worker_block.cpp.
 
 #include "fsdp_worker.h"
 
@@ -63,6 +64,25 @@ std::string hex(double v) {
   char text[64];
   std::snprintf(text, sizeof(text), "%a", v);
   return text;
+}
+
+void log_grads(std::ostream& log, const std::string& tag,
+               const ampx::dist::FullyShardedDataParallel& fsdp) {
+  for (const auto& piece : fsdp.parameters()) {
+    const auto g = piece.grad().contiguous();
+    for (int64_t i = 0; i < g.numel(); ++i)
+      log << tag << " " << hex(g.data_ptr<float>()[i]) << "\n";
+  }
+}
+
+void log_params(std::ostream& log, const torch::nn::Module& model,
+                ampx::dist::FullyShardedDataParallel& fsdp, const ampx::dist::ProcessGroup& pg) {
+  const auto state = fsdp.full_state_dict();
+  if (pg.rank() != 0) return;
+  for (const auto& p : model.named_parameters()) {
+    const auto c = state[p.key()].to(torch::kFloat).contiguous();
+    for (int64_t i = 0; i < c.numel(); ++i) log << "param " << hex(c.data_ptr<float>()[i]) << "\n";
+  }
 }
 
 }  // namespace fsdp_worker
@@ -423,6 +443,7 @@ int main(int argc, char** argv) {
     if (scenario == "export") return fsdp_worker::run_export(argv[2], pg);
     if (scenario == "zero-pieces") return fsdp_worker::run_zero_pieces(argv[2], pg);
     if (scenario == "fp8-gather") return fsdp_worker::run_fp8_gather(argv[2], pg);
+    if (scenario == "block-gather") return fsdp_worker::run_block_gather(argv[2], pg);
     if (scenario.rfind("ckpt-", 0) == 0) return checkpoint_run(scenario, argv[2], pg);
     if (scenario.rfind("zero-ckpt-", 0) == 0) return zero_checkpoint_run(scenario, argv[2], pg);
     if (scenario != "mismatch-units" && train(scenario, false, argv[2], pg) != 0) return 1;

@@ -161,25 +161,8 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     torch::NoGradGuard no_grad;
     log << "eval " << hex(forward(true).item<double>()) << "\n";
   }
-  const auto state = fsdp.full_state_dict();
-  if (pg.rank() == 0) {
-    for (const auto& p : model->named_parameters()) {
-      const auto c = state[p.key()].to(torch::kFloat).contiguous();
-      for (int64_t i = 0; i < c.numel(); ++i)
-        log << "param " << hex(c.data_ptr<float>()[i]) << "\n";
-    }
-  }
+  log_params(log, *model, fsdp, pg);
   log << "scale " << hex(model->in->fc->scaling().weight->scale().item<double>()) << "\n";
-}
-
-/// Every rank's gradient pieces after `steps` of one backward, as hex lines.
-void log_grads(std::ofstream& log, const std::string& tag,
-               const ampx::dist::FullyShardedDataParallel& fsdp) {
-  for (const auto& piece : fsdp.parameters()) {
-    const auto g = piece.grad().contiguous();
-    for (int64_t i = 0; i < g.numel(); ++i)
-      log << tag << " " << hex(g.data_ptr<float>()[i]) << "\n";
-  }
 }
 
 /// The first line of c10::Error `fn` throws ("none" without one).

@@ -2,6 +2,7 @@
 // (ZeRO-1, -2, -3) against the same run under DistributedDataParallel.
 
 #include "config.h"
+#include "shard_fixture.h"
 #include "sharding.h"
 #include "test_support.h"
 
@@ -28,136 +29,10 @@ namespace {
 
 #ifdef AMPX_TRAIN_BINARY
 
-/// What one run gave: its result file, and each rank's weights checksum.
-struct ShardRun {
-  nlohmann::json result;
-  std::vector<std::string> weights;  // "0x...", in the order the ranks printed
-  std::string output;
-};
-
-/// An int from the environment (`make test-shard-long` sets them), else `fallback`.
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
-}
-
-class ShardTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
-    ampx::train::test::write_text_data(tmp_.path() / "data", "abcdefgh ", 20000, 3);
-  }
-
-  /// A tiny gpt run's flags; `more` adds to them or overrides them, and
-  /// its --out-dir (default <tmp>/<workload>-<shard>-<mode>) names the run.
-  std::vector<std::string> flags(
-      const std::string& workload, const std::string& shard, const std::string& mode,
-      const std::vector<std::pair<std::string, std::string>>& more = {}) {
-    const std::string name = run_name(workload, shard, mode, more);
-    std::vector<std::pair<std::string, std::string>> all = {
-        {"--workload", workload},
-        {"--layers", "2"},
-        {"--d-model", "32"},
-        {"--batch-size", std::to_string(4 * ranks_)},
-        {"--steps", std::to_string(steps_)},
-        {"--nproc", std::to_string(ranks_)},
-        {"--shard", shard},
-        {"--precision", mode},
-        {"--data-dir", (tmp_.path() / "data").string()},
-        {"--out-dir", (tmp_.path() / name).string()},
-        {"--result-file", (tmp_.path() / (name + ".json")).string()}};
-    all.insert(all.end(), more.begin(), more.end());
-    return ampx::train::test::tiny_gpt(all);
-  }
-
-  static std::string run_name(const std::string& workload, const std::string& shard,
-                              const std::string& mode,
-                              const std::vector<std::pair<std::string, std::string>>& more) {
-    for (const auto& [flag, value] : more) {
-      if (flag == "--out-dir") return fs::path(value).filename().string();
-    }
-    return workload + "-" + shard + "-" + mode;
-  }
-
-  ShardRun run(const std::string& workload, const std::string& shard, const std::string& mode,
-               const std::vector<std::pair<std::string, std::string>>& more = {},
-               int expected_status = 0) {
-    const std::string name = run_name(workload, shard, mode, more);
-    const auto exit = ampx::train::test::run_train(flags(workload, shard, mode, more),
-                                                   tmp_.path() / (name + ".log"));
-    ShardRun r;
-    r.output = exit.output;
-    EXPECT_EQ(exit.status, expected_status) << name << ": " << exit.output;
-    std::ifstream in(tmp_.path() / (name + ".json"));
-    if (in) r.result = nlohmann::json::parse(in);
-    static const std::regex re(R"(rank \d+ of \d+: weights (0x[0-9a-f]+))");
-    for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), re);
-         it != std::sregex_iterator(); ++it) {
-      r.weights.push_back((*it)[1].str());
-    }
-    return r;
-  }
-
-  /// Run `name`'s metrics of mode `mode` (its --out-dir is <tmp>/<name>).
-  ampx::train::test::Metrics metrics_of(const std::string& name, const std::string& mode) const {
-    return ampx::train::test::read_metrics(tmp_.path() / name / ("metrics-" + mode + ".jsonl"));
-  }
-
-  /// Run `name`'s checkpoint folder.
-  std::filesystem::path ck(const std::string& name) const {
-    return tmp_.path() / (name + "-ck");
-  }
-
-  /// fp32 gpt run `name` under `shard` on `nproc` ranks to step `steps`,
-  /// saving every 4 steps into ck(name), resuming it if `resume`; `extra`
-  /// flags last.
-  ShardRun train(const std::string& name, const std::string& shard, int nproc, int steps,
-                 bool resume, int expected_status = 0,
-                 const std::vector<std::pair<std::string, std::string>>& extra = {}) {
-    std::vector<std::pair<std::string, std::string>> more = {
-        {"--out-dir", (tmp_.path() / name).string()},
-        {"--result-file", (tmp_.path() / (name + ".json")).string()},
-        {"--checkpoint-dir", ck(name).string()},
-        {"--nproc", std::to_string(nproc)},
-        {"--steps", std::to_string(steps)},
-        {"--save-every", "4"}};
-    more.insert(more.end(), extra.begin(), extra.end());
-    auto args = flags("gpt", shard, "fp32", more);
-    if (resume) args.push_back("--resume");
-    const auto exit = ampx::train::test::run_train(args, tmp_.path() / (name + ".log"));
-    EXPECT_EQ(exit.status, expected_status) << name << ": " << exit.output;
-    std::ifstream in(tmp_.path() / (name + ".json"));
-    ShardRun r;
-    r.output = exit.output;
-    if (in && expected_status == 0) r.result = nlohmann::json::parse(in);
-    return r;
-  }
-
-  /// The largest relative difference of a's losses from b's (inf: other lengths).
-  static double near(const std::vector<double>& a, const std::vector<double>& b) {
-    double worst = a.size() == b.size() ? 0.0 : INFINITY;
-    for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-      worst = std::max(worst, std::abs(a[i] - b[i]) / std::abs(b[i]));
-    }
-    return worst;
-  }
-
-  TempDir tmp_{"ampx-shard"};
-  // The runs' ranks and steps: 2 and 20 in `make test`; `make test-shard-long`
-  // runs the O2 test with more.
-  const int ranks_ = env_int("AMPX_SHARD_TEST_RANKS", 2);
-  const int steps_ = env_int("AMPX_SHARD_TEST_STEPS", 20);
-};
-
-std::vector<double> losses(const ShardRun& r) {
-  return r.result.value("losses", std::vector<double>{});
-}
-
-/// The bytes of the file at `path` ("" if there is none).
-std::string bytes_of(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+using ampx::train::test::bytes_of;
+using ampx::train::test::losses;
+using ampx::train::test::ShardRun;
+using ampx::train::test::ShardTest;
 
 // fp32 and O1 compute with fp32 weights in every sharding, and two ranks'
 // sums have one order: each sharding trains DDP's run bit for bit. Under
@@ -198,34 +73,6 @@ TEST_F(ShardTest, Fp32AndO1TrainDdpsRunBitForBitInEverySharding) {
   ASSERT_FALSE(bytes_of(exported("none")).empty());
   EXPECT_EQ(bytes_of(exported("full")), bytes_of(exported("none")));
   EXPECT_EQ(bytes_of(exported("optimizer")), bytes_of(exported("none")));
-}
-
-// --precision fp8 (O1 plus FP8 Linears, delayed scaling, amaxes reduced
-// over the ranks) under --shard full and grad: the Linears' weights are
-// gathered as their E4M3 codes, cast on each rank's fp32 shard with the
-// scale of the whole weight, which are the codes DDP's layers cast from
-// their fp32 weights: two ranks train DDP's run bit for bit, as they do
-// under --shard optimizer, where each rank keeps the whole model.
-TEST_F(ShardTest, Fp8TrainsDdpsRunBitForBitGatheringItsWeightsAsCodes) {
-  const ShardRun ddp = run("gpt", "none", "fp8");
-  ASSERT_EQ(ddp.weights.size(), 2u) << ddp.output;
-  ASSERT_EQ(losses(ddp).size(), 20u);
-  EXPECT_LT(losses(ddp).back(), losses(ddp).front());
-  const ShardRun o1 = run("gpt", "full", "O1");  // the same weights gathered in fp32
-  const auto gathered = [](const ShardRun& r) { return r.result.value("gathered_bytes", -1.0); };
-  for (const std::string shard : {"full", "grad", "optimizer"}) {
-    const ShardRun sharded = run("gpt", shard, "fp8");
-    EXPECT_EQ(losses(sharded), losses(ddp)) << shard;
-    EXPECT_EQ(sharded.weights, std::vector<std::string>(2, ddp.weights[0])) << shard;
-    if (shard != "optimizer") {  // ZeRO-1 gathers no weights: the model stays whole
-      EXPECT_TRUE(contains(sharded.output, {"fp8: the FP8 Linears' weights as their E4M3 codes"}))
-          << sharded.output;
-    }
-    if (shard == "full") {  // a byte an element where O1 gathers 4
-      EXPECT_GT(gathered(sharded), 0.0);
-      EXPECT_LT(gathered(sharded), 0.6 * gathered(o1));
-    }
-  }
 }
 
 // O2 on bf16: ZeRO-1 and the wrapper (grad, full) sum and keep the
@@ -480,8 +327,10 @@ TEST_F(ShardTest, WhatShardingCannotDoIsRefusedNamingTheFlags) {
         [&] { ampx::train::check_shard_mode(config, ampx::train::parse_mode(mode, config)); });
   };
   EXPECT_TRUE(contains(mode_error("O3"), {"--precision O3 trains without masters; use O2"}));
-  EXPECT_TRUE(contains(mode_error("mxfp8"), {"--shard full with --precision mxfp8: block-scaled"}));
-  EXPECT_EQ(mode_error("fp8"), "");
+  EXPECT_TRUE(contains(mode_error("auto"), {"--shard full with --precision auto: a plan's"}));
+  for (const std::string mode : {"fp8", "mxfp8", "nvfp4", "fp8-block"}) {
+    EXPECT_EQ(mode_error(mode), "") << mode;
+  }
   EXPECT_EQ(mode_error("O2"), "");
 }
 

@@ -228,10 +228,14 @@ struct BlockTensor {
   /// x (float32, bfloat16 or float16, on the CPU or a CUDA device) in
   /// `format`, rounded to nearest even, or stochastically when `stochastic`
   /// is given; codes and scales on x's device. On CUDA, NVFP4 reads its
-  /// global amax back to the host once, after the launches.
+  /// global amax back to the host once, after the launches. `global_amax`
+  /// (kNvfp4 only): the amax S_enc is taken from, instead of x's own, where
+  /// x is a part of a larger tensor (a rank's shard of a weight) quantized
+  /// as that tensor would be; NaN where any of its elements is.
   [[nodiscard]] static BlockTensor quantize(
       const at::Tensor& x, const BlockFormat& format,
-      const c10::optional<StochasticRounding>& stochastic = c10::nullopt);
+      const c10::optional<StochasticRounding>& stochastic = c10::nullopt,
+      const c10::optional<float>& global_amax = c10::nullopt);
   /// The codes times their block's scale in float32 (exact), without the
   /// tensor scale of kNvfp4: what a block-scaled product multiplies.
   [[nodiscard]] at::Tensor block_values() const;

@@ -43,6 +43,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/arg.h>
 
 #include <cstdint>
@@ -334,6 +335,30 @@ class TensorScaling : public std::enable_shared_from_this<TensorScaling> {
 /// Whether `w` is such a stand-in: more than one element, every stride 0.
 bool is_weight_stand_in(const at::Tensor& w);
 
+/// The formats a block-scaled layer's weight is quantized in under `recipe`
+/// (ampx/fp8/block_recipe.h): for its forward product (blocks along its
+/// rows, 1 x n or, for 2-D blocks, m x n) and for its input-gradient
+/// product (blocks down its columns, n x 1; for 2-D blocks the forward's
+/// quantization serves both, and `shared` is true).
+struct BlockWeightFormats {
+  BlockFormat forward = BlockFormat::mxfp8();   ///< the forward product's
+  BlockFormat backward = BlockFormat::mxfp8();  ///< the input gradient's
+  bool shared = false;                          ///< one quantization for both
+};
+/// The weight formats of a block-scaled `recipe`; throws c10::Error for
+/// delayed and current scaling.
+BlockWeightFormats block_weight_formats(const Recipe& recipe);
+
+/// A block-scaled layer's weight quantized elsewhere
+/// (LinearScaling::give_block_weight()).
+struct GivenBlockWeight {
+  /// What stands for `w`.
+  explicit GivenBlockWeight(const at::Tensor& w) : weight(w.getIntrusivePtr()) {}
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> weight;  ///< stood in for
+  BlockTensor forward;   ///< in BlockWeightFormats::forward
+  BlockTensor backward;  ///< in BlockWeightFormats::backward
+};
+
 /// The three roles of an FP8 linear layer, all under one recipe.
 struct LinearScaling {
   /// The three roles under `recipe`, their tensors on `device`; a
@@ -355,6 +380,23 @@ struct LinearScaling {
   /// `<prefix><role>_<suffix>` (e.g. "fp8_input_amax_history"; NVFP4's
   /// `<prefix>rounding`), so that torch::save/load and .to(device) carry them.
   void register_buffers(torch::nn::Module& module, const std::string& prefix) const;
+
+  /// Gives a block-scaled layer the quantizations of its weight `w` made
+  /// elsewhere: a sharding wrapper's gather of codes and scales
+  /// (ampx/fsdp.h), where each rank quantizes its rows of the weight and the
+  /// ranks gather them. Until drop_given_block_weight(), the layer's
+  /// forward with `w` (the same tensor) multiplies `forward` instead of
+  /// quantizing w, and saves `backward` for its input gradient, without
+  /// reading them or w's values now: a wrapper may fill their storage later,
+  /// before the backward. Formats as block_weight_formats() of the recipe.
+  void give_block_weight(const at::Tensor& w, BlockTensor forward, BlockTensor backward);
+  /// Forgets what give_block_weight() gave.
+  void drop_given_block_weight() { given_block_.reset(); }
+  /// What give_block_weight() gave for `w`, else null.
+  const GivenBlockWeight* given_block_weight(const at::Tensor& w) const;
+
+ private:
+  std::shared_ptr<GivenBlockWeight> given_block_;
 };
 
 }  // namespace fp8

@@ -251,7 +251,8 @@ bool built() {
 }
 
 BlockTensor quantize(const at::Tensor& x_in, const BlockFormat& format,
-                     const c10::optional<StochasticRounding>& stochastic) {
+                     const c10::optional<StochasticRounding>& stochastic,
+                     const c10::optional<float>& given_amax) {
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
   const Shape sh = shape_of(x, format);
@@ -265,7 +266,11 @@ BlockTensor quantize(const at::Tensor& x_in, const BlockFormat& format,
   out.codes = at::empty(x.sizes(), x.options().dtype(at::kByte));
   out.scales = at::empty(scale_sizes, x.options().dtype(fp32_scales ? at::kFloat : at::kByte));
   at::Tensor global_amax;
-  if (format.rule() == ScaleRule::kNvfp4) global_amax = detail::cuda::amax(x);
+  if (format.rule() == ScaleRule::kNvfp4) {
+    // A shard's quantization takes the whole tensor's amax, given on the host.
+    global_amax = given_amax ? at::full({1}, *given_amax, x.options().dtype(at::kFloat))
+                             : detail::cuda::amax(x);
+  }
   if (sh.rows * sh.cols > 0) {
     const cudaStream_t cuda_stream = at::cuda::getCurrentCUDAStream();
     const block_math::ScaleParams params = block_math::scale_params(format);
@@ -300,7 +305,9 @@ BlockTensor quantize(const at::Tensor& x_in, const BlockFormat& format,
     });
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  if (global_amax.defined()) {
+  if (given_amax) {
+    out.global_amax = *given_amax;
+  } else if (global_amax.defined()) {
     // BlockTensor keeps the amax as a host float: the one wait, after the
     // launch (the kernel read S_enc on the device).
     const float a = global_amax.item<float>();

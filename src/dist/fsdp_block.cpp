@@ -1,0 +1,213 @@
+// FullyShardedDataParallel's gather of block-scaled layers' weights as their
+// codes and scales (fp8_all_gather, ampx/fsdp.h): each such weight is a
+// space of its own whose rows are sharded in whole blocks, so that each rank
+// quantizes its rows exactly as the whole weight's quantization has them;
+// the ranks gather the codes (FP4 two to a byte) and scales in the parts
+// the call needs (TE's FSDP2 gather of MXFP8 weights: the row-wise copy for
+// a forward, the column-wise one for a backward), and the layer multiplies
+// them (LinearScaling::give_block_weight).
+
+#include "ampx/fp8/block.h"
+#include "ampx/fp8/convert.h"
+#include "ampx/fp8/scaling.h"
+#include "ampx/fsdp.h"
+
+#include "fsdp_impl.h"
+#include "process_group_impl.h"
+
+#include <torch/torch.h>
+
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+namespace ampx {
+namespace dist {
+
+#if defined(AMPX_WITH_DIST)
+
+namespace fsdp {
+
+namespace {
+
+int64_t blocks_of(int64_t n, int64_t block) {
+  return (n + block - 1) / block;
+}
+
+int64_t bytes_of(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+/// Whether `format` packs its codes two to a byte on the wire.
+bool packs_codes(const fp8::BlockFormat& format) {
+  return format.element() == fp8::ElementFormat::kE2M1;
+}
+
+/// Makes b's part `part` in `format`: the whole weight's codes and scales
+/// over every rank's rows (padding included), and the views of its real
+/// rows the layer is given, made while the storage is there (a view's
+/// bounds are checked when it is made); then frees their storage.
+void make_part(BlockGather& b, BlockGather::Part part, const fp8::BlockFormat& format,
+               int64_t world, const at::TensorOptions& options) {
+  fp8::BlockTensor& whole = b.whole[part];
+  whole.format = format;
+  whole.codes = at::empty({world * b.shard_rows, b.cols}, options.dtype(at::kByte));
+  const bool fp32_scales =
+      format.rule() == fp8::ScaleRule::kFloat32 || format.rule() == fp8::ScaleRule::kFloat32Pow2;
+  whole.scales = at::empty(
+      {world * b.shard_rows / format.block_rows(), blocks_of(b.cols, format.block_cols())},
+      options.dtype(fp32_scales ? at::kFloat : at::kByte));
+  fp8::BlockTensor& given = b.given[part];
+  given.format = format;
+  given.codes = whole.codes.narrow(0, 0, b.rows);
+  given.scales = whole.scales.narrow(0, 0, blocks_of(b.rows, format.block_rows()));
+  release_storage(whole.codes);
+  release_storage(whole.scales);
+}
+
+/// The parts a gather for `forward` (else for a backward) moves: a forward
+/// the forward product's, and the input gradient's too where the unit is
+/// kept to its backward (ZeRO-2) and gradients are recorded; a backward
+/// the input gradient's.
+std::vector<BlockGather::Part> parts_for(const Impl& impl, const BlockGather& b, bool forward) {
+  if (!forward) return {b.formats.shared ? BlockGather::kForward : BlockGather::kBackward};
+  std::vector<BlockGather::Part> parts{BlockGather::kForward};
+  if (!b.formats.shared && !impl.options.reshard_after_forward() && at::GradMode::is_enabled()) {
+    parts.push_back(BlockGather::kBackward);
+  }
+  return parts;
+}
+
+/// NVFP4's global amax of the whole weight: the largest of the shards'
+/// over the ranks, NaN where any rank's shard holds one.
+float whole_amax(Impl& impl, const Space& s) {
+  const at::Tensor a = s.master.abs();
+  auto m = at::zeros({2}, s.master.options());
+  m[0].copy_(a.nan_to_num(0.0).max());
+  m[1].copy_(a.isnan().any().to(at::kFloat));
+  impl.group.all_reduce_max(m);
+  const auto host = m.cpu();
+  return host[1].item<float>() > 0.0f ? std::numeric_limits<float>::quiet_NaN()
+                                      : host[0].item<float>();
+}
+
+}  // namespace
+
+std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at::Tensor& weight,
+                                             int64_t world) {
+  const auto scaling = fp8::scaling_of(layer);
+  if (!scaling || !scaling->recipe.is_block() || weight.dim() != 2 || weight.numel() == 0) {
+    return nullptr;
+  }
+  auto b = std::make_shared<BlockGather>();
+  b->formats = fp8::block_weight_formats(scaling->recipe);
+  b->rows = weight.size(0);
+  b->cols = weight.size(1);
+  // Whole blocks of both parts on every rank: blocks down the rows of
+  // either format start at a multiple of the rows of both.
+  const int64_t align = std::lcm(b->formats.forward.block_rows(), b->formats.backward.block_rows());
+  b->shard_rows = blocks_of(blocks_of(b->rows, world), align) * align;
+  make_part(*b, BlockGather::kForward, b->formats.forward, world, weight.options());
+  if (!b->formats.shared) {
+    make_part(*b, BlockGather::kBackward, b->formats.backward, world, weight.options());
+  }
+  return b;
+}
+
+bool block_parts_ready(const Impl&, const Space& s, bool forward) {
+  const BlockGather& b = *s.block;
+  if (forward) return b.held[BlockGather::kForward];
+  return b.held[b.formats.shared ? BlockGather::kForward : BlockGather::kBackward];
+}
+
+void start_block_gather(Impl& impl, Space& s, bool forward) {
+  BlockGather& b = *s.block;
+  b.moving = parts_for(impl, b, forward);  // before the guard: it reads the grad mode
+  torch::NoGradGuard no_grad;
+  auto& pg = detail::ProcessGroupAccess::impl(impl.group);
+  const bool nvfp4 = b.formats.forward.rule() == fp8::ScaleRule::kNvfp4;
+  if (nvfp4 && !b.global_amax) {
+    b.global_amax = whole_amax(impl, s);
+    // Both parts' now: a forward saves the backward's before it is gathered.
+    for (auto& given : b.given) given.global_amax = *b.global_amax;
+  }
+  const at::Tensor rows = s.master.view({b.shard_rows, b.cols});
+  const auto gather = [&](at::Tensor& landing, at::Tensor send) {
+    b.works.push_back(pg.all_gather_async(landing, send));
+    b.sends.push_back(std::move(send));  // alive until the gather is done
+    impl.bytes_communicated += bytes_of(landing);
+  };
+  for (const auto part : b.moving) {
+    fp8::BlockTensor& whole = b.whole[part];
+    const fp8::BlockTensor q =
+        fp8::BlockTensor::quantize(rows, whole.format, c10::nullopt,
+                                   nvfp4 ? c10::optional<float>(*b.global_amax) : c10::nullopt);
+    allocate_storage(whole.codes);
+    allocate_storage(whole.scales);
+    b.held[part] = true;
+    impl.gathered_bytes += bytes_of(whole.codes) + bytes_of(whole.scales);
+    // Rank r's rows land at rows [r S, (r+1) S) of the whole codes and at
+    // its blocks' rows of the whole scales: their own tensors, no copy.
+    if (packs_codes(whole.format)) {
+      b.packed[part] = at::empty({whole.codes.numel() / 2}, whole.codes.options());
+      impl.gathered_bytes += bytes_of(b.packed[part]);
+      gather(b.packed[part], fp8::pack_fp4(q.codes.reshape({-1})));
+    } else {
+      at::Tensor codes = whole.codes.view({-1});
+      gather(codes, q.codes.reshape({-1}));
+    }
+    at::Tensor scales = whole.scales.view({-1});
+    gather(scales, q.scales.contiguous().reshape({-1}));
+  }
+}
+
+void finish_block_gather(Impl& impl, Space& s, bool forward) {
+  torch::NoGradGuard no_grad;
+  BlockGather& b = *s.block;
+  auto& pg = detail::ProcessGroupAccess::impl(impl.group);
+  for (const auto& work : b.works) pg.wait(work, "all-gather (block codes and scales)");
+  b.works.clear();
+  b.sends.clear();
+  for (const auto part : b.moving) {
+    at::Tensor& packed = b.packed[part];
+    if (!packed.defined()) continue;
+    b.whole[part].codes.view({-1}).copy_(fp8::unpack_fp4(packed));
+    impl.gathered_bytes -= bytes_of(packed);
+    packed = at::Tensor();
+  }
+  b.moving.clear();
+  if (!forward) return;  // the layer saved its backward's part at its forward
+  const auto& p = impl.params[static_cast<size_t>(s.params.front())];
+  const auto backward = b.formats.shared ? BlockGather::kForward : BlockGather::kBackward;
+  fp8::scaling_of(*p.fp8_layer)
+      ->give_block_weight(p.tensor, b.given[BlockGather::kForward], b.given[backward]);
+}
+
+void release_block_codes(Impl& impl, Space& s) {
+  BlockGather& b = *s.block;
+  auto& pg = detail::ProcessGroupAccess::impl(impl.group);
+  for (const auto& work : b.works) pg.wait(work, "all-gather (block codes and scales)");
+  b.works.clear();  // never free memory in flight
+  b.sends.clear();
+  for (const auto part : {BlockGather::kForward, BlockGather::kBackward}) {
+    if (b.packed[part].defined()) {  // a gather waited for and never unpacked
+      impl.gathered_bytes -= bytes_of(b.packed[part]);
+      b.packed[part] = at::Tensor();
+    }
+    if (!b.held[part]) continue;
+    fp8::BlockTensor& whole = b.whole[part];
+    release_storage(whole.codes);
+    release_storage(whole.scales);
+    impl.gathered_bytes -= bytes_of(whole.codes) + bytes_of(whole.scales);
+    b.held[part] = false;
+  }
+  b.moving.clear();
+}
+
+}  // namespace fsdp
+
+#endif  // AMPX_WITH_DIST
+
+}  // namespace dist
+}  // namespace ampx

@@ -1,0 +1,196 @@
+// fsdp_worker's block-gather scenario (tests/fsdp_block_test.cpp): a
+// residual MLP of block-scaled FP8 layers (an ampx::fp8::Linear input layer,
+// the blocks' and the head's Linears converted by
+// ampx::fp8::convert_linears; 48 and 96 rows, so that the shards are padded
+// and on 3 ranks one holds none of a weight) under FullyShardedDataParallel
+// (each layer a unit), trains 5 steps in an FP8 region (bf16 autocast), the
+// same from rank 0's weights in every run, with the layers' weights
+// gathered in param_dtype and as their codes and scales (fp8_all_gather),
+// under MXFP8 (1 x 32 and 32 x 32 weight blocks), NVFP4 (16 x 16 and 1 x 16,
+// stochastic gradients, Hadamard) and FP8 blockwise (16-wide blocks), ZeRO-3
+// (with and without prefetch) and ZeRO-2. Writes, per run, <out>.<run>:
+// "loss <hex>" a step, rank 0's parameters ("param <hex>"), and the
+// training's "bytes <communicated>" and "peak <gathered bytes>"; then
+// <out>.block-gathers: the gradients ("<case> <hex>") of one forward and
+// backward under MXFP8 in ZeRO-3 and ZeRO-2 ("zero3-clean", "zero2-clean"),
+// with an evaluation outside the FP8 region between them
+// ("zero3-eval-between") and of two forwards summed ("zero3-twice",
+// "zero2-twice").
+
+#include "fsdp_worker.h"
+
+#include <ampx/ampx.h>
+#include <ampx/dist.h>
+#include <ampx/fp8.h>
+#include <ampx/fsdp.h>
+
+#include <torch/torch.h>
+
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp_worker {
+// Named: the worker is a unity build, and fsdp_worker_fp8.cpp's names are alike.
+namespace block_scenario {
+
+constexpr int64_t kRankBatch = 16;  // NVFP4's Hadamard runs over tiles of 16 tokens
+constexpr int kSteps = 5;
+
+struct LayerImpl : torch::nn::Module {
+  explicit LayerImpl(int64_t d)
+      : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        up(register_module("up", torch::nn::Linear(d, 2 * d))),
+        down(register_module("down", torch::nn::Linear(2 * d, d))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x + down(torch::gelu(up(norm(x.to(torch::kFloat)))));
+  }
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(Layer);
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const ampx::fp8::Recipe& recipe)
+      : in(register_module("in",
+                           ampx::fp8::Linear(ampx::fp8::LinearOptions(32, 48).recipe(recipe)))),
+        layer0(register_module("layer0", Layer(48))),
+        layer1(register_module("layer1", Layer(48))),
+        head(register_module("head", torch::nn::Linear(48, 32))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = ampx::dist::sharded_forward(in, x);
+    h = ampx::dist::sharded_forward(layer0, h);
+    h = ampx::dist::sharded_forward(layer1, h);
+    return ampx::dist::sharded_forward(head, h.to(torch::kFloat));
+  }
+  ampx::fp8::Linear in;
+  Layer layer0, layer1;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Mlp);
+
+struct Run {
+  std::string name;
+  ampx::fp8::Recipe recipe;
+  c10::ScalarType param_dtype;
+  bool codes;
+  bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
+  bool prefetch = true;
+};
+
+struct Sharded {
+  Sharded(const Run& run, ampx::dist::ProcessGroup& pg)
+      : model([&] {
+          torch::manual_seed(200 + pg.rank());  // different on each rank: both broadcast rank 0's
+          Mlp net(run.recipe);
+          ampx::fp8::convert_linears(*net, ampx::fp8::ConvertOptions().recipe(run.recipe));
+          return net;
+        }()),
+        fsdp(model.ptr(), pg,
+             {model->in.ptr(), model->layer0.ptr(), model->layer1.ptr(), model->head.ptr()},
+             ampx::dist::FullyShardedDataParallelOptions()
+                 .param_dtype(run.param_dtype)
+                 .fp8_all_gather(run.codes)
+                 .reshard_after_forward(run.reshard_after_forward)
+                 .prefetch(run.prefetch)) {}
+  Mlp model;
+  ampx::dist::FullyShardedDataParallel fsdp;
+};
+
+/// This rank's rows of the batch.
+std::pair<torch::Tensor, torch::Tensor> rank_batch(const ampx::dist::ProcessGroup& pg) {
+  torch::manual_seed(11);
+  const int64_t n = kRankBatch * pg.world_size(), rank = pg.rank();
+  const auto x = torch::randn({n, 32}), y = torch::randn({n, 32});
+  return {x.slice(0, rank * kRankBatch, (rank + 1) * kRankBatch),
+          y.slice(0, rank * kRankBatch, (rank + 1) * kRankBatch)};
+}
+
+/// The loss of one forward under bf16 autocast, in an FP8 region or not.
+torch::Tensor loss_of(Mlp& model, const torch::Tensor& x, const torch::Tensor& y, bool fp8) {
+  ampx::AutocastGuard autocast(torch::kCPU, torch::kBFloat16);
+  ampx::fp8::Fp8AutocastGuard region(fp8);
+  return torch::mse_loss(model->forward(x), y);
+}
+
+void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg) {
+  Sharded sharded(run, pg);
+  auto& model = sharded.model;
+  auto& fsdp = sharded.fsdp;
+  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  const auto [x, y] = rank_batch(pg);
+  std::ofstream log(out + "." + run.name);
+  for (int step = 0; step < kSteps; ++step) {
+    opt.zero_grad();
+    auto loss = loss_of(model, x, y, /*fp8=*/true);
+    loss.backward();
+    opt.step();
+    log << "loss " << hex(loss.item<double>()) << "\n";
+  }
+  log << "bytes " << fsdp.bytes_communicated() << "\npeak " << fsdp.peak_gathered_bytes() << "\n";
+  log_params(log, *model, fsdp, pg);
+}
+
+/// One backward's forwards that gather a unit more than once (see the top).
+void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
+  const auto [x, y] = rank_batch(pg);
+  std::ofstream log(out + ".block-gathers");
+  for (const bool zero3 : {true, false}) {
+    const Run run{"", ampx::fp8::MXFP8BlockScaling(), torch::kFloat, true, zero3};
+    const std::string zero = zero3 ? "zero3" : "zero2";
+    {
+      Sharded a(run, pg);
+      loss_of(a.model, x, y, true).backward();
+      log_grads(log, zero + "-clean", a.fsdp);
+    }
+    {
+      Sharded b(run, pg);
+      auto loss = loss_of(b.model, x, y, true);
+      {
+        torch::NoGradGuard no_grad;
+        (void)loss_of(b.model, x, y, false);
+      }
+      loss.backward();
+      log_grads(log, zero + "-eval-between", b.fsdp);
+    }
+    {
+      Sharded c(run, pg);
+      auto loss = loss_of(c.model, x, y, true) + loss_of(c.model, x, y, true);
+      loss.backward();
+      log_grads(log, zero + "-twice", c.fsdp);
+    }
+  }
+}
+
+}  // namespace block_scenario
+
+int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
+  const ampx::fp8::Recipe mxfp8 = ampx::fp8::MXFP8BlockScaling();
+  const ampx::fp8::Recipe mxfp8_2d = ampx::fp8::MXFP8BlockScaling().weight_2d(true);
+  const ampx::fp8::Recipe nvfp4 = ampx::fp8::NVFP4BlockScaling();
+  const ampx::fp8::Recipe nvfp4_1d = ampx::fp8::NVFP4BlockScaling().weight_2d(false);
+  const ampx::fp8::Recipe blockwise = ampx::fp8::Float8BlockScaling().block(16);
+  const std::vector<block_scenario::Run> runs{
+      {"mxfp8", mxfp8, torch::kFloat, false},
+      {"mxfp8-codes", mxfp8, torch::kFloat, true},
+      {"mxfp8-codes-zero2", mxfp8, torch::kFloat, true, false},
+      {"mxfp8-codes-noprefetch", mxfp8, torch::kFloat, true, true, false},
+      {"mxfp8-bf16", mxfp8, torch::kBFloat16, false},
+      {"mxfp8-bf16-codes", mxfp8, torch::kBFloat16, true},
+      {"mxfp8-2d", mxfp8_2d, torch::kFloat, false},
+      {"mxfp8-2d-codes", mxfp8_2d, torch::kFloat, true},
+      {"nvfp4", nvfp4, torch::kFloat, false},
+      {"nvfp4-codes", nvfp4, torch::kFloat, true},
+      {"nvfp4-1d", nvfp4_1d, torch::kFloat, false},
+      {"nvfp4-1d-codes", nvfp4_1d, torch::kFloat, true},
+      {"nvfp4-1d-codes-zero2", nvfp4_1d, torch::kFloat, true, false},
+      {"blockwise", blockwise, torch::kFloat, false},
+      {"blockwise-codes", blockwise, torch::kFloat, true},
+  };
+  for (const auto& run : runs) block_scenario::train(run, out, pg);
+  block_scenario::gathers(out, pg);
+  return 0;
+}
+
+}  // namespace fsdp_worker
