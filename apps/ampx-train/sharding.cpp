@@ -64,7 +64,8 @@ std::string shard_description(const TrainConfig& c) {
     for (const auto& mode : modes_of(c)) {
       if (mode == "fp8") s << "; fp8: the FP8 Linears' weights as their E4M3 codes";
       if (mode == "mxfp8" || mode == "nvfp4" || mode == "fp8-block") {
-        s << "; " << mode << ": the Linears' weights as their codes and block scales";
+        s << "; " << mode
+          << ": the Linears' weights as their codes and block scales (unless mostly padding)";
       }
     }
   }

@@ -87,20 +87,25 @@
 /// A block-scaled FP8 layer's weight (MXFP8, NVFP4, FP8 blockwise:
 /// ampx/fp8/block_recipe.h) is a space of its own, its rows cut into equal
 /// shards of whole blocks (a multiple of 32 rows for MXFP8, 16 for NVFP4,
-/// the block for FP8 blockwise; the last padded). Gathered in an FP8
-/// region, each rank quantizes its fp32 rows as the layer quantizes its
-/// weight (NVFP4 with the whole weight's amax, one all-reduce (max) at the
-/// first gather after a backward) and the ranks gather the codes (FP4 two
-/// to a byte) and the blocks' scales: for a forward the copy its product
+/// the block for FP8 blockwise; padding after the last rows, on one rank
+/// or several). Gathered in an FP8 region, each rank quantizes its fp32
+/// rows as the layer quantizes its weight (NVFP4 with the whole weight's
+/// amax, one all-reduce (max) at the first gather after a backward) and the
+/// ranks gather the codes (FP4 two to a byte) and the blocks' scales, as
+/// TE's FSDP2 gathers its MXFP8 weights: for a forward the copy its product
 /// takes (blocks along the rows), for a backward the copy the input
 /// gradient takes (blocks down the columns), both for a forward whose unit
 /// is kept to its backward (reshard_after_forward false); 2-D weight blocks
-/// (NVFP4's 16 x 16, FP8 blockwise, MXFP8's weight_2d) one copy for both,
-/// as TE's FSDP2 gathers its MXFP8 weights. Each block depends on its own
-/// elements alone, so the layer computes with the codes and scales its own
-/// quantization of the fp32 weight has: with param_dtype float32 the
-/// training is that of a gather in float32, bit for bit (on the CPU). One
-/// all-gather per such weight, not one per unit.
+/// (NVFP4's 16 x 16, FP8 blockwise, MXFP8's weight_2d) one copy for both.
+/// Each block depends on its own elements alone, so the layer computes with
+/// the codes and scales its own quantization of the fp32 weight has: with
+/// param_dtype float32 the training is that of a gather in float32, bit
+/// for bit (on the CPU). Two all-gathers (codes, scales) per copy of each
+/// such weight, not one per unit; outside an FP8 region the weight is
+/// gathered in param_dtype in its own space. A weight whose whole blocks on
+/// every rank would be more than twice its rows (small weights, many ranks,
+/// FP8 blockwise's 128-row blocks) stays in its unit's space, gathered in
+/// param_dtype.
 ///
 /// Every rank must call the units in the same order (no data-dependent
 /// control flow), and a parameter belongs to one unit (no weights tied
@@ -180,8 +185,7 @@ struct FullyShardedDataParallelOptions {
   /// element, when their unit is gathered for a forward in an
   /// Fp8AutocastGuard region (torchao's enable_fsdp_float8_all_gather; see
   /// "FP8 all-gather" above); block-scaled layers' as their codes and
-  /// scales. Outside a region they are gathered in param_dtype as the
-  /// other weights are.
+  /// scales. Outside a region they are gathered in param_dtype.
   TORCH_ARG(bool, fp8_all_gather) = false;
 };
 

@@ -17,6 +17,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -84,7 +85,7 @@ std::vector<BlockGather::Part> parts_for(const Impl& impl, const BlockGather& b,
 float whole_amax(Impl& impl, const Space& s) {
   const at::Tensor a = s.master.abs();
   auto m = at::zeros({2}, s.master.options());
-  m[0].copy_(a.nan_to_num(0.0).max());
+  m[0].copy_(at::where(a.isnan(), at::zeros_like(a), a).max());  // inf stays inf
   m[1].copy_(a.isnan().any().to(at::kFloat));
   impl.group.all_reduce_max(m);
   const auto host = m.cpu();
@@ -93,6 +94,11 @@ float whole_amax(Impl& impl, const Space& s) {
 }
 
 }  // namespace
+
+bool is_block_scaled(torch::nn::Module& layer) {
+  const auto scaling = fp8::scaling_of(layer);
+  return scaling && scaling->recipe.is_block();
+}
 
 std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at::Tensor& weight,
                                              int64_t world) {
@@ -108,6 +114,10 @@ std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at:
   // either format start at a multiple of the rows of both.
   const int64_t align = std::lcm(b->formats.forward.block_rows(), b->formats.backward.block_rows());
   b->shard_rows = blocks_of(blocks_of(b->rows, world), align) * align;
+  // Mostly padding (small weights, many ranks, FP8 blockwise's 128-row
+  // blocks): codes would move, and the shards hold, more than the weight;
+  // it stays in its unit's space, gathered in param_dtype.
+  if (world * b->shard_rows > 2 * b->rows) return nullptr;
   make_part(*b, BlockGather::kForward, b->formats.forward, world, weight.options());
   if (!b->formats.shared) {
     make_part(*b, BlockGather::kBackward, b->formats.backward, world, weight.options());
@@ -143,17 +153,19 @@ void start_block_gather(Impl& impl, Space& s, bool forward) {
     const fp8::BlockTensor q =
         fp8::BlockTensor::quantize(rows, whole.format, c10::nullopt,
                                    nvfp4 ? c10::optional<float>(*b.global_amax) : c10::nullopt);
-    allocate_storage(whole.codes);
     allocate_storage(whole.scales);
     b.held[part] = true;
-    impl.gathered_bytes += bytes_of(whole.codes) + bytes_of(whole.scales);
+    impl.gathered_bytes += bytes_of(whole.scales);
     // Rank r's rows land at rows [r S, (r+1) S) of the whole codes and at
-    // its blocks' rows of the whole scales: their own tensors, no copy.
+    // its blocks' rows of the whole scales: their own tensors, no copy but
+    // FP4's unpacking (its codes' storage made then).
     if (packs_codes(whole.format)) {
       b.packed[part] = at::empty({whole.codes.numel() / 2}, whole.codes.options());
       impl.gathered_bytes += bytes_of(b.packed[part]);
       gather(b.packed[part], fp8::pack_fp4(q.codes.reshape({-1})));
     } else {
+      allocate_storage(whole.codes);
+      impl.gathered_bytes += bytes_of(whole.codes);
       at::Tensor codes = whole.codes.view({-1});
       gather(codes, q.codes.reshape({-1}));
     }
@@ -172,7 +184,11 @@ void finish_block_gather(Impl& impl, Space& s, bool forward) {
   for (const auto part : b.moving) {
     at::Tensor& packed = b.packed[part];
     if (!packed.defined()) continue;
-    b.whole[part].codes.view({-1}).copy_(fp8::unpack_fp4(packed));
+    fp8::BlockTensor& whole = b.whole[part];
+    allocate_storage(whole.codes);
+    impl.gathered_bytes += bytes_of(whole.codes);
+    impl.peak_gathered_bytes = std::max(impl.peak_gathered_bytes, impl.gathered_bytes);
+    whole.codes.view({-1}).copy_(fp8::unpack_fp4(packed));
     impl.gathered_bytes -= bytes_of(packed);
     packed = at::Tensor();
   }
@@ -191,15 +207,17 @@ void release_block_codes(Impl& impl, Space& s) {
   b.works.clear();  // never free memory in flight
   b.sends.clear();
   for (const auto part : {BlockGather::kForward, BlockGather::kBackward}) {
+    fp8::BlockTensor& whole = b.whole[part];
     if (b.packed[part].defined()) {  // a gather waited for and never unpacked
       impl.gathered_bytes -= bytes_of(b.packed[part]);
       b.packed[part] = at::Tensor();
+    } else if (b.held[part]) {
+      release_storage(whole.codes);
+      impl.gathered_bytes -= bytes_of(whole.codes);
     }
     if (!b.held[part]) continue;
-    fp8::BlockTensor& whole = b.whole[part];
-    release_storage(whole.codes);
     release_storage(whole.scales);
-    impl.gathered_bytes -= bytes_of(whole.codes) + bytes_of(whole.scales);
+    impl.gathered_bytes -= bytes_of(whole.scales);
     b.held[part] = false;
   }
   b.moving.clear();

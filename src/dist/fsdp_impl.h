@@ -148,8 +148,11 @@ void give_codes(Impl& impl, Space& s);
 /// Takes them back.
 void drop_codes(Impl& impl, Space& s);
 
+/// Whether the FP8 layer `layer` is under a block-scaled recipe.
+bool is_block_scaled(torch::nn::Module& layer);
 /// fp8_all_gather: how `weight`, of the FP8 layer `layer`, is gathered as
-/// codes over `world` ranks where the layer is block-scaled; else null.
+/// codes over `world` ranks where the layer is block-scaled; else null
+/// (also where whole blocks on every rank would be mostly padding).
 std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at::Tensor& weight,
                                              int64_t world);
 /// Whether a block space's gathered parts serve a gather for `forward`

@@ -144,8 +144,11 @@ c10::optional<c10::Device> lay_out(fsdp::Impl& impl,
     const bool fp32 = impl.options.keep_norms_fp32() && ampx::detail::is_norm_layer(module);
     const auto dtype = fp32 ? at::kFloat : impl.options.param_dtype();
     auto* fp8_layer = impl.options.fp8_all_gather() ? fsdp::fp8_layer_of(module, t) : nullptr;
-    auto block =
-        fp8_layer ? fsdp::block_gather_of(*fp8_layer, t, impl.group.world_size()) : nullptr;
+    std::shared_ptr<fsdp::BlockGather> block;
+    if (fp8_layer != nullptr && fsdp::is_block_scaled(*fp8_layer)) {
+      block = fsdp::block_gather_of(*fp8_layer, t, impl.group.world_size());
+      if (!block) fp8_layer = nullptr;  // mostly padding: gathered with the unit's others
+    }
     auto& u = impl.units[static_cast<size_t>(unit)];
     const int64_t kind =
         block ? 2 + static_cast<int64_t>(impl.params.size()) : (fp8_layer != nullptr ? 1 : 0);

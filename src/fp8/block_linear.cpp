@@ -207,11 +207,13 @@ void LinearScaling::give_block_weight(const at::Tensor& w, BlockTensor forward,
       w.dim() == 2 && forward.codes.sizes() == w.sizes() && backward.codes.sizes() == w.sizes(),
       who, ": codes of the weight's shape ", w.sizes(), " expected, got ", forward.codes.sizes(),
       " and ", backward.codes.sizes());
-  TORCH_CHECK(forward.format.to_string() == formats.forward.to_string() &&
-                  backward.format.to_string() == formats.backward.to_string(),
-              who, ": ", recipe.to_string(), " quantizes its weight in ",
-              formats.forward.to_string(), " and ", formats.backward.to_string(), ", got ",
-              forward.format.to_string(), " and ", backward.format.to_string());
+  const auto same = [](const BlockFormat& a, const BlockFormat& b) {
+    return a.to_string() == b.to_string() && a.amax_epsilon() == b.amax_epsilon();
+  };
+  TORCH_CHECK(same(forward.format, formats.forward) && same(backward.format, formats.backward), who,
+              ": ", recipe.to_string(), " quantizes its weight in ", formats.forward.to_string(),
+              " and ", formats.backward.to_string(), ", got ", forward.format.to_string(), " and ",
+              backward.format.to_string());
   auto given = std::make_shared<GivenBlockWeight>(w);
   given->forward = std::move(forward);
   given->backward = std::move(backward);

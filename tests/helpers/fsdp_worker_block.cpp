@@ -1,4 +1,4 @@
-// fsdp_worker's block-gather scenario (tests/fsdp_block_test.cpp): a
+// fsdp_worker's block-gather scenario (tests/fsdp_fp8_test.cpp): a
 // residual MLP of block-scaled FP8 layers (an ampx::fp8::Linear input layer,
 // the blocks' and the head's Linears converted by
 // ampx::fp8::convert_linears; 48 and 96 rows, so that the shards are padded
@@ -8,8 +8,10 @@
 // gathered in param_dtype and as their codes and scales (fp8_all_gather),
 // under MXFP8 (1 x 32 and 32 x 32 weight blocks), NVFP4 (16 x 16 and 1 x 16,
 // stochastic gradients, Hadamard) and FP8 blockwise (16-wide blocks), ZeRO-3
-// (with and without prefetch) and ZeRO-2. Writes, per run, <out>.<run>:
-// "loss <hex>" a step, rank 0's parameters ("param <hex>"), and the
+// (with and without prefetch) and ZeRO-2; and FP8 blockwise's 128-row
+// blocks, which would make every weight here mostly padding. Writes, per
+// run, <out>.<run>: "loss <hex>" a step, rank 0's parameters
+// ("param <hex>"), and "peak2 <gathered bytes>" after the second step, the
 // training's "bytes <communicated>" and "peak <gathered bytes>"; then
 // <out>.block-gathers: the gradients ("<case> <hex>") of one forward and
 // backward under MXFP8 in ZeRO-3 and ZeRO-2 ("zero3-clean", "zero2-clean"),
@@ -127,6 +129,7 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     loss.backward();
     opt.step();
     log << "loss " << hex(loss.item<double>()) << "\n";
+    if (step == 1) log << "peak2 " << fsdp.peak_gathered_bytes() << "\n";
   }
   log << "bytes " << fsdp.bytes_communicated() << "\npeak " << fsdp.peak_gathered_bytes() << "\n";
   log_params(log, *model, fsdp, pg);
@@ -171,6 +174,7 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
   const ampx::fp8::Recipe nvfp4 = ampx::fp8::NVFP4BlockScaling();
   const ampx::fp8::Recipe nvfp4_1d = ampx::fp8::NVFP4BlockScaling().weight_2d(false);
   const ampx::fp8::Recipe blockwise = ampx::fp8::Float8BlockScaling().block(16);
+  const ampx::fp8::Recipe blockwise128 = ampx::fp8::Float8BlockScaling();
   const std::vector<block_scenario::Run> runs{
       {"mxfp8", mxfp8, torch::kFloat, false},
       {"mxfp8-codes", mxfp8, torch::kFloat, true},
@@ -187,6 +191,8 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"nvfp4-1d-codes-zero2", nvfp4_1d, torch::kFloat, true, false},
       {"blockwise", blockwise, torch::kFloat, false},
       {"blockwise-codes", blockwise, torch::kFloat, true},
+      {"blockwise128", blockwise128, torch::kFloat, false},
+      {"blockwise128-codes", blockwise128, torch::kFloat, true},
   };
   for (const auto& run : runs) block_scenario::train(run, out, pg);
   block_scenario::gathers(out, pg);

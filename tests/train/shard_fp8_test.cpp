@@ -56,7 +56,9 @@ TEST_F(ShardTest, Fp8TrainsDdpsRunBitForBitGatheringItsWeightsAsCodes) {
 // bit (NVFP4's stochastic gradients and Hadamard transforms included), as
 // they do under --shard optimizer, where each rank keeps the whole model;
 // under --shard full the gathered working set is smaller than O1's (float32
-// gathers of the same weights) for MXFP8 and NVFP4.
+// gathers of the same weights) for MXFP8 and NVFP4. FP8 blockwise's 128-row
+// blocks would pad this 32-wide model's weights past twice their rows: they
+// are gathered in float32, the same training.
 TEST_F(ShardTest, BlockScaledTrainDdpsRunBitForBitGatheringCodesAndScales) {
   const ShardRun o1 = run("gpt", "full", "O1");
   const auto gathered = [](const ShardRun& r) { return r.result.value("gathered_bytes", -1.0); };
@@ -76,11 +78,12 @@ TEST_F(ShardTest, BlockScaledTrainDdpsRunBitForBitGatheringCodesAndScales) {
       EXPECT_EQ(losses(sharded), losses(ddp)) << shard;
       EXPECT_EQ(sharded.weights, std::vector<std::string>(2, ddp.weights[0])) << shard;
       if (shard != "optimizer") {
-        EXPECT_TRUE(contains(sharded.output,
-                             {mode + ": the Linears' weights as their codes and block scales"}))
+        EXPECT_TRUE(contains(
+            sharded.output,
+            {mode +
+             ": the Linears' weights as their codes and block scales (unless mostly padding)"}))
             << sharded.output;
       }
-      // fp8-block's 128-row blocks pad this model's 32 to 128 rows on each rank.
       if (shard == "full" && mode != "fp8-block") {
         EXPECT_GT(gathered(sharded), 0.0);
         EXPECT_LT(gathered(sharded), gathered(o1));
