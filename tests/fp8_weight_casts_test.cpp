@@ -375,6 +375,80 @@ TEST(Fp8WeightCastsTest, CudaKeptCastsGiveEveryForwardsBitsWithoutWaiting) {
 #endif
 }
 
+// A block-scaled layer given its weight's quantizations from elsewhere (a
+// sharding wrapper's gathered codes and scales) multiplies them instead of
+// quantizing its weight: given those of another weight, its output and
+// input gradient are the other weight's layer's bit for bit (the weight
+// gradient, of x and the output gradient, its own); given its own, nothing
+// changes; dropped, it quantizes its weight again. Quantizations of another
+// shape or in other formats than the recipe's are refused, naming both, and
+// BlockTensor::quantize takes a whole amax for NVFP4 alone.
+TEST(Fp8WeightCastsTest, AGivenBlockWeightIsMultipliedInsteadOfTheWeight) {
+  const Recipe recipe = MXFP8BlockScaling();
+  torch::manual_seed(21);
+  Linear fc(LinearOptions(64, 32).bias(false).recipe(recipe));
+  Linear other(LinearOptions(64, 32).bias(false).recipe(recipe));
+  const auto x = torch::randn({16, 64});
+  const auto g = torch::randn({16, 32});
+  struct Pass {
+    at::Tensor y, grad_x, grad_w;
+  };
+  const auto pass = [&](Linear& layer) {
+    const auto xi = x.clone().requires_grad_();
+    layer->zero_grad();
+    Pass p;
+    {
+      Fp8AutocastGuard region;
+      p.y = layer->forward(xi);
+    }
+    p.y.backward(g);
+    p.grad_x = xi.grad();
+    p.grad_w = layer->weight.grad().clone();
+    return p;
+  };
+  const auto formats = block_weight_formats(recipe);
+  const auto give = [&](const at::Tensor& from) {
+    const auto w = from.detach();
+    fc->scaling().give_block_weight(fc->weight, BlockTensor::quantize(w, formats.forward),
+                                    BlockTensor::quantize(w, formats.backward));
+  };
+  const Pass own = pass(fc), theirs = pass(other);
+  give(other->weight);
+  ASSERT_NE(fc->scaling().given_block_weight(fc->weight), nullptr);
+  EXPECT_EQ(fc->scaling().given_block_weight(other->weight), nullptr);
+  const Pass given = pass(fc);
+  EXPECT_TRUE(torch::equal(given.y, theirs.y));
+  EXPECT_TRUE(torch::equal(given.grad_x, theirs.grad_x));
+  EXPECT_TRUE(torch::equal(given.grad_w, own.grad_w));
+  EXPECT_FALSE(torch::equal(given.y, own.y));
+  give(fc->weight);
+  EXPECT_TRUE(torch::equal(pass(fc).y, own.y));
+  fc->scaling().drop_given_block_weight();
+  EXPECT_EQ(fc->scaling().given_block_weight(fc->weight), nullptr);
+  EXPECT_TRUE(torch::equal(pass(fc).grad_x, own.grad_x));
+
+  const auto w = fc->weight.detach();
+  EXPECT_THAT(test::error_text([&] {
+                fc->scaling().give_block_weight(fc->weight,
+                                                BlockTensor::quantize(w, formats.forward),
+                                                BlockTensor::quantize(w, formats.forward));
+              }),
+              ::testing::HasSubstr("quantizes its weight in e4m3/rceil/1x32 and "
+                                   "e4m3/rceil/32x1, got e4m3/rceil/1x32 and e4m3/rceil/1x32"));
+  const auto half = w.narrow(0, 0, 16);
+  EXPECT_THAT(test::error_text([&] {
+                fc->scaling().give_block_weight(fc->weight,
+                                                BlockTensor::quantize(half, formats.forward),
+                                                BlockTensor::quantize(half, formats.backward));
+              }),
+              ::testing::HasSubstr("codes of the weight's shape [32, 64] expected, got [16, 64]"));
+  EXPECT_EQ(fc->scaling().given_block_weight(fc->weight), nullptr);
+  EXPECT_THAT(test::error_text([&] {
+                (void)BlockTensor::quantize(w, BlockFormat::mxfp8(), c10::nullopt, 1.0f);
+              }),
+              ::testing::HasSubstr("global_amax is NVFP4's alone"));
+}
+
 }  // namespace
 }  // namespace fp8
 }  // namespace ampx

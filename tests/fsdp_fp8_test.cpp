@@ -64,6 +64,20 @@ double gap(const std::vector<double>& a, const std::vector<double>& b, double fl
   return worst;
 }
 
+/// The codes run `codes` trains as the full-width run `wide`: the first loss
+/// bit for bit, the rest and the weights within `within` (the weights
+/// relative to the larger of theirs and 0.1); and `wide` trains.
+void expect_same_training(const GatherRun& codes, const GatherRun& wide, double within,
+                          double trained_below) {
+  ASSERT_EQ(wide.losses.size(), 5u);
+  ASSERT_EQ(codes.params.size(), wide.params.size());
+  ASSERT_FALSE(wide.params.empty());
+  EXPECT_EQ(codes.losses.front(), wide.losses.front());
+  EXPECT_LE(gap(codes.losses, wide.losses), within);
+  EXPECT_LE(gap(codes.params, wide.params, 0.1), within);
+  EXPECT_LT(wide.losses.back(), trained_below * wide.losses.front());
+}
+
 /// The values of the lines starting `tag` in <out>.gathers, and the rest of
 /// the line of each other tag.
 struct Gathers {
@@ -113,26 +127,27 @@ TEST_P(FsdpFp8GatherTest, CodesTrainAsTheFullWidthGatherAndMoveAByteAnElement) {
   const auto run = [&](const std::string& name, int rank = 0) {
     return read_run(workers[rank].out.string() + "." + name);
   };
-  const double losses_within = world == 2 ? 0.0 : 1e-3;
-  const double weights_within = world == 2 ? 0.0 : 1e-3;
+  const double within = world == 2 ? 0.0 : 1e-3;
   for (const std::string name : {"delayed-fp32-codes", "delayed-fp32-codes-zero2",
                                  "delayed-fp32-codes-noprefetch", "current-fp32-codes"}) {
     SCOPED_TRACE(name);
     const std::string wide_name = name.substr(0, name.find("-codes"));
     const GatherRun wide = run(wide_name), codes = run(name);
-    ASSERT_EQ(wide.losses.size(), 5u);
-    ASSERT_EQ(codes.params.size(), wide.params.size());
-    ASSERT_FALSE(wide.params.empty());
-    EXPECT_EQ(codes.losses.front(), wide.losses.front());
-    EXPECT_LE(gap(codes.losses, wide.losses), losses_within);
-    EXPECT_LE(gap(codes.params, wide.params, 0.1), weights_within);
-    EXPECT_LE(gap({codes.scale}, {wide.scale}), losses_within);
-    EXPECT_LE(gap({codes.eval}, {wide.eval}), losses_within);
-    EXPECT_LT(wide.losses.back(), 0.5 * wide.losses.front());  // it trains
+    expect_same_training(codes, wide, within, 0.5);
+    EXPECT_LE(gap({codes.scale}, {wide.scale}), within);
+    EXPECT_LE(gap({codes.eval}, {wide.eval}), within);
     EXPECT_GT(wide.scale, 100.0);                              // the scales moved from 1
     for (int r = 1; r < world; ++r) {                          // every rank's own batch
-      EXPECT_LE(gap(run(name, r).losses, run(wide_name, r).losses), losses_within);
+      EXPECT_LE(gap(run(name, r).losses, run(wide_name, r).losses), within);
     }
+  }
+  // Casts are taken again after a step: an evaluation in the FP8 region
+  // between each backward and its step (current scaling: it changes no
+  // scaling state) changes nothing.
+  for (int r = 0; r < world; ++r) {
+    const auto losses = run("current-fp32-codes", r).losses;
+    ASSERT_EQ(losses.size(), 5u);
+    EXPECT_EQ(run("current-fp32-codes-eval", r).losses, losses) << "rank " << r;
   }
   const GatherRun wide32 = run("delayed-fp32"), codes32 = run("delayed-fp32-codes");
   const GatherRun wide16 = run("delayed-bf16"), codes16 = run("delayed-bf16-codes");
@@ -227,7 +242,9 @@ class FsdpBlockGatherTest : public ::testing::TestWithParam<int> {
 // gather's (the bytes moved are not: these weights' rows are padded to
 // whole blocks on each rank, a third more, and so are their float32
 // reduce-scatters), the codes come from the fp32 masters, and the losses
-// stay as near the float32 run's as the bfloat16 gather's.
+// stay as near the float32 run's as the bfloat16 gather's. NVFP4's whole
+// amaxes are taken anew after load_shards() (a resumed run is the
+// uninterrupted one bit for bit).
 TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
   const int world = GetParam();
   const auto workers = run_workers();
@@ -242,13 +259,7 @@ TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
     SCOPED_TRACE(name);
     const std::string wide_name = name.substr(0, name.find("-codes"));
     const GatherRun wide = run(wide_name), codes = run(name);
-    ASSERT_EQ(wide.losses.size(), 5u);
-    ASSERT_EQ(codes.params.size(), wide.params.size());
-    ASSERT_FALSE(wide.params.empty());
-    EXPECT_EQ(codes.losses.front(), wide.losses.front());
-    EXPECT_LE(gap(codes.losses, wide.losses), within);
-    EXPECT_LE(gap(codes.params, wide.params, 0.1), within);
-    EXPECT_LT(wide.losses.back(), 0.8 * wide.losses.front());  // it trains
+    expect_same_training(codes, wide, within, 0.8);
     EXPECT_LT(codes.bytes, wide.bytes);
     EXPECT_LT(codes.peak, wide.peak);
     EXPECT_EQ(codes.peak2, codes.peak);  // every step frees what it gathered
@@ -262,6 +273,18 @@ TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
   EXPECT_EQ(codes128.losses, wide128.losses);
   EXPECT_EQ(codes128.bytes, wide128.bytes);
   EXPECT_EQ(codes128.peak, wide128.peak);
+  // NVFP4's whole amaxes are taken again after load_shards() (a run saved
+  // after its second step, stepped and evaluated in the FP8 region once
+  // more, then loaded, trains its last three steps as the run without
+  // them) and after a step (an evaluation in the region between each
+  // backward and its step changes nothing).
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    const auto losses = run("nvfp4-codes", r).losses;
+    ASSERT_EQ(losses.size(), 5u);
+    EXPECT_EQ(run("nvfp4-codes-resume", r).losses, losses);
+    EXPECT_EQ(run("nvfp4-codes-eval", r).losses, losses);
+  }
   const auto saved = [&](const std::string& name) {
     return run(name).bytes - run(name + "-codes").bytes;
   };
@@ -277,25 +300,33 @@ TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
             std::max(0.03, 1.5 * gap(wide16.losses, wide32.losses)));
 }
 
-// Every gather of one backward's forwards quantizes the same masters, so it
-// writes the same codes and scales into the storage the earlier forwards
-// saved theirs from: two forwards summed into one loss give ZeRO-2's
-// gradients (one gather) under ZeRO-3; an evaluation outside the FP8 region
-// between a forward and its backward gathers at full width and the backward
-// gathers the column-wise codes again: the gradients of the run without it,
+// Every gather of one backward's forwards quantizes the same masters (NVFP4
+// with the same whole amax), so it writes the same codes and scales into
+// the storage the earlier forwards saved theirs from, under MXFP8 and
+// NVFP4, with a copy for each product (1 x 32, 1 x 16) or one for both
+// (32 x 32, 16 x 16): two forwards summed into one loss give ZeRO-2's
+// gradients (one gather) under ZeRO-3; an evaluation between a forward and
+// its backward, outside the FP8 region (gathering at full width) or inside
+// it (gathering the forward's codes again under ZeRO-3, the ones kept
+// under ZeRO-2), leaves the backward the gradients of the run without it,
 // bit for bit, under ZeRO-3 and ZeRO-2.
 TEST_P(FsdpBlockGatherTest, EveryGatherOfOneBackwardWritesTheSameCodesAndScales) {
   const auto workers = run_workers();
   for (size_t r = 0; r < workers.size(); ++r) {
-    SCOPED_TRACE("rank " + std::to_string(r));
     const Gathers g = read_gathers(workers[r].out.string() + ".block-gathers");
-    const auto& clean = g.values.at("zero3-clean");
-    ASSERT_FALSE(clean.empty());
-    EXPECT_NE(gap(g.values.at("zero3-twice"), clean), 0.0);  // two forwards: other gradients
-    EXPECT_EQ(g.values.at("zero3-twice"), g.values.at("zero2-twice"));
-    EXPECT_EQ(g.values.at("zero3-eval-between"), clean);
-    EXPECT_EQ(g.values.at("zero2-eval-between"), g.values.at("zero2-clean"));
-    EXPECT_EQ(g.values.at("zero2-clean"), clean);
+    for (const std::string recipe : {"mxfp8", "mxfp8-2d", "nvfp4", "nvfp4-1d"}) {
+      SCOPED_TRACE("rank " + std::to_string(r) + ", " + recipe);
+      const auto values = [&](const std::string& tag) { return g.values.at(recipe + "-" + tag); };
+      const auto clean = values("zero3-clean");
+      ASSERT_FALSE(clean.empty());
+      EXPECT_NE(gap(values("zero3-twice"), clean), 0.0);  // two forwards: other gradients
+      EXPECT_EQ(values("zero3-twice"), values("zero2-twice"));
+      EXPECT_EQ(values("zero2-clean"), clean);
+      for (const std::string zero : {"zero3", "zero2"}) {
+        EXPECT_EQ(values(zero + "-eval-between"), clean) << zero;
+        EXPECT_EQ(values(zero + "-eval-fp8-between"), clean) << zero;
+      }
+    }
   }
 }
 

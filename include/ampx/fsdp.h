@@ -90,13 +90,14 @@
 /// the block for FP8 blockwise; padding after the last rows, on one rank
 /// or several). Gathered in an FP8 region, each rank quantizes its fp32
 /// rows as the layer quantizes its weight (NVFP4 with the whole weight's
-/// amax, one all-reduce (max) at the first gather after a backward) and the
-/// ranks gather the codes (FP4 two to a byte) and the blocks' scales, as
-/// TE's FSDP2 gathers its MXFP8 weights: for a forward the copy its product
-/// takes (blocks along the rows), for a backward the copy the input
-/// gradient takes (blocks down the columns), both for a forward whose unit
-/// is kept to its backward (reshard_after_forward false); 2-D weight blocks
-/// (NVFP4's 16 x 16, FP8 blockwise, MXFP8's weight_2d) one copy for both.
+/// amax: one all-reduce (max) per unit at its first gather after a
+/// backward or load_shards()) and the ranks gather the codes (FP4 two to a
+/// byte) and the blocks' scales, as TE's FSDP2 gathers its MXFP8 weights:
+/// for a forward the copy its product takes (blocks along the rows), for a
+/// backward the copy the input gradient takes (blocks down the columns),
+/// both for a forward whose unit is kept to its backward
+/// (reshard_after_forward false); 2-D weight blocks (NVFP4's 16 x 16, FP8
+/// blockwise, MXFP8's weight_2d) one copy for both.
 /// Each block depends on its own elements alone, so the layer computes with
 /// the codes and scales its own quantization of the fp32 weight has: with
 /// param_dtype float32 the training is that of a gather in float32, bit

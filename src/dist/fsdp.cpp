@@ -61,6 +61,7 @@ void release_storage(const at::Tensor& t) {
 
 }  // namespace fsdp
 
+using fsdp::size_in_bytes;
 using fsdp::Space;
 using fsdp::Unit;
 
@@ -71,10 +72,6 @@ at::Tensor& gather_target(Space& s) {
   return s.as_codes ? s.codes : s.gathered;
 }
 
-int64_t size_in_bytes(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
-}
-
 }  // namespace
 
 void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
@@ -82,14 +79,24 @@ void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
   auto& pg = detail::ProcessGroupAccess::impl(group);
   for (auto& s : u.spaces) {
     if (s.fp8) s.as_codes = fsdp::gather_as_codes(*this, u, s, forward);
+  }
+  fsdp::whole_amaxes(*this, u);
+  // Every space's shard cast (with its collectives) first, then the
+  // storage: a cast that fails leaves nothing of the unit made or counted.
+  for (auto& s : u.spaces) {
     if (s.block && s.as_codes) {  // codes and scales, in the parts this call needs
-      fsdp::start_block_gather(*this, s, forward);
+      fsdp::quantize_block_shard(*this, s, forward);
+    } else {
+      s.send = s.as_codes ? fsdp::cast_shard(*this, s) : s.master.to(s.dtype);
+    }
+  }
+  for (auto& s : u.spaces) {
+    if (s.block && s.as_codes) {
+      fsdp::start_block_gather(*this, s);
       continue;
     }
     at::Tensor& target = gather_target(s);
     fsdp::allocate_storage(target);
-    // The cast, once, on the shard.
-    s.send = s.as_codes ? fsdp::cast_shard(*this, s) : s.master.to(s.dtype);
     s.gather = pg.all_gather_async(target, s.send);
     bytes_communicated += size_in_bytes(target);
     gathered_bytes += size_in_bytes(target);
@@ -128,6 +135,14 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
       fsdp::finish_block_gather(*this, s, forward);
     } else if (s.as_codes && forward) {
       fsdp::give_codes(*this, s);
+    }
+    // A forward no backward follows (an evaluation) that no forward of a
+    // backward to come gathered before keeps no casts: the masters may
+    // change before the next (an evaluation between a backward and the
+    // optimizer's step). Every rank decides alike.
+    if (forward && !at::GradMode::is_enabled() && !s.backward_codes) {
+      s.casts.clear();
+      if (s.block) s.block->global_amax.reset();
     }
   }
   u.state = Unit::State::kGathered;

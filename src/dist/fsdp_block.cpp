@@ -15,6 +15,7 @@
 #include "fsdp_impl.h"
 #include "process_group_impl.h"
 
+#include <ATen/ceil_div.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -31,14 +32,6 @@ namespace dist {
 namespace fsdp {
 
 namespace {
-
-int64_t blocks_of(int64_t n, int64_t block) {
-  return (n + block - 1) / block;
-}
-
-int64_t bytes_of(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
-}
 
 /// Whether `format` packs its codes two to a byte on the wire.
 bool packs_codes(const fp8::BlockFormat& format) {
@@ -57,12 +50,12 @@ void make_part(BlockGather& b, BlockGather::Part part, const fp8::BlockFormat& f
   const bool fp32_scales =
       format.rule() == fp8::ScaleRule::kFloat32 || format.rule() == fp8::ScaleRule::kFloat32Pow2;
   whole.scales = at::empty(
-      {world * b.shard_rows / format.block_rows(), blocks_of(b.cols, format.block_cols())},
+      {world * b.shard_rows / format.block_rows(), at::ceil_div(b.cols, format.block_cols())},
       options.dtype(fp32_scales ? at::kFloat : at::kByte));
   fp8::BlockTensor& given = b.given[part];
   given.format = format;
   given.codes = whole.codes.narrow(0, 0, b.rows);
-  given.scales = whole.scales.narrow(0, 0, blocks_of(b.rows, format.block_rows()));
+  given.scales = whole.scales.narrow(0, 0, at::ceil_div(b.rows, format.block_rows()));
   release_storage(whole.codes);
   release_storage(whole.scales);
 }
@@ -78,19 +71,6 @@ std::vector<BlockGather::Part> parts_for(const Impl& impl, const BlockGather& b,
     parts.push_back(BlockGather::kBackward);
   }
   return parts;
-}
-
-/// NVFP4's global amax of the whole weight: the largest of the shards'
-/// over the ranks, NaN where any rank's shard holds one.
-float whole_amax(Impl& impl, const Space& s) {
-  const at::Tensor a = s.master.abs();
-  auto m = at::zeros({2}, s.master.options());
-  m[0].copy_(at::where(a.isnan(), at::zeros_like(a), a).max());  // inf stays inf
-  m[1].copy_(a.isnan().any().to(at::kFloat));
-  impl.group.all_reduce_max(m);
-  const auto host = m.cpu();
-  return host[1].item<float>() > 0.0f ? std::numeric_limits<float>::quiet_NaN()
-                                      : host[0].item<float>();
 }
 
 }  // namespace
@@ -113,7 +93,7 @@ std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at:
   // Whole blocks of both parts on every rank: blocks down the rows of
   // either format start at a multiple of the rows of both.
   const int64_t align = std::lcm(b->formats.forward.block_rows(), b->formats.backward.block_rows());
-  b->shard_rows = blocks_of(blocks_of(b->rows, world), align) * align;
+  b->shard_rows = at::round_up(at::ceil_div(b->rows, world), align);
   // Mostly padding (small weights, many ranks, FP8 blockwise's 128-row
   // blocks): codes would move, and the shards hold, more than the weight;
   // it stays in its unit's space, gathered in param_dtype.
@@ -131,46 +111,84 @@ bool block_parts_ready(const Impl&, const Space& s, bool forward) {
   return b.held[b.formats.shared ? BlockGather::kForward : BlockGather::kBackward];
 }
 
-void start_block_gather(Impl& impl, Space& s, bool forward) {
+void whole_amaxes(Impl& impl, Unit& u) {
+  std::vector<BlockGather*> wanting;
+  std::vector<at::Tensor> masters;
+  for (auto& s : u.spaces) {
+    if (s.block && s.as_codes && s.block->formats.forward.rule() == fp8::ScaleRule::kNvfp4 &&
+        !s.block->global_amax) {
+      wanting.push_back(s.block.get());
+      masters.push_back(s.master);
+    }
+  }
+  if (wanting.empty()) return;
+  torch::NoGradGuard no_grad;
+  // Per weight [amax of its shard, any NaN in it]; the max over the ranks.
+  auto m = at::zeros({static_cast<int64_t>(wanting.size()), 2}, masters.front().options());
+  for (size_t j = 0; j < wanting.size(); ++j) {
+    const at::Tensor a = masters[j].abs();
+    const auto row = static_cast<int64_t>(j);
+    m[row][0].copy_(at::where(a.isnan(), at::zeros_like(a), a).max());  // inf stays inf
+    m[row][1].copy_(a.isnan().any().to(at::kFloat));
+  }
+  impl.group.all_reduce_max(m);
+  const auto host = m.cpu();
+  for (size_t j = 0; j < wanting.size(); ++j) {
+    const auto row = static_cast<int64_t>(j);
+    const float amax = host[row][1].item<float>() > 0.0f ? std::numeric_limits<float>::quiet_NaN()
+                                                         : host[row][0].item<float>();
+    wanting[j]->global_amax = amax;
+    // Both parts' now: a forward saves the backward's before it is gathered.
+    for (auto& given : wanting[j]->given) given.global_amax = amax;
+  }
+}
+
+void quantize_block_shard(Impl& impl, Space& s, bool forward) {
   BlockGather& b = *s.block;
-  b.moving = parts_for(impl, b, forward);  // before the guard: it reads the grad mode
+  const auto parts = parts_for(impl, b, forward);  // before the guard: it reads the grad mode
+  torch::NoGradGuard no_grad;
+  const bool nvfp4 = b.formats.forward.rule() == fp8::ScaleRule::kNvfp4;
+  TORCH_INTERNAL_ASSERT(!nvfp4 || b.global_amax, "NVFP4 block gather without the whole amax");
+  const at::Tensor rows = s.master.view({b.shard_rows, b.cols});
+  b.sends.clear();
+  for (const auto part : parts) {
+    const fp8::BlockFormat& format = b.whole[part].format;
+    const fp8::BlockTensor q = fp8::BlockTensor::quantize(
+        rows, format, c10::nullopt, nvfp4 ? c10::optional<float>(*b.global_amax) : c10::nullopt);
+    const at::Tensor codes = q.codes.reshape({-1});
+    b.sends.push_back(packs_codes(format) ? fp8::pack_fp4(codes) : codes);
+    b.sends.push_back(q.scales.contiguous().reshape({-1}));
+  }
+  b.moving = parts;
+}
+
+void start_block_gather(Impl& impl, Space& s) {
+  BlockGather& b = *s.block;
   torch::NoGradGuard no_grad;
   auto& pg = detail::ProcessGroupAccess::impl(impl.group);
-  const bool nvfp4 = b.formats.forward.rule() == fp8::ScaleRule::kNvfp4;
-  if (nvfp4 && !b.global_amax) {
-    b.global_amax = whole_amax(impl, s);
-    // Both parts' now: a forward saves the backward's before it is gathered.
-    for (auto& given : b.given) given.global_amax = *b.global_amax;
-  }
-  const at::Tensor rows = s.master.view({b.shard_rows, b.cols});
-  const auto gather = [&](at::Tensor& landing, at::Tensor send) {
-    b.works.push_back(pg.all_gather_async(landing, send));
-    b.sends.push_back(std::move(send));  // alive until the gather is done
-    impl.bytes_communicated += bytes_of(landing);
-  };
-  for (const auto part : b.moving) {
+  TORCH_INTERNAL_ASSERT(b.sends.size() == 2 * b.moving.size() && b.works.empty());
+  for (size_t k = 0; k < b.moving.size(); ++k) {
+    const auto part = b.moving[k];
     fp8::BlockTensor& whole = b.whole[part];
-    const fp8::BlockTensor q =
-        fp8::BlockTensor::quantize(rows, whole.format, c10::nullopt,
-                                   nvfp4 ? c10::optional<float>(*b.global_amax) : c10::nullopt);
-    allocate_storage(whole.scales);
-    b.held[part] = true;
-    impl.gathered_bytes += bytes_of(whole.scales);
     // Rank r's rows land at rows [r S, (r+1) S) of the whole codes and at
     // its blocks' rows of the whole scales: their own tensors, no copy but
     // FP4's unpacking (its codes' storage made then).
+    at::Tensor codes;
     if (packs_codes(whole.format)) {
       b.packed[part] = at::empty({whole.codes.numel() / 2}, whole.codes.options());
-      impl.gathered_bytes += bytes_of(b.packed[part]);
-      gather(b.packed[part], fp8::pack_fp4(q.codes.reshape({-1})));
+      codes = b.packed[part];
     } else {
       allocate_storage(whole.codes);
-      impl.gathered_bytes += bytes_of(whole.codes);
-      at::Tensor codes = whole.codes.view({-1});
-      gather(codes, q.codes.reshape({-1}));
+      codes = whole.codes.view({-1});
     }
+    allocate_storage(whole.scales);
+    b.held[part] = true;
     at::Tensor scales = whole.scales.view({-1});
-    gather(scales, q.scales.contiguous().reshape({-1}));
+    impl.gathered_bytes += size_in_bytes(codes) + size_in_bytes(scales);
+    impl.bytes_communicated += size_in_bytes(codes) + size_in_bytes(scales);
+    // b.sends stay alive until the gathers are done.
+    b.works.push_back(pg.all_gather_async(codes, b.sends[2 * k]));
+    b.works.push_back(pg.all_gather_async(scales, b.sends[2 * k + 1]));
   }
 }
 
@@ -186,10 +204,10 @@ void finish_block_gather(Impl& impl, Space& s, bool forward) {
     if (!packed.defined()) continue;
     fp8::BlockTensor& whole = b.whole[part];
     allocate_storage(whole.codes);
-    impl.gathered_bytes += bytes_of(whole.codes);
+    impl.gathered_bytes += size_in_bytes(whole.codes);
     impl.peak_gathered_bytes = std::max(impl.peak_gathered_bytes, impl.gathered_bytes);
     whole.codes.view({-1}).copy_(fp8::unpack_fp4(packed));
-    impl.gathered_bytes -= bytes_of(packed);
+    impl.gathered_bytes -= size_in_bytes(packed);
     packed = at::Tensor();
   }
   b.moving.clear();
@@ -209,15 +227,15 @@ void release_block_codes(Impl& impl, Space& s) {
   for (const auto part : {BlockGather::kForward, BlockGather::kBackward}) {
     fp8::BlockTensor& whole = b.whole[part];
     if (b.packed[part].defined()) {  // a gather waited for and never unpacked
-      impl.gathered_bytes -= bytes_of(b.packed[part]);
+      impl.gathered_bytes -= size_in_bytes(b.packed[part]);
       b.packed[part] = at::Tensor();
     } else if (b.held[part]) {
       release_storage(whole.codes);
-      impl.gathered_bytes -= bytes_of(whole.codes);
+      impl.gathered_bytes -= size_in_bytes(whole.codes);
     }
     if (!b.held[part]) continue;
     release_storage(whole.scales);
-    impl.gathered_bytes -= bytes_of(whole.scales);
+    impl.gathered_bytes -= size_in_bytes(whole.scales);
     b.held[part] = false;
   }
   b.moving.clear();

@@ -53,11 +53,8 @@ bool codes_wanted(const Impl& impl, const Space& s) {
     const auto scaling = fp8::scaling_of(*impl.params[static_cast<size_t>(s.params[0])].fp8_layer);
     if (!scaling || !scaling->recipe.is_block()) return false;
     const auto formats = fp8::block_weight_formats(scaling->recipe);
-    const auto same = [](const fp8::BlockFormat& a, const fp8::BlockFormat& b) {
-      return a.to_string() == b.to_string() && a.amax_epsilon() == b.amax_epsilon();
-    };
-    return same(formats.forward, s.block->formats.forward) &&
-           same(formats.backward, s.block->formats.backward);
+    return formats.forward == s.block->formats.forward &&
+           formats.backward == s.block->formats.backward;
   }
   for (const int64_t i : s.params) {
     if (!weight_role(*impl.params[static_cast<size_t>(i)].fp8_layer)) return false;

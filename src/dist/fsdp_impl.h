@@ -74,7 +74,7 @@ struct BlockGather {
   std::vector<Part> moving;       // the parts of the gathers in flight
   at::Tensor packed[2];           // FP4 codes two to a byte, where they land, until unpacked
   // The gathers in flight (each part's codes and scales, straight into the
-  // whole tensors), and what they send.
+  // whole tensors), and what they send (made before they start).
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> sends;
   // NVFP4: the whole weight's amax (NaN if any element is), all-reduced at
@@ -122,6 +122,11 @@ struct Unit {
   bool reduced = false;  // its gradients are on their way in this backward
 };
 
+/// `t`'s numel times its element size, whether its storage holds them or not.
+inline int64_t size_in_bytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.nbytes());
+}
+
 /// Gives `t`'s storage room for its elements (again): a gather writes there.
 void allocate_storage(const at::Tensor& t);
 /// Frees `t`'s storage; tensors saved for backward keep the storage object,
@@ -158,10 +163,16 @@ std::shared_ptr<BlockGather> block_gather_of(torch::nn::Module& layer, const at:
 /// Whether a block space's gathered parts serve a gather for `forward`
 /// (else for a backward).
 bool block_parts_ready(const Impl& impl, const Space& s, bool forward);
-/// Starts a block space's gathers of codes and scales: this rank's rows
-/// quantized in the parts a forward (or backward) needs, each part's codes
-/// and scales gathered into the whole weight's (their storage made).
-void start_block_gather(Impl& impl, Space& s, bool forward);
+/// NVFP4: the whole amaxes of unit `u`'s block spaces gathered as codes
+/// that have none since the last backward (or load): one all-reduce (max)
+/// of their shards' [amax, any NaN], one read of it.
+void whole_amaxes(Impl& impl, Unit& u);
+/// This rank's rows of a block space quantized in the parts a forward (or
+/// backward) needs, ready to send (FP4 codes two to a byte).
+void quantize_block_shard(Impl& impl, Space& s, bool forward);
+/// Starts the gathers of what quantize_block_shard() made, each part's
+/// codes and scales into the whole weight's (their storage made).
+void start_block_gather(Impl& impl, Space& s);
 /// Waits for them, unpacks FP4 codes, and for a forward gives the layer
 /// its weight (LinearScaling::give_block_weight).
 void finish_block_gather(Impl& impl, Space& s, bool forward);

@@ -76,6 +76,15 @@ BlockFormat down_columns(const BlockFormat& f) {
   return BlockFormat(f).block_rows(f.block_cols()).block_cols(1);
 }
 
+// The weight's copies for the roles' weight format (block_weight_formats).
+BlockWeightFormats weight_formats_of(const BlockRoles& roles) {
+  BlockWeightFormats f;
+  f.forward = roles.weight;
+  f.shared = f.forward.block_rows() > 1;
+  f.backward = f.shared ? f.forward : down_columns(f.forward);
+  return f;
+}
+
 // The weight's quantization for `formats` (given, else made from w).
 BlockTensor weight_for_forward(const GivenBlockWeight* given, const at::Tensor& w,
                                const BlockWeightFormats& formats) {
@@ -137,7 +146,7 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
     const BlockRoles roles = block_roles(scaling->recipe);
     const at::Tensor x2 = x.reshape({-1, x.size(-1)});
     const at::Tensor w = weight.detach();
-    const BlockWeightFormats formats = block_weight_formats(scaling->recipe);
+    const BlockWeightFormats formats = weight_formats_of(roles);
     const GivenBlockWeight* given = scaling->given_block_weight(weight);
     const BlockTensor wq = weight_for_forward(given, w, formats);
     at::Tensor y = product(BlockTensor::quantize(x2, roles.input), false, wq, true);
@@ -192,11 +201,7 @@ struct BlockLinearFunction : public torch::autograd::Function<BlockLinearFunctio
 }  // namespace
 
 BlockWeightFormats block_weight_formats(const Recipe& recipe) {
-  BlockWeightFormats f;
-  f.forward = block_roles(recipe).weight;
-  f.shared = f.forward.block_rows() > 1;
-  f.backward = f.shared ? f.forward : down_columns(f.forward);
-  return f;
+  return weight_formats_of(block_roles(recipe));
 }
 
 void LinearScaling::give_block_weight(const at::Tensor& w, BlockTensor forward,
@@ -207,12 +212,9 @@ void LinearScaling::give_block_weight(const at::Tensor& w, BlockTensor forward,
       w.dim() == 2 && forward.codes.sizes() == w.sizes() && backward.codes.sizes() == w.sizes(),
       who, ": codes of the weight's shape ", w.sizes(), " expected, got ", forward.codes.sizes(),
       " and ", backward.codes.sizes());
-  const auto same = [](const BlockFormat& a, const BlockFormat& b) {
-    return a.to_string() == b.to_string() && a.amax_epsilon() == b.amax_epsilon();
-  };
-  TORCH_CHECK(same(forward.format, formats.forward) && same(backward.format, formats.backward), who,
-              ": ", recipe.to_string(), " quantizes its weight in ", formats.forward.to_string(),
-              " and ", formats.backward.to_string(), ", got ", forward.format.to_string(), " and ",
+  TORCH_CHECK(forward.format == formats.forward && backward.format == formats.backward, who, ": ",
+              recipe.to_string(), " quantizes its weight in ", formats.forward.to_string(), " and ",
+              formats.backward.to_string(), ", got ", forward.format.to_string(), " and ",
               backward.format.to_string());
   auto given = std::make_shared<GivenBlockWeight>(w);
   given->forward = std::move(forward);

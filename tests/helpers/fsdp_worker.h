@@ -1,18 +1,59 @@
 #pragma once
 
 // What the sources of ampx_fsdp_worker share: the scenarios that main()
-// (fsdp_worker.cpp) runs from the other files, and the exact text of a
-// number that every scenario writes its results in.
+// (fsdp_worker.cpp) runs from the other files, the exact text of a number
+// that every scenario writes its results in, and the FP8 scenarios' runs
+// (GatherRun) and sharded models (ShardedNet).
 
 #include <ampx/dist.h>
+#include <ampx/fp8.h>
 #include <ampx/fsdp.h>
 
 #include <torch/nn/module.h>
+#include <torch/torch.h>
 
+#include <cstdint>
+#include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace fsdp_worker {
+
+/// A training of the fp8-gather and block-gather scenarios: the FP8 recipe,
+/// and how the wrapper gathers and shards.
+struct GatherRun {
+  std::string name;
+  ampx::fp8::Recipe recipe;
+  c10::ScalarType param_dtype;
+  bool codes;                         // fp8_all_gather
+  bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
+  bool prefetch = true;
+  bool eval_before_step = false;  // an evaluation in the FP8 region after each backward
+};
+
+/// A `Net` of `run`'s recipe (made from it, its torch::nn::Linears then
+/// converted; `units()` lists its units) sharded as `run` says. The ranks
+/// draw other weights (`seed` plus the rank); the wrapper gives every rank
+/// rank 0's.
+template <typename Net>
+struct ShardedNet {
+  ShardedNet(const GatherRun& run, ampx::dist::ProcessGroup& pg, uint64_t seed)
+      : model([&] {
+          torch::manual_seed(seed + static_cast<uint64_t>(pg.rank()));
+          Net net(run.recipe);
+          ampx::fp8::convert_linears(*net, ampx::fp8::ConvertOptions().recipe(run.recipe));
+          return net;
+        }()),
+        fsdp(model.ptr(), pg, model->units(),
+             ampx::dist::FullyShardedDataParallelOptions()
+                 .param_dtype(run.param_dtype)
+                 .fp8_all_gather(run.codes)
+                 .reshard_after_forward(run.reshard_after_forward)
+                 .prefetch(run.prefetch)) {}
+  Net model;
+  ampx::dist::FullyShardedDataParallel fsdp;
+};
 
 /// `v` exactly, as C's %a writes it.
 std::string hex(double v);

@@ -10,14 +10,16 @@
 // stochastic gradients, Hadamard) and FP8 blockwise (16-wide blocks), ZeRO-3
 // (with and without prefetch) and ZeRO-2; and FP8 blockwise's 128-row
 // blocks, which would make every weight here mostly padding. Writes, per
-// run, <out>.<run>: "loss <hex>" a step, rank 0's parameters
+// run, <out>.<run> ("-eval": an evaluation in the FP8 region between each
+// backward and its step): "loss <hex>" a step, rank 0's parameters
 // ("param <hex>"), and "peak2 <gathered bytes>" after the second step, the
 // training's "bytes <communicated>" and "peak <gathered bytes>"; then
-// <out>.block-gathers: the gradients ("<case> <hex>") of one forward and
-// backward under MXFP8 in ZeRO-3 and ZeRO-2 ("zero3-clean", "zero2-clean"),
-// with an evaluation outside the FP8 region between them
-// ("zero3-eval-between") and of two forwards summed ("zero3-twice",
-// "zero2-twice").
+// <out>.block-gathers: the gradients ("<recipe>-<zero>-<case> <hex>") of one
+// forward and backward under MXFP8 (1 x 32, 32 x 32) and NVFP4 (16 x 16,
+// 1 x 16) in ZeRO-3 and ZeRO-2 ("clean"), with an evaluation outside the
+// FP8 region between them ("eval-between") or inside it ("eval-fp8-between"),
+// and of two forwards summed ("twice"); and <out>.nvfp4-codes-resume
+// (resume(), below).
 
 #include "fsdp_worker.h"
 
@@ -28,6 +30,7 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <utility>
@@ -66,39 +69,17 @@ struct MlpImpl : torch::nn::Module {
     h = ampx::dist::sharded_forward(layer1, h);
     return ampx::dist::sharded_forward(head, h.to(torch::kFloat));
   }
+  std::vector<std::shared_ptr<torch::nn::Module>> units() const {
+    return {in.ptr(), layer0.ptr(), layer1.ptr(), head.ptr()};
+  }
   ampx::fp8::Linear in;
   Layer layer0, layer1;
   torch::nn::Linear head;
 };
 TORCH_MODULE(Mlp);
 
-struct Run {
-  std::string name;
-  ampx::fp8::Recipe recipe;
-  c10::ScalarType param_dtype;
-  bool codes;
-  bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
-  bool prefetch = true;
-};
-
-struct Sharded {
-  Sharded(const Run& run, ampx::dist::ProcessGroup& pg)
-      : model([&] {
-          torch::manual_seed(200 + pg.rank());  // different on each rank: both broadcast rank 0's
-          Mlp net(run.recipe);
-          ampx::fp8::convert_linears(*net, ampx::fp8::ConvertOptions().recipe(run.recipe));
-          return net;
-        }()),
-        fsdp(model.ptr(), pg,
-             {model->in.ptr(), model->layer0.ptr(), model->layer1.ptr(), model->head.ptr()},
-             ampx::dist::FullyShardedDataParallelOptions()
-                 .param_dtype(run.param_dtype)
-                 .fp8_all_gather(run.codes)
-                 .reshard_after_forward(run.reshard_after_forward)
-                 .prefetch(run.prefetch)) {}
-  Mlp model;
-  ampx::dist::FullyShardedDataParallel fsdp;
-};
+using Run = GatherRun;
+using Sharded = ShardedNet<Mlp>;
 
 /// This rank's rows of the batch.
 std::pair<torch::Tensor, torch::Tensor> rank_batch(const ampx::dist::ProcessGroup& pg) {
@@ -117,7 +98,7 @@ torch::Tensor loss_of(Mlp& model, const torch::Tensor& x, const torch::Tensor& y
 }
 
 void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg) {
-  Sharded sharded(run, pg);
+  Sharded sharded(run, pg, 200);
   auto& model = sharded.model;
   auto& fsdp = sharded.fsdp;
   ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
@@ -127,6 +108,10 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     opt.zero_grad();
     auto loss = loss_of(model, x, y, /*fp8=*/true);
     loss.backward();
+    if (run.eval_before_step) {
+      torch::NoGradGuard no_grad;
+      (void)loss_of(model, x, y, /*fp8=*/true);
+    }
     opt.step();
     log << "loss " << hex(loss.item<double>()) << "\n";
     if (step == 1) log << "peak2 " << fsdp.peak_gathered_bytes() << "\n";
@@ -139,31 +124,79 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
 void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
   const auto [x, y] = rank_batch(pg);
   std::ofstream log(out + ".block-gathers");
-  for (const bool zero3 : {true, false}) {
-    const Run run{"", ampx::fp8::MXFP8BlockScaling(), torch::kFloat, true, zero3};
-    const std::string zero = zero3 ? "zero3" : "zero2";
-    {
-      Sharded a(run, pg);
-      loss_of(a.model, x, y, true).backward();
-      log_grads(log, zero + "-clean", a.fsdp);
-    }
-    {
-      Sharded b(run, pg);
-      auto loss = loss_of(b.model, x, y, true);
+  const std::vector<std::pair<std::string, ampx::fp8::Recipe>> recipes{
+      {"mxfp8", ampx::fp8::MXFP8BlockScaling()},
+      {"mxfp8-2d", ampx::fp8::MXFP8BlockScaling().weight_2d(true)},
+      {"nvfp4", ampx::fp8::NVFP4BlockScaling()},
+      {"nvfp4-1d", ampx::fp8::NVFP4BlockScaling().weight_2d(false)}};
+  for (const auto& [recipe_name, recipe] : recipes) {
+    for (const bool zero3 : {true, false}) {
+      const Run run{"", recipe, torch::kFloat, true, zero3};
+      const std::string tag = recipe_name + (zero3 ? "-zero3" : "-zero2");
       {
-        torch::NoGradGuard no_grad;
-        (void)loss_of(b.model, x, y, false);
+        Sharded a(run, pg, 200);
+        loss_of(a.model, x, y, true).backward();
+        log_grads(log, tag + "-clean", a.fsdp);
       }
-      loss.backward();
-      log_grads(log, zero + "-eval-between", b.fsdp);
-    }
-    {
-      Sharded c(run, pg);
-      auto loss = loss_of(c.model, x, y, true) + loss_of(c.model, x, y, true);
-      loss.backward();
-      log_grads(log, zero + "-twice", c.fsdp);
+      for (const bool eval_fp8 : {false, true}) {
+        Sharded b(run, pg, 200);
+        auto loss = loss_of(b.model, x, y, true);
+        {
+          torch::NoGradGuard no_grad;
+          (void)loss_of(b.model, x, y, eval_fp8);
+        }
+        loss.backward();
+        log_grads(log, tag + (eval_fp8 ? "-eval-fp8-between" : "-eval-between"), b.fsdp);
+      }
+      {
+        Sharded c(run, pg, 200);
+        auto loss = loss_of(c.model, x, y, true) + loss_of(c.model, x, y, true);
+        loss.backward();
+        log_grads(log, tag + "-twice", c.fsdp);
+      }
     }
   }
+}
+
+/// NVFP4's codes across load_shards(): trains the "nvfp4-codes" run, but
+/// saves the shards after the second step, takes a third step, evaluates
+/// in the FP8 region (gathering codes with the stepped weights' amaxes),
+/// loads the shards and trains the last three steps again. Writes
+/// <out>.nvfp4-codes-resume: "loss <hex>" of steps 0, 1 and 2-4 after the
+/// load.
+void resume(const std::string& out, ampx::dist::ProcessGroup& pg) {
+  const Run run{"nvfp4-codes-resume", ampx::fp8::NVFP4BlockScaling(), torch::kFloat, true};
+  Sharded s(run, pg, 200);
+  ampx::optim::AdamW opt(s.fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  const auto [x, y] = rank_batch(pg);
+  const auto step = [&, &x = x, &y = y] {
+    opt.zero_grad();
+    auto loss = loss_of(s.model, x, y, /*fp8=*/true);
+    loss.backward();
+    opt.step();
+    return loss.item<double>();
+  };
+  // Every rank reads every shard: in the folder all ranks write in.
+  const auto shard = [&](int64_t rank) {
+    return (std::filesystem::path(out).parent_path() / ("nvfp4-shard-" + std::to_string(rank)))
+        .string();
+  };
+  std::ofstream log(out + "." + run.name);
+  for (int k = 0; k < 2; ++k) log << "loss " << hex(step()) << "\n";
+  {
+    torch::serialize::OutputArchive archive;
+    s.fsdp.save_shard(archive, &opt);
+    archive.save_to(shard(pg.rank()));
+  }
+  (void)step();  // undone by the load (its collectives follow every rank's save)
+  {
+    torch::NoGradGuard no_grad;
+    (void)loss_of(s.model, x, y, /*fp8=*/true);
+  }
+  s.fsdp.load_shards(
+      pg.world_size(),
+      [&](int64_t rank, torch::serialize::InputArchive& in) { in.load_from(shard(rank)); }, &opt);
+  for (int k = 2; k < kSteps; ++k) log << "loss " << hex(step()) << "\n";
 }
 
 }  // namespace block_scenario
@@ -186,6 +219,7 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"mxfp8-2d-codes", mxfp8_2d, torch::kFloat, true},
       {"nvfp4", nvfp4, torch::kFloat, false},
       {"nvfp4-codes", nvfp4, torch::kFloat, true},
+      {"nvfp4-codes-eval", nvfp4, torch::kFloat, true, true, true, true},
       {"nvfp4-1d", nvfp4_1d, torch::kFloat, false},
       {"nvfp4-1d-codes", nvfp4_1d, torch::kFloat, true},
       {"nvfp4-1d-codes-zero2", nvfp4_1d, torch::kFloat, true, false},
@@ -196,6 +230,7 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
   };
   for (const auto& run : runs) block_scenario::train(run, out, pg);
   block_scenario::gathers(out, pg);
+  block_scenario::resume(out, pg);
   return 0;
 }
 

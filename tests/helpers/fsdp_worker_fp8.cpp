@@ -8,7 +8,8 @@
 // over the group) and current scaling, ZeRO-3 (with and without prefetch)
 // and ZeRO-2. Each run then evaluates once with the region ended after the
 // first block (the second block, prefetched as codes, computes outside
-// FP8). Writes, per run, <out>.<run>: "loss <hex>" a step, "eval <hex>",
+// FP8; "-eval" runs also evaluate in the region between each backward and
+// its step). Writes, per run, <out>.<run>: "loss <hex>" a step, "eval <hex>",
 // rank 0's parameters ("param <hex>"), the input layer's weight scale after
 // training ("scale <hex>"), and the training's "bytes <communicated>" and
 // "peak <gathered bytes>"; then <out>.gathers (gathers(), below).
@@ -81,40 +82,17 @@ struct NetImpl : torch::nn::Module {
     h = ampx::dist::sharded_forward(block1, h);
     return ampx::dist::sharded_forward(head, h.to(torch::kFloat));
   }
+  std::vector<std::shared_ptr<torch::nn::Module>> units() const {
+    return {in.ptr(), block0.ptr(), block1.ptr(), head.ptr()};
+  }
   Input in;
   Block block0, block1;
   torch::nn::Linear head;
 };
 TORCH_MODULE(Net);
 
-struct Run {
-  std::string name;
-  ampx::fp8::Recipe recipe;
-  c10::ScalarType param_dtype;
-  bool codes;
-  bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
-  bool prefetch = true;
-};
-
-/// A model of `recipe` on every rank (rank 0's weights), sharded as `run` says.
-struct Sharded {
-  Sharded(const Run& run, ampx::dist::ProcessGroup& pg)
-      : model([&] {
-          torch::manual_seed(100 + pg.rank());  // different on each rank: both broadcast rank 0's
-          Net net(run.recipe);
-          ampx::fp8::convert_linears(*net, ampx::fp8::ConvertOptions().recipe(run.recipe));
-          return net;
-        }()),
-        fsdp(model.ptr(), pg,
-             {model->in.ptr(), model->block0.ptr(), model->block1.ptr(), model->head.ptr()},
-             ampx::dist::FullyShardedDataParallelOptions()
-                 .param_dtype(run.param_dtype)
-                 .fp8_all_gather(run.codes)
-                 .reshard_after_forward(run.reshard_after_forward)
-                 .prefetch(run.prefetch)) {}
-  Net model;
-  ampx::dist::FullyShardedDataParallel fsdp;
-};
+using Run = GatherRun;
+using Sharded = ShardedNet<Net>;
 
 /// This rank's rows of the global batch.
 std::pair<torch::Tensor, torch::Tensor> batch_of(const ampx::dist::ProcessGroup& pg) {
@@ -138,7 +116,7 @@ torch::Tensor loss_of(Net& model, const torch::Tensor& x, const torch::Tensor& y
 }
 
 void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg) {
-  Sharded sharded(run, pg);
+  Sharded sharded(run, pg, 100);
   auto& model = sharded.model;
   auto& fsdp = sharded.fsdp;
   ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
@@ -152,6 +130,10 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     opt.zero_grad();
     auto loss = forward(false);
     loss.backward();
+    if (run.eval_before_step) {
+      torch::NoGradGuard no_grad;
+      (void)forward(false);
+    }
     opt.step();
     log << "loss " << hex(loss.item<double>()) << "\n";
   }
@@ -193,12 +175,12 @@ void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
     const Run run{"", delayed, torch::kFloat, true, zero3};
     const std::string zero = zero3 ? "zero3" : "zero2";
     {
-      Sharded a(run, pg);
+      Sharded a(run, pg, 100);
       loss_of(a.model, x, y, true, nullptr).backward();
       log_grads(log, zero + "-clean", a.fsdp);
     }
     {
-      Sharded b(run, pg);
+      Sharded b(run, pg, 100);
       auto loss = loss_of(b.model, x, y, true, nullptr);
       {
         torch::NoGradGuard no_grad;
@@ -208,7 +190,7 @@ void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
       log_grads(log, zero + "-eval-between", b.fsdp);
     }
     {
-      Sharded c(run, pg);
+      Sharded c(run, pg, 100);
       auto loss = loss_of(c.model, x, y, true, nullptr) + loss_of(c.model, x, y, true, nullptr);
       loss.backward();
       log_grads(log, zero + "-twice", c.fsdp);
@@ -216,12 +198,12 @@ void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
   }
   const Run run{"", delayed, torch::kFloat, true};
   {
-    Sharded d(run, pg);
+    Sharded d(run, pg, 100);
     d.model->in->fp8_off = true;
     log << "refused-off " << error_of([&] { (void)loss_of(d.model, x, y, true, nullptr); }) << "\n";
   }
   {
-    Sharded e(run, pg);
+    Sharded e(run, pg, 100);
     auto inside = loss_of(e.model, x, y, true, nullptr);
     log << "refused-two-ways " << error_of([&] { (void)loss_of(e.model, x, y, false, nullptr); })
         << "\n";
@@ -242,6 +224,7 @@ int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"delayed-bf16-codes", delayed, torch::kBFloat16, true},
       {"current-fp32", current, torch::kFloat, false},
       {"current-fp32-codes", current, torch::kFloat, true},
+      {"current-fp32-codes-eval", current, torch::kFloat, true, true, true, true},
   };
   for (const auto& run : runs) train(run, out, pg);
   gathers(out, pg);

@@ -191,6 +191,12 @@ struct BlockFormat {
   void validate() const;
   /// E.g. "e4m3/rceil/1x32".
   std::string to_string() const;
+  /// Every field the same: the same codes and scales from the same values.
+  bool operator==(const BlockFormat& other) const {
+    return element_ == other.element_ && rule_ == other.rule_ && block_rows_ == other.block_rows_ &&
+           block_cols_ == other.block_cols_ && amax_epsilon_ == other.amax_epsilon_;
+  }
+  bool operator!=(const BlockFormat& other) const { return !(*this == other); }
 
   /// The elements' format.
   TORCH_ARG(ElementFormat, element);
