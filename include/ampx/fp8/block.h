@@ -196,6 +196,7 @@ struct BlockFormat {
     return element_ == other.element_ && rule_ == other.rule_ && block_rows_ == other.block_rows_ &&
            block_cols_ == other.block_cols_ && amax_epsilon_ == other.amax_epsilon_;
   }
+  /// Some field differs.
   bool operator!=(const BlockFormat& other) const { return !(*this == other); }
 
   /// The elements' format.
