@@ -5,7 +5,7 @@ report.
 Once per round, ampx then torchao, with the same tokens, iterations, warm-up and threads, on
 the matrix shapes of a GPT-2-small block (qkv, proj, fc, out), one forward and backward per
 iteration, each program taking the median of its iterations:
-  - ampx_fp8_bench built against the wheel's LibTorch (--wheel-build; bench/fp8_bench.cpp):
+  - ampx_fp8_bench built against the wheel's LibTorch (--wheel-build; bench/cpp/fp8_bench.cpp):
     torch::nn::Linear under ampx's bf16 autocast, and the same layer converted by
     ampx::fp8::convert_linears in an Fp8AutocastGuard region;
   - the wheel's Python (--wheel-python) on bench/python/torchao_fp8_bench.py: nn.Linear under
@@ -34,7 +34,7 @@ SIDES = ("ampx", "torchao")
 MODES = ("bf16", "fp8")
 TARGET = "ampx_fp8_bench"  # the CMake target, and the program in <wheel-build>/bench
 TORCHAO_SCRIPT = os.path.join("bench", "python", "torchao_fp8_bench.py")  # from the repo root
-# ampx_fp8_bench's warm-up iterations (fixed in bench/fp8_bench.cpp): torchao's side is given
+# ampx_fp8_bench's warm-up iterations (fixed in bench/cpp/fp8_bench.cpp): torchao's side is given
 # the same.
 WARMUP = 3
 # (flag's dest, default, --quick's): tokens are ampx_fp8_bench's CPU default; the wheel's bf16

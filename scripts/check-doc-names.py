@@ -11,7 +11,7 @@ What it checks, in README.md and docs/**/*.md (the ctest `docs.names`):
 - `make <target>`: a target of the Makefile;
 - ampx-train's flags: those after `ampx-train` or in `RUN_ARGS=` in code,
   and inline code that starts with a flag, which must be ampx-train's
-  (parsed from CLI11's add_option/add_flag in apps/ampx-train/*.cpp, or from
+  (parsed from CLI11's add_option/add_flag in apps/ampx-train/**/*.cpp, or from
   `--help` of a built binary given as --ampx-train PATH) or a flag of one of
   the repository's own scripts (scripts/, bench/, tests/helpers/).
 
@@ -45,7 +45,7 @@ OTHER_TOOLS_FLAGS = {
 def ampx_train_flags_from_sources(root):
     flags = set()
     pattern = re.compile(r'add_(?:option|flag)\(\s*"([^"]+)"')
-    for source in sorted((root / "apps" / "ampx-train").glob("*.cpp")):
+    for source in sorted((root / "apps" / "ampx-train").rglob("*.cpp")):
         for spec in pattern.findall(source.read_text(encoding="utf-8")):
             for name in spec.split(","):
                 name = re.sub(r"\{.*\}", "", name.strip()).lstrip("!")

@@ -32,9 +32,9 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = --prepare ]; then
   set -e
   rm -rf .device/googletest .device/nlohmann_include .device/cli11_include .device/gloo_include
-  mkdir -p .device/cli11_include .device/gloo_include
+  mkdir -p .device/nlohmann_include .device/cli11_include .device/gloo_include
   cp -r /usr/src/googletest .device/googletest
-  cp -r /usr/include/nlohmann .device/nlohmann_include
+  cp -r /usr/include/nlohmann .device/nlohmann_include/
   cp -r /usr/include/CLI .device/cli11_include/
   cp -r /usr/include/gloo .device/gloo_include/
   scripts/install-data.sh .device/data --only moby-dick

@@ -281,5 +281,22 @@ inline void expect_unchanged(const TrainingState& before, const TrainingState& a
   }
 }
 
+/// Makes the first element of `m`'s first parameter's gradient `value`
+/// (an inf or NaN a GradScaler must find).
+inline void poison_grad(torch::nn::Module& m, float value = kInf) {
+  auto g = m.parameters()[0].mutable_grad();
+  g.view(-1)[0] = value;
+}
+
+/// `values` in a view that steps 2 along its last dimension (a non-contiguous
+/// leaf): optimizers take ATen's per-tensor path for it, not the fused kernels.
+inline at::Tensor strided_copy(const at::Tensor& values) {
+  auto wide = values.sizes().vec();
+  wide.back() *= 2;
+  auto view = at::zeros(wide, values.options()).slice(-1, 0, wide.back(), 2);
+  view.copy_(values);
+  return view;
+}
+
 }  // namespace test
 }  // namespace ampx

@@ -7,7 +7,7 @@
 //   MnistCNN cnn;  cnn->forward(images);    // fp [B, 1, 28, 28] -> fp [B, 10]
 //   FashionMLP mlp; mlp->forward(images);   // fp [B, 784] -> fp [B, 10]
 //
-// The memory benchmark (bench/o2_memory.cpp) trains the same GPT.
+// The memory benchmark (bench/cpp/o2_memory.cpp) trains the same GPT.
 //
 // Each forward opens an ampx::debug::ModuleScopeGuard: once ampx-train has named
 // the modules (ampx::debug::name_modules), the numerics diagnostics put the

@@ -32,7 +32,7 @@ WORKLOADS = ("gpt", "gpt-nn", "mnist-cnn", "fashion-mlp")
 # The workloads that train the GPT shape on Moby Dick's text.
 GPT_WORKLOADS = ("gpt", "gpt-nn")
 
-# apps/ampx-train/config.h: the gpt shape flags' defaults.
+# apps/ampx-train/cli/config.h: the gpt shape flags' defaults.
 GPT_DEFAULTS = {"block_size": 128, "layers": 4, "d_model": 256, "heads": 4}
 
 LINEARS = ("torch", "libtorch")

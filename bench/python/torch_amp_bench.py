@@ -89,7 +89,7 @@ from torch_runtime import (MEMORY_METHOD, MemoryProbe, attention_path, bf16_matm
 
 PRECISIONS = ("fp32", "autocast-bf16", "autocast-fp16")
 
-# apps/ampx-train/config.cpp defaults_of(): batch size and lr per workload.
+# apps/ampx-train/cli/config.cpp defaults_of(): batch size and lr per workload.
 DEFAULT_BATCH = {"gpt": 32, "gpt-nn": 32, "mnist-cnn": 128, "fashion-mlp": 256}
 DEFAULT_LR = 1e-3
 DEFAULT_STEPS = 200
@@ -489,7 +489,7 @@ def parse_args(argv=None):
                    help="datasets folder [default: $AMPX_DATA_DIR, else ~/.cache/ampx/data]")
     p.add_argument("--json", default=None, help="write the result as JSON to this file")
     p.add_argument("--log-every", type=int, default=0, help="print the loss every N steps (0: never)")
-    # gpt model shape, ampx-train's flags and defaults (apps/ampx-train/config.cpp)
+    # gpt model shape, ampx-train's flags and defaults (apps/ampx-train/cli/config.cpp)
     p.add_argument("--block-size", type=int, default=GPT_DEFAULTS["block_size"], help="gpt: context length")
     p.add_argument("--layers", type=int, default=GPT_DEFAULTS["layers"], help="gpt: transformer blocks")
     p.add_argument("--d-model", type=int, default=GPT_DEFAULTS["d_model"], help="gpt: width")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torchao's FP8 training Linear against nn.Linear in fp32 and bf16 autocast,
-on the CPU: the Python side of ampx's FP8 benchmark (bench/fp8_bench.cpp,
+on the CPU: the Python side of ampx's FP8 benchmark (bench/cpp/fp8_bench.cpp,
 ampx_fp8_bench), with the same shapes and the same fields.
 
   /root/.cache/ampx/wheel-venv/bin/python bench/python/torchao_fp8_bench.py \\

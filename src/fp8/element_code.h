@@ -1,8 +1,8 @@
 #pragma once
 
 // The arithmetic every element cast of ampx::fp8 shares: FP8's (cast.cpp)
-// and the block-scaled formats' FP6 and FP4 (block_elements.cpp,
-// block_tensor.cpp). A format's codes are contiguous in magnitude, so one
+// and the block-scaled formats' FP6 and FP4 (block/block_elements.cpp,
+// block/block_tensor.cpp). A format's codes are contiguous in magnitude, so one
 // rounding of a float32 significand to the format's quantum at its exponent
 // covers subnormals, normals and the carry into the next binade alike;
 // callers add the sign, saturation and their special values (NaN, inf)
@@ -59,7 +59,7 @@ inline float magnitude_value(uint32_t magnitude, int bias, int mantissa_bits) {
 
 /// encode_branchless of the float32 whose sign bit is `sign` (0 or 1) and
 /// whose magnitude's bits are `bits`: what the block-scaled casts call with
-/// an element's own sign (block_math.h).
+/// an element's own sign (block/block_math.h).
 template <int kMantissa, int kBias, int kBits, bool kNan>
 AMPX_HD uint8_t encode_magnitude_branchless(uint32_t sign, uint32_t bits, float max,
                                             uint32_t max_code) {
@@ -86,7 +86,8 @@ AMPX_HD uint8_t encode_magnitude_branchless(uint32_t sign, uint32_t bits, float 
 /// without branches so that loops over elements vectorise: normals round the
 /// float32 significand in place (a carry moves to the next binade), values
 /// below the smallest normal count its quanta with the 1.5 x 2^23 addition.
-/// The CUDA casts (fp8/cuda/) run it too (fp8_math.h, block_math.h).
+/// The CUDA casts (fp8/cuda/, fp8/block/cuda/) run it too (fp8_math.h,
+/// block/block_math.h).
 template <int kMantissa, int kBias, int kBits, bool kNan>
 AMPX_HD uint8_t encode_branchless(float y, float max, uint32_t max_code) {
   const uint32_t u = ampx::detail::float_bits(y);

@@ -1,6 +1,6 @@
 #include "ampx/fp8/linear.h"
 #include "autocast_internal.h"
-#include "block_internal.h"
+#include "block/block_internal.h"
 #include "linear_internal.h"
 
 #include "../kernels/function_args.h"

@@ -6,7 +6,7 @@
 #include "ampx/fp8/linear.h"
 #include "ampx/fp8/scaling.h"
 #include "autocast_internal.h"
-#include "block_internal.h"
+#include "block/block_internal.h"
 #include "cuda_cast.h"
 #include "fp8_math.h"
 #include "scaling_internal.h"

@@ -2,7 +2,11 @@
 
 #include <c10/util/Exception.h>
 
-#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include <set>
+#include <utility>
+#include <vector>
 
 namespace ampx {
 namespace plan {
@@ -10,177 +14,42 @@ namespace detail {
 namespace {
 
 constexpr int kMaxDepth = 32;
+using Json = nlohmann::ordered_json;
 
-class JsonParser {
- public:
-  JsonParser(std::string_view text, const std::string& where) : text_(text), where_(where) {}
-
-  JsonValue document() {
-    JsonValue v = value(0);
-    skip_space();
-    if (pos_ != text_.size()) fail("the end of the text");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& expected) const {
-    std::string seen = pos_ < text_.size() ? "'" + std::string(1, text_[pos_]) + "'" : "the end";
-    TORCH_CHECK_VALUE(false, where_, ": not valid JSON at byte ", pos_, ": expected ", expected,
-                      ", found ", seen);
-  }
-  void skip_space() {
-    while (pos_ < text_.size() && (text_[pos_] == ' ' || text_[pos_] == '\n' ||
-                                   text_[pos_] == '\t' || text_[pos_] == '\r')) {
-      ++pos_;
-    }
-  }
-  bool take(char c) {
-    skip_space();
-    if (pos_ < text_.size() && text_[pos_] == c) {
-      ++pos_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!take(c)) fail(std::string("'") + c + "'");
-  }
-  bool word(std::string_view w) {
-    if (text_.substr(pos_, w.size()) != w) return false;
-    pos_ += w.size();
-    return true;
-  }
-
-  JsonValue value(int depth) {
-    if (depth > kMaxDepth) fail("at most 32 nested arrays and objects");
-    skip_space();
-    JsonValue v;
-    if (pos_ >= text_.size()) fail("a value");
-    const char c = text_[pos_];
-    if (c == '{') return object(depth);
-    if (c == '[') return array(depth);
-    if (c == '"') {
-      v.kind = JsonValue::Kind::kString;
-      v.string = string();
-    } else if (word("true") || word("false")) {
+/// `j` as a JsonValue (objects in file order).
+JsonValue value_of(const Json& j) {
+  JsonValue v;
+  switch (j.type()) {
+    case Json::value_t::null:
+    case Json::value_t::discarded:
+      break;
+    case Json::value_t::boolean:
       v.kind = JsonValue::Kind::kBool;
-      v.boolean = text_[pos_ - 1] == 'e' && text_[pos_ - 2] == 'u';
-    } else if (word("null")) {
-      v.kind = JsonValue::Kind::kNull;
-    } else {
+      v.boolean = j.get<bool>();
+      break;
+    case Json::value_t::number_integer:
+    case Json::value_t::number_unsigned:
+    case Json::value_t::number_float:
       v.kind = JsonValue::Kind::kNumber;
-      v.number = number();
-    }
-    return v;
+      v.number = j.get<double>();
+      break;
+    case Json::value_t::string:
+      v.kind = JsonValue::Kind::kString;
+      v.string = j.get<std::string>();
+      break;
+    case Json::value_t::array:
+      v.kind = JsonValue::Kind::kArray;
+      for (const auto& e : j) v.array.push_back(value_of(e));
+      break;
+    case Json::value_t::object:
+      v.kind = JsonValue::Kind::kObject;
+      for (const auto& [key, e] : j.items()) v.object.emplace_back(key, value_of(e));
+      break;
+    case Json::value_t::binary:  // not made by parse
+      TORCH_INTERNAL_ASSERT(false, "a binary JSON value");
   }
-
-  JsonValue object(int depth) {
-    JsonValue v;
-    v.kind = JsonValue::Kind::kObject;
-    expect('{');
-    if (take('}')) return v;
-    do {
-      skip_space();
-      if (pos_ >= text_.size() || text_[pos_] != '"') fail("a key (a string)");
-      std::string key = string();
-      for (const auto& item : v.object) {
-        if (item.first == key) fail("a key not seen before in this object, not '" + key + "'");
-      }
-      expect(':');
-      v.object.emplace_back(std::move(key), value(depth + 1));
-    } while (take(','));
-    expect('}');
-    return v;
-  }
-
-  JsonValue array(int depth) {
-    JsonValue v;
-    v.kind = JsonValue::Kind::kArray;
-    expect('[');
-    if (take(']')) return v;
-    do {
-      v.array.push_back(value(depth + 1));
-    } while (take(','));
-    expect(']');
-    return v;
-  }
-
-  // Strings: the escapes JSON has; \u only for code points below 0x80
-  // (what src/files/json/writer.h writes for control characters).
-  std::string string() {
-    ++pos_;  // the opening quote
-    std::string s;
-    while (pos_ < text_.size() && text_[pos_] != '"') {
-      char c = text_[pos_++];
-      if (static_cast<unsigned char>(c) < 0x20) fail("no control character inside a string");
-      if (c != '\\') {
-        s += c;
-        continue;
-      }
-      if (pos_ >= text_.size()) fail("an escape");
-      c = text_[pos_++];
-      switch (c) {
-        case '"':
-        case '\\':
-        case '/':
-          s += c;
-          break;
-        case 'n':
-          s += '\n';
-          break;
-        case 't':
-          s += '\t';
-          break;
-        case 'r':
-          s += '\r';
-          break;
-        case 'b':
-          s += '\b';
-          break;
-        case 'f':
-          s += '\f';
-          break;
-        case 'u': {
-          const std::string hex(text_.substr(pos_, 4));
-          char* end = nullptr;
-          const long code = std::strtol(hex.c_str(), &end, 16);
-          if (hex.size() != 4 || end != hex.c_str() + 4 || code >= 0x80) {
-            fail("\\u and four hex digits below 0080");
-          }
-          s += static_cast<char>(code);
-          pos_ += 4;
-          break;
-        }
-        default:
-          --pos_;
-          fail("an escape (\\\" \\\\ \\/ \\n \\t \\r \\b \\f \\u)");
-      }
-    }
-    if (pos_ >= text_.size()) fail("'\"' closing the string");
-    ++pos_;
-    return s;
-  }
-
-  double number() {
-    const size_t begin = pos_;
-    while (pos_ < text_.size() &&
-           std::string_view("+-0123456789.eE").find(text_[pos_]) != std::string_view::npos) {
-      ++pos_;
-    }
-    const std::string digits(text_.substr(begin, pos_ - begin));
-    char* end = nullptr;
-    const double v = digits.empty() ? 0 : std::strtod(digits.c_str(), &end);
-    if (digits.empty() || end != digits.c_str() + digits.size()) {
-      pos_ = begin;
-      fail("a value (object, array, string, number, true, false, null)");
-    }
-    return v;
-  }
-
-  std::string_view text_;
-  const std::string& where_;
-  size_t pos_ = 0;
-};
+  return v;
+}
 
 }  // namespace
 
@@ -203,7 +72,43 @@ const char* kind_name(JsonValue::Kind kind) {
 }
 
 JsonValue parse_json(std::string_view text, const std::string& where) {
-  return JsonParser(text, where).document();
+  // nlohmann-json reads the text; a key seen twice in one object (which it
+  // would take the last of) and nesting deeper than kMaxDepth are refused
+  // as it reads.
+  std::vector<std::set<std::string>> keys;  // of each object open
+  const Json::parser_callback_t check = [&](int depth, Json::parse_event_t event, Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start:
+        TORCH_CHECK_VALUE(depth < kMaxDepth, where,
+                          ": not valid JSON here: more than 32 nested arrays and objects");
+        if (event == Json::parse_event_t::object_start) keys.emplace_back();
+        break;
+      case Json::parse_event_t::key: {
+        const auto& key = parsed.get_ref<const std::string&>();
+        TORCH_CHECK_VALUE(!keys.empty() && keys.back().insert(key).second, where,
+                          ": not valid JSON here: the key '", key, "' twice in one object");
+        break;
+      }
+      case Json::parse_event_t::object_end:
+        if (!keys.empty()) keys.pop_back();
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  std::string error;
+  try {
+    return value_of(Json::parse(text.begin(), text.end(), check));
+  } catch (const nlohmann::json::parse_error& e) {
+    // e.byte: the byte after the one the reader stopped at (1 for the first).
+    error =
+        c10::str(where, ": not valid JSON at byte ", e.byte > 0 ? e.byte - 1 : 0, ": ", e.what());
+  } catch (const nlohmann::json::exception& e) {  // e.g. a number out of double's range
+    error = c10::str(where, ": not valid JSON: ", e.what());
+  }
+  C10_THROW_ERROR(ValueError, error);
 }
 
 }  // namespace detail

@@ -1,9 +1,9 @@
 #pragma once
 
-// A small JSON reader for plan files: objects (keys kept in file order),
-// arrays, strings, numbers, true/false/null, nesting at most 32 deep. The
-// library keeps no JSON package (src/files/json/writer.h writes). Internal to
-// src/plan/.
+// The JSON of plan files, read by nlohmann-json (a header-only dependency
+// of the library's sources, not of its headers): objects (keys kept in file
+// order, each once), arrays, strings, numbers, true/false/null, nesting at
+// most 32 deep. Internal to src/plan/.
 //
 //   auto v = ampx::plan::detail::parse_json(R"({"a": [1, "x"]})", "load_plan: 'p.json'");
 //   v.object[0].first;                    // "a"

@@ -3,10 +3,10 @@
 
 #include "ampx/policy.h"
 
+#include "../core/autocast_region.h"
 #include "ampx/autocast.h"
 #include "ampx/detail/compat.h"
 #include "ampx/kernels/cpu_products.h"
-#include "../autocast/autocast_region.h"
 #include "registry.h"
 
 #include <ATen/autocast_mode.h>

@@ -8,8 +8,8 @@
 
 #include "targets.h"
 
-#include "checkpoint.h"
-#include "shard_checkpoint.h"
+#include "distributed/shard_checkpoint.h"
+#include "run/checkpoint.h"
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>

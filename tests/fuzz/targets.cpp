@@ -1,7 +1,7 @@
 #include "targets.h"
 
-#include "checkpoint.h"
-#include "data.h"
+#include "run/checkpoint.h"
+#include "run/data.h"
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>

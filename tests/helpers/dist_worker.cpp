@@ -1,4 +1,4 @@
-// One rank of the data-parallel tests (tests/dist_test.cpp starts 2 or 3 of
+// One rank of the data-parallel tests (tests/dist/dist_test.cpp starts 2 or 3 of
 // them on loopback with torchrun's variables: RANK, WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT).
 //

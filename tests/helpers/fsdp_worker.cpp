@@ -1,4 +1,4 @@
-// One rank of the fully sharded tests (tests/fsdp_test.cpp starts 2 or 3 of
+// One rank of the fully sharded tests (tests/dist/fsdp_test.cpp starts 2 or 3 of
 // them on loopback with torchrun's variables).
 //
 //   ampx_fsdp_worker <scenario> <out-file>

@@ -1,4 +1,4 @@
-// fsdp_worker's block-gather scenario (tests/fsdp_fp8_test.cpp): a
+// fsdp_worker's block-gather scenario (tests/dist/fsdp_fp8_test.cpp): a
 // residual MLP of block-scaled FP8 layers (an ampx::fp8::Linear input layer,
 // the blocks' and the head's Linears converted by
 // ampx::fp8::convert_linears; 48 and 96 rows, so that the shards are padded

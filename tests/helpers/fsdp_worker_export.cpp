@@ -1,4 +1,4 @@
-// fsdp_worker's export scenario (tests/fsdp_test.cpp): a model of three
+// fsdp_worker's export scenario (tests/dist/fsdp_test.cpp): a model of three
 // units and a root holding a LayerNorm, a Linear and two buffers, sharded
 // in bf16. Rank 0 writes ampx::save_safetensors() of full_state_dict() to
 // <out>.whole and of it with the parameters in bf16 to <out>.whole-bf16;

@@ -1,4 +1,4 @@
-// fsdp_worker's fp8-gather scenario (tests/fsdp_fp8_test.cpp): a residual
+// fsdp_worker's fp8-gather scenario (tests/dist/fsdp_fp8_test.cpp): a residual
 // MLP whose input layer is an ampx::fp8::Linear and whose blocks' Linears
 // are converted (ampx::fp8::convert_linears), under
 // FullyShardedDataParallel (each layer a unit), trains 5 steps in an FP8

@@ -1,4 +1,4 @@
-// fsdp_worker's zero-pieces scenario (tests/zero_pieces_test.cpp): a
+// fsdp_worker's zero-pieces scenario (tests/dist/zero_pieces_test.cpp): a
 // two-layer MLP whose first layer is fp32 and whose second keeps bf16
 // weights (two flat spaces, gathered in 4 and 2 bytes an element) trains 6
 // steps under ZeroRedundancyOptimizer with SGD, once with the default

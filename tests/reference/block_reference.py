@@ -2,7 +2,7 @@
 """The block-scaled recipes torchao does not cover, written here from their
 published formulas (../shared/research/low-precision-formats.md, sections
 1.4-1.6), independently of ampx's C++: the reference of
-tests/fp8_block_recipe_test.cpp.
+tests/fp8/block/fp8_block_recipe_test.cpp.
 
   block_reference.py generate OUT_DIR
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""FP8 reference values for ampx's tests (tests/fp8_cast_test.cpp, fp8_scaling_test.cpp).
+"""FP8 reference values for ampx's tests (tests/fp8/fp8_cast_test.cpp, fp8_scaling_test.cpp).
 
   fp8_reference.py generate OUT_DIR
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torchao's float8 training as the reference for ampx's FP8 Linear
-(tests/fp8_torchao_test.cpp).
+(tests/fp8/fp8_torchao_test.cpp).
 
   fp8_torchao_reference.py generate OUT_DIR
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torchao's MX casts as the reference for ampx's block-scaled formats
-(tests/mx_torchao_test.cpp, ampx/fp8/block.h).
+(tests/fp8/block/fp8_block_test.cpp, ampx/fp8/block.h).
 
   mx_torchao_reference.py generate OUT_DIR
 

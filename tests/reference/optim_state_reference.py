@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torchao's low-bit optimizer state as the reference for ampx's
-(tests/optim_state_test.cpp).
+(tests/optim/optim_state_test.cpp).
 
   optim_state_reference.py generate OUT_DIR
 

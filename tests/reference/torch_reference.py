@@ -35,7 +35,7 @@ from fp8_reference import f32  # noqa: E402
 # ---------------------------------------------------------------- autocast
 def autocast_ops():
     """Ops by name; each takes a generator-seeded set of fp32 CPU inputs.
-    tests/autocast_test.cpp has the same names and the same calls."""
+    tests/autocast/autocast_test.cpp has the same names and the same calls."""
     g = torch.Generator().manual_seed(0)
 
     def r(*shape):

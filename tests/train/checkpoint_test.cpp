@@ -3,7 +3,7 @@
 // the documented layout built by hand, every error text of read_checkpoint
 // (which also must leave a damaged file as it found it), and check_compatible.
 
-#include "checkpoint.h"
+#include "run/checkpoint.h"
 
 #include <ampx/grad_scaler.h>
 #include <c10/util/Exception.h>

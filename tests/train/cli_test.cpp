@@ -4,7 +4,7 @@
 // bad flags, missing data, --resume without a checkpoint, a fresh run that
 // would overwrite one, and a help text that lists every flag).
 
-#include "config.h"
+#include "cli/config.h"
 
 #include <ampx/kernels.h>
 #include <ampx/version.h>

@@ -2,8 +2,8 @@
 // markdown and JSON, the plot (or its data and a note when gnuplot is
 // missing), per-mode checkpoints that --resume picks up again.
 
-#include "checkpoint.h"
 #include "machine.h"
+#include "run/checkpoint.h"
 #include "test_support.h"
 
 #include <ampx/dist.h>

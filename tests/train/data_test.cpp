@@ -2,7 +2,7 @@
 // real datasets are not needed): exact bytes and labels from plain and gzip
 // files, the folder layout, every error text, and the data folder's lookup.
 
-#include "data.h"
+#include "run/data.h"
 
 #include <c10/util/Exception.h>
 #include "test_support.h"

@@ -5,11 +5,11 @@
 // C++ model, bit for bit (tests/reference/export_weights_logits.py); a
 // failing write stops the run naming the file.
 
-#include "checkpoint.h"
-#include "config.h"
+#include "cli/config.h"
+#include "run/checkpoint.h"
+#include "run/trainer.h"
+#include "run/workloads.h"
 #include "test_support.h"
-#include "trainer.h"
-#include "workloads.h"
 
 #include <ampx/safetensors.h>
 

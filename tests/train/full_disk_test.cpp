@@ -5,7 +5,7 @@
 // and the cause; the previous checkpoint stays intact and loadable, and no
 // temp file is left behind.
 
-#include "checkpoint.h"
+#include "run/checkpoint.h"
 #include "test_support.h"
 
 #include <gtest/gtest.h>

@@ -4,10 +4,10 @@
 // masters, the loss scale. Issue 19.1: mapping O1 to O0 in the trainer
 // trained "O1" in fp32 and every other train test still passed.
 
-#include "config.h"
+#include "cli/config.h"
+#include "run/trainer.h"
+#include "run/workloads.h"
 #include "test_support.h"
-#include "trainer.h"
-#include "workloads.h"
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 // MASTER_ADDR is host 0's address, the ranks carry their host's index and
 // local rank. Skipped where namespaces cannot be made (not root).
 
-#include "checkpoint.h"
+#include "run/checkpoint.h"
 #include "simulated_hosts.h"
 #include "test_support.h"
 

@@ -2,8 +2,8 @@
 // the settings they resolve to and refuse, a Kahan + 8-bit run resumed from its checkpoint bit for
 // bit, and the optimizer's bytes per parameter in compare.json.
 
-#include "checkpoint.h"
-#include "optimizer_options.h"
+#include "run/checkpoint.h"
+#include "run/optimizer_options.h"
 #include "test_support.h"
 
 #include <gtest/gtest.h>

@@ -3,13 +3,13 @@
 // plan (each Linear converted to its format, the rest kept in bf16) and
 // trains; a saved plan is applied as it is; bad flags name themselves.
 
-#include "auto_precision.h"
-#include "checkpoint.h"
-#include "config.h"
-#include "rank_agreement.h"
+#include "cli/config.h"
+#include "distributed/rank_agreement.h"
+#include "precision/auto_precision.h"
+#include "run/checkpoint.h"
+#include "run/trainer.h"
+#include "run/workloads.h"
 #include "test_support.h"
-#include "trainer.h"
-#include "workloads.h"
 
 #include <ampx/fp8/convert.h>
 #include <ampx/precision_plan.h>

@@ -5,8 +5,8 @@
 // state, bit for bit, as a run never interrupted. Under --nproc, a signal
 // that reaches one rank stops every rank after the same step.
 
-#include "preemption.h"
-#include "checkpoint.h"
+#include "run/preemption.h"
+#include "run/checkpoint.h"
 #include "test_support.h"
 
 #include <gtest/gtest.h>

@@ -6,7 +6,7 @@
 // every rank at start-up naming the difference; a rendezvous port that
 // another process holds is named. Each with 2 and 3 processes.
 
-#include "rank_agreement.h"
+#include "distributed/rank_agreement.h"
 #include "test_support.h"
 
 #include <ampx/dist.h>

@@ -3,7 +3,7 @@
 // and the same per-step losses, bit for bit, as a run never interrupted. And
 // damaged or foreign checkpoints are refused, never overwritten.
 
-#include "checkpoint.h"
+#include "run/checkpoint.h"
 #include "test_support.h"
 
 #include <gtest/gtest.h>

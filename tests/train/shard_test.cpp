@@ -1,9 +1,9 @@
 // ampx-train --shard: 2 ranks of gpt and gpt-nn trained with each sharding
 // (ZeRO-1, -2, -3) against the same run under DistributedDataParallel.
 
-#include "config.h"
+#include "cli/config.h"
+#include "distributed/sharding.h"
 #include "shard_fixture.h"
-#include "sharding.h"
 #include "test_support.h"
 
 #include <ampx/dist.h>

@@ -5,9 +5,9 @@
 // with exit status 3, its report and an intact checkpoint; =warn trains on
 // and counts. And the flags' parsing.
 
-#include "step_diagnostics.h"
-#include "checkpoint.h"
-#include "config.h"
+#include "run/step_diagnostics.h"
+#include "cli/config.h"
+#include "run/checkpoint.h"
 #include "test_support.h"
 
 #include <ampx/version.h>

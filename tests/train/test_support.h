@@ -3,8 +3,8 @@
 // What ampx-train's tests share: temp folders, file bytes, error texts,
 // environment variables, generated text data.
 
-#include "checkpoint.h"
-#include "config.h"
+#include "cli/config.h"
+#include "run/checkpoint.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>

@@ -18,7 +18,7 @@
 /// ties to even; NaN stays NaN (code 0x7F, 0xFF with the sign bit, in both
 /// formats, as PyTorch writes it). Over the clamped range this is bit for bit
 /// what PyTorch 2.1+'s `.to(torch.float8_e4m3fn)` / `.to(torch.float8_e5m2)`
-/// gives (tests/fp8_cast_test.cpp checks it against PyTorch 2.6).
+/// gives (tests/fp8/fp8_cast_test.cpp checks it against PyTorch 2.6).
 ///
 /// E4M3 here is the "fn" variant: bias 7, no inf, NaN only at S.1111.111,
 /// max 448, smallest subnormal 2^-9. E5M2 is IEEE-like: bias 15, inf at

@@ -2,8 +2,9 @@
 
 // A small JSON writer: strings and numbers as JSON text, for the
 // diagnostics' reports (src/debug/) and safetensors headers
-// (src/files/safetensors/). The library itself does not depend on a JSON package
-// (ampx-train and the tests use nlohmann-json).
+// (src/files/safetensors/), which write non-finite numbers as strings
+// ("inf", "nan") where nlohmann-json's dump() writes null, and strings'
+// bytes as they are (its dump() refuses bytes that are not UTF-8).
 //
 //   ampx::detail::json_string("say \"hi\"");  // the text "say \"hi\"", quotes included
 //   ampx::detail::json_number(0.1);          // 0.10000000000000001

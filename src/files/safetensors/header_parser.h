@@ -2,10 +2,11 @@
 
 // The JSON header of a safetensors file, parsed by a parser of the format's
 // own subset of JSON: one object of tensor entries and an optional
-// "__metadata__" object of strings; arrays of integers. The library keeps no
-// JSON package (src/files/json/writer.h), and a fixed grammar of bounded depth is
-// simpler to make safe against hostile files than a general parser
-// (tests/fuzz: target safetensors).
+// "__metadata__" object of strings; arrays of integers. A fixed grammar of
+// bounded depth is simpler to make safe against hostile files than a general
+// parser (tests/fuzz: target safetensors), and its errors name the byte of
+// the header where each went wrong, which nlohmann-json's events do not
+// (the plan files' reader, src/plan/json_value.cpp, uses nlohmann-json).
 //
 //   std::vector<std::pair<std::string, SafetensorsHeaderEntry>> entries;
 //   std::map<std::string, std::string> metadata;

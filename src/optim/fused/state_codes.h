@@ -21,7 +21,7 @@
 // A block's scale comes from the block's new values, so a moment that decays
 // everywhere in its block keeps its codes and decays through the scale.
 
-#include "../../fp8/block_math.h"
+#include "../../fp8/block/block_math.h"
 #include "../../fp8/fp8_math.h"
 #include "../../kernels/host_device.h"
 #include "optim_math.h"

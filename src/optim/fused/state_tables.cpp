@@ -10,7 +10,7 @@
 // and 1. torchao takes the steps from torch.linspace in float32, whose
 // roundings follow the CPU's vector width; here each value is computed in
 // double and rounded to float32 once, the same on every machine
-// (tests/optim_state_test.cpp compares the two).
+// (tests/optim/optim_state_test.cpp compares the two).
 
 #include "state_tiles.h"
 
