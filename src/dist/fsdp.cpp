@@ -140,10 +140,7 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
     // backward to come gathered before keeps no casts: the masters may
     // change before the next (an evaluation between a backward and the
     // optimizer's step). Every rank decides alike.
-    if (forward && !at::GradMode::is_enabled() && !s.backward_codes) {
-      s.casts.clear();
-      if (s.block) s.block->global_amax.reset();
-    }
+    if (forward && !at::GradMode::is_enabled() && !s.backward_codes) s.forget_casts();
   }
   u.state = Unit::State::kGathered;
 }
@@ -298,8 +295,7 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
     for (auto& s : u.spaces) {
       s.reduced = false;
       s.backward_codes.reset();  // the next forwards gather as their region says
-      s.casts.clear();           // and cast with the scales the stepped masters give
-      if (s.block) s.block->global_amax.reset();
+      s.forget_casts();          // and cast with the scales the stepped masters give
     }
   }
   if (recorded_order.empty()) recorded_order = order;

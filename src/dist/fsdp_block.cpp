@@ -112,21 +112,19 @@ bool block_parts_ready(const Impl&, const Space& s, bool forward) {
 }
 
 void whole_amaxes(Impl& impl, Unit& u) {
-  std::vector<BlockGather*> wanting;
-  std::vector<at::Tensor> masters;
+  std::vector<Space*> wanting;
   for (auto& s : u.spaces) {
     if (s.block && s.as_codes && s.block->formats.forward.rule() == fp8::ScaleRule::kNvfp4 &&
         !s.block->global_amax) {
-      wanting.push_back(s.block.get());
-      masters.push_back(s.master);
+      wanting.push_back(&s);
     }
   }
   if (wanting.empty()) return;
   torch::NoGradGuard no_grad;
   // Per weight [amax of its shard, any NaN in it]; the max over the ranks.
-  auto m = at::zeros({static_cast<int64_t>(wanting.size()), 2}, masters.front().options());
+  auto m = at::zeros({static_cast<int64_t>(wanting.size()), 2}, wanting.front()->master.options());
   for (size_t j = 0; j < wanting.size(); ++j) {
-    const at::Tensor a = masters[j].abs();
+    const at::Tensor a = wanting[j]->master.abs();
     const auto row = static_cast<int64_t>(j);
     m[row][0].copy_(at::where(a.isnan(), at::zeros_like(a), a).max());  // inf stays inf
     m[row][1].copy_(a.isnan().any().to(at::kFloat));
@@ -137,9 +135,10 @@ void whole_amaxes(Impl& impl, Unit& u) {
     const auto row = static_cast<int64_t>(j);
     const float amax = host[row][1].item<float>() > 0.0f ? std::numeric_limits<float>::quiet_NaN()
                                                          : host[row][0].item<float>();
-    wanting[j]->global_amax = amax;
+    BlockGather& b = *wanting[j]->block;
+    b.global_amax = amax;
     // Both parts' now: a forward saves the backward's before it is gathered.
-    for (auto& given : wanting[j]->given) given.global_amax = amax;
+    for (auto& given : b.given) given.global_amax = amax;
   }
 }
 

@@ -143,10 +143,7 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
   for (const auto& b : impl.model->named_buffers()) b.value().copy_(loaded.buffers.at(b.key()));
   // New masters and FP8 scaling states: the next codes are cast anew.
   for (auto& u : impl.units) {
-    for (auto& s : u.spaces) {
-      s.casts.clear();
-      if (s.block) s.block->global_amax.reset();
-    }
+    for (auto& s : u.spaces) s.forget_casts();
   }
 }
 

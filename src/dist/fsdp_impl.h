@@ -109,6 +109,13 @@ struct Space {
   // A block-scaled layer's weight (fp8 is true): gathered as codes and
   // scales, else as above.
   std::shared_ptr<BlockGather> block;
+
+  /// Drops the casts (and a block space's whole amax): the next gather of
+  /// codes takes them anew, from the masters as they are then.
+  void forget_casts() {
+    casts.clear();
+    if (block) block->global_amax.reset();
+  }
 };
 
 struct Unit {
