@@ -59,7 +59,19 @@
 /// split around it (float16: divided by a power of two near sqrt(world)
 /// before, the rest after, as FSDP does, so the sum neither overflows nor
 /// underflows). At the end of backward the shards' gradients are in fp32 in
-/// parameters()'s .grad (added to what is there).
+/// parameters()'s .grad (added to what is there). A forward with gradients
+/// recorded that no backward follows (an evaluation without
+/// torch::NoGradGuard) leaves what a backward would need: where the
+/// optimizer has stepped any rank's shards before the next forward (their
+/// version counters, agreed in one all-reduce at its start), that is
+/// dropped and gathered again, so the forward never computes with weights
+/// (ZeRO-2 keeps them gathered) or FP8 scales from before the step.
+///
+/// CUDA parameters over NCCL: the gathers (with their casts) run on a side
+/// stream and the reductions (with the division and the mean into .grad)
+/// on another, each waiting for the compute stream first; the compute
+/// stream waits for a unit's gather before computing with it and for the
+/// last reduction at the end of backward, the host for neither.
 ///
 /// FP8 all-gather (fp8_all_gather): the weights of a unit's FP8 layers
 /// form a flat space of their own. Gathered for a forward in an FP8 region,
@@ -74,7 +86,8 @@
 /// of a gather in float32, bit for bit (on the CPU, where it is tested).
 /// With a 16-bit param_dtype they are closer to the masters (one rounding,
 /// not two). The scales are taken at a unit's first gather of codes after a
-/// backward (or load_shards()) and kept until the next backward ends, so
+/// backward (or load_shards(), or a step after forwards without backward)
+/// and kept until the next backward ends, so
 /// that every gather of one backward's forwards, and the gather again for
 /// the backward, writes the same codes. A unit gathered (prefetched) in one
 /// way and called in the other is gathered again; one backward's forwards

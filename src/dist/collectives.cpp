@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -25,6 +26,16 @@ std::pair<double, double> divide_factors(int64_t world, c10::ScalarType dtype) {
 void ProcessGroup::Impl::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const {
   try {
     work->wait(collective_timeout);
+  } catch (const std::exception& e) {
+    fail(what, e);
+  }
+}
+
+void ProcessGroup::Impl::stream_wait(const c10::intrusive_ptr<c10d::Work>& work,
+                                     const char* what) const {
+  try {
+    // c10d's kNoTimeout (a global before LibTorch 2.x): the host does not wait
+    work->wait(std::chrono::milliseconds(0));
   } catch (const std::exception& e) {
     fail(what, e);
   }

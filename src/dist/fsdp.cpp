@@ -8,6 +8,7 @@
 #include "fsdp_impl.h"
 #include "process_group_impl.h"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
@@ -59,6 +60,29 @@ void release_storage(const at::Tensor& t) {
   storage->set_nbytes(0);
 }
 
+SideStreams SideStreams::on(c10::Device device) {
+  const c10::impl::VirtualGuardImpl streams(device.type());
+  return {streams.getStreamFromGlobalPool(device), streams.getStreamFromGlobalPool(device),
+          nullptr};
+}
+
+std::shared_ptr<c10::Event> record_event(c10::Device device) {
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+  return event;
+}
+
+void current_stream_waits(const c10::Event& event) {
+  const c10::Device device(event.device_type(), event.device_index());
+  event.block(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
+OnSideStream::OnSideStream(const c10::Stream* side) {
+  if (side == nullptr) return;
+  record_event(side->device())->block(*side);  // recorded on the current stream
+  guard_.emplace(*side);
+}
+
 }  // namespace fsdp
 
 using fsdp::size_in_bytes;
@@ -77,6 +101,7 @@ at::Tensor& gather_target(Space& s) {
 void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
   if (u.state != Unit::State::kFree) return;
   auto& pg = detail::ProcessGroupAccess::impl(group);
+  const fsdp::OnSideStream side(streams ? &streams->gather : nullptr);
   for (auto& s : u.spaces) {
     if (s.fp8) s.as_codes = fsdp::gather_as_codes(*this, u, s, forward);
   }
@@ -103,6 +128,19 @@ void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
   }
   peak_gathered_bytes = std::max(peak_gathered_bytes, gathered_bytes);
   u.state = Unit::State::kGathering;
+  if (!streams) return;
+  // The gather stream waits for the collectives; finish_gather() makes the
+  // compute stream wait for it. What they send is theirs until then.
+  for (auto& s : u.spaces) {
+    if (s.gather) pg.stream_wait(s.gather, "all-gather (parameters)");
+    s.gather.reset();
+    if (!s.block) continue;
+    for (const auto& work : s.block->works) {
+      pg.stream_wait(work, "all-gather (block codes and scales)");
+    }
+    s.block->works.clear();
+  }
+  u.gathered = fsdp::record_event(streams->gather.device());
 }
 
 void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
@@ -121,6 +159,8 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
   if (u.state == Unit::State::kGathered) return;
   start_gather(u, forward);
   auto& pg = detail::ProcessGroupAccess::impl(group);
+  if (u.gathered) fsdp::current_stream_waits(*u.gathered);
+  u.gathered.reset();
   for (auto& s : u.spaces) {
     if (s.gather) pg.wait(s.gather, "all-gather (parameters)");
     s.gather.reset();
@@ -148,6 +188,9 @@ void FullyShardedDataParallel::Impl::finish_gather(Unit& u, bool forward) {
 void FullyShardedDataParallel::Impl::reshard(Unit& u) {
   if (u.state == Unit::State::kFree) return;
   auto& pg = detail::ProcessGroupAccess::impl(group);
+  // Side streams: the memory goes back to the gather stream's pool, reused
+  // after that stream has waited for the compute stream's reads of it.
+  u.gathered.reset();
   for (auto& s : u.spaces) {
     if (s.gather) pg.wait(s.gather, "all-gather (parameters)");  // never free memory in flight
     s.gather.reset();
@@ -165,10 +208,44 @@ void FullyShardedDataParallel::Impl::reshard(Unit& u) {
   u.state = Unit::State::kFree;
 }
 
+void FullyShardedDataParallel::Impl::start_pass() {
+  order.clear();
+  // Inside a backward (a forward it calls) nothing of it may go.
+  if (forwards_await_backward && !end_queued) {
+    // The optimizers bump the masters' version counters (the pieces are
+    // views of them); a rank whose pieces are all padding steps none, so
+    // the ranks decide together.
+    float stepped = 0.0f;
+    at::TensorOptions on = at::kFloat;
+    for (const auto& u : units) {
+      for (const auto& s : u.spaces) {
+        if (s.master._version() != s.master_version) stepped = 1.0f;
+        on = s.master.options();
+      }
+    }
+    auto any = at::full({1}, stepped, on);
+    group.all_reduce_max(any);
+    if (any.item<float>() > 0.0f) {
+      for (auto& u : units) {
+        reshard(u);
+        for (auto& s : u.spaces) {
+          s.backward_codes.reset();  // those forwards have no backward to come
+          s.forget_casts();
+        }
+      }
+      forwards_await_backward = false;
+    }
+  }
+  for (auto& u : units) {
+    for (auto& s : u.spaces) s.master_version = static_cast<int64_t>(s.master._version());
+  }
+}
+
 void FullyShardedDataParallel::Impl::pre_forward(Unit& u) {
   const int64_t index = u.index;
   // A pass starts with the outermost call of the first unit called.
-  if (depth == 0 && !order.empty() && order.front() == index) order.clear();
+  if (depth == 0 && (order.empty() || order.front() == index)) start_pass();
+  if (at::GradMode::is_enabled()) forwards_await_backward = true;
   ++depth;
   order.push_back(index);
   finish_gather(u, /*forward=*/true);
@@ -237,19 +314,30 @@ void FullyShardedDataParallel::Impl::on_grad(int64_t i) {
 }
 
 void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
-  const double pre = divide_factors(group.world_size(), options.reduce_dtype()).first;
-  if (pre != 1.0) s.reduce_in.div_(pre);
-  s.reduce_out = at::empty({s.master.numel()}, s.reduce_in.options());
-  s.reduce =
-      detail::ProcessGroupAccess::impl(group).reduce_scatter_async(s.reduce_out, s.reduce_in);
-  bytes_communicated += s.reduce_in.numel() * static_cast<int64_t>(s.reduce_in.element_size());
-  s.reduced = true;
-  // One reduction in flight while backward goes on: the ones before this are
-  // finished now, so that their full-size buffers are not all held at the
-  // end of backward (4 bytes a parameter in fp32), as FSDP2 waits on the
-  // previous reduce-scatter.
-  if (in_flight) finish_reduce(units[in_flight->first].spaces[in_flight->second]);
-  in_flight.emplace(u.index, &s - u.spaces.data());
+  {
+    const fsdp::OnSideStream side(streams ? &streams->reduce : nullptr);
+    const double pre = divide_factors(group.world_size(), options.reduce_dtype()).first;
+    if (pre != 1.0) s.reduce_in.div_(pre);
+    s.reduce_out = at::empty({s.master.numel()}, s.reduce_in.options());
+    s.reduce =
+        detail::ProcessGroupAccess::impl(group).reduce_scatter_async(s.reduce_out, s.reduce_in);
+    bytes_communicated += s.reduce_in.numel() * static_cast<int64_t>(s.reduce_in.element_size());
+    s.reduced = true;
+    if (streams) {
+      // The reduce stream takes the mean into the pieces' .grad in turn,
+      // the host and the compute stream going on; end_of_backward() makes
+      // the compute stream wait for the last.
+      finish_reduce(s);
+      streams->reduced = fsdp::record_event(streams->reduce.device());
+    } else {
+      // One reduction in flight while backward goes on: the ones before
+      // this are finished now, so that their full-size buffers are not all
+      // held at the end of backward (4 bytes a parameter in fp32), as FSDP2
+      // waits on the previous reduce-scatter.
+      if (in_flight) finish_reduce(units[in_flight->first].spaces[in_flight->second]);
+      in_flight.emplace(u.index, &s - u.spaces.data());
+    }
+  }
   if (std::all_of(u.spaces.begin(), u.spaces.end(),
                   [](const Space& x) { return x.reduced || x.grads_expected == 0; })) {
     u.reduced = true;
@@ -260,7 +348,15 @@ void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
 void FullyShardedDataParallel::Impl::finish_reduce(Space& s) {
   torch::NoGradGuard no_grad;
   const double post = divide_factors(group.world_size(), options.reduce_dtype()).second;
-  detail::ProcessGroupAccess::impl(group).wait(s.reduce);
+  auto& pg = detail::ProcessGroupAccess::impl(group);
+  if (streams) {
+    pg.stream_wait(s.reduce.work, "reduce-scatter");
+    // Made on the compute stream: not reused there before the reduce
+    // stream is past its reads.
+    s.reduce_in.record_stream(streams->reduce);
+  } else {
+    pg.wait(s.reduce);
+  }
   s.reduce_in = at::Tensor();  // the unit's full-size buffer: free as soon as the sum is in
   auto mean = s.reduce_out.scalar_type() == at::kFloat ? s.reduce_out : s.reduce_out.to(at::kFloat);
   s.reduce_out = at::Tensor();
@@ -289,6 +385,8 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
   }
   if (in_flight) finish_reduce(units[in_flight->first].spaces[in_flight->second]);
   in_flight.reset();
+  if (streams && streams->reduced) fsdp::current_stream_waits(*streams->reduced);
+  if (streams) streams->reduced.reset();
   for (auto& u : units) {
     reshard(u);
     u.reduced = false;
@@ -300,6 +398,7 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
   }
   if (recorded_order.empty()) recorded_order = order;
   end_queued = false;
+  forwards_await_backward = false;
 }
 
 void fsdp::register_units(std::vector<Unit>& units) {

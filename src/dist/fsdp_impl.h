@@ -10,6 +10,9 @@
 #include "ampx/fsdp.h"
 
 #include <ATen/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
@@ -101,6 +104,7 @@ struct Space {
   bool fp8 = false;
   bool as_codes = false;               // the gather in hand (or the last) is of codes
   std::optional<bool> backward_codes;  // how this backward's forwards gathered it
+  int64_t master_version = 0;          // master's version counter at the last pass's start
   at::Tensor codes;                    // uint8, padded; its storage freed between uses
   // Per params[j], how its codes are cast: computed at the first gather of
   // codes after a backward (or a load), then kept, so that every gather of
@@ -118,6 +122,37 @@ struct Space {
   }
 };
 
+/// CUDA masters over NCCL: the streams the gathers and the gradients'
+/// reductions run on beside the compute's (FSDP2's all-gather and
+/// reduce-scatter streams), so that the casts, copies and arithmetic around
+/// the collectives do not queue with the compute, and the host waits for
+/// no collective: each side stream waits for the compute stream before its
+/// work (the masters stepped, the gradients made, the memory it reuses
+/// read), and an event makes the compute stream wait where it reads the
+/// result (a unit's gather before its forward or backward, every reduction
+/// at the end of backward).
+struct SideStreams {
+  c10::Stream gather, reduce;
+  std::shared_ptr<c10::Event> reduced;  // after the last reduction launched
+  /// Two streams of `device`'s pool.
+  static SideStreams on(c10::Device device);
+};
+
+/// Within its scope the current stream is `side` (where given), which first
+/// waits for the stream current before it.
+class OnSideStream {
+ public:
+  explicit OnSideStream(const c10::Stream* side);
+
+ private:
+  std::optional<c10::StreamGuard> guard_;
+};
+
+/// An event recorded on the current stream of `device`.
+std::shared_ptr<c10::Event> record_event(c10::Device device);
+/// Makes the current stream of `event`'s device wait for it.
+void current_stream_waits(const c10::Event& event);
+
 struct Unit {
   Impl* impl = nullptr;
   const torch::nn::Module* module = nullptr;
@@ -125,6 +160,7 @@ struct Unit {
   int64_t index = 0;
   std::vector<Space> spaces;
   enum class State { kFree, kGathering, kGathered } state = State::kFree;
+  std::shared_ptr<c10::Event> gathered;  // SideStreams: after its gathers, until waited for
   int64_t grads_expected = 0;
   bool reduced = false;  // its gradients are on their way in this backward
 };
@@ -205,9 +241,11 @@ struct FullyShardedDataParallel::Impl {
   std::vector<int64_t> recorded_order;                // the first step's, for prefetching
   int depth = 0;                                      // sharded_forward calls in progress
   bool end_queued = false;                            // end_of_backward queued in this backward
+  bool forwards_await_backward = false;  // a forward with gradients since the last backward
   std::optional<std::pair<int64_t, int64_t>> in_flight;  // (unit, space) of the reduction in flight
 
   int64_t gathered_bytes = 0, peak_gathered_bytes = 0, bytes_communicated = 0;
+  std::optional<fsdp::SideStreams> streams;  // CUDA masters over NCCL
 
   Impl(std::shared_ptr<torch::nn::Module> m, ProcessGroup g, FullyShardedDataParallelOptions o)
       : model(std::move(m)), group(std::move(g)), options(std::move(o)) {}
@@ -217,6 +255,11 @@ struct FullyShardedDataParallel::Impl {
   void start_gather(fsdp::Unit& u, bool forward);
   void finish_gather(fsdp::Unit& u, bool forward);
   void reshard(fsdp::Unit& u);
+  /// A pass (the outermost call of the unit called first) starts: where
+  /// forwards with gradients and no backward since gathered (ZeRO-2 keeps
+  /// their units) or cast (their casts are kept for that backward) before
+  /// the optimizer stepped the masters (any rank's), they gather again.
+  void start_pass();
   void pre_forward(fsdp::Unit& u);
   void post_forward(fsdp::Unit& u, const std::vector<at::Tensor>& outputs);
   void pre_backward(fsdp::Unit& u);

@@ -263,6 +263,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(
   if (device) {
     check_reduce_dtype(group, options.reduce_dtype(), *device);
     cut_shards(impl, *device);
+    if (device->is_cuda() && group.has_nccl()) impl.streams.emplace(fsdp::SideStreams::on(*device));
   }
   fsdp::register_units(impl.units);
 }

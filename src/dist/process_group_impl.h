@@ -105,6 +105,10 @@ struct ProcessGroup::Impl {
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
   /// Waits for a reduce-scatter and leaves this rank's chunk in its output.
   void wait(ReduceScatter& rs) const;
+  /// Makes the current stream wait for `work`, a collective of NCCL's, and
+  /// not the host (NCCL's watchdog times it out); a failure known now is
+  /// thrown as wait() throws it.
+  void stream_wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) const;
 #endif
   Impl() = default;
   Impl(const Impl&) = delete;

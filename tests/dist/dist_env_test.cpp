@@ -4,6 +4,7 @@
 
 #include <ampx/ampx.h>
 #include <ampx/dist.h>
+#include <ampx/fsdp.h>
 #include <ampx/zero.h>
 
 #include <gmock/gmock.h>
@@ -342,6 +343,84 @@ TEST(DistBackendTest, CudaTensorsGoThroughNcclForCollectivesDdpAndZero) {
   }
   EXPECT_FALSE(torch::equal(a[0], make()->parameters()[0]));  // it trained
   EXPECT_EQ(scaler.get_scale(), 512.0);
+}
+
+// Two blocks sharded as units, and a head in the root's space.
+struct TwoBlocksImpl : torch::nn::Module {
+  TwoBlocksImpl()
+      : a(register_module("a", torch::nn::Linear(16, 32))),
+        b(register_module("b", torch::nn::Linear(32, 32))),
+        head(register_module("head", torch::nn::Linear(32, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(ampx::dist::sharded_forward(a, x));
+    h = torch::tanh(ampx::dist::sharded_forward(b, h));
+    return head->forward(h);
+  }
+  torch::nn::Linear a, b, head;
+};
+TORCH_MODULE(TwoBlocks);
+
+// Only on a CUDA build with NCCL and a GPU, as above. A model sharded on
+// CUDA gathers and reduces on side streams (FSDP2's): on one rank its
+// training is a plain AdamW's, in ZeRO-3 (prefetching, or not) and ZeRO-2,
+// for five steps of a loop whose host never waits for a collective; the
+// last step's gradients are in .grad on the compute stream when backward
+// returns, and an evaluation with gradients between backward and the step
+// (ZeRO-2 keeps the units gathered) changes nothing.
+TEST(DistBackendTest, FsdpOnCudaGathersAndReducesOnSideStreamsAsPlainTraining) {
+  if (!ampx::dist::is_nccl_available() || !torch::cuda::is_available()) {
+    GTEST_SKIP() << "no NCCL in this build or no CUDA device";
+  }
+  auto pg = group_of_one();
+  const auto cuda = torch::Device(torch::kCUDA, 0);
+  const auto make = [&] {
+    torch::manual_seed(5);
+    TwoBlocks m;
+    m->to(cuda);
+    return m;
+  };
+  torch::manual_seed(6);
+  const auto x = torch::randn({64, 16}).to(cuda), y = torch::randn({64, 4}).to(cuda);
+  const auto options = ampx::optim::AdamWOptions(1e-2);
+  auto plain = make();
+  ampx::optim::AdamW plain_opt(plain->parameters(), options);
+  std::vector<double> plain_losses;
+  for (int step = 0; step < 5; ++step) {
+    plain_opt.zero_grad();
+    auto loss = torch::mse_loss(plain->forward(x), y);
+    loss.backward();
+    plain_opt.step();
+    plain_losses.push_back(loss.item<double>());
+  }
+  const std::vector<std::pair<bool, bool>> ways{{true, true}, {true, false}, {false, true}};
+  for (const auto& [zero3, prefetch] : ways) {
+    SCOPED_TRACE(std::string(zero3 ? "ZeRO-3" : "ZeRO-2") + (prefetch ? "" : ", no prefetch"));
+    auto model = make();
+    ampx::dist::FullyShardedDataParallel fsdp(
+        model.ptr(), pg, {model->a.ptr(), model->b.ptr()},
+        ampx::dist::FullyShardedDataParallelOptions().reshard_after_forward(zero3).prefetch(
+            prefetch));
+    ampx::optim::AdamW opt(fsdp.parameters(), options);
+    std::vector<torch::Tensor> losses;
+    for (int step = 0; step < 5; ++step) {
+      opt.zero_grad();
+      auto loss = torch::mse_loss(model->forward(x), y);
+      loss.backward();
+      (void)torch::mse_loss(model->forward(x), y);  // an evaluation with gradients
+      opt.step();
+      losses.push_back(loss.detach());
+    }
+    for (int step = 0; step < 5; ++step) {
+      EXPECT_NEAR(losses[step].item<double>(), plain_losses[step],
+                  1e-5 * std::abs(plain_losses[step]))
+          << "step " << step;
+    }
+    const auto plain_params = plain->named_parameters();
+    for (const auto& item : fsdp.full_state_dict()) {
+      const auto gap = (item.value().cpu() - plain_params[item.key()].cpu()).abs().max();
+      EXPECT_LT(gap.item<float>(), 1e-5f) << item.key();
+    }
+  }
 }
 
 }  // namespace

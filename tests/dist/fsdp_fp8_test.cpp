@@ -143,11 +143,22 @@ TEST_P(FsdpFp8GatherTest, CodesTrainAsTheFullWidthGatherAndMoveAByteAnElement) {
   }
   // Casts are taken again after a step: an evaluation in the FP8 region
   // between each backward and its step (current scaling: it changes no
-  // scaling state) changes nothing.
+  // scaling state) changes nothing, under torch::NoGradGuard or with
+  // gradients recorded (a forward no backward follows), in ZeRO-3 and in
+  // ZeRO-2 (which keeps such a forward's units gathered until the step).
   for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
     const auto losses = run("current-fp32-codes", r).losses;
     ASSERT_EQ(losses.size(), 5u);
-    EXPECT_EQ(run("current-fp32-codes-eval", r).losses, losses) << "rank " << r;
+    EXPECT_EQ(run("current-fp32-codes-eval", r).losses, losses);
+    EXPECT_EQ(run("current-fp32-codes-eval-grad", r).losses, losses);
+    EXPECT_EQ(run("current-fp32-codes-zero2-eval-grad", r).losses, losses);
+    EXPECT_EQ(run("current-fp32-zero2-eval-grad", r).losses, run("current-fp32", r).losses);
+  }
+  {  // delayed scaling: the evaluation records amaxes; as the full-width run's
+    SCOPED_TRACE("delayed-fp32-codes-eval-grad");
+    expect_same_training(run("delayed-fp32-codes-eval-grad"), run("delayed-fp32-eval-grad"), within,
+                         0.5);
   }
   const GatherRun wide32 = run("delayed-fp32"), codes32 = run("delayed-fp32-codes");
   const GatherRun wide16 = run("delayed-bf16"), codes16 = run("delayed-bf16-codes");
@@ -277,13 +288,16 @@ TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
   // after its second step, stepped and evaluated in the FP8 region once
   // more, then loaded, trains its last three steps as the run without
   // them) and after a step (an evaluation in the region between each
-  // backward and its step changes nothing).
+  // backward and its step changes nothing, with gradients recorded or not,
+  // in ZeRO-3 and ZeRO-2).
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     const auto losses = run("nvfp4-codes", r).losses;
     ASSERT_EQ(losses.size(), 5u);
     EXPECT_EQ(run("nvfp4-codes-resume", r).losses, losses);
     EXPECT_EQ(run("nvfp4-codes-eval", r).losses, losses);
+    EXPECT_EQ(run("nvfp4-codes-eval-grad", r).losses, losses);
+    EXPECT_EQ(run("nvfp4-codes-zero2-eval-grad", r).losses, losses);
   }
   const auto saved = [&](const std::string& name) {
     return run(name).bytes - run(name + "-codes").bytes;

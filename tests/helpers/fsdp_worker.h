@@ -20,6 +20,11 @@
 
 namespace fsdp_worker {
 
+/// An evaluation in the FP8 region after each backward, before the
+/// optimizer's step: none, under torch::NoGradGuard, or with gradients
+/// recorded (a forward no backward follows).
+enum class EvalBeforeStep { kNone, kNoGrad, kWithGrad };
+
 /// A training of the fp8-gather and block-gather scenarios: the FP8 recipe,
 /// and how the wrapper gathers and shards.
 struct GatherRun {
@@ -29,7 +34,7 @@ struct GatherRun {
   bool codes;                         // fp8_all_gather
   bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
   bool prefetch = true;
-  bool eval_before_step = false;  // an evaluation in the FP8 region after each backward
+  EvalBeforeStep eval_before_step = EvalBeforeStep::kNone;
 };
 
 /// A `Net` of `run`'s recipe (made from it, its torch::nn::Linears then

@@ -108,8 +108,8 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     opt.zero_grad();
     auto loss = loss_of(model, x, y, /*fp8=*/true);
     loss.backward();
-    if (run.eval_before_step) {
-      torch::NoGradGuard no_grad;
+    if (run.eval_before_step != EvalBeforeStep::kNone) {
+      torch::AutoGradMode grad(run.eval_before_step == EvalBeforeStep::kWithGrad);
       (void)loss_of(model, x, y, /*fp8=*/true);
     }
     opt.step();
@@ -219,7 +219,10 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"mxfp8-2d-codes", mxfp8_2d, torch::kFloat, true},
       {"nvfp4", nvfp4, torch::kFloat, false},
       {"nvfp4-codes", nvfp4, torch::kFloat, true},
-      {"nvfp4-codes-eval", nvfp4, torch::kFloat, true, true, true, true},
+      {"nvfp4-codes-eval", nvfp4, torch::kFloat, true, true, true, EvalBeforeStep::kNoGrad},
+      {"nvfp4-codes-eval-grad", nvfp4, torch::kFloat, true, true, true, EvalBeforeStep::kWithGrad},
+      {"nvfp4-codes-zero2-eval-grad", nvfp4, torch::kFloat, true, false, true,
+       EvalBeforeStep::kWithGrad},
       {"nvfp4-1d", nvfp4_1d, torch::kFloat, false},
       {"nvfp4-1d-codes", nvfp4_1d, torch::kFloat, true},
       {"nvfp4-1d-codes-zero2", nvfp4_1d, torch::kFloat, true, false},

@@ -130,8 +130,8 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
     opt.zero_grad();
     auto loss = forward(false);
     loss.backward();
-    if (run.eval_before_step) {
-      torch::NoGradGuard no_grad;
+    if (run.eval_before_step != EvalBeforeStep::kNone) {
+      torch::AutoGradMode grad(run.eval_before_step == EvalBeforeStep::kWithGrad);
       (void)forward(false);
     }
     opt.step();
@@ -215,6 +215,7 @@ void gathers(const std::string& out, ampx::dist::ProcessGroup& pg) {
 int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
   const ampx::fp8::Recipe delayed = ampx::fp8::DelayedScaling().amax_history_len(4);
   const ampx::fp8::Recipe current = ampx::fp8::CurrentScaling();
+  constexpr auto kNoGrad = EvalBeforeStep::kNoGrad, kWithGrad = EvalBeforeStep::kWithGrad;
   const std::vector<Run> runs{
       {"delayed-fp32", delayed, torch::kFloat, false},
       {"delayed-fp32-codes", delayed, torch::kFloat, true},
@@ -224,7 +225,12 @@ int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"delayed-bf16-codes", delayed, torch::kBFloat16, true},
       {"current-fp32", current, torch::kFloat, false},
       {"current-fp32-codes", current, torch::kFloat, true},
-      {"current-fp32-codes-eval", current, torch::kFloat, true, true, true, true},
+      {"current-fp32-codes-eval", current, torch::kFloat, true, true, true, kNoGrad},
+      {"current-fp32-codes-eval-grad", current, torch::kFloat, true, true, true, kWithGrad},
+      {"current-fp32-codes-zero2-eval-grad", current, torch::kFloat, true, false, true, kWithGrad},
+      {"current-fp32-zero2-eval-grad", current, torch::kFloat, false, false, true, kWithGrad},
+      {"delayed-fp32-eval-grad", delayed, torch::kFloat, false, true, true, kWithGrad},
+      {"delayed-fp32-codes-eval-grad", delayed, torch::kFloat, true, true, true, kWithGrad},
   };
   for (const auto& run : runs) train(run, out, pg);
   gathers(out, pg);
