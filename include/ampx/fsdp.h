@@ -59,13 +59,14 @@
 /// split around it (float16: divided by a power of two near sqrt(world)
 /// before, the rest after, as FSDP does, so the sum neither overflows nor
 /// underflows). At the end of backward the shards' gradients are in fp32 in
-/// parameters()'s .grad (added to what is there). A forward with gradients
-/// recorded that no backward follows (an evaluation without
-/// torch::NoGradGuard) leaves what a backward would need: where the
-/// optimizer has stepped any rank's shards before the next forward (their
-/// version counters, agreed in one all-reduce at its start), that is
-/// dropped and gathered again, so the forward never computes with weights
-/// (ZeRO-2 keeps them gathered) or FP8 scales from before the step.
+/// parameters()'s .grad (added to what is there). What forwards without a
+/// backward since leave (ZeRO-2's gathered units, a prefetched unit no
+/// forward called, FP8 casts) is dropped when the next pass starts if no
+/// graph of theirs is alive (an evaluation whose outputs are gone), or if
+/// the optimizer has stepped any rank's shards since (their version
+/// counters, agreed in one all-reduce: an optimizer that writes through
+/// .data(), as LibTorch's SGD does, moves none), so that a forward never
+/// computes with weights or FP8 scales from before a step.
 ///
 /// CUDA parameters over NCCL: the gathers (with their casts) run on a side
 /// stream and the reductions (with the division and the mean into .grad)

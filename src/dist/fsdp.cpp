@@ -112,7 +112,10 @@ void FullyShardedDataParallel::Impl::start_gather(Unit& u, bool forward) {
     if (s.block && s.as_codes) {  // codes and scales, in the parts this call needs
       fsdp::quantize_block_shard(*this, s, forward);
     } else {
-      s.send = s.as_codes ? fsdp::cast_shard(*this, s) : s.master.to(s.dtype);
+      // A copy also in the masters' dtype: a gather left in flight (a
+      // prefetch no forward took) must not read a master the step writes.
+      s.send = s.as_codes ? fsdp::cast_shard(*this, s)
+                          : s.master.to(s.dtype, /*non_blocking=*/false, /*copy=*/true);
     }
   }
   for (auto& s : u.spaces) {
@@ -210,22 +213,42 @@ void FullyShardedDataParallel::Impl::reshard(Unit& u) {
 
 void FullyShardedDataParallel::Impl::start_pass() {
   order.clear();
-  // Inside a backward (a forward it calls) nothing of it may go.
-  if (forwards_await_backward && !end_queued) {
-    // The optimizers bump the masters' version counters (the pieces are
-    // views of them); a rank whose pieces are all padding steps none, so
-    // the ranks decide together.
-    float stepped = 0.0f;
-    at::TensorOptions on = at::kFloat;
-    for (const auto& u : units) {
-      for (const auto& s : u.spaces) {
-        if (s.master._version() != s.master_version) stepped = 1.0f;
-        on = s.master.options();
+  // Inside a backward (a forward it calls) nothing of it may go; nothing
+  // held (after a backward, or forwards that kept nothing), nothing to do.
+  const auto held = [](const Space& s) {
+    return !s.casts.empty() || (s.block && s.block->global_amax);
+  };
+  bool holds = false;
+  for (const auto& u : units) {
+    holds = holds || u.state != Unit::State::kFree ||
+            std::any_of(u.spaces.begin(), u.spaces.end(), held);
+  }
+  if (!end_queued && holds) {
+    // What forwards without backward since left (ZeRO-2's gathered units,
+    // a prefetched unit no forward called, FP8 casts) serves only the
+    // backward of a graph still alive; with none, it goes. With one, it
+    // goes where the optimizer has stepped the masters since: their
+    // version counters (the pieces are views of them), agreed over the
+    // ranks (a rank whose pieces are all padding steps none). Every rank
+    // decides alike: the same calls keep the same outputs.
+    pending_graphs.erase(std::remove_if(pending_graphs.begin(), pending_graphs.end(),
+                                        [](const auto& g) { return g.expired(); }),
+                         pending_graphs.end());
+    bool stale = pending_graphs.empty();
+    if (!stale) {
+      float stepped = 0.0f;
+      at::TensorOptions on = at::kFloat;
+      for (const auto& u : units) {
+        for (const auto& s : u.spaces) {
+          if (s.master._version() != s.master_version) stepped = 1.0f;
+          on = s.master.options();
+        }
       }
+      auto any = at::full({1}, stepped, on);
+      group.all_reduce_max(any);
+      stale = any.item<float>() > 0.0f;
     }
-    auto any = at::full({1}, stepped, on);
-    group.all_reduce_max(any);
-    if (any.item<float>() > 0.0f) {
+    if (stale) {
       for (auto& u : units) {
         reshard(u);
         for (auto& s : u.spaces) {
@@ -233,7 +256,7 @@ void FullyShardedDataParallel::Impl::start_pass() {
           s.forget_casts();
         }
       }
-      forwards_await_backward = false;
+      pending_graphs.clear();
     }
   }
   for (auto& u : units) {
@@ -245,7 +268,6 @@ void FullyShardedDataParallel::Impl::pre_forward(Unit& u) {
   const int64_t index = u.index;
   // A pass starts with the outermost call of the first unit called.
   if (depth == 0 && (order.empty() || order.front() == index)) start_pass();
-  if (at::GradMode::is_enabled()) forwards_await_backward = true;
   ++depth;
   order.push_back(index);
   finish_gather(u, /*forward=*/true);
@@ -266,6 +288,7 @@ void FullyShardedDataParallel::Impl::post_forward(Unit& u, const std::vector<at:
       const_cast<at::Tensor&>(out).register_hook([link, index](const at::Tensor&) {
         if (*link != nullptr) (*link)->pre_backward((*link)->units[index]);
       });
+      if (out.grad_fn()) pending_graphs.push_back(out.grad_fn());
       hooked = true;
     }
   }
@@ -314,6 +337,10 @@ void FullyShardedDataParallel::Impl::on_grad(int64_t i) {
 }
 
 void FullyShardedDataParallel::Impl::launch_reduce(Unit& u, Space& s) {
+  // One reduction at a time ahead of the compute stream, whose full-size
+  // buffer is then free, as FSDP2 waits for the previous reduce-scatter
+  // (a wait of the GPU's, not the host's).
+  if (streams && streams->reduced) fsdp::current_stream_waits(*streams->reduced);
   {
     const fsdp::OnSideStream side(streams ? &streams->reduce : nullptr);
     const double pre = divide_factors(group.world_size(), options.reduce_dtype()).first;
@@ -350,6 +377,7 @@ void FullyShardedDataParallel::Impl::finish_reduce(Space& s) {
   const double post = divide_factors(group.world_size(), options.reduce_dtype()).second;
   auto& pg = detail::ProcessGroupAccess::impl(group);
   if (streams) {
+    TORCH_INTERNAL_ASSERT(!s.reduce.via_all_reduce, "NCCL has a reduce-scatter");
     pg.stream_wait(s.reduce.work, "reduce-scatter");
     // Made on the compute stream: not reused there before the reduce
     // stream is past its reads.
@@ -398,7 +426,7 @@ void FullyShardedDataParallel::Impl::end_of_backward() {
   }
   if (recorded_order.empty()) recorded_order = order;
   end_queued = false;
-  forwards_await_backward = false;
+  pending_graphs.clear();
 }
 
 void fsdp::register_units(std::vector<Unit>& units) {

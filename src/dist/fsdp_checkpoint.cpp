@@ -137,6 +137,9 @@ void FullyShardedDataParallel::load_shards(int64_t saved_world_size, const Shard
   shard::commit_everywhere(who, impl.group, error, [&] {
     if (optimizer_loaded) shard::restore_optimizer(*opt, backup);
   });
+  // Nothing gathered from the masters before survives them (a gather in
+  // flight is waited for first).
+  for (auto& u : impl.units) impl.reshard(u);
   for (size_t i = 0; i < impl.params.size(); ++i) {
     if (impl.params[i].piece.numel() > 0) impl.params[i].piece.copy_(loaded.pieces[i].value);
   }

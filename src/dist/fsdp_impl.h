@@ -241,7 +241,9 @@ struct FullyShardedDataParallel::Impl {
   std::vector<int64_t> recorded_order;                // the first step's, for prefetching
   int depth = 0;                                      // sharded_forward calls in progress
   bool end_queued = false;                            // end_of_backward queued in this backward
-  bool forwards_await_backward = false;  // a forward with gradients since the last backward
+  /// The graphs of the forwards since the last backward (their hooked
+  /// outputs' grad_fn): while one is alive, a backward may still come.
+  std::vector<std::weak_ptr<torch::autograd::Node>> pending_graphs;
   std::optional<std::pair<int64_t, int64_t>> in_flight;  // (unit, space) of the reduction in flight
 
   int64_t gathered_bytes = 0, peak_gathered_bytes = 0, bytes_communicated = 0;
@@ -255,10 +257,11 @@ struct FullyShardedDataParallel::Impl {
   void start_gather(fsdp::Unit& u, bool forward);
   void finish_gather(fsdp::Unit& u, bool forward);
   void reshard(fsdp::Unit& u);
-  /// A pass (the outermost call of the unit called first) starts: where
-  /// forwards with gradients and no backward since gathered (ZeRO-2 keeps
-  /// their units) or cast (their casts are kept for that backward) before
-  /// the optimizer stepped the masters (any rank's), they gather again.
+  /// A pass (the outermost call of the unit called first) starts: what
+  /// forwards since the last backward left gathered (ZeRO-2's units, a
+  /// prefetch no forward took) or cast (FP8 casts kept for a backward)
+  /// goes where no graph that backward could run on is alive, or where the
+  /// optimizer has stepped the masters (any rank's) since.
   void start_pass();
   void pre_forward(fsdp::Unit& u);
   void post_forward(fsdp::Unit& u, const std::vector<at::Tensor>& outputs);

@@ -362,16 +362,17 @@ TORCH_MODULE(TwoBlocks);
 
 // Only on a CUDA build with NCCL and a GPU, as above. A model sharded on
 // CUDA gathers and reduces on side streams (FSDP2's): on one rank its
-// training is a plain AdamW's, in ZeRO-3 (prefetching, or not) and ZeRO-2,
-// for five steps of a loop whose host never waits for a collective; the
-// last step's gradients are in .grad on the compute stream when backward
-// returns, and an evaluation with gradients between backward and the step
-// (ZeRO-2 keeps the units gathered) changes nothing.
+// training in float32 is a plain AdamW's, in ZeRO-3 (prefetching, or not)
+// and ZeRO-2, the last step's gradients in .grad on the compute stream when
+// backward returns, an evaluation with gradients between backward and the
+// step (ZeRO-2 keeps the units gathered) changing nothing; in bfloat16
+// (casts on the gather stream) the three train alike bit for bit.
 TEST(DistBackendTest, FsdpOnCudaGathersAndReducesOnSideStreamsAsPlainTraining) {
   if (!ampx::dist::is_nccl_available() || !torch::cuda::is_available()) {
     GTEST_SKIP() << "no NCCL in this build or no CUDA device";
   }
   auto pg = group_of_one();
+  ASSERT_TRUE(pg.has_nccl());
   const auto cuda = torch::Device(torch::kCUDA, 0);
   const auto make = [&] {
     torch::manual_seed(5);
@@ -393,32 +394,43 @@ TEST(DistBackendTest, FsdpOnCudaGathersAndReducesOnSideStreamsAsPlainTraining) {
     plain_losses.push_back(loss.item<double>());
   }
   const std::vector<std::pair<bool, bool>> ways{{true, true}, {true, false}, {false, true}};
-  for (const auto& [zero3, prefetch] : ways) {
-    SCOPED_TRACE(std::string(zero3 ? "ZeRO-3" : "ZeRO-2") + (prefetch ? "" : ", no prefetch"));
-    auto model = make();
-    ampx::dist::FullyShardedDataParallel fsdp(
-        model.ptr(), pg, {model->a.ptr(), model->b.ptr()},
-        ampx::dist::FullyShardedDataParallelOptions().reshard_after_forward(zero3).prefetch(
-            prefetch));
-    ampx::optim::AdamW opt(fsdp.parameters(), options);
-    std::vector<torch::Tensor> losses;
-    for (int step = 0; step < 5; ++step) {
-      opt.zero_grad();
-      auto loss = torch::mse_loss(model->forward(x), y);
-      loss.backward();
-      (void)torch::mse_loss(model->forward(x), y);  // an evaluation with gradients
-      opt.step();
-      losses.push_back(loss.detach());
-    }
-    for (int step = 0; step < 5; ++step) {
-      EXPECT_NEAR(losses[step].item<double>(), plain_losses[step],
-                  1e-5 * std::abs(plain_losses[step]))
-          << "step " << step;
-    }
-    const auto plain_params = plain->named_parameters();
-    for (const auto& item : fsdp.full_state_dict()) {
-      const auto gap = (item.value().cpu() - plain_params[item.key()].cpu()).abs().max();
-      EXPECT_LT(gap.item<float>(), 1e-5f) << item.key();
+  std::vector<std::vector<double>> bf16_losses;
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16}) {
+    for (const auto& [zero3, prefetch] : ways) {
+      SCOPED_TRACE(std::string(zero3 ? "ZeRO-3" : "ZeRO-2") + (prefetch ? "" : ", no prefetch") +
+                   (dtype == torch::kFloat ? ", float32" : ", bfloat16"));
+      auto model = make();
+      ampx::dist::FullyShardedDataParallel fsdp(model.ptr(), pg, {model->a.ptr(), model->b.ptr()},
+                                                ampx::dist::FullyShardedDataParallelOptions()
+                                                    .param_dtype(dtype)
+                                                    .reshard_after_forward(zero3)
+                                                    .prefetch(prefetch));
+      ampx::optim::AdamW opt(fsdp.parameters(), options);
+      std::vector<double> losses;
+      for (int step = 0; step < 5; ++step) {
+        opt.zero_grad();
+        ampx::AutocastGuard autocast(torch::kCUDA, torch::kBFloat16, dtype == torch::kBFloat16);
+        auto loss = torch::mse_loss(ampx::dist::sharded_forward(model, x).to(torch::kFloat), y);
+        loss.backward();
+        (void)ampx::dist::sharded_forward(model, x);  // an evaluation with gradients
+        opt.step();
+        losses.push_back(loss.item<double>());
+      }
+      if (dtype == torch::kBFloat16) {
+        bf16_losses.push_back(losses);
+        EXPECT_EQ(losses, bf16_losses.front());
+        EXPECT_LT(losses.back(), losses.front());
+        continue;
+      }
+      for (int step = 0; step < 5; ++step) {
+        EXPECT_NEAR(losses[step], plain_losses[step], 1e-5 * std::abs(plain_losses[step]))
+            << "step " << step;
+      }
+      const auto plain_params = plain->named_parameters();
+      for (const auto& item : fsdp.full_state_dict()) {
+        const auto gap = (item.value().cpu() - plain_params[item.key()].cpu()).abs().max();
+        EXPECT_LT(gap.item<float>(), 1e-5f) << item.key();
+      }
     }
   }
 }

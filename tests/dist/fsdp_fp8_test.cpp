@@ -145,7 +145,9 @@ TEST_P(FsdpFp8GatherTest, CodesTrainAsTheFullWidthGatherAndMoveAByteAnElement) {
   // between each backward and its step (current scaling: it changes no
   // scaling state) changes nothing, under torch::NoGradGuard or with
   // gradients recorded (a forward no backward follows), in ZeRO-3 and in
-  // ZeRO-2 (which keeps such a forward's units gathered until the step).
+  // ZeRO-2 (which keeps such a forward's units gathered until the step),
+  // its output dropped (no graph of it alive) or kept past the next
+  // forward (the step seen through the masters' version counters).
   for (int r = 0; r < world; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
     const auto losses = run("current-fp32-codes", r).losses;
@@ -154,6 +156,11 @@ TEST_P(FsdpFp8GatherTest, CodesTrainAsTheFullWidthGatherAndMoveAByteAnElement) {
     EXPECT_EQ(run("current-fp32-codes-eval-grad", r).losses, losses);
     EXPECT_EQ(run("current-fp32-codes-zero2-eval-grad", r).losses, losses);
     EXPECT_EQ(run("current-fp32-zero2-eval-grad", r).losses, run("current-fp32", r).losses);
+    EXPECT_EQ(run("current-fp32-codes-zero2-eval-kept", r).losses, losses);
+    EXPECT_EQ(run("current-fp32-zero2-eval-kept", r).losses, run("current-fp32", r).losses);
+    // LibTorch's SGD writes through .data(), whose version counter is not
+    // the master's: a dropped evaluation's units go for their dead graph.
+    EXPECT_EQ(run("current-fp32-zero2-eval-grad-sgd", r).losses, run("current-fp32-sgd", r).losses);
   }
   {  // delayed scaling: the evaluation records amaxes; as the full-width run's
     SCOPED_TRACE("delayed-fp32-codes-eval-grad");
@@ -298,6 +305,7 @@ TEST_P(FsdpBlockGatherTest, CodesAndScalesTrainAsTheFullWidthGather) {
     EXPECT_EQ(run("nvfp4-codes-eval", r).losses, losses);
     EXPECT_EQ(run("nvfp4-codes-eval-grad", r).losses, losses);
     EXPECT_EQ(run("nvfp4-codes-zero2-eval-grad", r).losses, losses);
+    EXPECT_EQ(run("nvfp4-codes-zero2-eval-kept", r).losses, losses);
   }
   const auto saved = [&](const std::string& name) {
     return run(name).bytes - run(name + "-codes").bytes;

@@ -22,8 +22,9 @@ namespace fsdp_worker {
 
 /// An evaluation in the FP8 region after each backward, before the
 /// optimizer's step: none, under torch::NoGradGuard, or with gradients
-/// recorded (a forward no backward follows).
-enum class EvalBeforeStep { kNone, kNoGrad, kWithGrad };
+/// recorded (a forward no backward follows), its output dropped at once or
+/// kept (its graph alive) until after the next step's forward.
+enum class EvalBeforeStep { kNone, kNoGrad, kWithGrad, kWithGradKept };
 
 /// A training of the fp8-gather and block-gather scenarios: the FP8 recipe,
 /// and how the wrapper gathers and shards.
@@ -35,6 +36,7 @@ struct GatherRun {
   bool reshard_after_forward = true;  // ZeRO-3; false: ZeRO-2
   bool prefetch = true;
   EvalBeforeStep eval_before_step = EvalBeforeStep::kNone;
+  bool torch_sgd = false;  // LibTorch's SGD, which writes through .data(), not ampx's AdamW
 };
 
 /// A `Net` of `run`'s recipe (made from it, its torch::nn::Linears then

@@ -104,13 +104,15 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
   ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
   const auto [x, y] = rank_batch(pg);
   std::ofstream log(out + "." + run.name);
+  torch::Tensor kept;  // EvalBeforeStep::kWithGradKept's output
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
     auto loss = loss_of(model, x, y, /*fp8=*/true);
     loss.backward();
     if (run.eval_before_step != EvalBeforeStep::kNone) {
-      torch::AutoGradMode grad(run.eval_before_step == EvalBeforeStep::kWithGrad);
-      (void)loss_of(model, x, y, /*fp8=*/true);
+      torch::AutoGradMode grad(run.eval_before_step != EvalBeforeStep::kNoGrad);
+      auto out = loss_of(model, x, y, /*fp8=*/true);
+      if (run.eval_before_step == EvalBeforeStep::kWithGradKept) kept = out;
     }
     opt.step();
     log << "loss " << hex(loss.item<double>()) << "\n";
@@ -223,6 +225,8 @@ int run_block_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"nvfp4-codes-eval-grad", nvfp4, torch::kFloat, true, true, true, EvalBeforeStep::kWithGrad},
       {"nvfp4-codes-zero2-eval-grad", nvfp4, torch::kFloat, true, false, true,
        EvalBeforeStep::kWithGrad},
+      {"nvfp4-codes-zero2-eval-kept", nvfp4, torch::kFloat, true, false, true,
+       EvalBeforeStep::kWithGradKept},
       {"nvfp4-1d", nvfp4_1d, torch::kFloat, false},
       {"nvfp4-1d-codes", nvfp4_1d, torch::kFloat, true},
       {"nvfp4-1d-codes-zero2", nvfp4_1d, torch::kFloat, true, false},

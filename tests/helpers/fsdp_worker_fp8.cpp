@@ -119,20 +119,30 @@ void train(const Run& run, const std::string& out, ampx::dist::ProcessGroup& pg)
   Sharded sharded(run, pg, 100);
   auto& model = sharded.model;
   auto& fsdp = sharded.fsdp;
-  ampx::optim::AdamW opt(fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (run.torch_sgd) {
+    optimizer =
+        std::make_unique<torch::optim::SGD>(fsdp.parameters(), torch::optim::SGDOptions(0.1));
+  } else {
+    optimizer = std::make_unique<ampx::optim::AdamW>(
+        fsdp.parameters(), ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  }
+  auto& opt = *optimizer;
   const auto [x, y] = batch_of(pg);
   const auto* group = run.recipe.is_delayed() ? &pg : nullptr;
   const auto forward = [&](bool end_region_early) {
     return loss_of(model, x, y, /*fp8=*/true, group, end_region_early);
   };
   std::ofstream log(out + "." + run.name);
+  torch::Tensor kept;  // EvalBeforeStep::kWithGradKept's output
   for (int step = 0; step < kSteps; ++step) {
     opt.zero_grad();
     auto loss = forward(false);
     loss.backward();
     if (run.eval_before_step != EvalBeforeStep::kNone) {
-      torch::AutoGradMode grad(run.eval_before_step == EvalBeforeStep::kWithGrad);
-      (void)forward(false);
+      torch::AutoGradMode grad(run.eval_before_step != EvalBeforeStep::kNoGrad);
+      auto out = forward(false);
+      if (run.eval_before_step == EvalBeforeStep::kWithGradKept) kept = out;
     }
     opt.step();
     log << "loss " << hex(loss.item<double>()) << "\n";
@@ -216,6 +226,7 @@ int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
   const ampx::fp8::Recipe delayed = ampx::fp8::DelayedScaling().amax_history_len(4);
   const ampx::fp8::Recipe current = ampx::fp8::CurrentScaling();
   constexpr auto kNoGrad = EvalBeforeStep::kNoGrad, kWithGrad = EvalBeforeStep::kWithGrad;
+  constexpr auto kKept = EvalBeforeStep::kWithGradKept, kNone = EvalBeforeStep::kNone;
   const std::vector<Run> runs{
       {"delayed-fp32", delayed, torch::kFloat, false},
       {"delayed-fp32-codes", delayed, torch::kFloat, true},
@@ -229,6 +240,11 @@ int run_fp8_gather(const std::string& out, ampx::dist::ProcessGroup& pg) {
       {"current-fp32-codes-eval-grad", current, torch::kFloat, true, true, true, kWithGrad},
       {"current-fp32-codes-zero2-eval-grad", current, torch::kFloat, true, false, true, kWithGrad},
       {"current-fp32-zero2-eval-grad", current, torch::kFloat, false, false, true, kWithGrad},
+      {"current-fp32-codes-zero2-eval-kept", current, torch::kFloat, true, false, true, kKept},
+      {"current-fp32-sgd", current, torch::kFloat, false, true, true, kNone, true},
+      {"current-fp32-zero2-eval-grad-sgd", current, torch::kFloat, false, false, true, kWithGrad,
+       true},
+      {"current-fp32-zero2-eval-kept", current, torch::kFloat, false, false, true, kKept},
       {"delayed-fp32-eval-grad", delayed, torch::kFloat, false, true, true, kWithGrad},
       {"delayed-fp32-codes-eval-grad", delayed, torch::kFloat, true, true, true, kWithGrad},
   };
