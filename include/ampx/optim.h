@@ -18,3 +18,4 @@
 #include "ampx/optim/lamb.h"
 #include "ampx/optim/optimizer.h"
 #include "ampx/optim/sgd.h"
+#include "ampx/optim/state_file.h"

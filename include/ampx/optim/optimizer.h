@@ -53,6 +53,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -81,6 +82,13 @@ enum class StateFormat : int32_t {
 const char* state_format_name(StateFormat format);
 /// The format named `name` (state_format_name's); throws naming it otherwise.
 StateFormat state_format_from_name(const std::string& name);
+
+/// An optimizer's state as named tensors and string metadata, the entries
+/// and header of a safetensors file (ampx/optim/state_file.h has the layout).
+struct OptimizerStateTensors {
+  std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
 
 /// Settings every ampx optimizer takes from the options it was constructed
 /// with (per-group copies of them are ignored).
@@ -117,6 +125,10 @@ struct ParamState {
   /// need not be the param's first step (momentum switched on later).
   bool exp_avg_fresh = false;
 };
+
+/// One param's entries of an optimizer state file, as load_state_tensors
+/// reads them (defined in src/optim/optimizer_state_file.cpp).
+struct StateFileParam;
 
 /// Which update, and one param group's options, as the fused step's CPU
 /// and CUDA kernels read them (defined with them, in src/optim/fused/).
@@ -184,6 +196,16 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// groups, counts and shapes. Checks everything first: on a mismatch it
   /// throws naming it and changes nothing.
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// The state as named tensors and metadata: what
+  /// save_optimizer_safetensors() (ampx/optim/state_file.h) writes, for
+  /// params named `names` (one per param, in group order).
+  OptimizerStateTensors state_tensors(const std::vector<std::string>& names) const;
+  /// Reads state_tensors()' layout, from ampx or from torchao's low-bit
+  /// optimizers (tools/optim_state_torchao.py): checks everything first
+  /// (throwing, naming the entry, it changes nothing), then commits.
+  void load_state_tensors(const OptimizerStateTensors& state,
+                          const std::vector<std::string>& names);
 
   /// "AdamW", "SGD", "LAMB".
   virtual const char* name() const = 0;
@@ -270,6 +292,11 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   void update_cuda(const std::vector<detail::ParamWork>& work, const at::Tensor& grad_mul,
                    const at::Tensor& found_inf);
   const detail::ParamState* find_state(const at::Tensor& param) const;
+  /// One param's state from its entries of a state file (load_state_tensors);
+  /// throws naming what it refuses.
+  detail::ParamState read_state_entries(const detail::StateFileParam& file) const;
+  /// Moment `m` (0: exp_avg, 1: exp_avg_sq) of those entries into `st`.
+  void read_moment_entry(const detail::StateFileParam& file, int m, detail::ParamState& st) const;
 
   MixedPrecisionConfig config_;
   PieceSums piece_sums_;                                 // set_piece_sums()
