@@ -288,7 +288,7 @@ void FullyShardedDataParallel::Impl::post_forward(Unit& u, const std::vector<at:
       const_cast<at::Tensor&>(out).register_hook([link, index](const at::Tensor&) {
         if (*link != nullptr) (*link)->pre_backward((*link)->units[index]);
       });
-      if (out.grad_fn()) pending_graphs.push_back(out.grad_fn());
+      if (out.grad_fn()) pending_graphs.emplace_back(out.grad_fn());
       hooked = true;
     }
   }

@@ -13,12 +13,14 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -35,6 +37,22 @@ using Impl = FullyShardedDataParallel::Impl;
 /// A gradient accumulator: std::shared_ptr before LibTorch 2.x's intrusive_ptr.
 using Accumulator =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+/// A weak reference to an autograd node: std::weak_ptr while LibTorch's
+/// grad_fn() is a std::shared_ptr (1.13), c10::weak_intrusive_ptr since it is
+/// an intrusive_ptr (2.14 and later).
+template <typename Strong>
+struct WeakOf;
+template <typename T>
+struct WeakOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T, typename N>
+struct WeakOf<c10::intrusive_ptr<T, N>> {
+  using type = c10::weak_intrusive_ptr<T, N>;
+};
+using WeakGraph =
+    typename WeakOf<std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>>::type;
 
 /// One parameter of the model and where it lives.
 struct Param {
@@ -98,7 +116,7 @@ struct Space {
   int64_t grads_seen = 0;            // of them, accumulated in this backward
   at::Tensor reduce_in, reduce_out;  // the reduce dtype: padded, and this rank's shard
   ampx::detail::ProcessGroupAccess::Impl::ReduceScatter reduce;
-  bool reduced = false;   // launched in this backward (in flight or finished)
+  bool reduced = false;  // launched in this backward (in flight or finished)
   // fp8_all_gather: a space of FP8 layers' weights, gathered as codes for a
   // forward in an FP8 region (and for the backward after it), else in dtype.
   bool fp8 = false;
@@ -237,13 +255,13 @@ struct FullyShardedDataParallel::Impl {
   /// Hooks reach this through the link; the destructor clears it.
   std::shared_ptr<Impl*> link_ = std::make_shared<Impl*>(this);
 
-  std::vector<int64_t> order;                         // units called in this pass, in call order
-  std::vector<int64_t> recorded_order;                // the first step's, for prefetching
-  int depth = 0;                                      // sharded_forward calls in progress
-  bool end_queued = false;                            // end_of_backward queued in this backward
+  std::vector<int64_t> order;           // units called in this pass, in call order
+  std::vector<int64_t> recorded_order;  // the first step's, for prefetching
+  int depth = 0;                        // sharded_forward calls in progress
+  bool end_queued = false;              // end_of_backward queued in this backward
   /// The graphs of the forwards since the last backward (their hooked
   /// outputs' grad_fn): while one is alive, a backward may still come.
-  std::vector<std::weak_ptr<torch::autograd::Node>> pending_graphs;
+  std::vector<fsdp::WeakGraph> pending_graphs;
   std::optional<std::pair<int64_t, int64_t>> in_flight;  // (unit, space) of the reduction in flight
 
   int64_t gathered_bytes = 0, peak_gathered_bytes = 0, bytes_communicated = 0;
