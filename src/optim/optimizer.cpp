@@ -220,7 +220,7 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   std::vector<ParamWork> fused, fused_cuda;
   for (auto& w : work) {
     const bool cpu_fusable = w.param.is_cpu() && w.param.is_contiguous() && w.grad.is_contiguous();
-    if (!cpu_fusable) check_untiled(w);
+    if (!cpu_fusable) check_untiled(w, /*cuda_tiles=*/cuda_fusable(w));
     prepare(w);
     TORCH_CHECK(cpu_fusable || !whole_norms, "ampx::optim::", name(),
                 ": set_piece_sums needs dense CPU params and grads; param (group ", w.group,
@@ -271,7 +271,8 @@ bool MixedPrecisionOptimizer::cuda_fusable(const ParamWork& w) {
     return false;
   }
   const auto& st = *w.state;
-  for (const auto* t : {&st.master, &st.exp_avg, &st.exp_avg_sq}) {
+  for (const auto* t : {&st.master, &st.exp_avg, &st.exp_avg_sq, &st.exp_avg_scale,
+                        &st.exp_avg_sq_scale, &st.compensation}) {
     if (t->defined() && (t->device() != w.param.device() || !t->is_contiguous())) return false;
   }
   return !st.step_t.defined() || st.step_t.device() == w.param.device();

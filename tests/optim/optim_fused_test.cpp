@@ -66,13 +66,22 @@ struct FusedCudaCase {
   torch::ScalarType dtype;
   bool masters;
   bool stochastic_rounding;
+  aopt::StateFormat state = aopt::StateFormat::kFp32;  // the moments (tiles where not fp32)
+  bool kahan = false;                                  // Kahan weights (tiles)
+  int64_t state_block = 256;
 };
 
 std::string case_name(const FusedCudaCase& c) {
   std::ostringstream s;
   s << c.optimizer << " " << c.dtype << (c.masters ? " with masters" : " without masters")
-    << (c.stochastic_rounding ? ", stochastic rounding" : "");
+    << (c.stochastic_rounding ? ", stochastic rounding" : "") << (c.kahan ? ", Kahan" : "") << ", "
+    << aopt::state_format_name(c.state) << " moments (block " << c.state_block << ")";
   return s.str();
+}
+
+/// Whether the case's steps run in the fused steps' tiles.
+bool tiled(const FusedCudaCase& c) {
+  return c.state != aopt::StateFormat::kFp32 || c.kahan;
 }
 
 std::unique_ptr<aopt::MixedPrecisionOptimizer> make_optimizer(const FusedCudaCase& c,
@@ -83,6 +92,9 @@ std::unique_ptr<aopt::MixedPrecisionOptimizer> make_optimizer(const FusedCudaCas
                                                      .weight_decay(0.1)
                                                      .master_weights(c.masters)
                                                      .stochastic_rounding(c.stochastic_rounding)
+                                                     .kahan_summation(c.kahan)
+                                                     .state_format(c.state)
+                                                     .state_block(c.state_block)
                                                      .seed(7));
   }
   if (name == "sgd") {
@@ -92,6 +104,9 @@ std::unique_ptr<aopt::MixedPrecisionOptimizer> make_optimizer(const FusedCudaCas
                                                    .weight_decay(1e-3)
                                                    .master_weights(c.masters)
                                                    .stochastic_rounding(c.stochastic_rounding)
+                                                   .kahan_summation(c.kahan)
+                                                   .state_format(c.state)
+                                                   .state_block(c.state_block)
                                                    .seed(7));
   }
   return std::make_unique<aopt::LAMB>(params, aopt::LAMBOptions(1e-2)
@@ -127,12 +142,27 @@ std::vector<torch::Tensor> fused_case_run(const FusedCudaCase& c, const torch::D
 }
 
 const FusedCudaCase kFusedCudaCases[] = {
-    {"adamw", torch::kFloat, true, false}, {"adamw", torch::kBFloat16, true, false},
-    {"adamw", torch::kHalf, true, false},  {"adamw", torch::kBFloat16, false, true},
-    {"sgd", torch::kFloat, true, false},   {"sgd", torch::kBFloat16, true, false},
-    {"sgd", torch::kHalf, true, false},    {"sgd", torch::kBFloat16, false, true},
-    {"lamb", torch::kFloat, true, false},  {"lamb", torch::kBFloat16, true, false},
-    {"lamb", torch::kHalf, true, false},   {"lamb", torch::kBFloat16, false, true}};
+    {"adamw", torch::kFloat, true, false},
+    {"adamw", torch::kBFloat16, true, false},
+    {"adamw", torch::kHalf, true, false},
+    {"adamw", torch::kBFloat16, false, true},
+    {"sgd", torch::kFloat, true, false},
+    {"sgd", torch::kBFloat16, true, false},
+    {"sgd", torch::kHalf, true, false},
+    {"sgd", torch::kBFloat16, false, true},
+    {"lamb", torch::kFloat, true, false},
+    {"lamb", torch::kBFloat16, true, false},
+    {"lamb", torch::kHalf, true, false},
+    {"lamb", torch::kBFloat16, false, true},
+    // Coded moments and Kahan weights: the CPU's tiles on the GPU (70000
+    // elements: a last block of 112, or of 368 in blocks of 4096).
+    {"adamw", torch::kBFloat16, true, false, aopt::StateFormat::kBf16},
+    {"adamw", torch::kBFloat16, false, false, aopt::StateFormat::kInt8, true},
+    {"adamw", torch::kBFloat16, false, true, aopt::StateFormat::kFp8},
+    {"adamw", torch::kHalf, false, false, aopt::StateFormat::kFp32, true},
+    {"adamw", torch::kFloat, true, false, aopt::StateFormat::kInt8, false, 4096},
+    {"sgd", torch::kBFloat16, false, false, aopt::StateFormat::kInt8, true},
+    {"sgd", torch::kBFloat16, true, false, aopt::StateFormat::kFp8, false, 32}};
 
 // The fused CPU kernels compute the per-tensor path's expressions, op for op
 // and rounding for rounding: no multiply-add contracted into an FMA (which
@@ -143,7 +173,8 @@ const FusedCudaCase kFusedCudaCases[] = {
 // elsewhere).
 TEST(OptimTest, FusedCpuKernelsRoundAsThePerTensorPath) {
   for (const auto& c : kFusedCudaCases) {
-    if (std::string(c.optimizer) == "lamb" || c.stochastic_rounding) continue;
+    // (Nor the tiles: the per-tensor path refuses coded moments and Kahan weights.)
+    if (std::string(c.optimizer) == "lamb" || c.stochastic_rounding || tiled(c)) continue;
     SCOPED_TRACE(case_name(c) + " on " +
                  ampx::detail::cpu::isa_name(ampx::detail::cpu::best_isa()));
     const auto fused = fused_case_run(c, torch::kCPU);

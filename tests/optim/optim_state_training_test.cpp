@@ -323,7 +323,8 @@ TEST(OptimStateTest, OptionsAreCheckedAndUnsupportedParamsRefused) {
   aopt::AdamW opt({view}, aopt::AdamWOptions().state_format(StateFormat::kFp8));
   view.mutable_grad() = torch::ones({80, 64}).t().contiguous().t();
   EXPECT_EQ(error_text([&] { opt.step(); }),
-            "ampx::optim::AdamW: state_format fp8 is implemented for dense CPU params and grads; "
+            "ampx::optim::AdamW: state_format fp8 is implemented for dense CPU and CUDA params and "
+            "grads; "
             "param (group 0, index 0) is not contiguous");
 }
 

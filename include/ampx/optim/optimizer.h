@@ -267,9 +267,9 @@ class MixedPrecisionOptimizer : public torch::optim::Optimizer, public ScalerAwa
   /// Whether `param` keeps a Kahan compensation.
   bool kahan(const at::Tensor& param) const;
   /// Throws, naming the setting and the param, if `work`'s param needs the
-  /// CPU's tiles (coded moments, Kahan): for params the fused CPU step
-  /// cannot take.
-  void check_untiled(const detail::ParamWork& work) const;
+  /// fused steps' tiles (coded moments, Kahan) and neither the CPU's step nor
+  /// (where `cuda_tiles`) the CUDA step's can take it.
+  void check_untiled(const detail::ParamWork& work, bool cuda_tiles) const;
   /// Whether the moments' format has block scales (FP8, 8-bit).
   bool block_scaled() const {
     return config_.state_format == StateFormat::kFp8 || config_.state_format == StateFormat::kInt8;

@@ -164,7 +164,6 @@ struct LambSums {
 // ---- low-bit moments and Kahan weights: tiles ---------------------------------
 
 constexpr int64_t kTileMax = fused::kMaxStateBlock;
-constexpr int64_t kTile = 256;
 
 /// One tile's fp32 operands.
 struct TileBuffers {
@@ -177,12 +176,9 @@ bool block_format(const FusedParam& p) {
   return p.state_format == fused::FusedState::kFp8 || p.state_format == fused::FusedState::kInt8;
 }
 
-/// 256 elements, or one block where blocks are larger: a tile holds whole
-/// blocks. (Measured with ampx_optim_bench, Kahan weights, bf16 or 8-bit
-/// moments: tiles of 1024 ran 25-30% slower than tiles of 256.)
+/// fused_step.h's fused_tile: a tile holds whole blocks.
 int64_t tile_of(const FusedParam& p) {
-  const bool blocks = block_format(p) && (p.exp_avg_codes || p.exp_avg_sq_codes);
-  return blocks ? std::max<int64_t>(p.state_block, kTile) : kTile;
+  return fused::fused_tile(p);
 }
 
 /// LAMB's first pass: one block a tile, else 1024 elements, so that its fp32
