@@ -86,8 +86,8 @@ StateFormat state_format_from_name(const std::string& name);
 /// An optimizer's state as named tensors and string metadata, the entries
 /// and header of a safetensors file (ampx/optim/state_file.h has the layout).
 struct OptimizerStateTensors {
-  std::map<std::string, at::Tensor> tensors;
-  std::map<std::string, std::string> metadata;
+  std::map<std::string, at::Tensor> tensors;    ///< the entries, by name
+  std::map<std::string, std::string> metadata;  ///< the header's "__metadata__"
 };
 
 /// Settings every ampx optimizer takes from the options it was constructed
