@@ -40,8 +40,8 @@ at::Tensor map_tensor(bool is_signed) {
   return at::from_blob(const_cast<float*>(map.value), {256}, at::kFloat).clone();
 }
 
-const std::string& meta(const OptimizerStateTensors& state, const std::string& key,
-                        const std::string& who) {
+std::string meta(const OptimizerStateTensors& state, const std::string& key,
+                 const std::string& who) {
   const auto it = state.metadata.find(key);
   TORCH_CHECK(it != state.metadata.end(), who, ": the state's metadata has no '", key,
               "' (not an ampx optimizer state, or a corrupt one)");
@@ -50,7 +50,7 @@ const std::string& meta(const OptimizerStateTensors& state, const std::string& k
 
 int64_t meta_int(const OptimizerStateTensors& state, const std::string& key,
                  const std::string& who) {
-  const auto& text = meta(state, key, who);
+  const std::string text = meta(state, key, who);
   size_t used = 0;
   int64_t v = 0;
   try {
@@ -169,7 +169,7 @@ FileFormat read_file_format(const OptimizerStateTensors& state, const char* opti
   f.block = meta_int(state, "state_block", who);
   f.seed = seed;
   if (state.metadata.count("seed") != 0) {
-    const auto& text = meta(state, "seed", who);
+    const std::string text = meta(state, "seed", who);
     size_t used = 0;
     try {
       f.seed = std::stoull(text, &used);

@@ -229,7 +229,7 @@ TEST(OptimStateFileTest, TorchaosAdamW8bitAndFp8StatesLoadAndStepAsTorchaos) {
       EXPECT_EQ(opt.step_count(p), 3);
       for (const std::string m : {"exp_avg", "exp_avg_sq"}) {
         const auto mine = m == "exp_avg" ? opt.exp_avg(p) : opt.exp_avg_sq(p);
-        const auto& torchaos = expected.at(n + "." + m + "3");
+        const torch::Tensor torchaos = expected.at(n + "." + m + "3");
         const auto gap = (mine - torchaos).abs().max().item<double>();
         const double largest = torchaos.abs().max().item<double>();
         if (n == "odd") {  // ampx's blocks: within the format's rounding of each block
@@ -242,8 +242,8 @@ TEST(OptimStateFileTest, TorchaosAdamW8bitAndFp8StatesLoadAndStepAsTorchaos) {
     }
     opt.step();
     for (const std::string n : {"w", "odd", "b"}) {
-      const auto& before = expected.at(n + ".param3");
-      const auto& after = expected.at(n + ".param4");
+      const torch::Tensor before = expected.at(n + ".param3");
+      const torch::Tensor after = expected.at(n + ".param4");
       const double stride = (after - before).abs().max().item<double>();
       const double gap = (params[n] - after).abs().max().item<double>();
       EXPECT_LE(gap, n == "odd" ? 0.1 * stride : 1e-6) << n << " after the fourth step";
