@@ -215,13 +215,11 @@ void FullyShardedDataParallel::Impl::start_pass() {
   order.clear();
   // Inside a backward (a forward it calls) nothing of it may go; nothing
   // held (after a backward, or forwards that kept nothing), nothing to do.
-  const auto held = [](const Space& s) {
-    return !s.casts.empty() || (s.block && s.block->global_amax);
-  };
   bool holds = false;
   for (const auto& u : units) {
     holds = holds || u.state != Unit::State::kFree ||
-            std::any_of(u.spaces.begin(), u.spaces.end(), held);
+            std::any_of(u.spaces.begin(), u.spaces.end(),
+                        [](const Space& s) { return s.holds_casts(); });
   }
   if (!end_queued && holds) {
     // What forwards without backward since left (ZeRO-2's gathered units,

@@ -132,6 +132,8 @@ struct Space {
   // scales, else as above.
   std::shared_ptr<BlockGather> block;
 
+  /// Whether it keeps casts (or a block space's whole amax) from a gather.
+  bool holds_casts() const { return !casts.empty() || (block && block->global_amax); }
   /// Drops the casts (and a block space's whole amax): the next gather of
   /// codes takes them anew, from the masters as they are then.
   void forget_casts() {
