@@ -51,19 +51,16 @@ bool MixedPrecisionOptimizer::kahan(const at::Tensor& param) const {
 
 void MixedPrecisionOptimizer::check_untiled(const detail::ParamWork& w, bool cuda_tiles) const {
   if (!(coded_moments(w.param) || kahan(w.param))) return;
-  // The fused CUDA step runs AdamW's and SGD's tiles too (cuda_step.cu).
-  const bool on_cuda = cuda_tiles && detail::cuda::built() && w.param.is_cuda() &&
-                       w.param.is_contiguous() && w.grad.is_contiguous() && !reads_param_norms();
-  TORCH_CHECK(
-      on_cuda, "ampx::optim::", name(), ": ",
-      coded_moments(w.param)
-          ? std::string("state_format ") + state_format_name(config_.state_format)
-          : std::string("kahan_summation"),
-      " is implemented for dense ", reads_param_norms() ? "CPU" : "CPU and CUDA",
-      " params and grads; param (group ", w.group, ", index ", w.index, ") is ",
-      w.param.is_cpu() ? "not contiguous" : "on ",
-      w.param.is_cpu() ? std::string() : w.param.device().str(),
-      w.param.is_cuda() && reads_param_norms() ? " (LAMB's CUDA step takes fp32 moments)" : "");
+  // The fused CUDA step runs the tiles too (cuda_step.cu).
+  const bool dense = w.param.is_contiguous() && w.grad.is_contiguous();
+  const bool on_cuda = cuda_tiles && detail::cuda::built() && w.param.is_cuda() && dense;
+  TORCH_CHECK(on_cuda, "ampx::optim::", name(), ": ",
+              coded_moments(w.param)
+                  ? std::string("state_format ") + state_format_name(config_.state_format)
+                  : std::string("kahan_summation"),
+              " is implemented for dense CPU and CUDA params and grads; param (group ", w.group,
+              ", index ", w.index, ") is ",
+              dense ? "on " + w.param.device().str() : "not contiguous");
 }
 
 void MixedPrecisionOptimizer::make_moment(const at::Tensor& param, bool is_signed,

@@ -112,6 +112,9 @@ std::unique_ptr<aopt::MixedPrecisionOptimizer> make_optimizer(const FusedCudaCas
   return std::make_unique<aopt::LAMB>(params, aopt::LAMBOptions(1e-2)
                                                   .master_weights(c.masters)
                                                   .stochastic_rounding(c.stochastic_rounding)
+                                                  .kahan_summation(c.kahan)
+                                                  .state_format(c.state)
+                                                  .state_block(c.state_block)
                                                   .seed(7));
 }
 
@@ -162,7 +165,11 @@ const FusedCudaCase kFusedCudaCases[] = {
     {"adamw", torch::kHalf, false, false, aopt::StateFormat::kFp32, true},
     {"adamw", torch::kFloat, true, false, aopt::StateFormat::kInt8, false, 4096},
     {"sgd", torch::kBFloat16, false, false, aopt::StateFormat::kInt8, true},
-    {"sgd", torch::kBFloat16, true, false, aopt::StateFormat::kFp8, false, 32}};
+    {"sgd", torch::kBFloat16, true, false, aopt::StateFormat::kFp8, false, 32},
+    {"lamb", torch::kBFloat16, false, false, aopt::StateFormat::kInt8, true},
+    {"lamb", torch::kBFloat16, false, true, aopt::StateFormat::kBf16},
+    {"lamb", torch::kFloat, true, false, aopt::StateFormat::kFp8, false, 4096},
+    {"lamb", torch::kHalf, false, false, aopt::StateFormat::kFp32, true}};
 
 // The fused CPU kernels compute the per-tensor path's expressions, op for op
 // and rounding for rounding: no multiply-add contracted into an FMA (which

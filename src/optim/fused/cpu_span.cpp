@@ -237,18 +237,6 @@ void run_tiled(const FusedParam& p, const FusedAt& at, int64_t begin, int64_t en
   }
 }
 
-/// LAMB's sums of w^2 and u^2 from the moments as stored (after their encoding).
-template <class Acc>
-struct LambSumsOp {
-  static constexpr bool kGrad = false, kM = true, kV = true, kWriteW = false, kWriteState = false;
-  math::LambDir dir;
-  Acc* acc;
-  template <class V>
-  void operator()(V& w, V, V& m, V& v) const {
-    acc->add(w, dir(w, m, v));
-  }
-};
-
 /// f(op) with AdamW's or SGD's op, as p.options.update says: built once a
 /// span (its scalars take pow), not once a tile.
 template <class F>
@@ -313,7 +301,7 @@ void lamb_moments_span(const FusedParam& p, const FusedAt& at, int64_t begin, in
               if (coded) {
                 encode_moments(p, at, b, n, q);
                 decode_moments(p, b, n, q);
-                run(q, at, 0, n, LambSumsOp<LambSums>{dir, &acc});
+                run(q, at, 0, n, math::LambSumsOp<LambSums>{dir, &acc});
               }
               add(acc);
             });

@@ -11,7 +11,9 @@
 // is Kahan-compensated runs in the CPU's tiles (cpu_span.cpp's run_tiled):
 // a thread block decodes a tile's moments and weight into shared fp32
 // buffers, runs the same fp32 update on them, and encodes them back, each
-// block's scale from its new values (AdamW and SGD; the driver refuses LAMB).
+// block's scale from its new values (LAMB: its first pass encodes the
+// moments and takes its sums from them decoded again; its second pass
+// decodes them and writes the weight).
 // Each kernel builds its update from the param's FusedParam as the CPU spans
 // do (fused_step.h) and runs it element by element through the same
 // update_element (optim_math.h). The skip decision is read on the device
@@ -20,7 +22,7 @@
 
 #include "cuda_step.h"
 
-#include "state_codes.h"
+#include "cuda_tiles.cuh"
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -39,20 +41,11 @@ namespace detail {
 namespace cuda {
 namespace {
 
-namespace math = ::ampx::detail::math;
-
 constexpr int64_t kChunk = 1 << 16;  // elements per block
-constexpr int kThreads = 512;
 
 struct Chunk {
   int64_t param;  // index into the launch's DeviceParams
   int64_t begin;  // first element
-};
-
-/// The 8-bit state's maps (signed, unsigned), by value: 2 KiB of the
-/// kernels' parameters.
-struct StateMaps {
-  math::StateMap map[2];
 };
 
 /// What every kernel of a step reads: device pointers.
@@ -74,13 +67,7 @@ __global__ void count_steps(Launch l, int64_t n) {
   if (t < n && !skipped(l.found_inf)) *l.params[t].step += 1;
 }
 
-/// This block's chunk: elements [begin, end) of param p, at this step.
-struct Span {
-  const FusedParam& p;
-  int64_t begin, end;
-  FusedAt at;
-};
-
+/// This block's chunk as a Span.
 __device__ __forceinline__ Span span(const Launch& l) {
   const Chunk c = l.chunks[blockIdx.x];
   const DeviceParam& d = l.params[c.param];
@@ -98,133 +85,12 @@ __device__ __forceinline__ void run(const Span& s, const Op& op) {
   }
 }
 
-// --- coded moments and Kahan weights: the CPU's tiles in shared memory ------
-
-/// Element i's moment `moment` (0: first, 1: second) of p, decoded.
-__device__ __forceinline__ float decoded(const FusedParam& p, const StateMaps& maps, int moment,
-                                         int64_t i) {
-  const void* codes = moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes;
-  if (p.state_format == FusedState::kBf16) {
-    return math::bf16_state_value(static_cast<const uint16_t*>(codes)[i]);
-  }
-  const uint8_t code = static_cast<const uint8_t*>(codes)[i];
-  const float scale = (moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale)[i / p.state_block];
-  return p.state_format == FusedState::kFp8 ? math::fp8_state_value(code, scale)
-                                            : maps.map[moment].value[code] * scale;
-}
-
-/// The largest |x| of x[0, n) over the thread block, NaN where any is NaN
-/// (state_span.cpp's absmax_of: on the bits, NaNs' above +inf's).
-__device__ float block_absmax(const float* x, int64_t n) {
-  __shared__ uint32_t partial[kThreads / 32];
-  uint32_t acc = 0u;
-  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-    acc = max(acc, __float_as_uint(x[k]) & 0x7FFFFFFFu);
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    acc = max(acc, __shfl_xor_sync(0xFFFFFFFFu, acc, offset));
-  }
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = acc;
-  __syncthreads();
-  acc = 0u;
-  for (int w = 0; w < kThreads / 32; ++w) acc = max(acc, partial[w]);
-  __syncthreads();  // partial is read before the next call writes it
-  return acc > 0x7F800000u ? __uint_as_float(0x7FC00000u) : __uint_as_float(acc);
-}
-
-/// Moment `moment` of tile [b, b + n) of p from the fp32 buffer x back into
-/// its codes (state_span.cpp's encode_moment): bf16 rounded stochastically
-/// from the moment's stream; FP8 and 8-bit a block at a time, its scale from
-/// its new values. Every thread of the block calls it.
-__device__ void encode_tile(const FusedParam& p, const StateMaps& maps, uint64_t key, int moment,
-                            int64_t b, int64_t n, const float* x) {
-  void* codes = moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes;
-  if (p.state_format == FusedState::kBf16) {
-    const uint64_t stream = math::state_key(key, moment);
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-      static_cast<uint16_t*>(codes)[b + k] =
-          math::bf16_state_bits(x[k], math::bf16_state_random(stream, p.index_base + b + k));
-    }
-    return;
-  }
-  float* scales = moment == 0 ? p.exp_avg_scale : p.exp_avg_sq_scale;
-  auto* out = static_cast<uint8_t*>(codes);
-  const bool fp8 = p.state_format == FusedState::kFp8;
-  for (int64_t o = 0; o < n; o += p.state_block) {
-    const int64_t nb = n - o < p.state_block ? n - o : static_cast<int64_t>(p.state_block);
-    const float absmax = block_absmax(x + o, nb);
-    const float scale = fp8 ? math::fp8_state_scale(absmax) : math::floored_absmax(absmax);
-    if (threadIdx.x == 0) scales[(b + o) / p.state_block] = scale;
-    for (int64_t k = threadIdx.x; k < nb; k += blockDim.x) {
-      const float q = x[o + k] / scale;
-      uint32_t code;
-      if (fp8) {
-        code = math::fp8_state_code(q);
-        // A positive second moment keeps at least the smallest subnormal's code.
-        if (moment == 1 && q > 0.f && code == 0u) code = 1u;
-      } else {
-        code = math::map_code(maps.map[moment], q);
-      }
-      out[b + o + k] = static_cast<uint8_t>(code);
-    }
-  }
-}
-
-/// The span's elements in tiles (fused_tile: whole blocks), through `op`:
-/// each tile's coded moments and Kahan weight decoded into `buffers` (three
-/// tiles of fp32, shared), the fp32 update run on them with the CPU's
-/// operands, then encoded back and the compensation written.
-template <class T, class Op>
-__device__ void run_tiled(const Span& s, const Op& op, const StateMaps& maps, float* buffers) {
-  const FusedParam& p = s.p;
-  const int64_t tile = fused_tile(p);
-  float* w = buffers;
-  float* m = buffers + tile;
-  float* v = buffers + 2 * tile;
-  for (int64_t b = s.begin; b < s.end; b += tile) {
-    const int64_t n = s.end - b < tile ? s.end - b : tile;
-    FusedParam q = p;
-    q.param = static_cast<T*>(p.param) + b;
-    q.grad = static_cast<const T*>(p.grad) + b;
-    q.numel = n;
-    q.index_base = p.index_base + b;
-    q.exp_avg_codes = q.exp_avg_sq_codes = q.compensation = nullptr;
-    q.exp_avg_scale = q.exp_avg_sq_scale = nullptr;
-    q.state_format = FusedState::kFp32;
-    q.master = p.master ? p.master + b : nullptr;
-    q.exp_avg = p.exp_avg_codes ? m : (p.exp_avg ? p.exp_avg + b : nullptr);
-    q.exp_avg_sq = p.exp_avg_sq_codes ? v : (p.exp_avg_sq ? p.exp_avg_sq + b : nullptr);
-    if (p.compensation) q.master = w;
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-      if (p.compensation) {  // the Kahan weight: param + compensation, in fp32
-        w[k] = static_cast<float>(static_cast<const T*>(p.param)[b + k]) +
-               static_cast<float>(static_cast<const T*>(p.compensation)[b + k]);
-      }
-      if (p.exp_avg_codes) m[k] = decoded(p, maps, 0, b + k);
-      if (p.exp_avg_sq_codes) v[k] = decoded(p, maps, 1, b + k);
-    }
-    __syncthreads();
-    const Narrow<T> narrow = narrow_for<T>(q, s.at);
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-      math::update_element<T>(q, k, s.at.grad_mul, op, narrow);
-      if (p.compensation) {  // what the new param lost, rounded to nearest (its own thread's)
-        const float kept = static_cast<float>(static_cast<const T*>(p.param)[b + k]);
-        static_cast<T*>(p.compensation)[b + k] = static_cast<T>(w[k] - kept);
-      }
-    }
-    __syncthreads();
-    if (p.exp_avg_codes) encode_tile(p, maps, s.at.key, 0, b, n, m);
-    if (p.exp_avg_sq_codes) encode_tile(p, maps, s.at.key, 1, b, n, v);
-    __syncthreads();  // the buffers are read before the next tile's decoding
-  }
-}
-
 /// The span through `op`: element by element, or in tiles.
 template <class T, class Op>
 __device__ __forceinline__ void run_any(const Span& s, const Op& op, const StateMaps& maps,
                                         float* buffers) {
   if (fused_tiled(s.p)) {
-    run_tiled<T>(s, op, maps, buffers);
+    run_tiled<T>(s, op, maps, buffers, /*encode_state=*/true);
   } else {
     run<T>(s, op);
   }
@@ -254,23 +120,20 @@ __global__ void update_kernel(Launch l) {
   }
 }
 
-/// LAMB's sums of w^2 and u^2 over one thread's elements.
-struct ThreadSums {
-  float w = 0.f, u = 0.f;
-  AMPX_HD void add(float wv, float uv) {
-    w += wv * wv;
-    u += uv * uv;
-  }
-};
-
 /// LAMB pass 1: the moments, and this chunk's sums of w^2 and u^2 (a fixed
-/// tree over the block: the same bits on every run).
+/// tree over the block: the same bits on every run). Dynamic shared memory:
+/// three of the launch's largest tiles of fp32, where any param is tiled.
 template <class T>
 __global__ void lamb_moments_kernel(Launch l, float* sums) {
+  extern __shared__ float buffers[];
   if (skipped(l.found_inf)) return;
   const Span s = span(l);
   ThreadSums acc;
-  run<T>(s, lamb_moments_op(s.p.options, s.at.step, &acc));
+  if (fused_tiled(s.p)) {
+    lamb_moments_tiled<T>(s, l.maps, buffers, acc);
+  } else {
+    run<T>(s, lamb_moments_op(s.p.options, s.at.step, &acc));
+  }
   __shared__ float sw[kThreads], su[kThreads];
   sw[threadIdx.x] = acc.w;
   su[threadIdx.x] = acc.u;
@@ -305,11 +168,18 @@ __global__ void lamb_ratio_kernel(Launch l, int64_t param_offset, int64_t n, int
   neg_steps[t] = lamb_neg_step(d.p.options, w_sq, u_sq);
 }
 
+/// LAMB pass 2: w += -lr * trust ratio * u, u from the moments as stored.
 template <class T>
 __global__ void lamb_apply_kernel(Launch l, const float* neg_steps) {
+  extern __shared__ float buffers[];
   if (skipped(l.found_inf)) return;
   const Span s = span(l);
-  run<T>(s, lamb_apply_op(s.p.options, s.at.step, neg_steps[l.chunks[blockIdx.x].param]));
+  const auto op = lamb_apply_op(s.p.options, s.at.step, neg_steps[l.chunks[blockIdx.x].param]);
+  if (fused_tiled(s.p)) {
+    run_tiled<T>(s, op, l.maps, buffers, /*encode_state=*/false);
+  } else {
+    run<T>(s, op);
+  }
 }
 
 unsigned blocks_for(int64_t n, int threads) {
@@ -326,12 +196,25 @@ StateMaps state_maps() {
   return maps;
 }
 
-/// Whether none of params [offset, offset + n) runs in tiles.
-bool shared_free(const std::vector<DeviceParam>& params, int64_t offset, int64_t n) {
+/// The dynamic shared memory of params [offset, offset + n)'s kernels:
+/// three fp32 tiles of the largest tiled param, if any.
+size_t tiles_shared_bytes(const std::vector<DeviceParam>& params, int64_t offset, int64_t n) {
+  size_t shared = 0;
   for (int64_t k = offset; k < offset + n; ++k) {
-    if (fused_tiled(params[k].p)) return false;
+    if (fused_tiled(params[k].p)) {
+      shared = std::max(shared, 3 * sizeof(float) * static_cast<size_t>(fused_tile(params[k].p)));
+    }
   }
-  return true;
+  return shared;
+}
+
+/// Lets `kernel` take `shared` bytes of dynamic shared memory (above the
+/// default 48 KiB with its static arrays: tiles of 4096 take 48 KiB).
+template <class Kernel>
+void allow_shared(Kernel* kernel, size_t shared) {
+  if (shared == 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(shared)));
 }
 
 template <class T>
@@ -340,31 +223,22 @@ void launch_update(FusedUpdate update, const Launch& l, const std::vector<Device
                    float* neg_steps, cudaStream_t stream, const at::Device& device) {
   if (n_chunks == 0) return;
   const auto grid = static_cast<unsigned>(n_chunks);
+  const size_t shared = tiles_shared_bytes(host_params, param_offset, n_params);
   if (update != FusedUpdate::kLamb) {
-    size_t shared = 0;  // three fp32 tiles of the largest tiled param, if any
-    for (int64_t k = param_offset; k < param_offset + n_params; ++k) {
-      if (fused_tiled(host_params[k].p)) {
-        shared =
-            std::max(shared, 3 * sizeof(float) * static_cast<size_t>(fused_tile(host_params[k].p)));
-      }
-    }
-    if (shared > 0) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(
-          update_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-    }
+    allow_shared(update_kernel<T>, shared);
     update_kernel<T><<<grid, kThreads, shared, stream>>>(l);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  TORCH_INTERNAL_ASSERT(shared_free(host_params, param_offset, n_params),
-                        "ampx::optim: LAMB's CUDA step takes fp32 moments and no Kahan weights");
   const auto sums = at::empty({2 * n_chunks}, at::TensorOptions().device(device).dtype(at::kFloat));
-  lamb_moments_kernel<T><<<grid, kThreads, 0, stream>>>(l, sums.data_ptr<float>());
+  allow_shared(lamb_moments_kernel<T>, shared);
+  lamb_moments_kernel<T><<<grid, kThreads, shared, stream>>>(l, sums.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   lamb_ratio_kernel<<<blocks_for(n_params, 128), 128, 0, stream>>>(
       l, param_offset, n_params, chunk_offset, sums.data_ptr<float>(), neg_steps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  lamb_apply_kernel<T><<<grid, kThreads, 0, stream>>>(l, neg_steps);
+  allow_shared(lamb_apply_kernel<T>, shared);
+  lamb_apply_kernel<T><<<grid, kThreads, shared, stream>>>(l, neg_steps);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

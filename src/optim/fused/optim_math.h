@@ -102,6 +102,20 @@ struct LambMomentsOp {
   }
 };
 
+/// LAMB's first pass over coded moments: w^2 and u^2 from the moments as
+/// stored (encoded and decoded again), so that the trust ratio is that of
+/// the update the second pass applies.
+template <class Acc>
+struct LambSumsOp {
+  static constexpr bool kGrad = false, kM = true, kV = true, kWriteW = false, kWriteState = false;
+  LambDir dir;
+  Acc* acc;
+  template <class V>
+  AMPX_HD void operator()(V& w, V, V& m, V& v) const {
+    acc->add(w, dir(w, m, v));
+  }
+};
+
 /// LAMB's second pass: w -= lr * trust_ratio * u.
 struct LambApplyOp {
   static constexpr bool kGrad = false, kM = true, kV = true, kWriteW = true, kWriteState = false;
