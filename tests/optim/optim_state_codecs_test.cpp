@@ -85,8 +85,8 @@ float ref_floored_absmax(const std::vector<float>& x) {
 }
 
 /// One block: its scale and codes in format `codec` (FP8: E4M3 of x / s,
-/// s = absmax / 448, a positive second moment at least code 1; 8-bit: the
-/// map's code of x / s, s = absmax).
+/// s = absmax / 448; 8-bit: the map's code of x / s, s = absmax; in both,
+/// a positive second moment at least code 1).
 float ref_block(StateCodec codec, int moment, const std::vector<float>& x,
                 std::vector<uint8_t>& codes) {
   const float absmax = ref_floored_absmax(x);
@@ -97,8 +97,9 @@ float ref_block(StateCodec codec, int moment, const std::vector<float>& x,
     const float q = x[k] / scale;
     codes[k] =
         codec == StateCodec::kFp8 ? ref_e4m3(q) : aopt::detail::state_map_code(map.data(), q);
-    // A positive second moment never codes to zero in FP8 (the smallest subnormal instead).
-    if (codec == StateCodec::kFp8 && moment == 1 && q > 0 && codes[k] == 0) codes[k] = 1;
+    // A positive second moment never codes to zero (code 1 instead: FP8's
+    // smallest subnormal, the 8-bit map's smallest value).
+    if (moment == 1 && q > 0 && codes[k] == 0) codes[k] = 1;
   }
   return scale;
 }

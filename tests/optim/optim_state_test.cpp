@@ -118,6 +118,8 @@ double excess_over_bound(StateFormat format, bool is_signed, const torch::Tensor
         const double s = std::max(absmax, 1e-12);
         double nearest = std::numeric_limits<double>::infinity();
         for (double q : map) nearest = std::min(nearest, std::fabs(q * s - x[k]));
+        // A positive second moment at least the map's smallest value (map[1]).
+        if (!is_signed && x[k] > 0) nearest = std::max(nearest, map[1] * s);
         bound += nearest + 1e-6 * s;
         break;
       }

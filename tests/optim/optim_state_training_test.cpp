@@ -202,13 +202,14 @@ TEST(OptimStateTest, EveryFormatTrainsAsFp32Moments) {
 
 // A block whose gradients span 10^4 (one element 1e3, the others 0.1):
 // its first moments span 10^4 and keep their codes, its second moments span
-// 10^8 (2^26.6), past E4M3's 2^17.8. Had the small ones coded to 0, the
-// next step, whose gradients for them are 0, would divide m by eps alone
-// and move them by millions of lr; they code to the smallest subnormal, and
+// 10^8 (2^26.6), past E4M3's 2^17.8 and the 8-bit map's 2^22.5 (its smallest
+// value, 3.25e-7). Had the small ones coded to 0 (torchao's AdamWFp8 and
+// AdamW8bit do), the next step, whose gradients for them are 0, would divide
+// m by eps alone and move them by millions of lr; they code to code 1, and
 // every element moves by at most 3 lr (Adam's steps are about lr), as with
 // fp32 moments (0.67 lr).
-TEST(OptimStateTest, Fp8SecondMomentsThatWouldFlushToZeroDoNotBlowUpTheNextStep) {
-  for (const auto format : {StateFormat::kFp32, StateFormat::kFp8}) {
+TEST(OptimStateTest, SecondMomentsThatWouldFlushToZeroDoNotBlowUpTheNextStep) {
+  for (const auto format : {StateFormat::kFp32, StateFormat::kFp8, StateFormat::kInt8}) {
     SCOPED_TRACE(aopt::state_format_name(format));
     auto p = torch::zeros({4096}).requires_grad_();
     const double lr = 1e-3;

@@ -104,13 +104,9 @@ __device__ inline void encode_tile(const FusedParam& p, const StateMaps& maps, u
     for (int64_t k = threadIdx.x; k < nb; k += blockDim.x) {
       const float q = x[o + k] / scale;
       uint32_t code;
-      if (fp8) {
-        code = math::fp8_state_code(q);
-        // A positive second moment keeps at least the smallest subnormal's code.
-        if (moment == 1 && q > 0.f && code == 0u) code = 1u;
-      } else {
-        code = math::map_code(maps.map[moment], q);
-      }
+      code = fp8 ? math::fp8_state_code(q) : math::map_code(maps.map[moment], q);
+      // A positive second moment keeps at least code 1 (state_span.cpp's second_moment_code).
+      if (moment == 1 && q > 0.f && code == 0u) code = 1u;
       out[b + o + k] = static_cast<uint8_t>(code);
     }
   }

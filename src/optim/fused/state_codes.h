@@ -16,7 +16,9 @@
 //   8bit   codes of m / s in bitsandbytes' dynamic tree map (signed for the
 //          first moment, unsigned for the second), s = max(absmax, 1e-12) for
 //          each block, the code the nearest map value, ties up (torchao's
-//          OptimState8bit, quantize_8bit_with_qmap)
+//          OptimState8bit, quantize_8bit_with_qmap), but that a positive
+//          second moment whose nearest code is 0 takes code 1 (the map's
+//          smallest value): torchao's flushes it
 //
 // A block's scale comes from the block's new values, so a moment that decays
 // everywhere in its block keeps its codes and decays through the scale.

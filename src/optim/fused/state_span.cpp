@@ -81,16 +81,16 @@ typename L::I fp8_code(typename L::F q) {
   return L::or_(L::template sll<7>(L::template srl<31>(u)), code);
 }
 
-/// fp8_code of a second moment's q: a positive q whose nearest code is 0
-/// takes code 1 instead (the smallest subnormal, 2^-9 of the scale). A block
-/// spans 2^17.8 in v, half that in the gradient, while the first moment,
-/// linear in the gradient, spans all of it: an element could keep its m and
-/// lose its v, and the next step divide m by sqrt(0.001 g^2), or by eps.
-/// Rounded up instead, its step is damped, never blown up (the zero-point
-/// problem of 4-bit optimizers, Li et al. 2023).
+/// A second moment's code: a positive q whose nearest code is 0 takes code 1
+/// instead (FP8: the smallest subnormal, 2^-9 of the scale; 8-bit: the
+/// unsigned map's smallest value, 3.25e-7 of it). A block spans 2^17.8 in v
+/// in FP8 and 2^22.5 in 8 bits, half that in the gradient, while the first
+/// moment, linear in the gradient, spans twice as much: an element could
+/// keep its m and lose its v, and the next step divide m by
+/// sqrt(0.001 g^2), or by eps. Rounded up instead, its step is damped, never
+/// blown up (the zero-point problem of 4-bit optimizers, Li et al. 2023).
 template <class L>
-typename L::I fp8_second_moment_code(typename L::F q) {
-  const auto code = fp8_code<L>(q);
+typename L::I second_moment_code(typename L::I code, typename L::F q) {
   return L::select(L::ltf(L::setf(0.0f), q), L::max(code, L::set(1u)), code);
 }
 
@@ -234,18 +234,25 @@ void encode_moment(const FusedParam& p, uint64_t key, int moment, int64_t b, int
         if (moment == 0) {
           encode_block(x, nb, scale, out, []<class L>(typename L::F q) { return fp8_code<L>(q); });
         } else {
-          encode_block(x, nb, scale, out,
-                       []<class L>(typename L::F q) { return fp8_second_moment_code<L>(q); });
+          encode_block(x, nb, scale, out, []<class L>(typename L::F q) {
+            return second_moment_code<L>(fp8_code<L>(q), q);
+          });
         }
         return scale;
       });
       return;
     case FusedState::kInt8: {
       const uint32_t* buckets = optim::detail::map_buckets(moment == 0);
-      for_blocks(p, moment, b, n, in, [buckets](const float* x, int64_t nb, uint8_t* out) {
+      for_blocks(p, moment, b, n, in, [buckets, moment](const float* x, int64_t nb, uint8_t* out) {
         const float scale = math::floored_absmax(absmax_of(x, nb));
-        encode_block(x, nb, scale, out,
-                     [buckets]<class L>(typename L::F q) { return map_code<L>(buckets, q); });
+        if (moment == 0) {
+          encode_block(x, nb, scale, out,
+                       [buckets]<class L>(typename L::F q) { return map_code<L>(buckets, q); });
+        } else {
+          encode_block(x, nb, scale, out, [buckets]<class L>(typename L::F q) {
+            return second_moment_code<L>(map_code<L>(buckets, q), q);
+          });
+        }
         return scale;
       });
       return;
