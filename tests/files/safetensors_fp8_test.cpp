@@ -18,6 +18,7 @@
 
 namespace {
 
+namespace fs = std::filesystem;
 using ampx::test::SafetensorsTest;
 using ::testing::HasSubstr;
 
