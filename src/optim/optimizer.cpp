@@ -150,6 +150,25 @@ void check_param(const char* name, const at::Tensor& p, size_t g, size_t i,
               ") is Half");
 }
 
+// The params of `groups` that have a gradient, checked (check_param), each
+// with its position among all params and its state.
+std::vector<ParamWork> params_with_grads(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                         std::vector<std::vector<ParamState>>& states,
+                                         const char* name, bool stochastic_rounding) {
+  std::vector<ParamWork> work;
+  int64_t position = 0;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i, ++position) {
+      const auto& p = params[i];
+      if (!p.grad().defined()) continue;
+      check_param(name, p, g, i, stochastic_rounding);
+      work.push_back({g, i, position, p, p.grad(), &states[g][i]});
+    }
+  }
+  return work;
+}
+
 // What the grads are multiplied by: 1/scale (rounded as GradScaler rounds
 // it) times clip_grad_norm_'s coefficient max / (norm + 1e-6), at most 1;
 // undefined for neither.
@@ -181,17 +200,8 @@ void MixedPrecisionOptimizer::run_step(const at::Tensor& grad_scale, const at::T
   c10::NoGradGuard no_grad;
   sync_state_shape();
 
-  std::vector<ParamWork> work;
-  int64_t position = 0;
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    auto& params = param_groups_[g].params();
-    for (size_t i = 0; i < params.size(); ++i, ++position) {
-      const auto& p = params[i];
-      if (!p.grad().defined()) continue;
-      check_param(name(), p, g, i, config_.stochastic_rounding);
-      work.push_back({g, i, position, p, p.grad(), &states_[g][i]});
-    }
-  }
+  std::vector<ParamWork> work =
+      params_with_grads(param_groups_, states_, name(), config_.stochastic_rounding);
   const bool whole_norms = piece_sums_ && reads_param_norms();
   if (work.empty()) {
     // The other ranks' step sums pieces across ranks: this one takes part
