@@ -58,6 +58,22 @@ struct Decision {
   LayerFormat moved_to = LayerFormat::kBFloat16;
 };
 
+// The event of a layer whose check found something (d.finding), before the
+// layer moves.
+WatchEvent event_of(int64_t step, const LayerPlan& l, const Decision& d) {
+  WatchEvent e;
+  e.step = step;
+  e.module = l.module;
+  e.format = l.format;
+  e.finding = *d.finding;
+  e.gradient_norm = d.numbers.gradient_norm;
+  e.noise_norm = d.numbers.noise_norm;
+  e.underflow = d.numbers.underflow;
+  e.non_finite = d.numbers.non_finite;
+  e.moved_to = d.moved_to;
+  return e;
+}
+
 // Every rank of `group` takes rank 0's decisions, numbers, findings and
 // moves alike (the ranks watch the same plan: the same layers in the same
 // order), whatever its own numbers, thresholds or target.
@@ -315,16 +331,7 @@ std::vector<WatchEvent> PlanWatch::check(int64_t step, const std::function<void(
     LayerPlan& l = *watched[i].first;
     const Decision& d = decisions[i];
     if (!d.finding) continue;
-    WatchEvent e;
-    e.step = step;
-    e.module = l.module;
-    e.format = l.format;
-    e.finding = *d.finding;
-    e.gradient_norm = d.numbers.gradient_norm;
-    e.noise_norm = d.numbers.noise_norm;
-    e.underflow = d.numbers.underflow;
-    e.non_finite = d.numbers.non_finite;
-    e.moved_to = d.moved_to;
+    WatchEvent e = event_of(step, l, d);
     if (e.moved_to != l.format) {
       move(l, *watched[i].second, e.moved_to);
       l.reason = "moved by the watch at step " + std::to_string(step) + " (" +
