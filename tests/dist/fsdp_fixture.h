@@ -26,8 +26,6 @@ namespace fs = std::filesystem;
 constexpr int64_t kParams =
     (8 * 32 + 32) + 2 * (2 * 32 + 32 * 128 + 128 + 128 * 32 + 32) + 2 * 32 + (32 * 4 + 4);
 
-// The model's bytes gathered at once: bf16 for the Linear layers' weights
-// and biases, fp32 for the norms'; and one block's.
 /// One run's record: a line per step and rank 0's final parameters.
 struct Record {
   std::vector<std::string> steps;  // "loss <step> <loss> <scale> <stepped>"

@@ -40,6 +40,8 @@ using ampx_test::Record;
 
 class FsdpWorldTest : public FsdpTest, public ::testing::WithParamInterface<int> {};
 
+// The model's bytes gathered at once: bf16 for the Linear layers' weights
+// and biases, fp32 for the norms'; and one block's.
 constexpr int64_t kNormParams = 3 * 2 * 32;
 constexpr int64_t kGathered = 2 * (kParams - kNormParams) + 4 * kNormParams;
 constexpr int64_t kBlock = 2 * (32 * 128 + 128 + 128 * 32 + 32) + 4 * 2 * 32;

@@ -141,6 +141,18 @@ std::vector<torch::Tensor> fused_case_run(const FusedCudaCase& c, const torch::D
   }
   std::vector<torch::Tensor> out;
   for (const auto& t : full_state(*opt)) out.push_back(t.defined() ? t.cpu() : t);
+  // A Kahan compensation as the fp32 weight it makes with its param: LAMB's
+  // trust ratios differ between the devices in the sixth digit (below),
+  // which can move a param across a rounding point of its dtype and so its
+  // compensation by a whole ulp of the param, while the weight the two make
+  // moves by the ratio's difference alone. (full_state: the params, then
+  // per param its master, compensation, moments and step count.)
+  for (size_t k = 0; k < params.size(); ++k) {
+    auto& compensation = out[params.size() + 5 * k + 1];
+    if (compensation.defined()) {
+      compensation = out[k].to(torch::kFloat) + compensation.to(torch::kFloat);
+    }
+  }
   return out;
 }
 

@@ -1,18 +1,19 @@
-"""8-bit block codes of AdamW's moments: ampx's --optimizer-state 8bit (bitsandbytes' dynamic
-tree map, through torchao's own functions, which ampx's codes equal bit for bit:
-tests/reference/optim_state_reference.py) and the linear codes it was chosen over.
+"""8-bit block codes of AdamW's moments: bitsandbytes' dynamic tree map (through torchao's own
+functions, whose codes ampx's equal bit for bit: tests/reference/optim_state_reference.py), the
+map with ampx's floor for positive second moments, and linear codes.
 
 Every code scales a block of 256 elements by s = max(absmax, 1e-12), stores the nearest of 256
 map values of x / s (ties up: torchao's quantize_8bit_with_qmap) and decodes map[code] * s.
 
     dynamic   bitsandbytes' dynamic tree map, 7 exponent bits at most: signed [-0.993, 1] with
-              zero at code 127, unsigned [0, 1] (torchao's AdamW8bit; ampx's)
+              zero at code 127, unsigned [0, 1] (torchao's AdamW8bit; ampx's before 6d2d7fa)
     linear    evenly spaced: signed (c - 127) / 128, [-0.992, 1] with zero at code 127 as the
               dynamic map; unsigned (c + 1) / 256, no zero (torchao's 4-bit unsigned map,
               linspace(0, 1, 17)[1:], at 8 bits)
     linear0   the linear signed map; unsigned c / 255, with zero
     dynamic-floor  the dynamic map, but a positive second moment whose nearest code is 0 takes
-              code 1 (what ampx's FP8 state does with E4M3's smallest subnormal)
+              code 1 (ampx's --optimizer-state 8bit since 6d2d7fa, as its FP8 state does with
+              E4M3's smallest subnormal)
 """
 import torch
 from torchao.optim.quant_utils import create_dynamic_map, quantize_8bit_with_qmap

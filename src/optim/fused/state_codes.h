@@ -12,7 +12,7 @@
 //   fp8    E4M3 codes of m / s, s = max(absmax, 1e-12) / 448 for each block
 //          (torchao's OptimStateFp8), but that a positive second moment
 //          whose nearest code is 0 takes the smallest subnormal's, 1
-//          (state_span.cpp's fp8_second_moment_code): torchao's flushes it
+//          (state_span.cpp's second_moment_code): torchao's flushes it
 //   8bit   codes of m / s in bitsandbytes' dynamic tree map (signed for the
 //          first moment, unsigned for the second), s = max(absmax, 1e-12) for
 //          each block, the code the nearest map value, ties up (torchao's
