@@ -105,8 +105,7 @@ __device__ inline void encode_tile(const FusedParam& p, const StateMaps& maps, u
       const float q = x[o + k] / scale;
       uint32_t code;
       code = fp8 ? math::fp8_state_code(q) : math::map_code(maps.map[moment], q);
-      // A positive second moment keeps at least code 1 (state_span.cpp's second_moment_code).
-      if (moment == 1 && q > 0.f && code == 0u) code = 1u;
+      if (moment == 1) code = math::second_moment_floor(code, q);
       out[b + o + k] = static_cast<uint8_t>(code);
     }
   }
@@ -161,30 +160,41 @@ __device__ inline void store_tile(const FusedParam& p, const StateMaps& maps, ui
   if (p.exp_avg_sq_codes) encode_tile(p, maps, key, 1, b, n, q.exp_avg_sq);
 }
 
-/// The span's elements in tiles (fused_tile: whole blocks), through `op`:
-/// each tile loaded (load_tile), the fp32 update run on it with the CPU's
-/// operands and the compensation written, then, where `encode_state`, its
-/// moments encoded back.
+/// Elements [s.begin, s.end) of s.p in tiles (fused_tile: whole blocks):
+/// each tile loaded (load_tile), then body(q, b, n, narrow) with the tile's
+/// fp32 operands q of elements [b, b + n) and q's Narrow; the buffers are
+/// free again before the next tile's loading.
+template <class T, class Body>
+__device__ inline void for_tiles(const Span& s, const StateMaps& maps, float* buffers,
+                                 const Body& body) {
+  const int64_t tile = fused_tile(s.p);
+  for (int64_t b = s.begin; b < s.end; b += tile) {
+    const int64_t n = s.end - b < tile ? s.end - b : tile;
+    const FusedParam q = load_tile<T>(s.p, maps, b, n, tile, buffers);
+    body(q, b, n, narrow_for<T>(q, s.at));
+    __syncthreads();  // the buffers are read before the next tile's decoding
+  }
+}
+
+/// The span's elements in tiles through `op`: the fp32 update run on each
+/// with the CPU's operands and the compensation written, then, where
+/// `encode_state`, its moments encoded back.
 template <class T, class Op>
 __device__ inline void run_tiled(const Span& s, const Op& op, const StateMaps& maps, float* buffers,
                                  bool encode_state) {
   const FusedParam& p = s.p;
-  const int64_t tile = fused_tile(p);
-  for (int64_t b = s.begin; b < s.end; b += tile) {
-    const int64_t n = s.end - b < tile ? s.end - b : tile;
-    const FusedParam q = load_tile<T>(p, maps, b, n, tile, buffers);
-    const Narrow<T> narrow = narrow_for<T>(q, s.at);
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-      math::update_element<T>(q, k, s.at.grad_mul, op, narrow);
-      if (p.compensation) {  // what the new param lost, rounded to nearest (its own thread's)
-        const float kept = static_cast<float>(static_cast<const T*>(p.param)[b + k]);
-        static_cast<T*>(p.compensation)[b + k] = static_cast<T>(q.master[k] - kept);
-      }
-    }
-    __syncthreads();
-    if (encode_state) store_tile(p, maps, s.at.key, b, n, q);
-    __syncthreads();  // the buffers are read before the next tile's decoding
-  }
+  for_tiles<T>(
+      s, maps, buffers, [&](const FusedParam& q, int64_t b, int64_t n, const Narrow<T>& narrow) {
+        for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+          math::update_element<T>(q, k, s.at.grad_mul, op, narrow);
+          if (p.compensation) {  // what the new param lost, rounded to nearest (its own thread's)
+            const float kept = static_cast<float>(static_cast<const T*>(p.param)[b + k]);
+            static_cast<T*>(p.compensation)[b + k] = static_cast<T>(q.master[k] - kept);
+          }
+        }
+        __syncthreads();
+        if (encode_state) store_tile(p, maps, s.at.key, b, n, q);
+      });
 }
 
 /// LAMB pass 1 over a tiled param (cpu_span.cpp's lamb_moments_span): each
@@ -196,29 +206,24 @@ __device__ inline void lamb_moments_tiled(const Span& s, const StateMaps& maps, 
                                           ThreadSums& acc) {
   const FusedParam& p = s.p;
   const bool coded = p.exp_avg_codes != nullptr || p.exp_avg_sq_codes != nullptr;
-  const int64_t tile = fused_tile(p);
   ThreadSums unused;
   const auto moments = lamb_moments_op(p.options, s.at.step, coded ? &unused : &acc);
   const math::LambSumsOp<ThreadSums> stored{lamb_dir(p.options, s.at.step), &acc};
-  for (int64_t b = s.begin; b < s.end; b += tile) {
-    const int64_t n = s.end - b < tile ? s.end - b : tile;
-    const FusedParam q = load_tile<T>(p, maps, b, n, tile, buffers);
-    const Narrow<T> narrow = narrow_for<T>(q, s.at);
-    for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-      math::update_element<T>(q, k, s.at.grad_mul, moments, narrow);
-    }
-    __syncthreads();
-    if (coded) {
-      store_tile(p, maps, s.at.key, b, n, q);
-      __syncthreads();  // the codes (global memory) are written before they are read
-      decode_tile(p, maps, b, n, q.exp_avg, q.exp_avg_sq);
-      __syncthreads();
-      for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
-        math::update_element<T>(q, k, s.at.grad_mul, stored, narrow);
-      }
-    }
-    __syncthreads();  // the buffers are read before the next tile's decoding
-  }
+  for_tiles<T>(s, maps, buffers,
+               [&](const FusedParam& q, int64_t b, int64_t n, const Narrow<T>& narrow) {
+                 for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+                   math::update_element<T>(q, k, s.at.grad_mul, moments, narrow);
+                 }
+                 __syncthreads();
+                 if (!coded) return;
+                 store_tile(p, maps, s.at.key, b, n, q);
+                 __syncthreads();  // the codes (global memory) are written before they are read
+                 decode_tile(p, maps, b, n, q.exp_avg, q.exp_avg_sq);
+                 __syncthreads();
+                 for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+                   math::update_element<T>(q, k, s.at.grad_mul, stored, narrow);
+                 }
+               });
 }
 
 }  // namespace cuda

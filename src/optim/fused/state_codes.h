@@ -97,6 +97,13 @@ AMPX_HD uint8_t fp8_state_code(float quotient) {
   return fp8::math::encode<fp8::math::Format::kE4M3>(quotient);
 }
 
+/// A second moment's FP8 or 8-bit code from its nearest code: a positive q
+/// whose nearest code is 0 takes code 1 (state_span.cpp's second_moment_code,
+/// lane by lane, says why).
+AMPX_HD uint32_t second_moment_floor(uint32_t code, float q) {
+  return q > 0.f && code == 0u ? 1u : code;
+}
+
 /// The value of E4M3 code `code` in a block of scale `scale`.
 AMPX_HD float fp8_state_value(uint8_t code, float scale) {
   return fp8::block_math::e4m3_value(code) * scale;

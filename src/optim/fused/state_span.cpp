@@ -89,6 +89,7 @@ typename L::I fp8_code(typename L::F q) {
 /// keep its m and lose its v, and the next step divide m by
 /// sqrt(0.001 g^2), or by eps. Rounded up instead, its step is damped, never
 /// blown up (the zero-point problem of 4-bit optimizers, Li et al. 2023).
+/// (state_codes.h's second_moment_floor, lane by lane.)
 template <class L>
 typename L::I second_moment_code(typename L::I code, typename L::F q) {
   return L::select(L::ltf(L::setf(0.0f), q), L::max(code, L::set(1u)), code);
