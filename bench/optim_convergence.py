@@ -204,14 +204,22 @@ def main():
     p.add_argument("--threads", type=int, default=1, help="ampx-train --threads")
     p.add_argument("--combos", type=int, default=len(COMBOS),
                    help="run only the first N combinations of COMBOS (the baseline first)")
+    p.add_argument("--only", nargs="+", metavar="MASTERS-STATE", default=None,
+                   help="run only these combinations of COMBOS, e.g. fp32-fp8 fp32-8bit")
     p.add_argument("--report-only", action="store_true",
                    help="write the tables from the stored runs, run nothing")
     p.add_argument("--out", default="runs/optim-convergence")
     args = p.parse_args()
+    names = [f"{m}-{s}" for m, s in COMBOS]
+    for name in args.only or []:
+        if name not in names:
+            p.error(f"--only {name}: not one of {' '.join(names)}")
 
     if not args.report_only:
         for workload in args.workloads:
             for masters, state in COMBOS[:args.combos]:
+                if args.only and f"{masters}-{state}" not in args.only:
+                    continue
                 for seed in args.seeds:
                     run_one(args, workload, masters, state, seed)
     for workload in args.workloads:

@@ -251,6 +251,34 @@ TEST(OptimStateCodecsTest, EveryFp8QuotientAndEveryBucketOfThe8BitMapCodesAsTheR
   }
 }
 
+TEST(OptimStateCodecsTest, EveryCodeDecodesToItsValueTimesTheBlocksScale) {
+  // All 256 codes (twice, and a tail past the vector bodies) at scales from
+  // the floor's (1e-12 / 448) to near float's largest: FP8 from the code's
+  // fields, 8-bit from the map, each the reference's value times the scale.
+  std::vector<uint8_t> codes(256 * 2 + 13);
+  for (size_t k = 0; k < codes.size(); ++k) codes[k] = static_cast<uint8_t>(k * 37 % 256);
+  const auto n = static_cast<int64_t>(codes.size());
+  for (const Isa isa : ampx::detail::cpu::supported_isas()) {
+    for (const StateCodec codec : {StateCodec::kFp8, StateCodec::kInt8}) {
+      for (const int moment : {0, 1}) {
+        const auto map = aopt::detail::state_dynamic_map(moment == 0);
+        for (const float scale : {1.0f, 1e-12f / 448.0f, 0.3f, 7.5e-4f, 3e35f}) {
+          std::vector<float> back(codes.size());
+          aopt::detail::state_decode(isa, codec, moment, codes.data(), scale, n, back.data());
+          int64_t differ = 0;
+          for (int64_t k = 0; k < n; ++k) {
+            const uint8_t c = codes[static_cast<size_t>(k)];
+            const float want = (codec == StateCodec::kFp8 ? e4m3_value(c) : map[c]) * scale;
+            differ += std::isnan(want) ? !std::isnan(back[k]) : to_bits(back[k]) != to_bits(want);
+          }
+          EXPECT_EQ(differ, 0) << isa_label(isa) << (codec == StateCodec::kFp8 ? " fp8" : " 8bit")
+                               << " moment " << moment << " scale " << scale;
+        }
+      }
+    }
+  }
+}
+
 TEST(OptimStateCodecsTest, KahanWeightsAreTheReferencesOnEveryBuild) {
   std::mt19937 rng(3);
   std::uniform_int_distribution<uint32_t> bits;

@@ -1,6 +1,6 @@
 // The tables of the moments in fewer bits on the CPU (state_tiles.h: the
-// E4M3 values, the 8-bit state's dynamic tree maps of state_codes.h and
-// their codes by bucket), the codecs of the best build, and the tests' hooks
+// 8-bit state's dynamic tree maps of state_codes.h and their codes by
+// bucket), the codecs of the best build, and the tests' hooks
 // (ampx/detail/optim_state.h).
 //
 // bitsandbytes' map (Dettmers 2015, "8-Bit Approximations for Parallelism in
@@ -117,15 +117,6 @@ cpu::Isa codec_isa() {
 }
 
 }  // namespace
-
-const float* e4m3_table() {
-  alignas(64) static const std::array<float, 256> values = [] {
-    std::array<float, 256> v;
-    for (int c = 0; c < 256; ++c) v[c] = math::fp8_state_value(static_cast<uint8_t>(c), 1.0f);
-    return v;
-  }();
-  return values.data();
-}
 
 const float* dynamic_map_table(bool is_signed) {
   return math::dynamic_map(is_signed).value;

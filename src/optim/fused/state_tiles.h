@@ -23,10 +23,6 @@ namespace detail {
 /// The largest block of the FP8 and 8-bit moments (elements per scale).
 constexpr int64_t kMaxStateBlock = 4096;
 
-/// The 256 E4M3 codes' values (fp8_state_value(code, 1), exact; 0x7F and
-/// 0xFF NaN).
-const float* e4m3_table();
-
 /// The dynamic tree map's 256 values (state_codes.h's dynamic_map).
 const float* dynamic_map_table(bool is_signed);
 
