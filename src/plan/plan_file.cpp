@@ -4,8 +4,8 @@
 #include "ampx/precision_plan.h"
 
 #include "../files/atomic_file.h"
+#include "../files/json/reader.h"
 #include "../files/json/writer.h"
-#include "json_value.h"
 #include "linears.h"
 
 #include <c10/util/Exception.h>
@@ -27,7 +27,9 @@ namespace {
 constexpr int64_t kPlanVersion = 4;
 using ampx::detail::json_number;
 using ampx::detail::json_string;
-using detail::JsonValue;
+using ampx::detail::JsonValue;
+using ampx::detail::kind_name;
+using ampx::detail::parse_json;
 
 void write_layer(std::ostringstream& o, const LayerPlan& l) {
   o << "    {\n"
@@ -48,7 +50,7 @@ class Fields {
   Fields(const JsonValue& v, std::string path, const std::string& where_text)
       : path_(std::move(path)), where_(where_text) {
     TORCH_CHECK_VALUE(v.kind == JsonValue::Kind::kObject, where(), ": ", path_or_top(),
-                      " must be an object, got a ", detail::kind_name(v.kind));
+                      " must be an object, got a ", kind_name(v.kind));
     object_ = &v.object;
   }
   const JsonValue& at(const std::string& key, JsonValue::Kind kind) {
@@ -61,8 +63,7 @@ class Fields {
                               (item.second.string == "inf" || item.second.string == "-inf" ||
                                item.second.string == "nan");
       TORCH_CHECK_VALUE(item.second.kind == kind || non_finite, where(), ": key '", name(key),
-                        "' must be a ", detail::kind_name(kind), ", got a ",
-                        detail::kind_name(item.second.kind));
+                        "' must be a ", kind_name(kind), ", got a ", kind_name(item.second.kind));
       return item.second;
     }
     TORCH_CHECK_VALUE(false, where(), ": key '", name(key), "' is missing");
@@ -129,7 +130,7 @@ Floor read_floor(const JsonValue& v, const std::string& path, const std::string&
 
 // A plan from its JSON text; errors start with `where`.
 PrecisionPlan read_plan(const std::string& text, const std::string& where) {
-  const JsonValue doc = detail::parse_json(text, where);
+  const JsonValue doc = parse_json(text, where);
   Fields top(doc, "", where);
   const double version = top.number("version");
   TORCH_CHECK_VALUE(version >= 1 && version <= kPlanVersion && version == std::floor(version),

@@ -5,14 +5,14 @@
 
 #include "ampx/safetensors.h"
 
-#include <c10/util/Exception.h>
+#include "../test_util.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <string>
 
@@ -49,18 +49,10 @@ class SafetensorsTest : public ::testing::Test {
     return p;
   }
   static std::string error_of(const std::string& p) {
-    return error_in([&] { ampx::read_safetensors(p); });
+    return error_text([&] { ampx::read_safetensors(p); });
   }
   static std::string contents_error_of(const std::string& p) {
-    return error_in([&] { ampx::read_safetensors_contents(p); });
-  }
-  static std::string error_in(const std::function<void()>& fn) {
-    try {
-      fn();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "";
+    return error_text([&] { ampx::read_safetensors_contents(p); });
   }
 
   fs::path dir_;

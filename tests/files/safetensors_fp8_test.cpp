@@ -19,6 +19,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using ampx::test::error_text;
 using ampx::test::SafetensorsTest;
 using ::testing::HasSubstr;
 
@@ -167,16 +168,16 @@ TEST_F(SafetensorsTest, SavingRefusesBadFp8TensorsAndNamesUsedTwice) {
   ampx::SafetensorsContents c;
   c.fp8["w"] = all_codes(Fp8Format::kE4M3, 2.0f);
   c.tensors["w_scale"] = torch::ones({1});
-  EXPECT_THAT(error_in([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
+  EXPECT_THAT(error_text([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
               HasSubstr("two entries are named 'w_scale' (one of them the scale of FP8 tensor "
                         "'w')"));
   c.tensors.clear();
   c.fp8["w"].codes = torch::zeros({2});
-  EXPECT_THAT(error_in([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
+  EXPECT_THAT(error_text([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
               HasSubstr("FP8 tensor 'w' has codes of dtype Float; an Fp8Tensor's codes are uint8"));
   c.fp8["w"] = all_codes(Fp8Format::kE4M3, 2.0f);
   c.fp8["w"].scale_inv = torch::ones({2});
-  EXPECT_THAT(error_in([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
+  EXPECT_THAT(error_text([&] { ampx::save_safetensors(c, path("x.safetensors")); }),
               HasSubstr("FP8 tensor 'w' has a scale_inv of Float with 2 elements; it must be one "
                         "float32 element"));
   EXPECT_FALSE(fs::exists(path("x.safetensors")));
@@ -206,7 +207,7 @@ TEST_F(SafetensorsTest, LoadsFp8EntriesIntoAModuleAsTheirValues) {
   bn_file.fp8["num_batches_tracked"] =
       Fp8Tensor{torch::full({}, 0x38, torch::kByte), torch::ones({}), Fp8Format::kE4M3};
   ampx::save_safetensors(bn_file, path("bn_fp8.safetensors"));
-  EXPECT_THAT(error_in([&] { ampx::load_safetensors(*bn, path("bn_fp8.safetensors")); }),
+  EXPECT_THAT(error_text([&] { ampx::load_safetensors(*bn, path("bn_fp8.safetensors")); }),
               HasSubstr("FP8 tensor 'num_batches_tracked' goes into a floating-point tensor; the "
                         "module's is Long"));
 }

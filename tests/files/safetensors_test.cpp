@@ -25,6 +25,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
+using ampx::test::error_text;
 using ampx::test::SafetensorsTest;
 
 // What the format says, written by hand: u64 header length, the JSON header
@@ -193,37 +194,63 @@ TEST_F(SafetensorsTest, BadFilesGetAnErrorSayingWhatIsWrong) {
                                  eight)),
               HasSubstr("an integer too large"));
   EXPECT_THAT(error_of(file_with(R"({"w\ud800":{}})", eight)),
-              HasSubstr("a lone high surrogate at byte 9"));
+              HasSubstr("surrogate U+D800..U+DBFF must be followed by U+DC00..U+DFFF; last read: "
+                        "'\"w\\ud800\"'; expected string literal at byte 9"));
   EXPECT_THAT(error_of(path("missing")), HasSubstr("cannot open"));
 }
 
 // Each way the header's JSON can be wrong: the fault and the byte of the
-// header where the parser found it.
+// header where the reading stopped (a token's last byte, the byte after a
+// number, the header's length at its end): JSON's faults in nlohmann-json's
+// words, the grammar's in ampx's.
 TEST_F(SafetensorsTest, BadHeaderTextGetsAnErrorNamingItsByte) {
   const std::string entry = R"("dtype":"F32","shape":[2],"data_offsets":[0,8])";
   std::string dims65 = "[1";  // 65 dimensions of size 1
   for (int k = 0; k < 64; ++k) dims65 += ",1";
   dims65 += "]";
+  const std::string lex =
+      "not valid JSON: syntax error while parsing object key - invalid string: ";
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {R"({"w":)", "expected '{' at byte 5"},
-      {R"({"w)", "a string without its closing quote at byte 3"},
-      {"{\"w\\", "a string without its closing quote at byte 4"},
-      {"{\"w\nx\":{}}", "a control character in a string at byte 4"},
-      {R"({"\q":{}})", "an unknown escape \\q at byte 4"},
-      {R"({"\u12)", "a \\u escape cut short at byte 4"},
-      {R"({"\u12g4":{}})", "a \\u escape with a non-hex digit at byte 7"},
-      {R"({"\ud800\u0041":{}})", "a high surrogate without its low one at byte 14"},
-      {R"({"\udc00":{}})", "a lone low surrogate at byte 8"},
+      {R"({"w":)",
+       "not valid JSON: syntax error while parsing value - unexpected end of input; "
+       "expected '[', '{', or a literal at byte 5"},
+      {R"({"w)",
+       lex + "missing closing quote; last read: '\"w'; expected string literal at byte 3"},
+      {"{\"w\\", lex + "forbidden character after backslash; last read: '\"w\\'"},
+      {"{\"w\nx\":{}}", lex + "control character U+000A (LF) must be escaped to \\u000A or \\n; "
+                              "last read: '\"w<U+000A>'; expected string literal at byte 3"},
+      {R"({"\q":{}})", lex + "forbidden character after backslash; last read: '\"\\q'; expected "
+                             "string literal at byte 3"},
+      {R"({"\u12)", lex + "'\\u' must be followed by 4 hex digits; last read: '\"\\u12'; "
+                          "expected string literal at byte 6"},
+      {R"({"\u12g4":{}})", lex + "'\\u' must be followed by 4 hex digits; last read: "
+                                 "'\"\\u12g'; expected string literal at byte 6"},
+      {R"({"\ud800\u0041":{}})", lex + "surrogate U+D800..U+DBFF must be followed by "
+                                       "U+DC00..U+DFFF; last read: '\"\\ud800\\u0041'; "
+                                       "expected string literal at byte 13"},
+      {R"({"\udc00":{}})", lex + "surrogate U+DC00..U+DFFF must follow U+D800..U+DBFF; last "
+                                 "read: '\"\\udc00'; expected string literal at byte 7"},
+      {"{\"w\xFF\":{}}", lex + "ill-formed UTF-8 byte; last read: '\"w\xFF'; expected "
+                               "string literal at byte 3"},
+      {R"({"w":5})", "expected '{' at byte 6"},
+      {R"({"w":{"dtype":8,"shape":[2],"data_offsets":[0,8]}})", "expected a string at byte 15"},
+      {R"({"w":{"dtype":"F32","shape":2,"data_offsets":[0,8]}})", "expected '[' at byte 29"},
       {R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})",
-       "expected a non-negative integer at byte 29"},
+       "expected a non-negative integer at byte 31"},
+      {R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})",
+       "expected a non-negative integer at byte 32"},
       {R"({"w":{"dtype":"F32","shape":)" + dims65 + R"(,"data_offsets":[0,8]}})",
-       "more than 64 dimensions at byte 157"},
+       "more than 64 dimensions at byte 158"},
       {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4,8]}})",
-       "data_offsets that are not [begin, end] at byte 54"},
+       "data_offsets that are not [begin, end] at byte 53"},
+      {R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8]}})",
+       "data_offsets that are not [begin, end] at byte 49"},
       {R"({"w":{)" + entry + R"(,"dtype":"F32"}})",
-       "an unexpected or repeated key 'dtype' in a tensor entry at byte 61"},
+       "an unexpected or repeated key 'dtype' in a tensor entry at byte 59"},
       {R"({"w":{)" + entry + R"(,"offsets":[0,8]}})",
-       "an unexpected or repeated key 'offsets' in a tensor entry at byte 63"},
+       "an unexpected or repeated key 'offsets' in a tensor entry at byte 61"},
+      {R"({"__metadata__":{"a":1}})", "expected a string at byte 22"},
+      {R"({"__metadata__":{"a":{}}})", "expected a string at byte 21"},
   };
   for (const auto& [header, want] : cases) {
     EXPECT_THAT(error_of(file_with(header, std::string(8, '\x01'))), HasSubstr(want)) << header;
@@ -254,6 +281,31 @@ TEST_F(SafetensorsTest, EscapedSurrogatePairsReadBackAsUtf8) {
   std::map<std::string, std::string> again;
   EXPECT_EQ(ampx::read_safetensors(path("again.safetensors"), &again).begin()->first, "w" + grin);
   EXPECT_EQ(again, want);
+}
+
+// A header is JSON, which is UTF-8: a name or metadata string with other
+// bytes would make a file no reader opens (ampx's, Python's), so the writer
+// refuses it, naming it, and leaves the file that was there as it was.
+TEST_F(SafetensorsTest, NamesThatAreNotUtf8AreRefusedAndNothingIsWritten) {
+  const auto t = torch::tensor({1.0f});
+  const std::string file = path("kept.safetensors");
+  ampx::save_safetensors({{"w", t}}, file);
+  const std::string before = bytes_of(file);
+  const std::string latin1 = "w\xE9";  // "wé" in Latin-1
+  EXPECT_THAT(error_text([&] {
+                ampx::save_safetensors({{latin1, t}}, file);
+              }),
+              HasSubstr("save_safetensors: tensor name 'w\xE9' is not UTF-8, which a "
+                        "safetensors header (JSON) must be"));
+  EXPECT_THAT(error_text([&] {
+                ampx::save_safetensors({{"w", t}}, file, {{"note", latin1}});
+              }),
+              HasSubstr("save_safetensors: the value of metadata key 'note' is not UTF-8"));
+  EXPECT_THAT(error_text([&] {
+                ampx::save_safetensors({{"w", t}}, file, {{latin1, "x"}});
+              }),
+              HasSubstr("save_safetensors: metadata key 'w\xE9' is not UTF-8"));
+  EXPECT_EQ(bytes_of(file), before);
 }
 
 }  // namespace

@@ -1,11 +1,18 @@
-// parse_safetensors_header (header_parser.h): a recursive-descent parser of
-// the safetensors header's subset of JSON, every failure an error that names
-// the file and the byte offset in the header.
+// parse_safetensors_header (header_parser.h): nlohmann-json reads the JSON
+// and hands its events, one token at a time, to HeaderEvents, which holds
+// them to the safetensors grammar as they come (nothing is built that the
+// grammar would refuse). The reader takes the header's bytes through
+// CountingIterator, so that every refusal, the JSON's and the grammar's,
+// names the byte of the header where the reading stopped.
 
 #include "header_parser.h"
 
 #include <c10/util/Exception.h>
 
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <iterator>
 #include <limits>
 #include <set>
 
@@ -13,230 +20,242 @@ namespace ampx {
 namespace detail {
 namespace {
 
-class HeaderParser {
+/// The header's bytes for nlohmann-json's reader, counting those it took.
+class CountingIterator {
  public:
-  HeaderParser(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
+  using iterator_category = std::input_iterator_tag;
+  using value_type = char;
+  using difference_type = std::ptrdiff_t;
+  using pointer = const char*;
+  using reference = const char&;
 
-  using Entry = SafetensorsHeaderEntry;
+  CountingIterator(const char* at, size_t* taken) : at_(at), taken_(taken) {}
+  reference operator*() const { return *at_; }
+  CountingIterator& operator++() {
+    ++at_;
+    ++*taken_;
+    return *this;
+  }
+  CountingIterator operator++(int) {
+    CountingIterator before = *this;
+    ++*this;
+    return before;
+  }
+  bool operator==(const CountingIterator& o) const { return at_ == o.at_; }
+  bool operator!=(const CountingIterator& o) const { return at_ != o.at_; }
 
-  void parse(std::vector<std::pair<std::string, Entry>>& entries,
-             std::map<std::string, std::string>& metadata) {
-    expect('{');
-    std::set<std::string> seen;
-    if (!consume('}')) {
-      do {
-        std::string name = string();
-        TORCH_CHECK(seen.insert(name).second, where_, ": the header names '", name, "' twice");
-        expect(':');
-        if (name == "__metadata__") {
-          metadata_object(metadata);
-        } else {
-          entries.emplace_back(std::move(name), entry());
-        }
-      } while (consume(','));
-      expect('}');
+ private:
+  const char* at_;
+  size_t* taken_;
+};
+
+using Json = nlohmann::json;
+using Entries = std::vector<std::pair<std::string, SafetensorsHeaderEntry>>;
+
+/// nlohmann-json's SAX events of the header, held to its grammar: one object
+/// of tensor entries (each an object of "dtype", a string, "shape" and
+/// "data_offsets", arrays of non-negative integers) and "__metadata__", an
+/// object of strings.
+class HeaderEvents {
+ public:
+  HeaderEvents(const std::string& where, const size_t& taken, Entries& entries,
+               std::map<std::string, std::string>& metadata)
+      : where_(where), taken_(taken), entries_(entries), metadata_(metadata) {}
+
+  bool null() { return unexpected(); }
+  bool boolean(bool) { return unexpected(); }
+  bool number_integer(Json::number_integer_t v) {
+    return v >= 0 ? integer(static_cast<uint64_t>(v)) : unexpected();
+  }
+  bool number_unsigned(Json::number_unsigned_t v) { return integer(v); }
+  bool number_float(Json::number_float_t, const Json::string_t& text) {
+    // Digits alone: an integer past uint64, which the reader made a float.
+    const bool digits = text.find_first_not_of("0123456789") == std::string::npos;
+    if (digits && (in_ == In::kShape || in_ == In::kOffsets)) fail("an integer too large");
+    return unexpected();
+  }
+  bool binary(Json::binary_t&) { return unexpected(); }  // not made from JSON text
+
+  bool string(Json::string_t& s) {
+    if (in_ == In::kDtype) {
+      entries_.back().second.dtype = s;
+      in_ = In::kEntry;
+    } else if (in_ == In::kMetadataValue) {
+      metadata_[key_] = s;
+      in_ = In::kMetadata;
+    } else {
+      return unexpected();
     }
-    skip_space();
-    TORCH_CHECK(i_ == s_.size(), where_, ": text after the header's object at byte ", i_);
+    return true;
+  }
+
+  bool start_object(std::size_t) {
+    if (in_ == In::kStart) {
+      in_ = In::kNames;
+    } else if (in_ == In::kEntryObject) {
+      in_ = In::kEntry;
+    } else if (in_ == In::kMetadataObject) {
+      in_ = In::kMetadata;
+    } else {
+      return unexpected();
+    }
+    return true;
+  }
+
+  bool key(Json::string_t& k) {
+    switch (in_) {
+      case In::kNames:
+        if (!names_.insert(k).second) fail("the header names '" + k + "' twice");
+        if (k == "__metadata__") {
+          in_ = In::kMetadataObject;
+        } else {
+          entries_.emplace_back(k, SafetensorsHeaderEntry{});
+          dtype_ = shape_ = offsets_ = false;
+          in_ = In::kEntryObject;
+        }
+        break;
+      case In::kMetadata:
+        key_ = k;
+        in_ = In::kMetadataValue;
+        break;
+      default:  // In::kEntry: the reader gives keys in objects alone
+        entry_key(k);
+    }
+    return true;
+  }
+
+  bool end_object() {
+    if (in_ == In::kEntry && !(dtype_ && shape_ && offsets_)) {
+      fail("a tensor entry without dtype, shape and data_offsets");
+    }
+    in_ = in_ == In::kNames ? In::kDone : In::kNames;  // from an entry or the metadata
+    return true;
+  }
+
+  bool start_array(std::size_t) {
+    if (in_ == In::kShapeArray) {
+      in_ = In::kShape;
+    } else if (in_ == In::kOffsetsArray) {
+      in_ = In::kOffsets;
+      offsets_read_ = 0;
+    } else {
+      return unexpected();
+    }
+    return true;
+  }
+
+  bool end_array() {  // of a shape or data_offsets: nothing else holds an array
+    if (in_ == In::kOffsets && offsets_read_ != 2) fail("data_offsets that are not [begin, end]");
+    in_ = In::kEntry;
+    return true;
+  }
+
+  bool parse_error(std::size_t position, const std::string&, const Json::exception& e) {
+    // position: the bytes read, the one the reader stopped at included.
+    const size_t at = position > 0 ? position - 1 : 0;
+    if (in_ == In::kDone) fail_at(at, "text after the header's object");
+    const std::string what = e.what();
+    const size_t says = what.find("syntax error");  // past "[json.exception...] ... column C: "
+    fail_at(at, "not valid JSON: " + (says == std::string::npos ? what : what.substr(says)));
   }
 
  private:
-  [[noreturn]] void fail(const std::string& what) const {
-    TORCH_CHECK(false, where_, ": ", what, " at byte ", i_, " of its header");
-  }
-  void skip_space() {
-    while (i_ < s_.size() && (s_[i_] == ' ' || s_[i_] == '\t' || s_[i_] == '\n' || s_[i_] == '\r'))
-      ++i_;
-  }
-  bool consume(char c) {
-    skip_space();
-    if (i_ < s_.size() && s_[i_] == c) {
-      ++i_;
-      return true;
-    }
-    return false;
-  }
-  void expect(char c) {
-    if (!consume(c)) fail(std::string("expected '") + c + "'");
-  }
+  // Where the reader is: what the next event may be.
+  enum class In {
+    kStart,           // the header's object
+    kNames,           // its names
+    kEntryObject,     // a tensor entry, an object
+    kEntry,           // its keys
+    kDtype,           // "dtype"'s string
+    kShapeArray,      // "shape"'s array
+    kShape,           // its integers
+    kOffsetsArray,    // "data_offsets"'s array
+    kOffsets,         // its integers
+    kMetadataObject,  // "__metadata__"'s object
+    kMetadata,        // its keys
+    kMetadataValue,   // a key's string
+    kDone,            // after the header's object: nothing
+  };
 
-  uint32_t hex4() {
-    if (s_.size() - i_ < 4) fail("a \\u escape cut short");
-    uint32_t v = 0;
-    for (int k = 0; k < 4; ++k) {
-      const char c = s_[i_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') {
-        v |= static_cast<uint32_t>(c - '0');
-      } else if (c >= 'a' && c <= 'f') {
-        v |= static_cast<uint32_t>(c - 'a' + 10);
-      } else if (c >= 'A' && c <= 'F') {
-        v |= static_cast<uint32_t>(c - 'A' + 10);
-      } else {
-        fail("a \\u escape with a non-hex digit");
-      }
-    }
-    return v;
-  }
-  static void append_utf8(std::string& out, uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
+  void entry_key(const std::string& k) {
+    if (k == "dtype" && !dtype_) {
+      dtype_ = true;
+      in_ = In::kDtype;
+    } else if (k == "shape" && !shape_) {
+      shape_ = true;
+      in_ = In::kShapeArray;
+    } else if (k == "data_offsets" && !offsets_) {
+      offsets_ = true;
+      in_ = In::kOffsetsArray;
     } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
+      fail("an unexpected or repeated key '" + k + "' in a tensor entry");
     }
   }
 
-  std::string string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (i_ >= s_.size()) fail("a string without its closing quote");
-      const char c = s_[i_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("a control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (i_ >= s_.size()) fail("a string without its closing quote");
-      const char e = s_[i_++];
-      switch (e) {
-        case '"':
-          out += '"';
-          break;
-        case '\\':
-          out += '\\';
-          break;
-        case '/':
-          out += '/';
-          break;
-        case 'b':
-          out += '\b';
-          break;
-        case 'f':
-          out += '\f';
-          break;
-        case 'n':
-          out += '\n';
-          break;
-        case 'r':
-          out += '\r';
-          break;
-        case 't':
-          out += '\t';
-          break;
-        case 'u': {
-          uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00) {  // a surrogate pair
-            if (s_.size() - i_ < 2 || s_[i_] != '\\' || s_[i_ + 1] != 'u') {
-              fail("a lone high surrogate");
-            }
-            i_ += 2;
-            const uint32_t lo = hex4();
-            if (lo < 0xDC00 || lo >= 0xE000) fail("a high surrogate without its low one");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          } else if (cp >= 0xDC00 && cp < 0xE000) {
-            fail("a lone low surrogate");
-          }
-          append_utf8(out, cp);
-          break;
-        }
-        default:
-          fail(std::string("an unknown escape \\") + e);
-      }
+  bool integer(uint64_t v) {
+    if (in_ != In::kShape && in_ != In::kOffsets) return unexpected();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      fail("an integer too large");
+    }
+    SafetensorsHeaderEntry& e = entries_.back().second;
+    if (in_ == In::kShape) {
+      if (e.shape.size() >= 64) fail("more than 64 dimensions");
+      e.shape.push_back(static_cast<int64_t>(v));
+    } else {
+      (offsets_read_ == 0 ? e.begin : e.end) = v;
+      if (++offsets_read_ > 2) fail("data_offsets that are not [begin, end]");
+    }
+    return true;
+  }
+
+  /// The refusal of an event the grammar has no place for here: what it
+  /// expected instead.
+  bool unexpected() {
+    switch (in_) {
+      case In::kDtype:
+      case In::kMetadataValue:
+        fail("expected a string");
+      case In::kShapeArray:
+      case In::kOffsetsArray:
+        fail("expected '['");
+      case In::kShape:
+      case In::kOffsets:
+        fail("expected a non-negative integer");
+      default:  // kStart, kEntryObject, kMetadataObject: the reader gives values only there
+        fail("expected '{'");
     }
   }
 
-  uint64_t integer() {
-    skip_space();
-    const size_t start = i_;
-    uint64_t v = 0;
-    while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-      const uint64_t digit = static_cast<uint64_t>(s_[i_] - '0');
-      if (v > (static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) - digit) / 10) {
-        fail("an integer too large");
-      }
-      v = v * 10 + digit;
-      ++i_;
-    }
-    if (i_ == start) fail("expected a non-negative integer");
-    return v;
+  [[noreturn]] void fail(const std::string& what) const {
+    // The reader has read the token, and past a number the byte after it.
+    fail_at(taken_ > 0 ? taken_ - 1 : 0, what);
+  }
+  [[noreturn]] void fail_at(size_t at, const std::string& what) const {
+    TORCH_CHECK(false, where_, ": ", what, " at byte ", at, " of its header");
   }
 
-  std::vector<uint64_t> integers() {
-    expect('[');
-    std::vector<uint64_t> out;
-    if (consume(']')) return out;
-    do {
-      if (out.size() >= 64) fail("more than 64 dimensions");
-      out.push_back(integer());
-    } while (consume(','));
-    expect(']');
-    return out;
-  }
-
-  void metadata_object(std::map<std::string, std::string>& metadata) {
-    expect('{');
-    if (consume('}')) return;
-    do {
-      std::string key = string();
-      expect(':');
-      metadata[std::move(key)] = string();
-    } while (consume(','));
-    expect('}');
-  }
-
-  Entry entry() {
-    Entry e;
-    bool dtype = false, shape = false, offsets = false;
-    expect('{');
-    if (!consume('}')) {
-      do {
-        const std::string key = string();
-        expect(':');
-        if (key == "dtype" && !dtype) {
-          e.dtype = string();
-          dtype = true;
-        } else if (key == "shape" && !shape) {
-          for (uint64_t d : integers()) e.shape.push_back(static_cast<int64_t>(d));
-          shape = true;
-        } else if (key == "data_offsets" && !offsets) {
-          const auto o = integers();
-          if (o.size() != 2) fail("data_offsets that are not [begin, end]");
-          e.begin = o[0];
-          e.end = o[1];
-          offsets = true;
-        } else {
-          fail("an unexpected or repeated key '" + key + "' in a tensor entry");
-        }
-      } while (consume(','));
-      expect('}');
-    }
-    if (!dtype || !shape || !offsets) fail("a tensor entry without dtype, shape and data_offsets");
-    return e;
-  }
-
-  std::string_view s_;
-  std::string where_;
-  size_t i_ = 0;
+  const std::string& where_;
+  const size_t& taken_;
+  Entries& entries_;
+  std::map<std::string, std::string>& metadata_;
+  In in_ = In::kStart;
+  std::set<std::string> names_;
+  std::string key_;                                       // the metadata key whose value is next
+  bool dtype_ = false, shape_ = false, offsets_ = false;  // the entry's keys seen
+  int offsets_read_ = 0;
 };
 
 }  // namespace
 
-void parse_safetensors_header(std::string_view text, const std::string& where,
-                              std::vector<std::pair<std::string, SafetensorsHeaderEntry>>& entries,
+void parse_safetensors_header(std::string_view text, const std::string& where, Entries& entries,
                               std::map<std::string, std::string>& metadata) {
-  HeaderParser(text, where).parse(entries, metadata);
+  size_t taken = 0;
+  HeaderEvents events(where, taken, entries, metadata);
+  // Strict: one value, then white space alone; every refusal throws from
+  // `events`, so the parse never returns false.
+  Json::sax_parse(CountingIterator(text.data(), &taken),
+                  CountingIterator(text.data() + text.size(), &taken), &events,
+                  nlohmann::detail::input_format_t::json, true);
 }
 
 }  // namespace detail

@@ -1,12 +1,12 @@
 #pragma once
 
-// The JSON header of a safetensors file, parsed by a parser of the format's
-// own subset of JSON: one object of tensor entries and an optional
-// "__metadata__" object of strings; arrays of integers. A fixed grammar of
-// bounded depth is simpler to make safe against hostile files than a general
-// parser (tests/fuzz: target safetensors), and its errors name the byte of
-// the header where each went wrong, which nlohmann-json's events do not
-// (the plan files' reader, src/plan/json_value.cpp, uses nlohmann-json).
+// The JSON header of a safetensors file: one object of tensor entries and an
+// optional "__metadata__" object of strings; arrays of integers. Read by
+// nlohmann-json (a header-only dependency of the library's sources, not of
+// its headers), whose events the grammar checks as they come, so a hostile
+// file is refused at its first wrong token (tests/fuzz: target
+// safetensors); every error names the byte of the header where the reading
+// stopped.
 //
 //   std::vector<std::pair<std::string, SafetensorsHeaderEntry>> entries;
 //   std::map<std::string, std::string> metadata;
@@ -34,7 +34,9 @@ struct SafetensorsHeaderEntry {
 
 /// Appends the entries of the header `text` to `entries`, in the header's
 /// order, and its "__metadata__" to `metadata`. Throws c10::Error starting
-/// with `where` and naming the byte offset in the header on anything outside
+/// with `where` and naming the byte offset in the header (the last byte read:
+/// a token's last, the byte after a number) on text that is not JSON (with
+/// nlohmann-json's reason, ill-formed UTF-8 included) and on anything outside
 /// the grammar: a repeated name, an entry without dtype, shape and
 /// data_offsets, more than 64 dimensions, an integer past int64, text after
 /// the object.

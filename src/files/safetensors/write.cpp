@@ -1,11 +1,10 @@
-// save_safetensors (ampx/safetensors.h): the header written with the
-// library's JSON writer, then every tensor's CPU bytes, in one atomic write;
+// save_safetensors (ampx/safetensors.h): the header written by nlohmann-json,
+// then every tensor's CPU bytes, in one atomic write;
 // and SafetensorsFileWriter (writer.h): the same file, an entry at a time.
 
 #include "ampx/safetensors.h"
 
 #include "../atomic_file.h"
-#include "../json/writer.h"
 #include "ampx/detail/compat.h"
 #include "ampx/fp8/cast.h"
 #include "dtypes.h"
@@ -13,6 +12,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -60,33 +61,42 @@ struct HeaderEntry {
   uint64_t bytes;
 };
 
+/// Refuses `text` unless it is UTF-8, as the header's JSON must be: a name
+/// with other bytes would make a file that no reader (ampx's, Python's)
+/// opens. `what` names the string for the error.
+void check_utf8(const std::string& caller, const std::string& what, const std::string& text) {
+  try {
+    (void)nlohmann::json(text).dump();  // strict: throws on a byte that is not UTF-8
+  } catch (const nlohmann::json::type_error& e) {
+    TORCH_CHECK(false, caller, ": ", what, " is not UTF-8, which a safetensors header (JSON) ",
+                "must be: ", e.what());
+  }
+}
+
 // The file up to its data: the header's length (u64, little-endian) and the
-// header of `entries`, whose data lie end to end in name order.
+// header of `entries`, whose data lie end to end in name order; `caller`
+// names the writer in errors.
 std::string file_start(const std::map<std::string, HeaderEntry>& entries,
-                       const std::map<std::string, std::string>& metadata) {
-  using detail::json_string;
-  std::string header = "{";
+                       const std::map<std::string, std::string>& metadata,
+                       const std::string& caller) {
+  nlohmann::ordered_json json = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
-    header += "\"__metadata__\":{";
-    bool first = true;
+    auto& m = json["__metadata__"] = nlohmann::ordered_json::object();
     for (const auto& [k, v] : metadata) {
-      header += (first ? "" : ",") + json_string(k) + ":" + json_string(v);
-      first = false;
+      check_utf8(caller, "metadata key '" + k + "'", k);
+      check_utf8(caller, "the value of metadata key '" + k + "'", v);
+      m[k] = v;
     }
-    header += "}";
   }
   uint64_t offset = 0;
   for (const auto& [name, entry] : entries) {
-    header += std::string(header.size() > 1 ? "," : "") + json_string(name) + ":{\"dtype\":\"" +
-              entry.dtype + "\",\"shape\":[";
-    for (size_t d = 0; d < entry.shape.size(); ++d) {
-      header += (d ? "," : "") + std::to_string(entry.shape[d]);
-    }
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," +
-              std::to_string(offset + entry.bytes) + "]}";
+    check_utf8(caller, "tensor name '" + name + "'", name);
+    json[name] = {{"dtype", entry.dtype},
+                  {"shape", entry.shape},
+                  {"data_offsets", {offset, offset + entry.bytes}}};
     offset += entry.bytes;
   }
-  header += "}";
+  std::string header = json.dump();  // compact, as the reference writer's
   // The data start 8-aligned, as the reference writer makes them: spaces pad
   // the header (JSON ignores them).
   header.append((8 - (8 + header.size()) % 8) % 8, ' ');
@@ -108,7 +118,7 @@ void write_entries(const std::map<std::string, OutEntry>& entries, const std::st
     data_bytes += n;
     bytes_of.push_back(c);
   }
-  std::string file = file_start(header, metadata);
+  std::string file = file_start(header, metadata, "save_safetensors");
   file.reserve(file.size() + data_bytes);
   for (const auto& c : bytes_of) {
     file.append(static_cast<const char*>(c.data_ptr()),
@@ -158,7 +168,7 @@ SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
     place.offset = offset;
     offset += place.bytes;
   }
-  const std::string start = file_start(header, metadata);
+  const std::string start = file_start(header, metadata, caller_);
   data_start_ = start.size();
   file_.write_at(0, start.data(), start.size());
 }

@@ -1,11 +1,14 @@
 #pragma once
 
-// The JSON of plan files, read by nlohmann-json (a header-only dependency
-// of the library's sources, not of its headers): objects (keys kept in file
-// order, each once), arrays, strings, numbers, true/false/null, nesting at
-// most 32 deep. Internal to src/plan/.
+// A JSON document as a tree, read by nlohmann-json (a header-only
+// dependency of the library's sources, not of its headers): objects (keys
+// kept in file order, each once), arrays, strings, numbers,
+// true/false/null, nesting at most 32 deep. The plan files' reader
+// (src/plan/plan_file.cpp) walks it; safetensors headers have a reader of
+// their own grammar (safetensors/header_parser.h), and the reports are
+// written by writer.h.
 //
-//   auto v = ampx::plan::detail::parse_json(R"({"a": [1, "x"]})", "load_plan: 'p.json'");
+//   auto v = ampx::detail::parse_json(R"({"a": [1, "x"]})", "load_plan: 'p.json'");
 //   v.object[0].first;                    // "a"
 //   v.object[0].second.array[0].number;   // 1.0
 
@@ -15,7 +18,6 @@
 #include <vector>
 
 namespace ampx {
-namespace plan {
 namespace detail {
 
 /// One JSON value; which member holds it says `kind`.
@@ -38,5 +40,4 @@ const char* kind_name(JsonValue::Kind kind);
 JsonValue parse_json(std::string_view text, const std::string& where);
 
 }  // namespace detail
-}  // namespace plan
 }  // namespace ampx

@@ -1,4 +1,4 @@
-#include "json_value.h"
+#include "reader.h"
 
 #include <c10/util/Exception.h>
 
@@ -9,43 +9,42 @@
 #include <vector>
 
 namespace ampx {
-namespace plan {
 namespace detail {
 namespace {
 
 constexpr int kMaxDepth = 32;
-using Json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 /// `j` as a JsonValue (objects in file order).
-JsonValue value_of(const Json& j) {
+JsonValue value_of(const OrderedJson& j) {
   JsonValue v;
   switch (j.type()) {
-    case Json::value_t::null:
-    case Json::value_t::discarded:
+    case OrderedJson::value_t::null:
+    case OrderedJson::value_t::discarded:
       break;
-    case Json::value_t::boolean:
+    case OrderedJson::value_t::boolean:
       v.kind = JsonValue::Kind::kBool;
       v.boolean = j.get<bool>();
       break;
-    case Json::value_t::number_integer:
-    case Json::value_t::number_unsigned:
-    case Json::value_t::number_float:
+    case OrderedJson::value_t::number_integer:
+    case OrderedJson::value_t::number_unsigned:
+    case OrderedJson::value_t::number_float:
       v.kind = JsonValue::Kind::kNumber;
       v.number = j.get<double>();
       break;
-    case Json::value_t::string:
+    case OrderedJson::value_t::string:
       v.kind = JsonValue::Kind::kString;
       v.string = j.get<std::string>();
       break;
-    case Json::value_t::array:
+    case OrderedJson::value_t::array:
       v.kind = JsonValue::Kind::kArray;
       for (const auto& e : j) v.array.push_back(value_of(e));
       break;
-    case Json::value_t::object:
+    case OrderedJson::value_t::object:
       v.kind = JsonValue::Kind::kObject;
       for (const auto& [key, e] : j.items()) v.object.emplace_back(key, value_of(e));
       break;
-    case Json::value_t::binary:  // not made by parse
+    case OrderedJson::value_t::binary:  // not made by parse
       TORCH_INTERNAL_ASSERT(false, "a binary JSON value");
   }
   return v;
@@ -76,21 +75,22 @@ JsonValue parse_json(std::string_view text, const std::string& where) {
   // would take the last of) and nesting deeper than kMaxDepth are refused
   // as it reads.
   std::vector<std::set<std::string>> keys;  // of each object open
-  const Json::parser_callback_t check = [&](int depth, Json::parse_event_t event, Json& parsed) {
+  const OrderedJson::parser_callback_t check = [&](int depth, OrderedJson::parse_event_t event,
+                                                   OrderedJson& parsed) {
     switch (event) {
-      case Json::parse_event_t::object_start:
-      case Json::parse_event_t::array_start:
+      case OrderedJson::parse_event_t::object_start:
+      case OrderedJson::parse_event_t::array_start:
         TORCH_CHECK_VALUE(depth < kMaxDepth, where,
                           ": not valid JSON here: more than 32 nested arrays and objects");
-        if (event == Json::parse_event_t::object_start) keys.emplace_back();
+        if (event == OrderedJson::parse_event_t::object_start) keys.emplace_back();
         break;
-      case Json::parse_event_t::key: {
+      case OrderedJson::parse_event_t::key: {
         const auto& key = parsed.get_ref<const std::string&>();
         TORCH_CHECK_VALUE(!keys.empty() && keys.back().insert(key).second, where,
                           ": not valid JSON here: the key '", key, "' twice in one object");
         break;
       }
-      case Json::parse_event_t::object_end:
+      case OrderedJson::parse_event_t::object_end:
         if (!keys.empty()) keys.pop_back();
         break;
       default:
@@ -100,7 +100,7 @@ JsonValue parse_json(std::string_view text, const std::string& where) {
   };
   std::string error;
   try {
-    return value_of(Json::parse(text.begin(), text.end(), check));
+    return value_of(OrderedJson::parse(text.begin(), text.end(), check));
   } catch (const nlohmann::json::parse_error& e) {
     // e.byte: the byte after the one the reader stopped at (1 for the first).
     error =
@@ -112,5 +112,4 @@ JsonValue parse_json(std::string_view text, const std::string& where) {
 }
 
 }  // namespace detail
-}  // namespace plan
 }  // namespace ampx
