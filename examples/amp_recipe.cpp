@@ -40,27 +40,42 @@ int usage(const std::string& why) {
   return 2;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+/// The command line: the device (CUDA where there is one) and the number of epochs.
+struct Args {
   std::string device_name = torch::cuda::is_available() ? "cuda" : "cpu";
   int64_t epochs = 4;
+};
+
+/// Reads --device and --epochs into `args`; returns 0, or usage()'s exit code.
+int parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; i += 2) {
     const std::string arg = argv[i];
     if (i + 1 >= argc) return usage("missing value for " + arg);
     if (arg == "--device") {
-      device_name = argv[i + 1];
+      args.device_name = argv[i + 1];
     } else if (arg == "--epochs") {
-      epochs = std::atoll(argv[i + 1]);
+      args.epochs = std::atoll(argv[i + 1]);
     } else {
       return usage("unknown argument " + arg);
     }
   }
-  if (device_name != "cpu" && device_name != "cuda") return usage("--device must be cpu or cuda");
-  if (epochs < 2) return usage("--epochs must be at least 2");
-  if (device_name == "cuda" && !torch::cuda::is_available()) {
+  if (args.device_name != "cpu" && args.device_name != "cuda") {
+    return usage("--device must be cpu or cuda");
+  }
+  if (args.epochs < 2) return usage("--epochs must be at least 2");
+  if (args.device_name == "cuda" && !torch::cuda::is_available()) {
     return usage("--device cuda, but this LibTorch or machine has no CUDA");
   }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (const int code = parse_args(argc, argv, args)) return code;
+  const std::string& device_name = args.device_name;
+  const int64_t epochs = args.epochs;
   const torch::Device device(device_name == "cuda" ? torch::kCUDA : torch::kCPU);
   // float16 where the recipe uses it (CUDA); bfloat16 on the CPU.
   const auto dtype = device.is_cuda() ? torch::kHalf : torch::kBFloat16;

@@ -186,23 +186,18 @@ std::string sdpa_backend(const torch::Tensor& qkv) {
 #endif
 }
 
-}  // namespace
+// One shape in one dtype, its inputs and what each path measured on it.
+struct Case {
+  Shape shape;
+  torch::ScalarType dtype;
+  torch::Tensor qkv, dy;
+  std::vector<std::vector<double>> ms;  // per path, one entry per round
+  std::vector<double> max_diff;         // per path, against ampx, first round
+  std::string backend;
+};
 
-int main(int argc, char** argv) {
-  const Options options = parse(argc, argv);
-  at::set_num_threads(options.threads);
-  // As ampx-train does: freed activations stay mapped.
-  (void)ampx::keep_freed_cpu_memory();
-  const auto all_paths = paths();
-
-  struct Case {
-    Shape shape;
-    torch::ScalarType dtype;
-    torch::Tensor qkv, dy;
-    std::vector<std::vector<double>> ms;  // per path, one entry per round
-    std::vector<double> max_diff;         // per path, against ampx, first round
-    std::string backend;
-  };
+/// Every shape in every dtype of `options`, with seeded inputs and no timings yet.
+std::vector<Case> make_cases(const Options& options, const std::vector<Path>& all_paths) {
   std::vector<Case> cases;
   for (const auto dtype : options.dtypes) {
     for (const auto& s : kShapes) {
@@ -218,30 +213,37 @@ int main(int argc, char** argv) {
       cases.push_back(std::move(c));
     }
   }
+  return cases;
+}
 
-  for (int round = 0; round < options.rounds; ++round) {
-    for (auto& c : cases) {
-      torch::Tensor reference;
-      for (size_t p = 0; p < all_paths.size(); ++p) {
-        const auto grad = step(all_paths[p], c.shape, c.qkv, c.dy);  // warm-up
-        if (round == 0) {
-          if (p == 0) reference = grad.to(torch::kFloat);
-          c.max_diff[p] = (grad.to(torch::kFloat) - reference).abs().max().item<double>();
-        }
-        std::vector<double> times;
-        for (int r = 0; r < options.reps; ++r) {
-          const auto t0 = std::chrono::steady_clock::now();
-          step(all_paths[p], c.shape, c.qkv, c.dy);
-          times.push_back(
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
-                  .count());
-        }
-        c.ms[p].push_back(median(times));
+/// One round: each path on each case, warmed up, its median step time added to
+/// the case (and, in round 0, its gradient's largest difference from ampx's).
+void time_round(const Options& options, const std::vector<Path>& all_paths, int round,
+                std::vector<Case>& cases) {
+  for (auto& c : cases) {
+    torch::Tensor reference;
+    for (size_t p = 0; p < all_paths.size(); ++p) {
+      const auto grad = step(all_paths[p], c.shape, c.qkv, c.dy);  // warm-up
+      if (round == 0) {
+        if (p == 0) reference = grad.to(torch::kFloat);
+        c.max_diff[p] = (grad.to(torch::kFloat) - reference).abs().max().item<double>();
       }
+      std::vector<double> times;
+      for (int r = 0; r < options.reps; ++r) {
+        const auto t0 = std::chrono::steady_clock::now();
+        step(all_paths[p], c.shape, c.qkv, c.dy);
+        times.push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                .count());
+      }
+      c.ms[p].push_back(median(times));
     }
-    std::fprintf(stderr, "ampx_attention_bench: round %d of %d done\n", round + 1, options.rounds);
   }
+}
 
+/// Prints the table of the cases' median times and returns them as --json's document.
+nlohmann::json report(const Options& options, const std::vector<Path>& all_paths,
+                      const std::vector<Case>& cases) {
   nlohmann::json out;
   out["libtorch"] = ampx::detail::compat::torch_version();
   out["threads"] = options.threads;
@@ -273,6 +275,25 @@ int main(int argc, char** argv) {
     std::printf("\n");
     out["cases"].push_back(row);
   }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options options = parse(argc, argv);
+  at::set_num_threads(options.threads);
+  // As ampx-train does: freed activations stay mapped.
+  (void)ampx::keep_freed_cpu_memory();
+  const auto all_paths = paths();
+
+  std::vector<Case> cases = make_cases(options, all_paths);
+  for (int round = 0; round < options.rounds; ++round) {
+    time_round(options, all_paths, round, cases);
+    std::fprintf(stderr, "ampx_attention_bench: round %d of %d done\n", round + 1, options.rounds);
+  }
+
+  const nlohmann::json out = report(options, all_paths, cases);
   if (!options.json.empty()) {
     std::ofstream file(options.json);
     file << out.dump(2) << "\n";

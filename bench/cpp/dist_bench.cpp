@@ -65,6 +65,18 @@ double time_ms(F&& f) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
+/// The median ms of `steps` calls of f after 2 untimed ones, each call after a barrier of pg (if
+/// any).
+template <class F>
+double median_ms(int steps, const ampx::dist::ProcessGroup* pg, F&& f) {
+  std::vector<double> ms;
+  for (int i = 0; i < steps + 2; ++i) {
+    if (pg) pg->barrier();
+    const double t = time_ms(f);
+    if (i >= 2) ms.push_back(t);
+  }
+  return median(ms);
+}
 
 bool gloo_sums_bf16() {
   return std::string(ampx::torch_version()).rfind("1.", 0) != 0;
@@ -116,6 +128,20 @@ json collectives(const ampx::dist::ProcessGroup& pg) {
   return rows;
 }
 
+/// A buffer per bucket of ddp, as large as its parameters, in the dtype DDP sends it in.
+std::vector<torch::Tensor> bucket_buffers(const ampx::dist::DistributedDataParallel& ddp,
+                                          const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> buckets;
+  for (const auto& b : ddp.bucket_layout()) {
+    int64_t numel = 0;
+    for (const auto i : b) numel += params[i].numel();
+    auto dtype = params[b[0]].scalar_type();
+    if (dtype == torch::kBFloat16 && !gloo_sums_bf16()) dtype = torch::kFloat;  // DDP widens
+    buckets.push_back(torch::ones({numel}, dtype));
+  }
+  return buckets;
+}
+
 json gpt_steps(const Args& args, const c10::optional<ampx::dist::ProcessGroup>& pg) {
   const int64_t world = pg ? pg->world_size() : 1, rank = pg ? pg->rank() : 0;
   ampx::train::GPTConfig cfg;  // 4 layers, d 256, 4 heads, block 128: the main job
@@ -156,45 +182,22 @@ json gpt_steps(const Args& args, const c10::optional<ampx::dist::ProcessGroup>& 
     amp.scaler().step(opt);
     amp.scaler().update();
   };
-  std::vector<double> sync, local;
-  for (int i = 0; i < args.steps + 2; ++i) {
-    if (pg) pg->barrier();
-    const double t = time_ms([&] { step(true); });
-    if (i >= 2) sync.push_back(t);
-  }
+  const double t_sync = median_ms(args.steps, pg ? &*pg : nullptr, [&] { step(true); });
   json out = {{"world", world},
               {"threads_per_rank", at::get_num_threads()},
               {"global_batch", global_batch},
               {"block", cfg.block},
               {"precision", args.precision},
-              {"step_ms", median(sync)},
-              {"tokens_per_s", global_batch * cfg.block / median(sync) * 1e3}};
+              {"step_ms", t_sync},
+              {"tokens_per_s", global_batch * cfg.block / t_sync * 1e3}};
   if (!ddp) return out;
-  for (int i = 0; i < args.steps + 2; ++i) {
-    pg->barrier();
-    const double t = time_ms([&] { step(false); });
-    if (i >= 2) local.push_back(t);
-  }
+  const double t_local = median_ms(args.steps, &*pg, [&] { step(false); });
   // The buckets' all-reduces alone, in the dtypes DDP sends them in.
   const int64_t bytes_per_step = ddp->bytes_communicated() / (args.steps + 2);  // synced steps
-  std::vector<torch::Tensor> buckets;
-  auto params = gpt->parameters();
-  for (const auto& b : ddp->bucket_layout()) {
-    int64_t numel = 0;
-    for (const auto i : b) numel += params[i].numel();
-    auto dtype = params[b[0]].scalar_type();
-    if (dtype == torch::kBFloat16 && !gloo_sums_bf16()) dtype = torch::kFloat;  // DDP widens
-    buckets.push_back(torch::ones({numel}, dtype));
-  }
-  std::vector<double> comm;
-  for (int i = 0; i < args.steps + 2; ++i) {
-    pg->barrier();
-    const double t = time_ms([&] {
-      for (auto& b : buckets) pg->all_reduce_sum(b);
-    });
-    if (i >= 2) comm.push_back(t);
-  }
-  const double t_sync = median(sync), t_local = median(local), t_comm = median(comm);
+  auto buckets = bucket_buffers(*ddp, gpt->parameters());
+  const double t_comm = median_ms(args.steps, &*pg, [&] {
+    for (auto& b : buckets) pg->all_reduce_sum(b);
+  });
   const double exposed = std::max(0.0, t_sync - t_local);
   out.update({{"local_step_ms", t_local},
               {"comm_ms", t_comm},
@@ -261,10 +264,8 @@ json spawn(const char* self, const Args& args, const std::string& role, int worl
   return result;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  Args args;
+/// Reads the flags into `args`; returns 0, or 2 after saying what is wrong.
+int parse_args(int argc, char** argv, Args& args) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : nullptr;
@@ -295,6 +296,46 @@ int main(int argc, char** argv) {
         "ampx_dist_bench: --world >= 2, --steps >= 1, --bucket-mib >= 1, --precision O1|O2|fp32\n");
     return 2;
   }
+  return 0;
+}
+
+/// Prints the tables of the three runs: collectives, gpt steps, and DDP's hidden communication.
+void print_results(const Args& args, const json& coll, const json& one, const json& many) {
+  std::printf("LibTorch %s, %u cores, %d processes on loopback (Gloo)\n\n", ampx::torch_version(),
+              std::thread::hardware_concurrency(), args.world);
+  std::printf("| collective | dtype | MiB | ms | algbw GB/s | busbw GB/s |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: |\n");
+  for (const auto& r : coll) {
+    std::printf("| %s | %s | %lld | %.2f | %.2f | %.2f |\n", r["op"].get<std::string>().c_str(),
+                r["dtype"].get<std::string>().c_str(),
+                static_cast<long long>(r["mib"].get<int64_t>()), r["ms"].get<double>(),
+                r["algbw_gbps"].get<double>(), r["busbw_gbps"].get<double>());
+  }
+  std::printf("\n| gpt %s | threads/rank | step ms | tokens/s | vs 1 process |\n",
+              args.precision.c_str());
+  std::printf("| --- | ---: | ---: | ---: | ---: |\n");
+  for (const auto* r : {&one, &many}) {
+    std::printf("| %lld process(es) | %lld | %.1f | %.0f | %.2fx |\n",
+                static_cast<long long>((*r)["world"].get<int64_t>()),
+                static_cast<long long>((*r)["threads_per_rank"].get<int64_t>()),
+                (*r)["step_ms"].get<double>(), (*r)["tokens_per_s"].get<double>(),
+                (*r)["tokens_per_s"].get<double>() / one["tokens_per_s"].get<double>());
+  }
+  std::printf(
+      "\nDDP, %d processes: step %.1f ms with communication, %.1f ms without (no_sync); the "
+      "%lld bucket all-reduce(s) of %.1f MiB alone take %.1f ms: %.1f ms exposed, %.0f%% "
+      "hidden behind backward\n",
+      args.world, many["step_ms"].get<double>(), many["local_step_ms"].get<double>(),
+      static_cast<long long>(many["buckets"].get<int64_t>()),
+      many["bytes_per_step"].get<double>() / (1 << 20), many["comm_ms"].get<double>(),
+      many["exposed_comm_ms"].get<double>(), 100 * many["hidden_fraction"].get<double>());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args args;
+  if (const int code = parse_args(argc, argv, args)) return code;
   if (!ampx::dist::is_available()) {
     std::fprintf(stderr, "ampx_dist_bench: this ampx was built without c10d/Gloo\n");
     return 1;
@@ -307,34 +348,7 @@ int main(int argc, char** argv) {
     const json one = spawn(argv[0], args, "gpt1", 1);
     const json many = spawn(argv[0], args, "gpt", args.world);
 
-    std::printf("LibTorch %s, %u cores, %d processes on loopback (Gloo)\n\n", ampx::torch_version(),
-                std::thread::hardware_concurrency(), args.world);
-    std::printf("| collective | dtype | MiB | ms | algbw GB/s | busbw GB/s |\n");
-    std::printf("| --- | --- | ---: | ---: | ---: | ---: |\n");
-    for (const auto& r : coll) {
-      std::printf("| %s | %s | %lld | %.2f | %.2f | %.2f |\n", r["op"].get<std::string>().c_str(),
-                  r["dtype"].get<std::string>().c_str(),
-                  static_cast<long long>(r["mib"].get<int64_t>()), r["ms"].get<double>(),
-                  r["algbw_gbps"].get<double>(), r["busbw_gbps"].get<double>());
-    }
-    std::printf("\n| gpt %s | threads/rank | step ms | tokens/s | vs 1 process |\n",
-                args.precision.c_str());
-    std::printf("| --- | ---: | ---: | ---: | ---: |\n");
-    for (const auto* r : {&one, &many}) {
-      std::printf("| %lld process(es) | %lld | %.1f | %.0f | %.2fx |\n",
-                  static_cast<long long>((*r)["world"].get<int64_t>()),
-                  static_cast<long long>((*r)["threads_per_rank"].get<int64_t>()),
-                  (*r)["step_ms"].get<double>(), (*r)["tokens_per_s"].get<double>(),
-                  (*r)["tokens_per_s"].get<double>() / one["tokens_per_s"].get<double>());
-    }
-    std::printf(
-        "\nDDP, %d processes: step %.1f ms with communication, %.1f ms without (no_sync); the "
-        "%lld bucket all-reduce(s) of %.1f MiB alone take %.1f ms: %.1f ms exposed, %.0f%% "
-        "hidden behind backward\n",
-        args.world, many["step_ms"].get<double>(), many["local_step_ms"].get<double>(),
-        static_cast<long long>(many["buckets"].get<int64_t>()),
-        many["bytes_per_step"].get<double>() / (1 << 20), many["comm_ms"].get<double>(),
-        many["exposed_comm_ms"].get<double>(), 100 * many["hidden_fraction"].get<double>());
+    print_results(args, coll, one, many);
     if (!args.json_path.empty()) {
       const json all = {{"torch_version", ampx::torch_version()},
                         {"cores", std::thread::hardware_concurrency()},

@@ -294,15 +294,10 @@ std::string be32(uint32_t v) {
           static_cast<char>(v)};
 }
 
-}  // namespace
-
-void write_seeds(const std::string& dir) {
-  namespace fs = std::filesystem;
-  auto out = [&](const std::string& target, const std::string& name, const std::string& bytes) {
-    fs::create_directories(fs::path(dir) / target);
-    const auto path = (fs::path(dir) / target / name).string();
-    write_file(path, reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-  };
+/// checkpoint's, checkpoint_state's and state_dict's seeds: a checkpoint, a
+/// resume's description, a GradScaler's state.
+std::vector<Seed> checkpoint_seeds() {
+  std::vector<Seed> seeds;
   {  // a checkpoint: the trainer's framing around a LibTorch archive of one small tensor
     torch::serialize::OutputArchive archive;
     archive.write("w", torch::arange(4, torch::kFloat));
@@ -312,7 +307,7 @@ void write_seeds(const std::string& dir) {
         {"run", {{"workload", "gpt"}}}, {"step", 3}, {"amp", {{"scaler0", {{"scale", 65536.0}}}}}};
     const std::string path = scratch_file("seed.ampx");
     ampx::train::write_checkpoint(path, meta, payload.str());
-    out("checkpoint", "seed-1.ampx", read_whole(path));
+    seeds.push_back({"checkpoint", "seed-1.ampx", read_whole(path)});
   }
   {  // a description as a resume reads it: two steps, one skipped (its loss NaN), a scaler
     ampx::GradScaler scaler(ampx::GradScalerOptions().init_scale(1024.0).growth_interval(100));
@@ -324,19 +319,26 @@ void write_seeds(const std::string& dir) {
         {"amp", {{"scaler0", ampx::train::state_dict_to_json(scaler.state_dict())}}}};
     const std::string path = scratch_file("seed-state.ampx");
     ampx::train::write_checkpoint(path, meta, "");
-    out("checkpoint_state", "seed-1.ampx", read_whole(path));
+    seeds.push_back({"checkpoint_state", "seed-1.ampx", read_whole(path)});
   }
   {  // a GradScaler state as torch.save writes it
     const std::string path = scratch_file("seed.pt");
     ampx::save_state_dict(ampx::GradScaler().state_dict(), path);
-    out("state_dict", "seed-1.pt", read_whole(path));
+    seeds.push_back({"state_dict", "seed-1.pt", read_whole(path)});
   }
+  return seeds;
+}
+
+/// safetensors' and plan_file's seeds: the target's model (a Linear(4, 3)) in
+/// fp32 and with an E4M3 weight, and a precision plan of it.
+std::vector<Seed> model_file_seeds() {
+  std::vector<Seed> seeds;
   {  // a safetensors file of a Linear(4, 3), as the target's model
     torch::manual_seed(0);
     torch::nn::Linear model(4, 3);
     const std::string path = scratch_file("seed.safetensors");
     ampx::save_safetensors(*model, path, {{"format", "pt"}});
-    out("safetensors", "seed-1.safetensors", read_whole(path));
+    seeds.push_back({"safetensors", "seed-1.safetensors", read_whole(path)});
     // The same Linear with its weight in E4M3 and its scale ("weight_scale").
     ampx::SafetensorsContents fp8;
     fp8.fp8["weight"] = ampx::fp8::Fp8Tensor::quantize(
@@ -344,7 +346,7 @@ void write_seeds(const std::string& dir) {
     fp8.tensors["bias"] = model->bias.detach();
     fp8.metadata["format"] = "pt";
     ampx::save_safetensors(fp8, path);
-    out("safetensors", "seed-fp8.safetensors", read_whole(path));
+    seeds.push_back({"safetensors", "seed-fp8.safetensors", read_whole(path)});
   }
   {  // a precision plan of the target's model: one layer in NVFP4, one in bf16
     ampx::plan::PrecisionPlan plan;
@@ -360,36 +362,59 @@ void write_seeds(const std::string& dir) {
                            0.5, "every narrower format would leave the budget"});
     const std::string path = scratch_file("seed-plan.json");
     ampx::plan::save_plan(plan, path);
-    out("plan_file", "seed-1.json", read_whole(path));
+    seeds.push_back({"plan_file", "seed-1.json", read_whole(path)});
   }
-  {  // a ZeroRedundancyOptimizer shard after one AdamW step (the target's model and group)
-    torch::manual_seed(0);
-    torch::nn::Linear model(4, 3);
-    auto zero = make_zero(group_of_one(), model->parameters());
-    model->forward(torch::ones({2, 4})).sum().backward();
-    zero.step();
-    torch::serialize::OutputArchive archive;
-    zero.save(archive);
-    const std::string path = scratch_file("seed-zero.pt");
-    ampx::save_archive(archive, path);
-    out("zero_shard", "seed-1.pt", read_whole(path));
+  return seeds;
+}
+
+/// zero_shard's seed: a ZeroRedundancyOptimizer shard after one AdamW step
+/// (the target's model and group).
+std::vector<Seed> zero_seeds() {
+  torch::manual_seed(0);
+  torch::nn::Linear model(4, 3);
+  auto zero = make_zero(group_of_one(), model->parameters());
+  model->forward(torch::ones({2, 4})).sum().backward();
+  zero.step();
+  torch::serialize::OutputArchive archive;
+  zero.save(archive);
+  const std::string path = scratch_file("seed-zero.pt");
+  ampx::save_archive(archive, path);
+  return {{"zero_shard", "seed-1.pt", read_whole(path)}};
+}
+
+/// idx's, text's and launch_env's seeds, written out by hand.
+std::vector<Seed> handmade_seeds() {
+  // two 2x3 images and their labels
+  const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');
+  const std::string labels = be32(0x801) + be32(2) + std::string("\x03\x09", 2);
+  const std::string len = {static_cast<char>(images.size() & 0xff),
+                           static_cast<char>(images.size() >> 8)};
+  return {
+      {"idx", "seed-1.bin", len + images + labels},
+      {"text", "seed-1.txt", "Call me Ishmael. Some years ago - never mind how long precisely.\n"},
+      {"launch_env", "seed-torchrun.txt",
+       "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n"},
+      {"launch_env", "seed-slurm.txt",
+       "SLURM_PROCID=0\nSLURM_NTASKS=4\nSLURM_LOCALID=0\nMASTER_ADDR=node1\nMASTER_PORT=1234\n"},
+      {"launch_env", "seed-mpi.txt",
+       "OMPI_COMM_WORLD_RANK=2\nOMPI_COMM_WORLD_SIZE=3\nMASTER_ADDR=::1\nMASTER_PORT=80\n"},
+  };
+}
+
+}  // namespace
+
+void write_seeds(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const std::vector<std::vector<Seed>> groups = {checkpoint_seeds(), model_file_seeds(),
+                                                 zero_seeds(),       shard_seeds(),
+                                                 optim_seeds(),      handmade_seeds()};
+  for (const auto& seeds : groups) {
+    for (const auto& seed : seeds) {
+      fs::create_directories(fs::path(dir) / seed.target);
+      const auto path = (fs::path(dir) / seed.target / seed.name).string();
+      write_file(path, reinterpret_cast<const uint8_t*>(seed.bytes.data()), seed.bytes.size());
+    }
   }
-  for (const auto& seed : shard_seeds()) out(seed.target, seed.name, seed.bytes);
-  for (const auto& seed : optim_seeds()) out(seed.target, seed.name, seed.bytes);
-  {  // two 2x3 images and their labels
-    const std::string images = be32(0x803) + be32(2) + be32(2) + be32(3) + std::string(12, '\x7f');
-    const std::string labels = be32(0x801) + be32(2) + std::string("\x03\x09", 2);
-    const std::string len = {static_cast<char>(images.size() & 0xff),
-                             static_cast<char>(images.size() >> 8)};
-    out("idx", "seed-1.bin", len + images + labels);
-  }
-  out("text", "seed-1.txt", "Call me Ishmael. Some years ago - never mind how long precisely.\n");
-  out("launch_env", "seed-torchrun.txt",
-      "RANK=1\nWORLD_SIZE=2\nLOCAL_RANK=1\nMASTER_ADDR=127.0.0.1\nMASTER_PORT=29500\n");
-  out("launch_env", "seed-slurm.txt",
-      "SLURM_PROCID=0\nSLURM_NTASKS=4\nSLURM_LOCALID=0\nMASTER_ADDR=node1\nMASTER_PORT=1234\n");
-  out("launch_env", "seed-mpi.txt",
-      "OMPI_COMM_WORLD_RANK=2\nOMPI_COMM_WORLD_SIZE=3\nMASTER_ADDR=::1\nMASTER_PORT=80\n");
 }
 
 std::string scratch_file(const char* name) {

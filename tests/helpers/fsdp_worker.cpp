@@ -145,6 +145,58 @@ std::pair<torch::Tensor, torch::Tensor> batch_shard(int64_t rank, int64_t world)
           y.slice(0, rank * shard, (rank + 1) * shard)};
 }
 
+/// The sharded run's wrapper, each unit a unit (mismatch-units: the last rank
+/// leaves the head out); O2 sums in bf16 where Gloo can. Prints its reduce_dtype.
+std::unique_ptr<ampx::dist::FullyShardedDataParallel> shard_model(const std::string& scenario,
+                                                                  Net& model,
+                                                                  ampx::dist::ProcessGroup& pg,
+                                                                  bool mixed, bool o2) {
+  auto options = ampx::dist::FullyShardedDataParallelOptions()
+                     .param_dtype(mixed ? torch::kBFloat16 : torch::kFloat)
+                     .reduce_dtype(o2 ? torch::kBFloat16 : torch::kFloat)
+                     .reshard_after_forward(scenario != "bf16-grad")
+                     .prefetch(scenario != "bf16-noprefetch");
+  std::vector<std::shared_ptr<torch::nn::Module>> units{model->in.ptr(), model->block0.ptr(),
+                                                        model->block1.ptr(), model->head.ptr()};
+  if (scenario == "mismatch-units" && pg.rank() == pg.world_size() - 1) units.pop_back();
+  std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;
+  try {
+    fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+  } catch (const c10::Error& e) {
+    // O2 sums in bf16, as DDP does, where Gloo can (LibTorch 2.x); else in fp32.
+    if (!o2 || std::string(e.what()).find("cannot sum") == std::string::npos) throw;
+    options.reduce_dtype(torch::kFloat);
+    fsdp = std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
+  }
+  std::cout << "reduce_dtype " << options.reduce_dtype() << std::endl;
+  return fsdp;
+}
+
+/// LAMB (lamb: its trust ratios from whole parameters' norms, through fsdp's
+/// piece sums where sharded) or AdamW, over `params`.
+std::unique_ptr<ampx::optim::MixedPrecisionOptimizer> make_optimizer(
+    bool lamb, const std::string& scenario, const std::vector<torch::Tensor>& params,
+    ampx::dist::FullyShardedDataParallel* fsdp) {
+  if (!lamb) {
+    return std::make_unique<ampx::optim::AdamW>(params,
+                                                ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  }
+  auto optimizer = std::make_unique<ampx::optim::LAMB>(
+      params, ampx::optim::LAMBOptions(1e-2).weight_decay(0.01));
+  if (fsdp && scenario == "lamb") optimizer->set_piece_sums(fsdp->piece_sums());
+  return optimizer;
+}
+
+/// Prints what the sharded state holds, gathers and sends, and the model's own parameters' size.
+void print_sharded_sizes(const ampx::dist::FullyShardedDataParallel& fsdp, Net& model) {
+  std::cout << "sharded_bytes " << fsdp.sharded_bytes() << "\npeak_gathered_bytes "
+            << fsdp.peak_gathered_bytes() << "\nbytes_communicated " << fsdp.bytes_communicated()
+            << std::endl;
+  int64_t full = 0;
+  for (const auto& p : model->parameters()) full += p.numel();
+  std::cout << "unsharded_parameters " << full << std::endl;  // the model's: placeholders
+}
+
 int train(const std::string& scenario, bool sharded, const std::string& out,
           ampx::dist::ProcessGroup& pg) {
   const int64_t rank = pg.rank(), world = pg.world_size();
@@ -161,39 +213,13 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
   std::unique_ptr<ampx::dist::FullyShardedDataParallel> fsdp;
   std::vector<torch::Tensor> params;
   if (sharded) {
-    auto options = ampx::dist::FullyShardedDataParallelOptions()
-                       .param_dtype(mixed ? torch::kBFloat16 : torch::kFloat)
-                       .reduce_dtype(o2 ? torch::kBFloat16 : torch::kFloat)
-                       .reshard_after_forward(scenario != "bf16-grad")
-                       .prefetch(scenario != "bf16-noprefetch");
-    std::vector<std::shared_ptr<torch::nn::Module>> units{model->in.ptr(), model->block0.ptr(),
-                                                          model->block1.ptr(), model->head.ptr()};
-    if (scenario == "mismatch-units" && rank == world - 1) units.pop_back();
-    try {
-      fsdp =
-          std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
-    } catch (const c10::Error& e) {
-      // O2 sums in bf16, as DDP does, where Gloo can (LibTorch 2.x); else in fp32.
-      if (!o2 || std::string(e.what()).find("cannot sum") == std::string::npos) throw;
-      options.reduce_dtype(torch::kFloat);
-      fsdp =
-          std::make_unique<ampx::dist::FullyShardedDataParallel>(model.ptr(), pg, units, options);
-    }
-    std::cout << "reduce_dtype " << options.reduce_dtype() << std::endl;
+    fsdp = shard_model(scenario, model, pg, mixed, o2);
     params = fsdp->parameters();
   } else {
     ddp = std::make_unique<ampx::dist::DistributedDataParallel>(model.ptr(), pg);
     params = model->parameters();
   }
-  std::unique_ptr<ampx::optim::MixedPrecisionOptimizer> optimizer;
-  if (lamb) {
-    optimizer = std::make_unique<ampx::optim::LAMB>(
-        params, ampx::optim::LAMBOptions(1e-2).weight_decay(0.01));
-    if (sharded && scenario == "lamb") optimizer->set_piece_sums(fsdp->piece_sums());
-  } else {
-    optimizer = std::make_unique<ampx::optim::AdamW>(
-        params, ampx::optim::AdamWOptions(1e-2).weight_decay(0.01));
-  }
+  const auto optimizer = make_optimizer(lamb, scenario, params, fsdp.get());
   auto& opt = *optimizer;
   std::optional<ampx::AmpSession> amp;
   if (o2 && sharded) {
@@ -234,28 +260,15 @@ int train(const std::string& scenario, bool sharded, const std::string& out,
         << " " << stepped << "\n";
   }
   if (sharded) {
-    std::cout << "sharded_bytes " << fsdp->sharded_bytes() << "\npeak_gathered_bytes "
-              << fsdp->peak_gathered_bytes() << "\nbytes_communicated "
-              << fsdp->bytes_communicated() << std::endl;
-    int64_t full = 0;
-    for (const auto& p : model->parameters()) full += p.numel();
-    std::cout << "unsharded_parameters " << full << std::endl;  // the model's: placeholders
-  }
-  std::vector<torch::Tensor> values;
-  if (sharded) {
-    const auto state = fsdp->full_state_dict();
-    for (const auto& p : model->named_parameters()) {
-      if (rank == 0) values.push_back(state[p.key()]);
-    }
+    print_sharded_sizes(*fsdp, model);
+    fsdp_worker::log_params(log, *model, *fsdp, pg);
   } else if (rank == 0) {
     for (const auto& p : model->parameters()) {  // O2: the masters, as the shards hold them
       const auto master = opt.master(p);
-      values.push_back(master.defined() ? master : p);
+      auto c = (master.defined() ? master : p).detach().to(torch::kFloat).contiguous();
+      for (int64_t i = 0; i < c.numel(); ++i)
+        log << "param " << hex(c.data_ptr<float>()[i]) << "\n";
     }
-  }
-  for (const auto& v : values) {
-    auto c = v.detach().to(torch::kFloat).contiguous();
-    for (int64_t i = 0; i < c.numel(); ++i) log << "param " << hex(c.data_ptr<float>()[i]) << "\n";
   }
   return 0;
 }

@@ -32,39 +32,12 @@ using plan_test::TempFolder;
 using plan_test::write_text;
 using ::testing::HasSubstr;
 
-// A floor keeps the Linears under its prefix at or above its format's width
-// (the published NVFP4 recipe's first and last blocks, by position): the
-// floored layer leaves NVFP4 for an 8-bit format, and says why; the other
-// layers are planned as before; two floors over a layer, the wider binds;
-// the plan file keeps the floors (version 4) and refuses a layer below one;
-// prove_plan keeps them through its rounds and its fallback.
-TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
-  Measured& fx = measured_mlp();
+/// The file of `floored` (whose floor `name` keeps layer l at fp8): version 4
+/// with the floors, saved again byte for byte; an older version (`free`) has
+/// none; a layer below its floor is refused.
+void expect_floors_in_file(const plan::PrecisionPlan& free, const plan::PrecisionPlan& floored,
+                           size_t l, const std::string& name) {
   TempFolder tmp;
-  const auto free = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
-  EXPECT_TRUE(free.floors.empty());
-  size_t l = 0;
-  while (l < free.layers.size() && free.layers[l].format != LayerFormat::kNvfp4) ++l;
-  ASSERT_LT(l, free.layers.size());
-  const std::string name = free.layers[l].module;
-  const std::vector<plan::Floor> floors = {{name, LayerFormat::kFp8}};
-  const auto floored = plan::make_plan(fx.m, plan::PlanOptions(kBudget).floors(floors));
-  ASSERT_EQ(floored.floors.size(), 1u);
-  EXPECT_EQ(floored.floors[0].prefix, name);
-  EXPECT_EQ(plan::element_bits(floored.layers[l].format), 8) << name;
-  EXPECT_THAT(floored.layers[l].reason,
-              HasSubstr("the floor '" + name + "' keeps it at 8-bit elements or wider (fp8), "
-                        "ruling out nvfp4"));
-  EXPECT_GT(floored.cost, free.cost);  // the floor costs time: FP8's half of NVFP4's speed
-  EXPECT_LE(floored.predicted_loss_change, kBudget);
-  // Two floors over one layer: the wider binds.
-  const std::vector<plan::Floor> two = {{name, LayerFormat::kFp8}, {name, LayerFormat::kBFloat16}};
-  const auto both = plan::make_plan(fx.m, plan::PlanOptions(kBudget).floors(two));
-  EXPECT_GE(plan::element_bits(both.layers[l].format), 16) << name;
-  EXPECT_THAT(both.layers[l].reason, HasSubstr("the floor '" + name + "' keeps it at 16-bit"));
-
-  // The file: version 4 with the floors, saved again byte for byte; an older
-  // version has none; a layer below its floor is refused.
   const auto path = (tmp.path / "floored.json").string();
   plan::save_plan(floored, path);
   const std::string text = read_text(path);
@@ -96,8 +69,11 @@ TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
   EXPECT_THAT(test::error_text([&] { (void)plan::load_plan((tmp.path / "below.json").string()); }),
               HasSubstr("key 'layers[" + std::to_string(l) + "].format' has value 'nvfp4', "
                         "narrower than floors[0] ('" + name + "', fp8)"));
+}
 
-  // A prefix is a module path: "fc" holds none of fc1, fc2, fc3.
+/// A prefix is a module path: "fc" holds none of fc1, fc2, fc3; a floor no
+/// format of the cost model reaches is refused.
+void expect_floor_errors(const Measured& fx) {
   EXPECT_THAT(test::error_text([&] {
                 const std::vector<plan::Floor> fc = {{"fc", LayerFormat::kFp8}};
                 (void)plan::make_plan(fx.m, plan::PlanOptions(kBudget).floors(fc));
@@ -110,11 +86,13 @@ TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
               }),
               HasSubstr("layer 'fc2' has no format the narrow cost model runs at or above its "
                         "floor 'fc2' (fp32)"));
+}
 
-  // prove_plan: a planted mismeasurement (the layer most sensitive to NVFP4
-  // reported insensitive) with one round: the proof leaves the budget, and
-  // the fallback keeps the floored layer in fp32, the rest in bf16, the
-  // reference, even where the target runs fp32 faster (a CPU's timed model).
+/// prove_plan: a planted mismeasurement (the layer most sensitive to NVFP4
+/// reported insensitive) with one round: the proof leaves the budget, and
+/// the fallback keeps the floored layer in fp32, the rest in bf16, the
+/// reference, even where the target runs fp32 faster (a CPU's timed model).
+void expect_fallback_keeps_the_floor(Measured& fx) {
   size_t worst = 0;
   for (size_t i = 0; i < fx.m.layers.size(); ++i) {
     if (measured(fx.m.layers[i], LayerFormat::kNvfp4).loss_change >
@@ -143,6 +121,42 @@ TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
               i == kept ? LayerFormat::kFloat32 : LayerFormat::kBFloat16)
         << fallback.plan.layers[i].module;
   }
+}
+
+// A floor keeps the Linears under its prefix at or above its format's width
+// (the published NVFP4 recipe's first and last blocks, by position): the
+// floored layer leaves NVFP4 for an 8-bit format, and says why; the other
+// layers are planned as before; two floors over a layer, the wider binds;
+// the plan file keeps the floors (version 4) and refuses a layer below one;
+// prove_plan keeps them through its rounds and its fallback.
+TEST(PrecisionPlanTest, FloorsKeepTheirLayersAtOrAboveTheirWidth) {
+  Measured& fx = measured_mlp();
+  const auto free = plan::make_plan(fx.m, plan::PlanOptions(kBudget));
+  EXPECT_TRUE(free.floors.empty());
+  size_t l = 0;
+  while (l < free.layers.size() && free.layers[l].format != LayerFormat::kNvfp4) ++l;
+  ASSERT_LT(l, free.layers.size());
+  const std::string name = free.layers[l].module;
+  const std::vector<plan::Floor> floors = {{name, LayerFormat::kFp8}};
+  const auto floored = plan::make_plan(fx.m, plan::PlanOptions(kBudget).floors(floors));
+  ASSERT_EQ(floored.floors.size(), 1u);
+  EXPECT_EQ(floored.floors[0].prefix, name);
+  EXPECT_EQ(plan::element_bits(floored.layers[l].format), 8) << name;
+  EXPECT_THAT(floored.layers[l].reason, HasSubstr("the floor '" + name +
+                                                  "' keeps it at 8-bit elements or wider (fp8), "
+                                                  "ruling out nvfp4"));
+  EXPECT_GT(floored.cost, free.cost);  // the floor costs time: FP8's half of NVFP4's speed
+  EXPECT_LE(floored.predicted_loss_change, kBudget);
+  // Two floors over one layer: the wider binds.
+  const std::vector<plan::Floor> two = {{name, LayerFormat::kFp8}, {name, LayerFormat::kBFloat16}};
+  const auto both = plan::make_plan(fx.m, plan::PlanOptions(kBudget).floors(two));
+  EXPECT_GE(plan::element_bits(both.layers[l].format), 16) << name;
+  EXPECT_THAT(both.layers[l].reason, HasSubstr("the floor '" + name + "' keeps it at 16-bit"));
+
+  ASSERT_NO_FATAL_FAILURE(expect_floors_in_file(free, floored, l, name));
+  expect_floor_errors(fx);
+  ASSERT_NO_FATAL_FAILURE(expect_fallback_keeps_the_floor(fx));
+
   // The honest measurement: a plan the rounds made (not the fallback)
   // holds the budget with the floor kept.
   const auto proven = plan::prove_plan(*fx.model, problem_of(fx.data), fx.m,

@@ -69,6 +69,39 @@ class CompareTest : public ::testing::Test {
   std::string output_;
 };
 
+/// The printed table's row of mode `m` of compare.json (base: the baseline's), cell by cell.
+std::string table_row(const nlohmann::json& m, const nlohmann::json& base) {
+  const std::string mode = m.at("mode");
+  const double mem = double(m.at("peak_allocated_bytes").get<int64_t>()) /
+                         base.at("peak_allocated_bytes").get<int64_t>() -
+                     1;
+  return "| " + mode + " | " + m.at("dtype").get<std::string>() + " | " +
+         fmt("%.0f", m.at("tokens_per_s").get<double>()) + " | " +
+         fmt("%.2fx", m.at("speedup").get<double>()) + " | " +
+         fmt("%.1f", m.at("median_step_ms").get<double>()) + " | " +
+         fmt("%.1f", m.at("peak_allocated_bytes").get<int64_t>() / 1048576.0) + " | " +
+         (mode == "fp32" ? std::string("-") : fmt("%+.1f%%", 100 * mem)) + " | " +
+         fmt("%.2f", m.at("optimizer_bytes_per_param").get<double>()) + " | " +
+         fmt("%.4f", m.at("train_loss").get<double>()) + " | " +
+         fmt("%.4f", m.at("test_loss").get<double>()) + " | " +
+         fmt("%.3f", m.at("test_bpc").get<double>()) + " | " +
+         std::to_string(m.at("skipped_steps").get<int64_t>()) + " | " +
+         fmt("%g", m.at("final_loss_scale").get<double>()) + " |";
+}
+
+/// Checks that mode's plot data (loss-<mode>.dat in `out`) hold every step's loss of `metrics`.
+void expect_plot_data(const fs::path& out, const std::string& mode, const Metrics& metrics) {
+  std::ifstream dat(out / ("loss-" + mode + ".dat"));
+  std::string line;
+  std::getline(dat, line);  // header
+  for (size_t s = 0; s < metrics.losses.size(); ++s) {
+    double step = 0, loss = 0, ema = 0;
+    ASSERT_TRUE(dat >> step >> loss >> ema) << mode << " step " << s;
+    EXPECT_EQ(step, s + 1);
+    EXPECT_NEAR(loss, metrics.losses[s], 1e-5 * std::abs(metrics.losses[s])) << mode;
+  }
+}
+
 TEST_F(CompareTest, TrainsEachModeAndWritesTableJsonAndPlotData) {
   ASSERT_EQ(run("--steps 6 --compare fp32,O2,O3"), 0) << output_;
   std::ifstream in(dir_ / "out" / "compare.json");
@@ -119,32 +152,9 @@ TEST_F(CompareTest, TrainsEachModeAndWritesTableJsonAndPlotData) {
                          base.at("peak_allocated_bytes").get<int64_t>())
         << mode;
     // The plot's data: every step's loss.
-    std::ifstream dat(dir_ / "out" / ("loss-" + mode + ".dat"));
-    std::string line;
-    std::getline(dat, line);  // header
-    for (size_t s = 0; s < metrics.losses.size(); ++s) {
-      double step = 0, loss = 0, ema = 0;
-      ASSERT_TRUE(dat >> step >> loss >> ema) << mode << " step " << s;
-      EXPECT_EQ(step, s + 1);
-      EXPECT_NEAR(loss, metrics.losses[s], 1e-5 * std::abs(metrics.losses[s])) << mode;
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_plot_data(dir_ / "out", mode, metrics));
     // The printed row, cell by cell.
-    const double mem = double(m.at("peak_allocated_bytes").get<int64_t>()) /
-                           base.at("peak_allocated_bytes").get<int64_t>() -
-                       1;
-    const std::string row = "| " + mode + " | " + m.at("dtype").get<std::string>() + " | " +
-                            fmt("%.0f", m.at("tokens_per_s").get<double>()) + " | " +
-                            fmt("%.2fx", m.at("speedup").get<double>()) + " | " +
-                            fmt("%.1f", m.at("median_step_ms").get<double>()) + " | " +
-                            fmt("%.1f", m.at("peak_allocated_bytes").get<int64_t>() / 1048576.0) +
-                            " | " +
-                            (mode == "fp32" ? std::string("-") : fmt("%+.1f%%", 100 * mem)) +
-                            " | " + fmt("%.2f", m.at("optimizer_bytes_per_param").get<double>()) +
-                            " | " + fmt("%.4f", m.at("train_loss").get<double>()) + " | " +
-                            fmt("%.4f", m.at("test_loss").get<double>()) + " | " +
-                            fmt("%.3f", m.at("test_bpc").get<double>()) + " | " +
-                            std::to_string(m.at("skipped_steps").get<int64_t>()) + " | " +
-                            fmt("%g", m.at("final_loss_scale").get<double>()) + " |";
+    const std::string row = table_row(m, base);
     EXPECT_NE(output_.find(row), std::string::npos) << row << "\n" << output_;
   }
   // The table is printed and written; the plot exists or the run says why not.

@@ -138,11 +138,10 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
   };
 }
 
-Report write_report(const TrainConfig& c, const Workload& workload,
-                    const std::vector<RunResult>& results) {
-  const fs::path out = c.out_dir;
-  fs::create_directories(out);
-  Report report;
+namespace {
+
+/// The table with each mode's held-out loss (and metric) against the baseline's under it.
+std::string table_with_parity(const Workload& workload, const std::vector<RunResult>& results) {
   const auto& base = baseline_of(results);
   std::ostringstream table;
   table << comparison_table(workload, results);
@@ -158,22 +157,13 @@ Report write_report(const TrainConfig& c, const Workload& workload,
   if (parity.tellp() > 0) {
     table << "\ntest loss vs " << base.mode << ": " << parity.str() << "\n";
   }
-  report.table = table.str();
+  return table.str();
+}
 
-  std::ostringstream md;
-  md << "# ampx-train: " << workload.name() << "\n\n"
-     << results.size() << " modes, " << results.front().steps << " steps each, batch "
-     << c.batch_size << ", seed " << c.seed << ", " << c.threads << " threads on " << c.device
-     << " (" << cpu_model() << "), LibTorch " << ampx::torch_version() << ", " << blas_library()
-     << ".\n\n"
-     << report.table;
-  report.markdown_path = (out / "compare.md").string();
-  write_output_file(report.markdown_path, md.str());
-  report.json_path = (out / "compare.json").string();
-  write_output_file(report.json_path, comparison_json(c, workload, results).dump(2) + "\n");
-
-  // gnuplot input: one smoothed loss curve per mode, one throughput bar each.
-  std::ostringstream curves, bars;
+/// Writes loss-<mode>.dat (each step's loss and its smoothed curve) for every
+/// mode; returns gnuplot's plot clauses for those curves.
+std::string write_loss_curves(const fs::path& out, const std::vector<RunResult>& results) {
+  std::ostringstream curves;
   for (size_t i = 0; i < results.size(); ++i) {
     const auto& r = results[i];
     const auto dat = out / ("loss-" + r.mode + ".dat");
@@ -190,6 +180,14 @@ Report write_report(const TrainConfig& c, const Workload& workload,
            << " using 1:3 with lines lw 2 lc " << i + 1 << " title '" << r.mode << " (" << r.dtype
            << ")'";
   }
+  return curves.str();
+}
+
+/// Writes throughput.dat and compare.gp, gnuplot's script of the loss curves
+/// (`curves`, from write_loss_curves) beside the throughput bars.
+void write_plot_script(const TrainConfig& c, const Workload& workload,
+                       const std::vector<RunResult>& results, const fs::path& out,
+                       const std::string& curves) {
   {
     std::ostringstream f;
     f << "# mode " << workload.unit() << "/s\n";
@@ -197,25 +195,48 @@ Report write_report(const TrainConfig& c, const Workload& workload,
     write_output_file(out / "throughput.dat", f.str());
   }
   const auto script = out / "compare.gp";
-  {
-    std::ostringstream f;
-    f << "# gnuplot " << script.filename().string() << "  (run in this folder)\n"
-      << "set terminal pngcairo size 1400,520 font ',11'\n"
-      << "set output 'compare.png'\n"
-      << "set multiplot layout 1,2 title 'ampx-train " << workload.name() << ": "
-      << results.front().steps << " steps, batch " << c.batch_size << ", " << c.threads
-      << " threads, LibTorch " << ampx::torch_version() << "'\n"
-      << "set grid\nset key top right\n"
-      << "set title 'training loss (EMA 0.95)'\nset xlabel 'step'\nset ylabel 'loss'\n"
-      << "plot " << curves.str() << "\n"
-      << "set title 'throughput'\nset xlabel 'mode'\nset ylabel '" << workload.unit()
-      << " per second'\n"
-      << "set yrange [0:*]\nset boxwidth 0.6\nset style fill solid 0.8\nunset key\n"
-      << "plot 'throughput.dat' using 0:2:xtic(1) with boxes lc rgb '#4878b0', \\\n"
-      << "     '' using 0:2:(sprintf('%.0f', $2)) with labels offset 0,1\n"
-      << "unset multiplot\n";
-    write_output_file(script, f.str());
-  }
+  std::ostringstream f;
+  f << "# gnuplot " << script.filename().string() << "  (run in this folder)\n"
+    << "set terminal pngcairo size 1400,520 font ',11'\n"
+    << "set output 'compare.png'\n"
+    << "set multiplot layout 1,2 title 'ampx-train " << workload.name() << ": "
+    << results.front().steps << " steps, batch " << c.batch_size << ", " << c.threads
+    << " threads, LibTorch " << ampx::torch_version() << "'\n"
+    << "set grid\nset key top right\n"
+    << "set title 'training loss (EMA 0.95)'\nset xlabel 'step'\nset ylabel 'loss'\n"
+    << "plot " << curves << "\n"
+    << "set title 'throughput'\nset xlabel 'mode'\nset ylabel '" << workload.unit()
+    << " per second'\n"
+    << "set yrange [0:*]\nset boxwidth 0.6\nset style fill solid 0.8\nunset key\n"
+    << "plot 'throughput.dat' using 0:2:xtic(1) with boxes lc rgb '#4878b0', \\\n"
+    << "     '' using 0:2:(sprintf('%.0f', $2)) with labels offset 0,1\n"
+    << "unset multiplot\n";
+  write_output_file(script, f.str());
+}
+
+}  // namespace
+
+Report write_report(const TrainConfig& c, const Workload& workload,
+                    const std::vector<RunResult>& results) {
+  const fs::path out = c.out_dir;
+  fs::create_directories(out);
+  Report report;
+  report.table = table_with_parity(workload, results);
+
+  std::ostringstream md;
+  md << "# ampx-train: " << workload.name() << "\n\n"
+     << results.size() << " modes, " << results.front().steps << " steps each, batch "
+     << c.batch_size << ", seed " << c.seed << ", " << c.threads << " threads on " << c.device
+     << " (" << cpu_model() << "), LibTorch " << ampx::torch_version() << ", " << blas_library()
+     << ".\n\n"
+     << report.table;
+  report.markdown_path = (out / "compare.md").string();
+  write_output_file(report.markdown_path, md.str());
+  report.json_path = (out / "compare.json").string();
+  write_output_file(report.json_path, comparison_json(c, workload, results).dump(2) + "\n");
+
+  // gnuplot input: one smoothed loss curve per mode, one throughput bar each.
+  write_plot_script(c, workload, results, out, write_loss_curves(out, results));
   report.plot_path = run_gnuplot(out.string(), "compare.gp", "compare.png", report.plot_note);
   return report;
 }

@@ -148,6 +148,37 @@ void forward_heads(const AttentionProblem& p, int64_t begin, int64_t end) {
   }
 }
 
+/// Prefetches what backward_heads reads of head h: Q, K, V, dO, O and O's residuals.
+inline void prefetch_backward_inputs(const AttentionProblem& p, int64_t h, int64_t size) {
+  prefetch_rows(p.q, h, 0, p.t, p.e, size);
+  prefetch_rows(p.k, h, 0, p.s, p.e, size);
+  prefetch_rows(p.v, h, 0, p.s, p.ev, size);
+  prefetch_rows(p.dout, h, 0, p.t, p.ev, size);
+  prefetch_rows(p.out, h, 0, p.t, p.ev, size);
+  prefetch_rows(p.residual, h, 0, p.t, p.ev, 2);
+}
+
+/// D = rowsum(dO * O) of head h's rows into d[t], O the float32 output (out
+/// plus its rounding error); dob: dO widened, [t][w.ev]; row: w.ev floats of scratch.
+inline void output_grad_dots(const AttentionProblem& p, const Widths& w, int64_t h,
+                             const float* dob, float* row, float* d) {
+  const int64_t size = element_size(p.dtype);
+  for (int64_t r = 0; r < p.t; ++r) {
+    widen(row_of(p.out, h, r, size), p.dtype, row, p.ev);
+    if (p.residual.data != nullptr) {
+      decode_residuals(row, reinterpret_cast<const int16_t*>(row_of(p.residual, h, r, 2)), p.ev,
+                       p.dtype);
+    }
+    std::fill(row + p.ev, row + w.ev, 0.f);
+    const float* dor = dob + r * w.ev;
+    FVec acc(0.f);
+    for (int64_t c = 0; c < w.ev; c += kV) {
+      acc = at::vec::fmadd(FVec::loadu(dor + c), FVec::loadu(row + c), acc);
+    }
+    d[r] = lane_sum(acc);
+  }
+}
+
 template <class Product>
 void backward_heads(const AttentionProblem& p, int64_t begin, int64_t end) {
   const Widths w(p);
@@ -163,29 +194,8 @@ void backward_heads(const AttentionProblem& p, int64_t begin, int64_t end) {
     widen_rows(p.q, p.dtype, h, p.t, p.e, qb.data(), w.e);
     widen_rows(p.k, p.dtype, h, p.s, p.e, kb.data(), w.e);
     widen_rows(p.dout, p.dtype, h, p.t, p.ev, dob.data(), w.ev);
-    if (h + 1 < end) {
-      prefetch_rows(p.q, h + 1, 0, p.t, p.e, size);
-      prefetch_rows(p.k, h + 1, 0, p.s, p.e, size);
-      prefetch_rows(p.v, h + 1, 0, p.s, p.ev, size);
-      prefetch_rows(p.dout, h + 1, 0, p.t, p.ev, size);
-      prefetch_rows(p.out, h + 1, 0, p.t, p.ev, size);
-      prefetch_rows(p.residual, h + 1, 0, p.t, p.ev, 2);
-    }
-    // D = rowsum(dO * O), O the float32 output (out plus its rounding error).
-    for (int64_t r = 0; r < p.t; ++r) {
-      widen(row_of(p.out, h, r, size), p.dtype, row.data(), p.ev);
-      if (p.residual.data != nullptr) {
-        decode_residuals(row.data(), reinterpret_cast<const int16_t*>(row_of(p.residual, h, r, 2)),
-                         p.ev, p.dtype);
-      }
-      std::fill(row.begin() + p.ev, row.begin() + w.ev, 0.f);
-      const float* dor = dob.data() + r * w.ev;
-      FVec acc(0.f);
-      for (int64_t c = 0; c < w.ev; c += kV) {
-        acc = at::vec::fmadd(FVec::loadu(dor + c), FVec::loadu(row.data() + c), acc);
-      }
-      d[r] = lane_sum(acc);
-    }
+    if (h + 1 < end) prefetch_backward_inputs(p, h + 1, size);
+    output_grad_dots(p, w, h, dob.data(), row.data(), d.data());
     std::fill(dq.begin(), dq.end(), 0.f);
     const float* lse = p.lse + h * p.t;
     for (int64_t j0 = 0; j0 < p.s; j0 += kBlock) {
