@@ -6,6 +6,8 @@
 #include "ampx/detail/compat.h"
 #include "ampx/optim.h"
 
+#include "error_text.h"
+
 #include <c10/util/Exception.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -90,18 +92,6 @@ inline nlohmann::json load_reference(const std::string& name) {
     return nlohmann::json();
   }
   return nlohmann::json::parse(in);
-}
-
-/// The message of the c10::Error `fn` throws ("" when it throws none),
-/// without the C++ backtrace.
-template <class F>
-std::string error_text(F&& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
 }
 
 /// The small MLP of the GradScaler and optimizer tests: 8 -> hidden -> 1.

@@ -3,6 +3,7 @@
 // What ampx-train's tests share: temp folders, file bytes, error texts,
 // environment variables, generated text data.
 
+#include "../error_text.h"
 #include "cli/config.h"
 #include "run/checkpoint.h"
 
@@ -333,16 +334,7 @@ inline testing::AssertionResult contains(const std::string& text,
   return testing::AssertionSuccess();
 }
 
-/// The message of the c10::Error `fn` throws ("" when it throws none),
-/// without the C++ backtrace.
-inline std::string error_text(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using ::ampx::test::error_text;
 
 /// Passes if `fn` throws a c10::Error whose message contains every one of `parts`.
 inline testing::AssertionResult expect_error_contains(const std::function<void()>& fn,
