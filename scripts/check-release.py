@@ -26,13 +26,17 @@ def problems(root):
     """The disagreements, as lines."""
     out, releases = [], []
     lines = (root / "CHANGELOG.md").read_text(encoding="utf-8").splitlines()
+    fenced, seen_section = False, False
     for number, line in enumerate(lines, 1):
-        m = SECTION.match(line)
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else SECTION.match(line)
         if not m:
             continue
         title = m.group(1)
+        first, seen_section = not seen_section, True
         if title == "Unreleased":
-            if releases or number != next(n for n, l in enumerate(lines, 1) if SECTION.match(l)):
+            if not first:
                 out.append(f"CHANGELOG.md:{number}: '## Unreleased' must be the first section")
             continue
         r = RELEASE.match(title)

@@ -5,7 +5,7 @@
 
 #include "ampx/safetensors.h"
 
-#include "../test_util.h"
+#include "../error_text.h"
 
 #include <gtest/gtest.h>
 

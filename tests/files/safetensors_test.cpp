@@ -251,6 +251,17 @@ TEST_F(SafetensorsTest, BadHeaderTextGetsAnErrorNamingItsByte) {
        "an unexpected or repeated key 'offsets' in a tensor entry at byte 61"},
       {R"({"__metadata__":{"a":1}})", "expected a string at byte 22"},
       {R"({"__metadata__":{"a":{}}})", "expected a string at byte 21"},
+      {R"({"__metadata__":null})", "expected '{' at byte 19"},
+      {R"([])", "expected '{' at byte 0"},
+      {R"({"w":{"dtype":"F32","shape":[[1]],"data_offsets":[0,8]}})",
+       "expected a non-negative integer at byte 29"},
+      {R"({"w":{"dtype":"F32","shape":[-0],"data_offsets":[0,8]}})",
+       "expected a non-negative integer at byte 31"},
+      // What nlohmann-json's reader would let by: a NUL (its end of input)
+      // and a byte-order mark (skipped).
+      {R"({"w":{)" + entry + "}}" + std::string(1, '\0') + "{",
+       "a NUL byte, which JSON text never holds, at byte 54"},
+      {"\xEF\xBB\xBF{}", "a byte-order mark, which JSON text must not start with, at byte 0"},
   };
   for (const auto& [header, want] : cases) {
     EXPECT_THAT(error_of(file_with(header, std::string(8, '\x01'))), HasSubstr(want)) << header;
@@ -281,6 +292,20 @@ TEST_F(SafetensorsTest, EscapedSurrogatePairsReadBackAsUtf8) {
   std::map<std::string, std::string> again;
   EXPECT_EQ(ampx::read_safetensors(path("again.safetensors"), &again).begin()->first, "w" + grin);
   EXPECT_EQ(again, want);
+}
+
+// What the grammar leaves open: no tensors at all, and the metadata after
+// the entries.
+TEST_F(SafetensorsTest, HeadersWithoutTensorsOrWithMetadataLastRead) {
+  EXPECT_TRUE(ampx::read_safetensors(file_with("{}", "")).empty());
+  std::map<std::string, std::string> metadata;
+  const auto t = ampx::read_safetensors(
+      file_with(R"({"w":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"__metadata__":{"a":"b"}})",
+                std::string(4, '\0')),
+      &metadata);
+  ASSERT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.at("w").dim(), 0);
+  EXPECT_EQ(metadata, (std::map<std::string, std::string>{{"a", "b"}}));
 }
 
 // A header is JSON, which is UTF-8: a name or metadata string with other

@@ -231,6 +231,9 @@ TEST(PlanJsonTest, NotJsonIsRefusedNamingTheByteAndTheLimitsHold) {
   EXPECT_THAT(error_of(R"({"a": x})"), HasSubstr("'mine': not valid JSON at byte 6: "));
   EXPECT_THAT(error_of(R"({"a": 1})" + std::string(" ]")),
               HasSubstr("'mine': not valid JSON at byte 9: "));
+  EXPECT_THAT(
+      error_of(R"({"a": 1})" + std::string(1, '\0') + "]"),
+      HasSubstr("'mine': not valid JSON at byte 8: a NUL byte, which JSON text never holds"));
   EXPECT_THAT(error_of(R"({"a": 1, "a": 2})"),
               HasSubstr("'mine': not valid JSON here: the key 'a' twice in one object"));
   // The same key in two objects is two keys.

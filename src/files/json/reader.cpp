@@ -71,6 +71,10 @@ const char* kind_name(JsonValue::Kind kind) {
 }
 
 JsonValue parse_json(std::string_view text, const std::string& where) {
+  // A NUL would end nlohmann-json's input, what follows it unread.
+  const size_t nul = text.find('\0');
+  TORCH_CHECK_VALUE(nul == std::string_view::npos, where, ": not valid JSON at byte ", nul,
+                    ": a NUL byte, which JSON text never holds");
   // nlohmann-json reads the text; a key seen twice in one object (which it
   // would take the last of) and nesting deeper than kMaxDepth are refused
   // as it reads.

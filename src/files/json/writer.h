@@ -1,10 +1,11 @@
 #pragma once
 
 // A small JSON writer: strings and numbers as JSON text, for the
-// diagnostics' reports (src/debug/) and safetensors headers
-// (src/files/safetensors/), which write non-finite numbers as strings
-// ("inf", "nan") where nlohmann-json's dump() writes null, and strings'
-// bytes as they are (its dump() refuses bytes that are not UTF-8).
+// diagnostics' reports (src/debug/) and plan files (src/plan/), which lay
+// their text out themselves (a plan: one key a line, diffable) and write
+// non-finite numbers as strings ("inf", "nan") where nlohmann-json's dump()
+// writes null; strings' bytes go out as they are. Reading is reader.h's
+// (nlohmann-json), as are safetensors headers both ways.
 //
 //   ampx::detail::json_string("say \"hi\"");  // the text "say \"hi\"", quotes included
 //   ampx::detail::json_number(0.1);          // 0.10000000000000001

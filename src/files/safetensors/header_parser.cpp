@@ -52,6 +52,14 @@ class CountingIterator {
 using Json = nlohmann::json;
 using Entries = std::vector<std::pair<std::string, SafetensorsHeaderEntry>>;
 
+/// `text` for an error: its first 200 bytes and "...", so that a hostile
+/// header's 100 MB string (which nlohmann-json's reason quotes whole) makes
+/// no 100 MB message.
+std::string shown(const std::string& text) {
+  constexpr size_t kMost = 200;
+  return text.size() <= kMost ? text : text.substr(0, kMost) + "...";
+}
+
 /// nlohmann-json's SAX events of the header, held to its grammar: one object
 /// of tensor entries (each an object of "dtype", a string, "shape" and
 /// "data_offsets", arrays of non-negative integers) and "__metadata__", an
@@ -64,9 +72,9 @@ class HeaderEvents {
 
   bool null() { return unexpected(); }
   bool boolean(bool) { return unexpected(); }
-  bool number_integer(Json::number_integer_t v) {
-    return v >= 0 ? integer(static_cast<uint64_t>(v)) : unexpected();
-  }
+  // The reader gives a number with a '-' here alone ("-0" too), and every
+  // other integer to number_unsigned.
+  bool number_integer(Json::number_integer_t) { return unexpected(); }
   bool number_unsigned(Json::number_unsigned_t v) { return integer(v); }
   bool number_float(Json::number_float_t, const Json::string_t& text) {
     // Digits alone: an integer past uint64, which the reader made a float.
@@ -105,7 +113,7 @@ class HeaderEvents {
   bool key(Json::string_t& k) {
     switch (in_) {
       case In::kNames:
-        if (!names_.insert(k).second) fail("the header names '" + k + "' twice");
+        if (!names_.insert(k).second) fail("the header names '" + shown(k) + "' twice");
         if (k == "__metadata__") {
           in_ = In::kMetadataObject;
         } else {
@@ -156,7 +164,7 @@ class HeaderEvents {
     if (in_ == In::kDone) fail_at(at, "text after the header's object");
     const std::string what = e.what();
     const size_t says = what.find("syntax error");  // past "[json.exception...] ... column C: "
-    fail_at(at, "not valid JSON: " + (says == std::string::npos ? what : what.substr(says)));
+    fail_at(at, "not valid JSON: " + shown(says == std::string::npos ? what : what.substr(says)));
   }
 
  private:
@@ -188,7 +196,7 @@ class HeaderEvents {
       offsets_ = true;
       in_ = In::kOffsetsArray;
     } else {
-      fail("an unexpected or repeated key '" + k + "' in a tensor entry");
+      fail("an unexpected or repeated key '" + shown(k) + "' in a tensor entry");
     }
   }
 
@@ -249,13 +257,21 @@ class HeaderEvents {
 
 void parse_safetensors_header(std::string_view text, const std::string& where, Entries& entries,
                               std::map<std::string, std::string>& metadata) {
+  // Two things nlohmann-json's reader lets by that JSON text never holds: a
+  // NUL (its end of input: anything after one would be ignored) and a
+  // byte-order mark (skipped). The reference reader refuses both.
+  const size_t nul = text.find('\0');
+  TORCH_CHECK(nul == std::string_view::npos, where, ": a NUL byte, which JSON text never holds, ",
+              "at byte ", nul, " of its header");
+  TORCH_CHECK(text.substr(0, 3) != "\xEF\xBB\xBF", where,
+              ": a byte-order mark, which JSON text must not start with, at byte 0 of its header");
   size_t taken = 0;
   HeaderEvents events(where, taken, entries, metadata);
   // Strict: one value, then white space alone; every refusal throws from
   // `events`, so the parse never returns false.
   Json::sax_parse(CountingIterator(text.data(), &taken),
                   CountingIterator(text.data() + text.size(), &taken), &events,
-                  nlohmann::detail::input_format_t::json, true);
+                  Json::input_format_t::json, true);
 }
 
 }  // namespace detail

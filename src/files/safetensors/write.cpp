@@ -73,30 +73,34 @@ void check_utf8(const std::string& caller, const std::string& what, const std::s
   }
 }
 
-// The file up to its data: the header's length (u64, little-endian) and the
-// header of `entries`, whose data lie end to end in name order; `caller`
-// names the writer in errors.
-std::string file_start(const std::map<std::string, HeaderEntry>& entries,
-                       const std::map<std::string, std::string>& metadata,
-                       const std::string& caller) {
-  nlohmann::ordered_json json = nlohmann::ordered_json::object();
-  if (!metadata.empty()) {
-    auto& m = json["__metadata__"] = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : metadata) {
-      check_utf8(caller, "metadata key '" + k + "'", k);
-      check_utf8(caller, "the value of metadata key '" + k + "'", v);
-      m[k] = v;
-    }
+/// check_utf8 of every string the header will hold, before anything is
+/// copied or written.
+void check_header_strings(const std::string& caller, const std::vector<std::string>& names,
+                          const std::map<std::string, std::string>& metadata) {
+  for (const auto& [k, v] : metadata) {
+    check_utf8(caller, "metadata key '" + k + "'", k);
+    check_utf8(caller, "the value of metadata key '" + k + "'", v);
   }
+  for (const auto& name : names) check_utf8(caller, "tensor name '" + name + "'", name);
+}
+
+// The file up to its data: the header's length (u64, little-endian) and the
+// header of `entries`, whose data lie end to end in name order; its strings
+// passed check_header_strings. Each piece is dumped on its own and joined:
+// an ordered_json object would search its keys at every insert.
+std::string file_start(const std::map<std::string, HeaderEntry>& entries,
+                       const std::map<std::string, std::string>& metadata) {
+  std::string header = "{";
+  if (!metadata.empty()) header += "\"__metadata__\":" + nlohmann::json(metadata).dump();
   uint64_t offset = 0;
   for (const auto& [name, entry] : entries) {
-    check_utf8(caller, "tensor name '" + name + "'", name);
-    json[name] = {{"dtype", entry.dtype},
-                  {"shape", entry.shape},
-                  {"data_offsets", {offset, offset + entry.bytes}}};
+    const nlohmann::ordered_json e = {{"dtype", entry.dtype},
+                                      {"shape", entry.shape},
+                                      {"data_offsets", {offset, offset + entry.bytes}}};
+    header += (header.size() > 1 ? "," : "") + nlohmann::json(name).dump() + ":" + e.dump();
     offset += entry.bytes;
   }
-  std::string header = json.dump();  // compact, as the reference writer's
+  header += "}";  // compact, as the reference writer's
   // The data start 8-aligned, as the reference writer makes them: spaces pad
   // the header (JSON ignores them).
   header.append((8 - (8 + header.size()) % 8) % 8, ' ');
@@ -108,6 +112,9 @@ std::string file_start(const std::map<std::string, HeaderEntry>& entries,
 
 void write_entries(const std::map<std::string, OutEntry>& entries, const std::string& path,
                    const std::map<std::string, std::string>& metadata) {
+  std::vector<std::string> names;
+  for (const auto& kv : entries) names.push_back(kv.first);
+  check_header_strings("save_safetensors", names, metadata);
   std::map<std::string, HeaderEntry> header;
   std::vector<at::Tensor> bytes_of;
   uint64_t data_bytes = 0;
@@ -118,7 +125,7 @@ void write_entries(const std::map<std::string, OutEntry>& entries, const std::st
     data_bytes += n;
     bytes_of.push_back(c);
   }
-  std::string file = file_start(header, metadata, "save_safetensors");
+  std::string file = file_start(header, metadata);
   file.reserve(file.size() + data_bytes);
   for (const auto& c : bytes_of) {
     file.append(static_cast<const char*>(c.data_ptr()),
@@ -151,6 +158,9 @@ SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
                                              const std::map<std::string, std::string>& metadata,
                                              const char* caller)
     : caller_(caller), file_(path, caller) {
+  std::vector<std::string> names;
+  for (const auto& e : entries) names.push_back(e.name);
+  check_header_strings(caller_, names, metadata);
   std::map<std::string, HeaderEntry> header;
   for (const auto& e : entries) {
     TORCH_CHECK(e.name != "__metadata__", caller_, ": a tensor cannot be named __metadata__");
@@ -168,7 +178,7 @@ SafetensorsFileWriter::SafetensorsFileWriter(const std::string& path,
     place.offset = offset;
     offset += place.bytes;
   }
-  const std::string start = file_start(header, metadata, caller_);
+  const std::string start = file_start(header, metadata);
   data_start_ = start.size();
   file_.write_at(0, start.data(), start.size());
 }

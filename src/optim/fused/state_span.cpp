@@ -169,7 +169,7 @@ void encode_block(const float* in, int64_t n, float scale, uint8_t* out, const C
   });
 }
 
-/// The value of E4M3 code c at scale 1 (e4m3_table's entry) without a table:
+/// The value of E4M3 code c at scale 1 (fp8_state_value(c, 1)) without a table:
 /// a normal's exponent and mantissa moved into a float's fields; a
 /// subnormal m 2^-9 as 2^-6 (1 + m / 8) - 2^-6, exact; 0x7F and 0xFF NaN
 /// with the code's sign.
