@@ -30,6 +30,7 @@
 namespace multihost_test {
 
 namespace fs = std::filesystem;
+using ampx::train::test::contains;
 using ampx::train::test::SimulatedHosts;
 
 inline constexpr int kPort = 29500;  // every host is its own network: no other run can hold it

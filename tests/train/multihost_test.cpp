@@ -30,10 +30,6 @@
 #include <thread>
 #include <vector>
 
-namespace fs = std::filesystem;
-using ampx::train::test::contains;
-using ampx::train::test::SimulatedHosts;
-
 namespace multihost_test {
 namespace {
 

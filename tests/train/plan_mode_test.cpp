@@ -30,9 +30,7 @@ namespace {
 
 using namespace ampx::train;
 using namespace ampx::train::test;
-using plan_mode_test::config_error_of;
-using plan_mode_test::nvfp4_fc_plan;
-using plan_mode_test::plan_gpt;
+using namespace plan_mode_test;
 
 TEST(PlanModeTest, AutoMeasuresPlansAndTrainsEachLinearInItsFormat) {
   TempDir tmp("ampx-plan-mode");

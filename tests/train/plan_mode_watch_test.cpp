@@ -33,9 +33,7 @@ namespace {
 
 using namespace ampx::train;
 using namespace ampx::train::test;
-using plan_mode_test::config_error_of;
-using plan_mode_test::nvfp4_fc_plan;
-using plan_mode_test::plan_gpt;
+using namespace plan_mode_test;
 
 // --plan-watch: a watched step runs the batch twice (the second with every
 // Linear in bf16) and trains exactly as an unwatched one; the settings
