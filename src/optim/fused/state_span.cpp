@@ -255,6 +255,19 @@ void for_blocks(const FusedParam& p, int moment, int64_t b, int64_t n, const flo
   }
 }
 
+/// The read side of for_blocks: each whole block of [b, b + n) (a param's
+/// last may be shorter) decoded by block(codes, scale, nb, out).
+template <class Block>
+void for_coded_blocks(const FusedParam& p, int moment, int64_t b, int64_t n, float* out,
+                      const Block& block) {
+  const auto* codes =
+      static_cast<const uint8_t*>(moment == 0 ? p.exp_avg_codes : p.exp_avg_sq_codes);
+  for (int64_t o = 0; o < n; o += p.state_block) {
+    block(codes + b + o, scales_of(p, moment)[(b + o) / p.state_block],
+          std::min<int64_t>(p.state_block, n - o), out + o);
+  }
+}
+
 }  // namespace
 
 void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float* out) {
@@ -268,19 +281,16 @@ void decode_moment(const FusedParam& p, int moment, int64_t b, int64_t n, float*
       return;
     }
     case FusedState::kFp8:
+      for_coded_blocks(p, moment, b, n, out, decode_fp8);
+      return;
     case FusedState::kInt8: {
       const float* map = optim::detail::dynamic_map_table(moment == 0);
-      const Table256<V> map_v(map);
+      const Table256<V> map_v(map);  // the AVX-512 build's registers, loaded once a call
       const Table256<S> map_s(map);
-      for (int64_t o = 0; o < n; o += p.state_block) {  // each block by its scale
-        const float scale = scales_of(p, moment)[(b + o) / p.state_block];
-        const auto* c = static_cast<const uint8_t*>(codes) + b + o;
-        const int64_t nb = std::min<int64_t>(p.state_block, n - o);
-        if (p.state_format == FusedState::kFp8)
-          decode_fp8(c, scale, nb, out + o);
-        else
-          decode_map(c, map_v, map_s, scale, nb, out + o);
-      }
+      for_coded_blocks(p, moment, b, n, out,
+                       [&](const uint8_t* c, float scale, int64_t nb, float* o) {
+                         decode_map(c, map_v, map_s, scale, nb, o);
+                       });
       return;
     }
     case FusedState::kFp32:
