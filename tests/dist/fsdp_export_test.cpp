@@ -35,7 +35,8 @@ class FsdpExportTest : public ::testing::TestWithParam<int> {
 // is refused on every rank, naming rank 0's error, with nothing left
 // behind: a missing folder (the temp file cannot be made), a path that is
 // a folder (every tensor written, the rename fails: the folder stays as
-// it was), a dtype the export does not take; a visitor that throws on
+// it was), a dtype the export does not take, metadata that is not UTF-8
+// (the header could not be read back); a visitor that throws on
 // rank 0 stops being called there while the gathers go on, and a later
 // export on the same ranks still works.
 TEST_P(FsdpExportTest, StreamedExportIsSaveSafetensorsOfTheWholeModelAndFailsOnEveryRank) {
@@ -66,12 +67,16 @@ TEST_P(FsdpExportTest, StreamedExportIsSaveSafetensorsOfTheWholeModelAndFailsOnE
     EXPECT_THAT(w.output, HasSubstr("refused dtype: FullyShardedDataParallel::"
                                     "save_full_safetensors: dtype is Int; the parameters are "
                                     "written in Float, BFloat16 or Half"));
+    EXPECT_THAT(w.output, HasSubstr("refused not-utf8: " + who +
+                                    "writing safetensors: the value of metadata key 'note' is "
+                                    "not UTF-8, which a safetensors header (JSON) must be"));
     EXPECT_THAT(w.output, HasSubstr("refused visit: FullyShardedDataParallel::"
                                     "for_each_full_parameter: rank 0 failed: cannot take in.bias"));
   }
   EXPECT_THAT(workers[0].output, HasSubstr("visited 2\n"));  // none after the throw
   EXPECT_THAT(workers[1].output, HasSubstr("visited 0\n"));
   EXPECT_TRUE(fs::is_directory(fs::path(taken) / "kept"));
+  EXPECT_FALSE(fs::exists(out + ".latin1"));
   for (const auto& e : fs::recursive_directory_iterator(dir_)) {
     EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
   }

@@ -8,6 +8,7 @@
 //   missing-folder  a path in a folder that does not exist (fails at the start)
 //   over-folder     a path that is a folder (fails at the end, at the rename)
 //   dtype           Int parameters
+//   not-utf8        metadata that is not UTF-8 (refused before any gather)
 //   visit           for_each_full_parameter whose visit throws on rank 0
 // then streams <out>.after (the gathers still line up after the refusals).
 
@@ -90,6 +91,9 @@ int run_export(const std::string& out, ampx::dist::ProcessGroup& pg) {
   pg.barrier();
   expect_refused("over-folder", [&] { fsdp.save_full_safetensors(taken.string(), metadata); });
   expect_refused("dtype", [&] { fsdp.save_full_safetensors(out + ".int", {}, torch::kInt); });
+  expect_refused("not-utf8", [&] {  // "w\xE9": "wé" in Latin-1
+    fsdp.save_full_safetensors(out + ".latin1", {{"note", "w\xE9"}});
+  });
   int64_t visited = 0;
   expect_refused("visit", [&] {
     fsdp.for_each_full_parameter([&](const std::string& name, const torch::Tensor&) {
