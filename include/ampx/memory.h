@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ampx {
 
@@ -37,6 +38,64 @@ MemoryStats cpu_memory_stats();
 
 /// Sets the peak to what is allocated now.
 void reset_peak_cpu_memory();
+
+/// Where the bytes live at the peak came from: the phase they were allocated
+/// in (CpuMemoryPhaseGuard's name) and the outermost op or autograd node that
+/// allocated them. A saved activation is made in phase "forward" by its op
+/// (`aten::gelu`), a gradient in "backward" by its node (`MmBackward0`), an
+/// optimizer's state in its step.
+struct MemoryOrigin {
+  std::string phase;   ///< "" outside any CpuMemoryPhaseGuard
+  std::string op;      ///< e.g. "aten::addmm", "MmBackward0"; "" outside any op
+  int64_t bytes = 0;   ///< of its blocks live at the peak
+  int64_t blocks = 0;  ///< how many of them
+};
+
+/// The phase of MemoryOrigin for the blocks allocated while nothing was
+/// recorded (before start_cpu_memory_origins(), or in an earlier recording).
+inline constexpr char kNotRecordedPhase[] = "(not recorded)";
+
+/// Starts recording the origin of each block the tracking allocator hands
+/// out from now on (it enables tracking): LibTorch's op callbacks
+/// (RecordFunction) name the outermost op of each thread. Slower allocation
+/// and a callback per op: a diagnostic, not for timed runs. One recording
+/// for the process: a second start begins a new one, and any stop ends it.
+void start_cpu_memory_origins();
+/// Stops recording origins; peak_cpu_memory_origins() still reads the
+/// recorded peak, until the next start.
+void stop_cpu_memory_origins();
+
+/// The bytes live at the peak, by origin, most bytes first: the peak that
+/// recorded allocations reached since start_cpu_memory_origins() or the last
+/// reset_peak_cpu_memory() while recording. Blocks allocated while nothing
+/// was recorded come as one origin, kNotRecordedPhase. The bytes sum to that
+/// peak when one thread allocates; work that LibTorch spreads over its
+/// intra-op threads allocates there under phase "", and a peak reached by
+/// several threads at once is kept at one of their allocations.
+///
+/// ```
+///   ampx::start_cpu_memory_origins();
+///   ampx::reset_peak_cpu_memory();
+///   { ampx::CpuMemoryPhaseGuard phase("forward"); loss = model(x); }
+///   { ampx::CpuMemoryPhaseGuard phase("backward"); loss.backward(); }
+///   ampx::peak_cpu_memory_origins()[0];  // {"forward", "aten::gelu", 25165824, 6}
+/// ```
+[[nodiscard]] std::vector<MemoryOrigin> peak_cpu_memory_origins();
+
+/// Names the phase of this thread's allocations (MemoryOrigin::phase) while
+/// it lives; the phase before comes back at its end.
+class CpuMemoryPhaseGuard {
+ public:
+  /// This thread's allocations count under `phase` from now on.
+  explicit CpuMemoryPhaseGuard(const std::string& phase);
+  /// They count under the phase before again.
+  ~CpuMemoryPhaseGuard();
+  CpuMemoryPhaseGuard(const CpuMemoryPhaseGuard&) = delete;
+  CpuMemoryPhaseGuard& operator=(const CpuMemoryPhaseGuard&) = delete;
+
+ private:
+  uint32_t previous_;
+};
 
 /// What keep_freed_cpu_memory() did.
 struct MallocRetention {

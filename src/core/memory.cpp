@@ -1,11 +1,14 @@
-// The tracking CPU allocator. Each block carries its size in a 64-byte
-// header in front of the data (so alignment stays LibTorch's 64 bytes and the
-// DataPtr stays "simple": data == context), and is freed through the
-// wrapped allocator's raw deleter. Counters are lock-free atomics.
+// The tracking CPU allocator. Each block carries its size (and its origin's
+// id, memory_origins.h) in a 64-byte header in front of the data (so
+// alignment stays LibTorch's 64 bytes and the DataPtr stays "simple": data ==
+// context), and is freed through the wrapped allocator's raw deleter.
+// Counters are lock-free atomics.
 
 #include "ampx/memory.h"
 
 #include "ampx/detail/compat.h"
+
+#include "memory_origins.h"
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -35,8 +38,10 @@ namespace ampx {
 namespace {
 
 constexpr size_t kHeader = 64;
+constexpr size_t kOriginAt = 8;  // the header: int64 size, then uint32 origin
 
 std::atomic<int64_t> g_allocated{0};
+std::atomic<int64_t> g_live_blocks{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_count{0};
 c10::Allocator* g_wrapped = nullptr;
@@ -46,8 +51,12 @@ void tracked_free(void* data) {
   if (data == nullptr) return;
   char* base = static_cast<char*>(data) - kHeader;
   int64_t size;
+  uint32_t origin;
   std::memcpy(&size, base, sizeof(size));
+  std::memcpy(&origin, base + kOriginAt, sizeof(origin));
+  if (origin != 0) detail::note_origin_free(origin, size);
   g_allocated.fetch_sub(size, std::memory_order_relaxed);
+  g_live_blocks.fetch_sub(1, std::memory_order_relaxed);
   g_wrapped_free(base);
 }
 
@@ -57,10 +66,14 @@ struct TrackingAllocator final : c10::Allocator {
     const auto size = static_cast<int64_t>(n);
     std::memcpy(base, &size, sizeof(size));
     const int64_t now = g_allocated.fetch_add(size, std::memory_order_relaxed) + size;
+    const int64_t blocks = g_live_blocks.fetch_add(1, std::memory_order_relaxed) + 1;
     int64_t peak = g_peak.load(std::memory_order_relaxed);
     while (now > peak && !g_peak.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
     g_count.fetch_add(1, std::memory_order_relaxed);
+    const uint32_t origin =
+        detail::recording_memory_origins() ? detail::note_origin_allocation(size, now, blocks) : 0;
+    std::memcpy(static_cast<char*>(base) + kOriginAt, &origin, sizeof(origin));
     void* data = static_cast<char*>(base) + kHeader;
     return {data, data, &tracked_free, c10::Device(c10::DeviceType::CPU)};
   }
@@ -101,7 +114,18 @@ MemoryStats cpu_memory_stats() {
   return s;
 }
 
-void reset_peak_cpu_memory() { g_peak.store(g_allocated.load()); }
+void reset_peak_cpu_memory() {
+  g_peak.store(g_allocated.load());
+  detail::note_origin_peak_reset(g_allocated.load(), g_live_blocks.load());
+}
+
+namespace detail {
+
+int64_t live_cpu_blocks() {
+  return g_live_blocks.load();
+}
+
+}  // namespace detail
 
 MallocRetention keep_freed_cpu_memory(int64_t trim_threshold) {
   // glibc refuses mmap thresholds above HEAP_MAX_SIZE / 2: 32 MiB on 64-bit.

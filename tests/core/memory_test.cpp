@@ -12,7 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -103,6 +105,90 @@ TEST(MemoryTest, BackwardPeakIsAboveForwardActivations) {
   EXPECT_LE(peak, 6 * kActivation + 256 * 256 * 4 + 256 * 4);
   // After backward only the gradients stay: dW and db.
   EXPECT_EQ(ampx::cpu_memory_stats().allocated_bytes - base, 256 * 256 * 4 + 256 * 4);
+}
+
+// The bytes live at the peak by where they were made: the phase
+// (CpuMemoryPhaseGuard) and the outermost op, whose own ops (linear's mm,
+// ones' empty and fill_) do not count; blocks made before recording as
+// "(not recorded)"; together, the peak. A later, lower high leaves the peak
+// as it was.
+TEST(MemoryOriginsTest, PeakBytesByPhaseAndOutermostOp) {
+  ampx::enable_cpu_memory_tracking();
+  auto earlier = torch::empty({250});  // 1,000 bytes, tracked before recording
+  ampx::start_cpu_memory_origins();
+  ampx::reset_peak_cpu_memory();
+  torch::Tensor x, w, y, doubled;
+  {
+    ampx::CpuMemoryPhaseGuard phase("inputs");
+    x = torch::ones({100, 50});  // 20,000 bytes
+    w = torch::ones({40, 50});   // 8,000
+  }
+  {
+    ampx::CpuMemoryPhaseGuard phase("layer");
+    y = torch::linear(x, w);  // 16,000
+    {
+      ampx::CpuMemoryPhaseGuard inner("scaled");
+      doubled = y + y;  // 16,000
+    }
+  }
+  const int64_t peak = ampx::cpu_memory_stats().peak_allocated_bytes;
+  y.reset();
+  doubled.reset();
+  auto later = torch::empty({5000});  // 20,000: less than what was freed
+  ampx::stop_cpu_memory_origins();
+  using Made = std::pair<int64_t, int64_t>;  // bytes, blocks
+  std::map<std::string, Made> by;
+  int64_t total = 0, not_recorded = 0;
+  for (const auto& o : ampx::peak_cpu_memory_origins()) {
+    total += o.bytes;
+    if (o.phase == ampx::kNotRecordedPhase) {
+      not_recorded = o.bytes;
+      continue;
+    }
+    by[o.phase + "/" + o.op] = {o.bytes, o.blocks};
+  }
+  EXPECT_EQ(by, (std::map<std::string, Made>{{"inputs/aten::ones", {28000, 2}},
+                                             {"layer/aten::linear", {16000, 1}},
+                                             {"scaled/aten::add", {16000, 1}}}));
+  EXPECT_GE(not_recorded, 1000) << "the block allocated before recording";
+  EXPECT_EQ(total, peak);
+}
+
+// Gradients are made in backward by their autograd nodes; what is
+// allocated after stop_cpu_memory_origins() is not recorded.
+TEST(MemoryOriginsTest, GradientsComeFromTheirBackwardNodes) {
+  auto w = torch::ones({1000}, torch::requires_grad());
+  const auto c = torch::full({1000}, 3.0f);
+  ampx::start_cpu_memory_origins();
+  ampx::reset_peak_cpu_memory();
+  torch::Tensor loss;
+  {
+    ampx::CpuMemoryPhaseGuard phase("forward");
+    loss = (w * c).sum();
+  }
+  {
+    ampx::CpuMemoryPhaseGuard phase("backward");
+    loss.backward();
+  }
+  EXPECT_TRUE(torch::equal(w.grad(), c));
+  torch::Tensor big;
+  {
+    ampx::CpuMemoryPhaseGuard phase("after");
+    big = torch::empty({100000});  // 400,000 bytes: the peak
+  }
+  ampx::stop_cpu_memory_origins();
+  auto unrecorded = torch::empty({200000});  // a higher peak, not recorded
+  std::map<std::string, std::pair<int64_t, int64_t>> by;
+  for (const auto& o : ampx::peak_cpu_memory_origins()) {
+    by[o.phase + "/" + o.op] = {o.bytes, o.blocks};
+  }
+  const auto of = [&](const std::string& origin) {
+    const auto it = by.find(origin);
+    return it == by.end() ? std::make_pair(int64_t{0}, int64_t{0}) : it->second;
+  };
+  EXPECT_EQ(of("backward/MulBackward0"), std::make_pair(int64_t{4000}, int64_t{1}));
+  EXPECT_EQ(of("after/aten::empty"), std::make_pair(int64_t{400000}, int64_t{1}));
+  EXPECT_EQ(by.count("forward/aten::mul"), 0u) << "w * c was freed before the peak";
 }
 
 // Minor page faults of this process (all threads) while `step` runs: each is

@@ -281,6 +281,16 @@ TEST_F(TrainCliTest, RejectsTf32OnTheCpu) {
             "GPUs); on the CPU fp32 products stay fp32");
 }
 
+TEST_F(TrainCliTest, RejectsMemoryOriginsOffTheCpu) {
+  EnvGuard data("AMPX_DATA_DIR", dir_.c_str());
+  Parsed p = parse({"--memory-origins", "2", "--device", "cuda"});
+  ASSERT_FALSE(p.code.has_value()) << p.err;
+  EXPECT_EQ(p.config.memory_origins, 2);
+  EXPECT_EQ(error_text([&] { resolve_defaults(p.config); }),
+            "ampx-train: --memory-origins 2 is for --device cpu (ampx's tracking allocator)");
+  EXPECT_TRUE(parse({"--memory-origins", "-1"}).code.has_value()) << "a negative count";
+}
+
 TEST_F(TrainCliTest, RejectsFp16OnCpuWithLibTorch1) {
   if (std::string(ampx::torch_version()).rfind("1.", 0) != 0) {
     GTEST_SKIP() << "LibTorch " << ampx::torch_version() << " has fp16 on CPU";

@@ -257,6 +257,34 @@ TEST_F(CompareTest, ProfileWritesATraceAndPrintsTheTopOps) {
   EXPECT_NE(output_.find("op (inclusive time)"), std::string::npos) << output_;
 }
 
+// --memory-origins N: each mode's peak by where it came from, its N largest
+// origins then the rest as one, in the console's table and compare.json; the
+// bytes sum to the mode's peak, and the origins are the step's phases. The
+// weights, made in the set-up, live through every step's peak.
+TEST_F(CompareTest, MemoryOriginsSumToEachModesPeak) {
+  ASSERT_EQ(run("--steps 3 --compare fp32,O2 --memory-origins 3"), 0) << output_;
+  EXPECT_NE(output_.find("where each mode's peak came from:"), std::string::npos) << output_;
+  std::ifstream in(dir_ / "out" / "compare.json");
+  const auto j = nlohmann::json::parse(in);
+  const std::vector<std::string> phases = {"set-up",   "forward",   "loss",
+                                           "backward", "optimizer", ""};
+  for (const auto& m : j.at("modes")) {
+    const auto& origins = m.at("memory_origins");
+    ASSERT_EQ(origins.size(), 4u) << m.dump();
+    int64_t sum = 0;
+    for (const auto& o : origins) {
+      sum += o.at("bytes").get<int64_t>();
+      EXPECT_GT(o.at("blocks").get<int64_t>(), 0) << o.dump();
+      if (&o == &origins.back()) continue;
+      EXPECT_NE(std::find(phases.begin(), phases.end(), o.at("phase").get<std::string>()),
+                phases.end())
+          << o.dump();
+    }
+    EXPECT_EQ(origins.back().at("phase"), "(others)");
+    EXPECT_EQ(sum, m.at("peak_allocated_bytes").get<int64_t>()) << m.dump();
+  }
+}
+
 TEST_F(CompareTest, NprocTwoTrainsLikeOneProcessOnTheSameGlobalBatch) {
   if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
   ASSERT_EQ(run("--steps 6 --precision fp32 --save-every 6", "one"), 0) << output_;

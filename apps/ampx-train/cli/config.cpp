@@ -147,6 +147,11 @@ void add_process_options(CLI::App& app, TrainConfig& c) {
                  "default: glibc's thresholds, which hand it back to the kernel")
       ->check(CLI::IsMember({"keep", "default"}))
       ->capture_default_str();
+  app.add_option("--memory-origins", c.memory_origins,
+                 "N > 0: where each mode's peak memory came from, its N largest origins (the "
+                 "step's phase and the op that allocated; ampx::peak_cpu_memory_origins), "
+                 "after the results and in compare.json; CPU only, a diagnostic (slower steps)")
+      ->check(CLI::NonNegativeNumber);
 }
 
 // The optimization: batches, length, AdamW, seed.

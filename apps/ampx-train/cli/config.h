@@ -31,6 +31,7 @@ struct TrainConfig {
   std::string shard = "none";  // none | optimizer | grad | full (sharding.h)
   int threads = 0;            // intra-op threads; 0: this host's cores / its processes
   std::string malloc = "keep";  // keep: ampx::keep_freed_cpu_memory() | default: glibc's own
+  int memory_origins = 0;     // --memory-origins N: each mode's peak by origin, its N largest (CPU)
   double dist_timeout = 300;  // --dist-timeout: seconds a rendezvous or collective may take
   int64_t batch_size = 0;     // per step
   int64_t steps = 0;          // optimizer steps (or --epochs)

@@ -27,6 +27,8 @@ namespace {
 void check_device(const TrainConfig& c) {
   TORCH_CHECK(!is_gpt_workload(c.workload) || c.d_model % c.heads == 0, "ampx-train: --d-model ",
               c.d_model, " is not a multiple of --heads ", c.heads);
+  TORCH_CHECK(c.memory_origins == 0 || c.device == "cpu", "ampx-train: --memory-origins ",
+              c.memory_origins, " is for --device cpu (ampx's tracking allocator)");
   TORCH_CHECK(c.device != "cuda" || torch::cuda::is_available(),
               "ampx-train: --device cuda, but this LibTorch (", ampx::torch_version(),
               ") sees no CUDA device");

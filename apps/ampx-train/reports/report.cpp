@@ -1,6 +1,7 @@
 #include "report.h"
 
 #include "cli/shell.h"
+#include "memory_origins.h"
 #include "output_file.h"
 
 #include "machine.h"
@@ -94,6 +95,9 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"metrics", r.metrics_path},
     });
     if (is_fp8_mode(r.mode)) modes.back()["tail_start"] = r.tail_start;
+    if (!r.memory_origins.empty()) {  // --memory-origins
+      modes.back()["memory_origins"] = memory_origins_json(r.memory_origins);
+    }
     if (r.mode == "auto") {  // the plan watch's findings, the plan it left
       modes.back()["plan_watch"] = r.plan_watch;
       if (!r.watched_plan_path.empty()) modes.back()["watched_plan"] = r.watched_plan_path;
@@ -157,6 +161,8 @@ std::string table_with_parity(const Workload& workload, const std::vector<RunRes
   if (parity.tellp() > 0) {
     table << "\ntest loss vs " << base.mode << ": " << parity.str() << "\n";
   }
+  const std::string origins = memory_origins_table(results);
+  if (!origins.empty()) table << "\nwhere each mode's peak came from:\n\n" << origins;
   return table.str();
 }
 

@@ -7,6 +7,7 @@
 #include "distributed/sharding.h"
 #include "machine.h"
 #include "precision/auto_precision.h"
+#include "reports/memory_origins.h"
 #include "reports/profile.h"
 
 #include <ampx/ampx.h>
@@ -60,7 +61,9 @@ ModeRun::ModeRun(const TrainConfig& config, Workload& workload, const std::strin
   may_write_checkpoint_ = config.resume || config.save_every > 0 || !fs::exists(checkpoint_path_);
 
   base_bytes_ = allocated_bytes(device_);
+  if (config.memory_origins > 0) ampx::start_cpu_memory_origins();
   reset_peak_memory(device_);
+  ampx::CpuMemoryPhaseGuard phase(kSetUpPhase);
   setup_ = set_up_mode(config, workload, mode_, device_, group);
   shards_ = shard_io(config, setup_);
   place_tail();

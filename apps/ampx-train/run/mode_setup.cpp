@@ -6,6 +6,7 @@
 #include "optimizer_options.h"
 #include "precision/auto_precision.h"
 #include "precision/fp8_layers.h"
+#include "reports/memory_origins.h"
 
 #include <ampx/ampx.h>
 #include <ampx/debug/nonfinite.h>
@@ -204,15 +205,19 @@ StepOutcome train_step(ModeSetUp& setup, Workload& workload, const Batch& batch,
     torch::Tensor output;
     {
       auto forward = setup.amp->forward_guard();
+      std::optional<ampx::CpuMemoryPhaseGuard> phase(std::in_place, kForwardPhase);
       output = setup.forward(batch.input);
+      phase.emplace(kLossPhase);
       ampx::debug::NamedScopeGuard scope("loss");
       out.loss = workload.loss(output, batch.target);
       output.reset();  // as the temporary it was: freed before the backward
     }
+    ampx::CpuMemoryPhaseGuard phase(kBackwardPhase);
     scaler.scale(out.loss).backward();
   }
   if (ddp) ddp->synchronize();  // averaged gradients: every rank steps (or skips) alike
   if (watching && setup.watch->due(batch.step)) watch_step(setup, workload, batch, ddp, out);
+  ampx::CpuMemoryPhaseGuard phase(kOptimizerPhase);
   out.stepped = static_cast<bool>(scaler.step(*setup.optimizer));
   scaler.update();
   return out;

@@ -23,6 +23,7 @@ void for_each_field(Result& r, Visit&& visit) {
   visit("params", r.params);
   visit("weight_bytes", r.weight_bytes);
   visit("gathered_bytes", r.gathered_bytes);
+  visit("memory_origins", r.memory_origins);
   visit("train_loss", r.train_loss);
   visit("eval", r.eval);
   visit("skipped", r.skipped);
@@ -43,7 +44,7 @@ bool came_later(const std::string& name) {
   return name == "fp8_trace_path" || name == "plan_watch" || name == "watched_plan_path" ||
          name == "cpu_products" || name == "tail_start" || name == "rank_peak_bytes" ||
          name == "optimizer_bytes" || name == "params" || name == "weight_bytes" ||
-         name == "gathered_bytes";
+         name == "gathered_bytes" || name == "memory_origins";
 }
 
 template <typename T>
@@ -52,6 +53,9 @@ nlohmann::json json_of(const T& v) {
 }
 nlohmann::json json_of(const EvalResult& e) {
   return {e.loss, e.metric};
+}
+nlohmann::json json_of(const std::vector<ampx::MemoryOrigin>& origins) {
+  return memory_origins_json(origins);
 }
 nlohmann::json json_of(const std::vector<std::pair<int64_t, EvalResult>>& evals) {
   nlohmann::json out = nlohmann::json::array();
@@ -82,6 +86,15 @@ void read(const nlohmann::json& j, std::vector<double>& v) {
 void read(const nlohmann::json& j, std::vector<int64_t>& v) {
   for (const auto& x : j) read(x, v.emplace_back());
 }
+void read(const nlohmann::json& j, std::vector<ampx::MemoryOrigin>& origins) {
+  for (const auto& o : j) {
+    auto& origin = origins.emplace_back();
+    read(o.at("phase"), origin.phase);
+    read(o.at("op"), origin.op);
+    read(o.at("bytes"), origin.bytes);
+    read(o.at("blocks"), origin.blocks);
+  }
+}
 void read(const nlohmann::json& j, std::vector<std::pair<int64_t, EvalResult>>& evals) {
   for (const auto& e : j) {
     auto& [step, result] = evals.emplace_back();
@@ -92,6 +105,14 @@ void read(const nlohmann::json& j, std::vector<std::pair<int64_t, EvalResult>>& 
 }
 
 }  // namespace
+
+nlohmann::json memory_origins_json(const std::vector<ampx::MemoryOrigin>& origins) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& o : origins) {
+    out.push_back({{"phase", o.phase}, {"op", o.op}, {"bytes", o.bytes}, {"blocks", o.blocks}});
+  }
+  return out;
+}
 
 nlohmann::json to_json(const RunResult& result) {
   nlohmann::json out = nlohmann::json::object();

@@ -8,6 +8,8 @@
 
 #include "workloads.h"
 
+#include <ampx/memory.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -39,6 +41,9 @@ struct RunResult {
   int64_t weight_bytes = 0;
   /// --shard grad/full: the most bytes of gathered parameters rank 0 held at once.
   int64_t gathered_bytes = 0;
+  /// --memory-origins N: peak_bytes by origin, its N largest and then the
+  /// rest as one (reports/memory_origins.h).
+  std::vector<ampx::MemoryOrigin> memory_origins;
   double train_loss = 0;       // mean loss of the last tenth of the steps
   EvalResult eval;             // held-out loss and bpc / accuracy at the end
   int64_t skipped = 0;         // optimizer steps skipped for inf/NaN gradients
@@ -71,6 +76,10 @@ struct RunResult {
 inline double optimizer_bytes_per_param(const RunResult& r) {
   return r.params > 0 ? double(r.optimizer_bytes) / double(r.params) : 0.0;
 }
+
+/// --memory-origins' origins as JSON, as RunResult's JSON and compare.json
+/// write them: [{"phase", "op", "bytes", "blocks"}, ...].
+nlohmann::json memory_origins_json(const std::vector<ampx::MemoryOrigin>& origins);
 
 /// A RunResult as JSON and back (the fields from `mode` to `weights_path`;
 /// the console-only ones stay behind). NaN losses travel as null.

@@ -13,6 +13,7 @@
 #include "preemption.h"
 #include "progress.h"
 #include "reports/fp8_trace.h"
+#include "reports/memory_origins.h"
 #include "reports/metrics_writer.h"
 #include "reports/output_file.h"
 #include "reports/profile.h"
@@ -223,6 +224,9 @@ RunResult ModeRun::finish() {
   // model ends, and is evaluated and exported, as the uninterrupted run's.
   if (tail_start_ < total_steps_) enter_tail(setup_);
   result.peak_bytes = peak_allocated_bytes(device_) - base_bytes_;
+  if (config_.memory_origins > 0) {
+    result.memory_origins = mode_memory_origins(config_.memory_origins, base_bytes_);
+  }
   result.optimizer_bytes = optimizer_state_bytes(*setup_.optimizer);
   result.params = setup_.model_params;
   result.weight_bytes = weight_and_grad_bytes(*setup_.model);
