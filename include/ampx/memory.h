@@ -78,7 +78,7 @@ void stop_cpu_memory_origins();
 ///   ampx::reset_peak_cpu_memory();
 ///   { ampx::CpuMemoryPhaseGuard phase("forward"); loss = model(x); }
 ///   { ampx::CpuMemoryPhaseGuard phase("backward"); loss.backward(); }
-///   ampx::peak_cpu_memory_origins()[0];  // {"forward", "aten::gelu", 25165824, 6}
+///   ampx::peak_cpu_memory_origins()[0];  // {"forward", "aten::addmm", 58720256, 8}
 /// ```
 [[nodiscard]] std::vector<MemoryOrigin> peak_cpu_memory_origins();
 
