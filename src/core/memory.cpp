@@ -115,8 +115,9 @@ MemoryStats cpu_memory_stats() {
 }
 
 void reset_peak_cpu_memory() {
-  g_peak.store(g_allocated.load());
-  detail::note_origin_peak_reset(g_allocated.load(), g_live_blocks.load());
+  const int64_t now = g_allocated.load();  // one reading for both peaks
+  g_peak.store(now);
+  detail::note_origin_peak_reset(now, g_live_blocks.load());
 }
 
 namespace detail {
