@@ -224,13 +224,22 @@ void capture_master_weights(const AmpProperties& props,
 
 }  // namespace
 
+namespace {
+// This thread's innermost live ForwardGuard's properties (ampx::checkpoint).
+thread_local std::shared_ptr<const AmpProperties> t_forward_region;
+}  // namespace
+
 struct ForwardGuard::Impl {
+  std::shared_ptr<const AmpProperties> properties;
+  std::shared_ptr<const AmpProperties> outer;  // t_forward_region before this guard
   std::unique_ptr<AutocastGuard> autocast;
   std::unique_ptr<KeepNormsFp32Guard> norms;
   std::unique_ptr<WideProductsGuard> wide;  // made last, dropped first
 };
 
 ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl>()) {
+  impl_->properties = std::make_shared<const AmpProperties>(p);
+  impl_->outer = t_forward_region;
   if (p.patch_torch_functions) {
     impl_->autocast = std::make_unique<AutocastGuard>(p.device.type(), p.dtype);
   }
@@ -246,9 +255,24 @@ ForwardGuard::ForwardGuard(const AmpProperties& p) : impl_(std::make_unique<Impl
       (cpu_products_are_wide(p.dtype) || detail::routes_fused_attention())) {
     impl_->wide = std::make_unique<WideProductsGuard>();
   }
+  t_forward_region = impl_->properties;
 }
 
-ForwardGuard::~ForwardGuard() = default;
+ForwardGuard::~ForwardGuard() {
+  t_forward_region = std::move(impl_->outer);
+}
+
+namespace detail {
+
+std::shared_ptr<const AmpProperties> current_forward_region() {
+  return t_forward_region;
+}
+
+std::shared_ptr<ForwardGuard> enter_forward_region(const AmpProperties& properties) {
+  return std::shared_ptr<ForwardGuard>(new ForwardGuard(properties));
+}
+
+}  // namespace detail
 
 AmpSession::AmpSession(AmpProperties properties) : properties_(std::move(properties)) {}
 

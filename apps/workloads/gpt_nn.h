@@ -20,6 +20,7 @@
 
 #include "models.h"
 
+#include <ampx/checkpoint.h>
 #include <ampx/debug/scope.h>
 
 #include <torch/torch.h>
@@ -35,7 +36,7 @@ inline constexpr const char* kGptNNAttention =
     "nn.MultiheadAttention (causal attn_mask, need_weights=False)";
 
 struct NNBlockImpl : torch::nn::Module {
-  explicit NNBlockImpl(const GPTConfig& c) {
+  explicit NNBlockImpl(const GPTConfig& c) : recompute_mlp(c.recompute == GptRecompute::kMlp) {
     using namespace torch::nn;
     TORCH_CHECK(c.heads > 0 && c.d % c.heads == 0, "GPT: d (", c.d,
                 ") must be a multiple of heads (", c.heads, ")");
@@ -54,8 +55,17 @@ struct NNBlockImpl : torch::nn::Module {
     const auto a = std::get<0>(attn->forward(h, h, h, /*key_padding_mask=*/{},
                                              /*need_weights=*/false, mask));
     x = x + a.transpose(0, 1);
-    return x + mlp->forward(ln2(x));
+    if (!recompute_mlp) return x + mlp->forward(ln2(x));
+    // The Sequential's GELU and output layer run again in backward.
+    const auto fc = mlp[0]->as<torch::nn::Linear>()->forward(ln2(x));
+    return x + ampx::checkpoint(
+                   [this](const torch::Tensor& t) {
+                     return mlp[2]->as<torch::nn::Linear>()->forward(
+                         mlp[1]->as<torch::nn::GELU>()->forward(t));
+                   },
+                   fc);
   }
+  bool recompute_mlp;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   torch::nn::MultiheadAttention attn{nullptr};
   torch::nn::Sequential mlp{nullptr};
@@ -63,7 +73,7 @@ struct NNBlockImpl : torch::nn::Module {
 TORCH_MODULE(NNBlock);
 
 struct GPTNNImpl : torch::nn::Module {
-  explicit GPTNNImpl(const GPTConfig& c) {
+  explicit GPTNNImpl(const GPTConfig& c) : recompute_blocks(c.recompute == GptRecompute::kBlocks) {
     tok = register_module("tok", torch::nn::Embedding(c.vocab, c.d));
     pos = register_parameter("pos", torch::randn({c.block, c.d}) * 0.02);
     blocks = register_module("blocks", torch::nn::ModuleList());
@@ -82,10 +92,14 @@ struct GPTNNImpl : torch::nn::Module {
     const auto causal = mask.slice(0, 0, T).slice(1, 0, T);
     for (const auto& block : *blocks) {  // each a unit of its own under ampx-train --shard full
       auto* b = block->as<NNBlock>();
-      x = ampx::dist::sharded_forward(b, x, causal);
+      x = recompute_blocks
+              ? ampx::checkpoint(
+                    [b, causal](const torch::Tensor& h) { return b->forward(h, causal); }, x)
+              : ampx::dist::sharded_forward(b, x, causal);
     }
     return head(ln_f(x));
   }
+  bool recompute_blocks;
   torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;
   torch::nn::ModuleList blocks{nullptr};

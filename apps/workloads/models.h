@@ -14,6 +14,7 @@
 // ops between the layers (gelu, softmax, the residual adds) in "blocks.2",
 // "blocks.2.attn", ... A scope only names: the numbers are the same.
 
+#include <ampx/checkpoint.h>
 #include <ampx/debug/scope.h>
 #include <ampx/detail/compat.h>
 #include <ampx/fsdp.h>
@@ -56,6 +57,27 @@ inline GptAttention gpt_attention_named(const std::string& name) {
   return name == "fused" ? GptAttention::kFused : GptAttention::kExplicit;
 }
 
+/// What gpt's and gpt-nn's blocks run again in backward instead of keeping
+/// for it (ampx::checkpoint, ampx/checkpoint.h): the gradients are the same,
+/// bit for bit.
+enum class GptRecompute {
+  /// Everything backward needs is kept (the default).
+  kNone,
+  /// The MLP's GELU and output product: GELU's output (4 d a token) is not
+  /// kept; its input is. One more [4 d -> d] product a block each step.
+  kMlp,
+  /// Whole blocks: only each block's input is kept. One more forward a step.
+  kBlocks,
+};
+
+/// "none", "mlp" or "blocks" (ampx-train's --recompute).
+inline GptRecompute gpt_recompute_named(const std::string& name) {
+  TORCH_CHECK(name == "none" || name == "mlp" || name == "blocks",
+              "gpt recompute must be \"none\", \"mlp\" or \"blocks\", got \"", name, "\"");
+  if (name == "mlp") return GptRecompute::kMlp;
+  return name == "blocks" ? GptRecompute::kBlocks : GptRecompute::kNone;
+}
+
 /// A character-level GPT: pre-norm transformer blocks, causal self-attention.
 struct GPTConfig {
   int64_t vocab = 96;
@@ -64,6 +86,7 @@ struct GPTConfig {
   int64_t heads = 4;
   int64_t d = 256;
   GptAttention attention = GptAttention::kFused;
+  GptRecompute recompute = GptRecompute::kNone;
 };
 
 /// The attention paths gpt's forward can run, named in ampx-train's settings
@@ -137,7 +160,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
 TORCH_MODULE(CausalSelfAttention);
 
 struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(const GPTConfig& c) {
+  explicit BlockImpl(const GPTConfig& c) : recompute_mlp(c.recompute == GptRecompute::kMlp) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d})));
     attn = register_module("attn", CausalSelfAttention(c));
     ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d})));
@@ -147,8 +170,12 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     ampx::debug::ModuleScopeGuard scope(*this);
     x = x + attn(ln1(x));
-    return x + linear_2d(out, torch::gelu(linear_2d(fc, ln2(x))));
+    const auto h = linear_2d(fc, ln2(x));
+    if (!recompute_mlp) return x + linear_2d(out, torch::gelu(h));
+    return x + ampx::checkpoint(
+                   [this](const torch::Tensor& t) { return linear_2d(out, torch::gelu(t)); }, h);
   }
+  bool recompute_mlp;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
   CausalSelfAttention attn{nullptr};
   torch::nn::Linear fc{nullptr}, out{nullptr};
@@ -156,7 +183,7 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 struct GPTImpl : torch::nn::Module {
-  explicit GPTImpl(const GPTConfig& c) {
+  explicit GPTImpl(const GPTConfig& c) : recompute_blocks(c.recompute == GptRecompute::kBlocks) {
     tok = register_module("tok", torch::nn::Embedding(c.vocab, c.d));
     pos = register_parameter("pos", torch::randn({c.block, c.d}) * 0.02);
     blocks = register_module("blocks", torch::nn::ModuleList());
@@ -169,10 +196,13 @@ struct GPTImpl : torch::nn::Module {
     auto x = tok(tokens) + pos.slice(0, 0, tokens.size(1));
     for (const auto& block : *blocks) {  // each a unit of its own under ampx-train --shard full
       auto* b = block->as<Block>();
-      x = ampx::dist::sharded_forward(b, x);
+      x = recompute_blocks
+              ? ampx::checkpoint([b](const torch::Tensor& h) { return b->forward(h); }, x)
+              : ampx::dist::sharded_forward(b, x);
     }
     return linear_2d(head, ln_f(x));
   }
+  bool recompute_blocks;
   torch::nn::Embedding tok{nullptr};
   torch::Tensor pos;
   torch::nn::ModuleList blocks{nullptr};

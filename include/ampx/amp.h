@@ -142,6 +142,17 @@ struct AmpProperties {
   std::string to_string() const;
 };
 
+class ForwardGuard;
+
+namespace detail {
+/// The properties of this thread's innermost live ForwardGuard (null: none),
+/// and that region entered again until the result is dropped: what
+/// ampx::checkpoint (ampx/checkpoint.h) records at its forward and enters
+/// for its recompute in backward.
+std::shared_ptr<const AmpProperties> current_forward_region();
+std::shared_ptr<ForwardGuard> enter_forward_region(const AmpProperties& properties);
+}  // namespace detail
+
 /// The forward-pass region of an opt level: autocast (O1), norm layers fed in
 /// fp32 (O2), nothing (O0, O3); with a cast model (O2, O3) on a CPU whose
 /// 16-bit products LibTorch runs in a scalar loop, also a WideProductsGuard
@@ -157,6 +168,7 @@ class ForwardGuard {
 
  private:
   friend class AmpSession;
+  friend std::shared_ptr<ForwardGuard> detail::enter_forward_region(const AmpProperties&);
   explicit ForwardGuard(const AmpProperties& properties);
   struct Impl;
   std::unique_ptr<Impl> impl_;

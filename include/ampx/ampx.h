@@ -13,6 +13,7 @@
 
 #include "ampx/amp.h"
 #include "ampx/autocast.h"
+#include "ampx/checkpoint.h"
 #include "ampx/direction.h"
 #include "ampx/fp8.h"
 #include "ampx/grad_scaler.h"

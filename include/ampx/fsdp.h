@@ -127,8 +127,8 @@
 /// across units). What is not in a listed unit belongs to the root, `model`.
 /// An optimizer whose update reads a whole parameter's norms (LAMB's trust
 /// ratio, ampx::optim::LAMB) gets them through piece_sums(), below.
-/// Activation checkpointing (a unit's forward run again in backward) is not
-/// either. Run the forward under ampx::AutocastGuard, or under the
+/// Activation checkpointing (a unit's forward run again in backward,
+/// ampx::checkpoint) is not either. Run the forward under ampx::AutocastGuard, or under the
 /// forward_guard() of ampx::initialize(fsdp, ...)'s session (below): the
 /// units compute in param_dtype, their inputs are not cast.
 

@@ -291,6 +291,27 @@ TEST_F(TrainCliTest, RejectsMemoryOriginsOffTheCpu) {
   EXPECT_TRUE(parse({"--memory-origins", "-1"}).code.has_value()) << "a negative count";
 }
 
+TEST_F(TrainCliTest, RejectsRecomputeWhereItCannotRun) {
+  EnvGuard data("AMPX_DATA_DIR", dir_.c_str());
+  EXPECT_TRUE(parse({"--recompute", "attention"}).code.has_value()) << "not a choice";
+  auto refused = [&](std::vector<std::string> args) {
+    Parsed p = parse(std::move(args));
+    EXPECT_FALSE(p.code.has_value()) << p.err;
+    return error_text([&] { resolve_defaults(p.config); });
+  };
+  EXPECT_EQ(refused({"--workload", "mnist-cnn", "--recompute", "blocks"}),
+            "ampx-train: --recompute blocks is for the gpt workloads (gpt, gpt-nn), not "
+            "--workload mnist-cnn");
+  EXPECT_EQ(refused({"--recompute", "mlp", "--nproc", "2"}),
+            "ampx-train: --recompute mlp trains in one process: ampx::checkpoint's gradients "
+            "arrive in a backward inside backward, which data parallelism's gradient reduction "
+            "is not checked with; drop --nproc (or the launcher)");
+  EXPECT_EQ(refused({"--recompute", "blocks", "--compare", "O2,fp8"}),
+            "ampx-train: --recompute blocks with --precision fp8: running an FP8 layer again in "
+            "backward would record its amax twice; recompute fp32, O0, O1, O2 or O3");
+  EXPECT_EQ(refused({"--recompute", "none", "--workload", "mnist-cnn"}), "");
+}
+
 TEST_F(TrainCliTest, RejectsFp16OnCpuWithLibTorch1) {
   if (std::string(ampx::torch_version()).rfind("1.", 0) != 0) {
     GTEST_SKIP() << "LibTorch " << ampx::torch_version() << " has fp16 on CPU";
@@ -426,14 +447,15 @@ TEST_F(TrainCliTest, BinaryHelpListsEveryFlag) {
 #ifdef AMPX_TRAIN_BINARY
   const BinaryRun r = run_binary({"--help"});
   EXPECT_EQ(r.status, 0) << r.err;
-  for (const char* flag : {"--workload",       "--precision",  "--compare",          "--dtype",
-                           "--device",         "--threads",    "--batch-size",       "--steps",
-                           "--epochs",         "--lr",         "--weight-decay",     "--seed",
-                           "--block-size",     "--layers",     "--d-model",          "--heads",
-                           "--data-dir",       "--out-dir",    "--checkpoint-dir",   "--save-every",
-                           "--resume",         "--eval-every", "--eval-batches",     "--log-every",
-                           "--metrics-format", "--progress",   "--detect-nonfinite", "--diagnose",
-                           "--diagnose-steps", "--range-stats"}) {
+  for (const char* flag :
+       {"--workload",       "--precision",   "--compare",          "--dtype",
+        "--device",         "--threads",     "--batch-size",       "--steps",
+        "--epochs",         "--lr",          "--weight-decay",     "--seed",
+        "--block-size",     "--layers",      "--d-model",          "--heads",
+        "--data-dir",       "--out-dir",     "--checkpoint-dir",   "--save-every",
+        "--resume",         "--eval-every",  "--eval-batches",     "--log-every",
+        "--metrics-format", "--progress",    "--detect-nonfinite", "--diagnose",
+        "--diagnose-steps", "--range-stats", "--recompute"}) {
     EXPECT_TRUE(contains(r.out, {std::string(flag) + " "})) << flag;
   }
 #endif

@@ -285,6 +285,50 @@ TEST_F(CompareTest, MemoryOriginsSumToEachModesPeak) {
   }
 }
 
+// --recompute runs blocks (or their MLP's tail) again in backward through
+// ampx::checkpoint: the same gradients, so the same weights bit for bit, in
+// each mode's forward region (O1's autocast, O2's fp32 norms and products).
+TEST_F(CompareTest, RecomputeTrainsTheSameWeightsBitForBit) {
+  for (const std::string workload : {"gpt", "gpt-nn"}) {
+    for (const std::string mode : {"O1", "O2"}) {
+      if (workload == "gpt-nn" && mode == "O1") continue;
+      std::vector<std::pair<std::string, torch::Tensor>> plain;
+      std::vector<double> plain_losses;
+      for (const std::string recompute : {"none", "mlp", "blocks"}) {
+        const std::string out = workload + "-" + mode + "-" + recompute;
+        std::string cmd = std::string("'") + AMPX_TRAIN_BINARY + "'";
+        for (const auto& a : ampx::train::test::tiny_gpt({{"--workload", workload},
+                                                          {"--layers", "2"},
+                                                          {"--steps", "3"},
+                                                          {"--save-every", "3"},
+                                                          {"--precision", mode},
+                                                          {"--recompute", recompute},
+                                                          {"--data-dir", (dir_ / "data").string()},
+                                                          {"--out-dir", (dir_ / out).string()}})) {
+          cmd += " '" + a + "'";
+        }
+        ASSERT_EQ(shell(cmd), 0) << output_;
+        const auto path = dir_ / out / "checkpoints" / "checkpoint.ampx";
+        const auto weights = ampx::train::test::model_tensors(path);
+        const auto losses =
+            ampx::train::read_checkpoint(path).meta.at("losses").get<std::vector<double>>();
+        if (recompute == "none") {
+          plain = weights;
+          plain_losses = losses;
+          continue;
+        }
+        EXPECT_NE(output_.find("recompute     " + recompute + ":"), std::string::npos) << output_;
+        EXPECT_EQ(losses, plain_losses) << out;
+        ASSERT_EQ(weights.size(), plain.size()) << out;
+        for (size_t i = 0; i < weights.size(); ++i) {
+          EXPECT_TRUE(torch::equal(weights[i].second, plain[i].second))
+              << out << ": " << weights[i].first;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CompareTest, NprocTwoTrainsLikeOneProcessOnTheSameGlobalBatch) {
   if (!ampx::dist::is_available()) GTEST_SKIP() << "ampx built without c10d/Gloo";
   ASSERT_EQ(run("--steps 6 --precision fp32 --save-every 6", "one"), 0) << output_;

@@ -201,6 +201,12 @@ void add_gpt_options(CLI::App& app, TrainConfig& c) {
                  "way) or explicit (matmul, masked_fill, softmax, matmul: the ops of the Python "
                  "comparison's model)")
       ->check(CLI::IsMember({"fused", "explicit"}));
+  app.add_option("--recompute", c.recompute,
+                 "gpt, gpt-nn: activation checkpointing (ampx::checkpoint): none; mlp (GELU "
+                 "and the MLP's output product run again in backward, GELU's output is not "
+                 "kept); blocks (whole blocks run again, only their inputs are kept). The "
+                 "same gradients, less memory, more compute")
+      ->check(CLI::IsMember({"none", "mlp", "blocks"}));
 }
 
 // Data, outputs, checkpoints, evaluation and progress.
@@ -465,6 +471,12 @@ ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c, const std::string& mode) {
       c.fp8_format == "e4m3" ? ampx::fp8::RecipeFormat::kE4M3 : ampx::fp8::RecipeFormat::kHybrid;
   if (c.fp8_recipe == "current") return ampx::fp8::CurrentScaling().fp8_format(format);
   return ampx::fp8::DelayedScaling().fp8_format(format).amax_history_len(c.amax_history);
+}
+
+std::string recompute_description(const TrainConfig& c) {
+  if (c.recompute == "mlp") return "mlp: each block's GELU and output product again in backward";
+  if (c.recompute == "blocks") return "blocks: each block's forward again in backward";
+  return "none";
 }
 
 const char* gpt_attention_of(const TrainConfig& c) {

@@ -51,6 +51,7 @@ struct TrainConfig {
   int64_t heads = 4;
   std::string gpt_shape;  // --gpt-shape gpt2-small: GPT-2 small's shape (12 x 768, 12 heads, 1024)
   std::string attention = "fused";  // --attention fused|explicit (gpt, CPU)
+  std::string recompute = "none";   // --recompute none|mlp|blocks (gpt, gpt-nn)
   // files
   std::string data_dir;        // --data-dir, $AMPX_DATA_DIR, ~/.cache/ampx/data
   std::string out_dir;         // metrics, tables, plot; default runs/<workload>
@@ -102,6 +103,8 @@ struct TrainConfig {
 
 /// The attention path a GPT workload's model runs (settings and report).
 const char* gpt_attention_of(const TrainConfig& config);
+/// What --recompute runs again in backward, for the settings table.
+std::string recompute_description(const TrainConfig& config);
 
 /// Whether `workload` trains a GPT on Moby Dick's text (gpt, gpt-nn).
 inline bool is_gpt_workload(const std::string& workload) {

@@ -105,6 +105,24 @@ void check_plan_flags(TrainConfig& c) {
               "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
 }
 
+/// --recompute: the gpt workloads, in one process, without FP8 layers.
+void check_recompute(const TrainConfig& c) {
+  if (c.recompute == "none") return;
+  TORCH_CHECK(is_gpt_workload(c.workload), "ampx-train: --recompute ", c.recompute,
+              " is for the gpt workloads (gpt, gpt-nn), not --workload ", c.workload);
+  TORCH_CHECK(c.nproc == 1 && !ampx::dist::launched_as_rank(), "ampx-train: --recompute ",
+              c.recompute,
+              " trains in one process: ampx::checkpoint's gradients arrive in a backward "
+              "inside backward, which data parallelism's gradient reduction is not checked "
+              "with; drop --nproc (or the launcher)");
+  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
+  for (const auto& m : listed) {
+    TORCH_CHECK(!is_fp8_mode(m), "ampx-train: --recompute ", c.recompute, " with --precision ", m,
+                ": running an FP8 layer again in backward would record its amax twice; "
+                "recompute fp32, O0, O1, O2 or O3");
+  }
+}
+
 }  // namespace
 
 void check_combinations(TrainConfig& c) {
@@ -116,6 +134,7 @@ void check_combinations(TrainConfig& c) {
               c.nproc);
   check_shard_config(c);
   check_optimizer_config(c);
+  check_recompute(c);
 }
 
 }  // namespace ampx::train

@@ -82,6 +82,7 @@ void add_schedule_rows(const TrainConfig& c, Rows& rows) {
           << c.block_size;
     rows.add("model", shape.str());
     rows.add("attention", gpt_attention_of(c));
+    if (c.recompute != "none") rows.add("recompute", recompute_description(c));
   }
   rows.add("data", c.data_dir);
   rows.add("output", c.out_dir);

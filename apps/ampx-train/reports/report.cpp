@@ -130,11 +130,12 @@ nlohmann::json comparison_json(const TrainConfig& c, const Workload& workload,
         {"dtype", c.dtype},
         {"attention",
          is_gpt_workload(workload.name()) ? nlohmann::json(gpt_attention_of(c)) : nlohmann::json()},
-        {"cpu_products", c.device == "cpu"
-                             ? nlohmann::json(ampx::cpu_products_are_wide(products_dtype)
-                                                  ? "wide"
-                                                  : "native")
-                             : nlohmann::json()},
+        {"recompute",
+         is_gpt_workload(workload.name()) ? nlohmann::json(c.recompute) : nlohmann::json()},
+        {"cpu_products",
+         c.device == "cpu"
+             ? nlohmann::json(ampx::cpu_products_are_wide(products_dtype) ? "wide" : "native")
+             : nlohmann::json()},
         {"cpu_products_probe", products_probe}}},
       {"machine",
        {{"cpu", cpu_model()}, {"blas", blas_library()}, {"libtorch", ampx::torch_version()}}},

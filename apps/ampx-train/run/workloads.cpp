@@ -43,6 +43,7 @@ class GptWorkload final : public Workload {
     cfg_.heads = c.heads;
     cfg_.d = c.d_model;
     cfg_.attention = gpt_attention_named(c.attention);
+    cfg_.recompute = gpt_recompute_named(c.recompute);
     TORCH_CHECK(data_.train.numel() > cfg_.block + 1 && data_.val.numel() > cfg_.block + 1,
                 "ampx-train: the text is too short for --block-size ", cfg_.block, ": ",
                 data_.train.numel(), " training and ", data_.val.numel(), " held-out characters");
