@@ -65,9 +65,11 @@ def size_flags(args, workload):
             else [])
 
 
-def ampx_train(exe, args, out, workload, rnd=0, tag="", chroot=None, profile=None, block=False):
-    """ampx-train --compare fp32,O1,O2,O3 (block: and BLOCK_MODES) on `workload`: its
-    compare.json. tag names the build in the output folder; chroot ('forky') runs it there
+def ampx_train(exe, args, out, workload, rnd=0, tag="", chroot=None, profile=None, block=False,
+               modes=None, extra=()):
+    """ampx-train --compare fp32,O1,O2,O3 (block: and BLOCK_MODES; modes: that list instead)
+    on `workload`, with the flags `extra` after the rest: its compare.json. tag names the
+    build (or the variant) in the output folder; chroot ('forky') runs it there
     (exe and out inside the repository, which the chroot sees at /src, and the datasets via
     AMPX_DATA_DIR); profile (a path, host runs only) traces one step per mode (ampx-train
     leaves it out of the timing) into profile-<mode>.json."""
@@ -75,7 +77,7 @@ def ampx_train(exe, args, out, workload, rnd=0, tag="", chroot=None, profile=Non
                      workload if rnd == 0 else f"{workload}-r{rnd}")
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
-    modes = MODES + (BLOCK_MODES if block else [])
+    modes = modes or MODES + (BLOCK_MODES if block else [])
     flags = ["--workload", workload, "--compare", ",".join(modes), "--steps",
              str(steps_of(args, workload)), "--threads", str(args.threads), "--progress", "none"]
     flags += size_flags(args, workload)
@@ -83,6 +85,7 @@ def ampx_train(exe, args, out, workload, rnd=0, tag="", chroot=None, profile=Non
         flags += ["--eval-batches", "4"]
     if profile:
         flags += ["--profile", profile]
+    flags += list(extra)
     env = None
     if chroot:
         data_dir = args.data_dir or default_data_dir()

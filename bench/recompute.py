@@ -17,31 +17,28 @@ import os
 import statistics
 
 import e2e
-from harness import ROOT, run
+from harness import ROOT
 
 RECOMPUTE = ["none", "mlp", "blocks"]
 
 
+def e2e_args(args):
+    """The flags e2e.py's runs read, from this script's."""
+    return argparse.Namespace(threads=args.threads, gpt_steps=args.steps, image_steps=args.steps,
+                              gpt_batch=None, data_dir=args.data_dir)
+
+
 def ampx_run(args, workload, recompute, rnd):
-    """compare.json of ampx-train --compare fp32,O2 --recompute `recompute`."""
-    d = os.path.join(args.out, f"{workload}-{recompute}-r{rnd}")
-    os.makedirs(d, exist_ok=True)
-    cmd = [args.ampx_train, "--workload", workload, "--compare", "fp32,O2", "--steps",
-           str(args.steps), "--threads", str(args.threads), "--progress", "none",
-           "--eval-batches", "4", "--recompute", recompute, "--out-dir", d]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    run(cmd, label=f"ampx-train {workload} --recompute {recompute} (round {rnd})")
-    with open(os.path.join(d, "compare.json")) as f:
-        modes = {m["mode"]: m for m in json.load(f)["modes"]}
-    return {mode: {"ms": m["median_step_ms"], "peak": m["peak_allocated_bytes"]}
-            for mode, m in modes.items()}
+    """fp32's and O2's step time and peak of ampx-train --recompute `recompute`."""
+    c = e2e.ampx_train(args.ampx_train, e2e_args(args), args.out, workload, rnd,
+                       tag=f"recompute-{recompute}", modes=["fp32", "O2"],
+                       extra=["--recompute", recompute])
+    return {m["mode"]: {"ms": m["median_step_ms"], "peak": m["peak_allocated_bytes"]}
+            for m in c["modes"]}
 
 
 def python_run(args, workload, compiled, rnd):
-    ns = argparse.Namespace(threads=args.threads, gpt_steps=args.steps, image_steps=args.steps,
-                            gpt_batch=None, data_dir=args.data_dir)
-    r = e2e.python_amp(args.python, ns, args.out, workload, "autocast-bf16", rnd=rnd,
+    r = e2e.python_amp(args.python, e2e_args(args), args.out, workload, "autocast-bf16", rnd=rnd,
                        compiled=compiled, adamw="fused")
     return {"ms": r["median_step_ms"], "peak": r["peak_bytes"]}
 

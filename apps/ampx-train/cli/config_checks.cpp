@@ -46,11 +46,16 @@ void check_device(const TrainConfig& c) {
               "products. Use --dtype bf16.");
 }
 
+/// The modes the command line lists: --compare's list, not this process's
+/// --only-mode (every child gets the flags), or --precision's one.
+std::vector<std::string> listed_modes(const TrainConfig& c) {
+  return c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
+}
+
 /// The precision plan's flags (--precision auto) and the FP8 modes' tail.
 void check_plan_flags(TrainConfig& c) {
   const auto modes = modes_of(c);
-  // (--compare's list, not this process's --only-mode: every child gets the flags)
-  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
+  const auto listed = listed_modes(c);
   const bool plan_mode = std::find(listed.begin(), listed.end(), "auto") != listed.end();
   TORCH_CHECK(c.precision_plan.empty() || plan_mode, "ampx-train: --precision-plan '",
               c.precision_plan, "' is for --precision auto");
@@ -115,8 +120,7 @@ void check_recompute(const TrainConfig& c) {
               " trains in one process: ampx::checkpoint's gradients arrive in a backward "
               "inside backward, which data parallelism's gradient reduction is not checked "
               "with; drop --nproc (or the launcher)");
-  const auto& listed = c.compare.empty() ? std::vector<std::string>{c.precision} : c.compare;
-  for (const auto& m : listed) {
+  for (const auto& m : listed_modes(c)) {
     TORCH_CHECK(!is_fp8_mode(m), "ampx-train: --recompute ", c.recompute, " with --precision ", m,
                 ": running an FP8 layer again in backward would record its amax twice; "
                 "recompute fp32, O0, O1, O2 or O3");
