@@ -14,7 +14,8 @@ In one run, on one machine, with the same threads everywhere:
      with stochastic rounding) and the wheel's Python on the same models (bench/python), eager
      and torch.compile'd, fp32 and torch.autocast bf16, torch's default AdamW and
      AdamW(fused=True) (--wheel-adamw); ampx-train on LibTorch 2.14 (the forky chroot,
-     --forky-train) beside them when built;
+     --forky-train) beside them when built; on the GPTs, ampx-train fp32 and O2 with each
+     --recompute setting (activation checkpointing: O2's peak and its cost);
   4. end to end against Debian's 1.13, the second anchor: ampx-train built against it, and
      Debian's python3-torch with torch.autocast and torch.optim.AdamW (its for-loop: 1.13 has
      no fused CPU AdamW), fp32 and bf16;

@@ -8,7 +8,9 @@ On every workload, once per round and interleaved with the Debian 1.13 runs:
     torch's default AdamW (on the CPU its for-loop) and with AdamW(fused=True) (issue 67;
     --wheel-adamw picks, and a torch without a fused CPU AdamW, before 2.4, skips it);
   - ampx-train built against Debian's LibTorch 2.14 in the forky chroot (--forky-train), every
-    mode, when that build exists: the "no slower than on 2.14" target.
+    mode, when that build exists: the "no slower than on 2.14" target;
+  - on the GPTs, ampx-train fp32 and O2 again with each --recompute setting (RECOMPUTE): what
+    activation checkpointing takes off O2's peak, and what it costs in step time.
 Inductor's cache lives in the run's output folder and starts empty, so the first round's
 compile is a cold one and later rounds show the cached one (the fused-AdamW compiled runs
 compile the same forward and loss as the default-AdamW ones, after them in each round).
@@ -34,6 +36,10 @@ ADAMW = ("default", "fused")
 # (precision, compiled, AdamW) of the wheel's Python runs, in the order they run and are shown.
 PY_CONFIGS = [(p, c, a) for a in ADAMW for c in (False, True) for p in PRECISIONS]
 GROUP = "PyTorch's wheel"
+# ampx-train --recompute settings measured beside --recompute none (the ampx rows above them)
+# on the GPTs, each with the modes RECOMPUTE_MODES.
+RECOMPUTE = ("mlp", "blocks")
+RECOMPUTE_MODES = ["fp32", "O2"]
 
 
 def config_key(precision, compiled, adamw="default"):
@@ -118,17 +124,24 @@ def start(args, out):
     configs, skipped = python_configs(args)
     return {"configs": configs, "adamw_skipped": skipped,
             "e2e": {w: [] for w in WORKLOADS}, "forky": {w: [] for w in WORKLOADS},
+            "recompute": {w: {rc: [] for rc in RECOMPUTE} for w in GPT_WORKLOADS},
             "python": {w: {config_key(*c): [] for c in configs} for w in WORKLOADS}}
 
 
 def run_round(args, out, workload, rnd, rounds, forky_exe):
-    """One round of `workload` on the wheel's side: ampx, then each Python configuration, then
-    ampx on 2.14 when it is built. The first round also profiles one step of each (untimed)."""
+    """One round of `workload` on the wheel's side: ampx (on a GPT, then with each --recompute
+    setting), then each Python configuration, then ampx on 2.14 when it is built. The first
+    round also profiles one step of each (untimed)."""
     first = rnd == 0
     os.makedirs(os.path.join(out, "profiles"), exist_ok=True)
+    exe = ampx_train_of(args.wheel_build)
     rounds["e2e"][workload].append(e2e.ampx_train(
-        ampx_train_of(args.wheel_build), args, out, workload, rnd, tag="wheel",
+        exe, args, out, workload, rnd, tag="wheel",
         profile=step_profile.ampx_profile_path(out, workload, "wheel") if first else None))
+    for rc in rounds["recompute"].get(workload, {}):
+        rounds["recompute"][workload][rc].append(e2e.ampx_train(
+            exe, args, out, workload, rnd, tag=f"wheel-recompute-{rc}", modes=RECOMPUTE_MODES,
+            extra=["--recompute", rc]))
     env = python_env(out)
     for precision, compiled, adamw in rounds["configs"]:
         key = config_key(precision, compiled, adamw)
@@ -165,6 +178,9 @@ def combine(args, out, rounds, gemm):
                         for w, cfg in rounds["python"].items() if any(cfg.values())},
         "adamw_skipped": rounds["adamw_skipped"],
         "forky_e2e": {w: combine_e2e(r) for w, r in rounds["forky"].items() if r},
+        "recompute_e2e": {w: {rc: combine_e2e(r) for rc, r in settings.items() if r}
+                          for w, settings in rounds["recompute"].items()
+                          if any(settings.values())},
         "forky_train": args.forky_train,
         "profiles": profiles,
     }
@@ -201,23 +217,42 @@ def faster_row(what, want, mine, theirs, note=""):
                       group=GROUP)
 
 
-def memory_rows(w, c, runs):
+def memory_rows(w, c, runs, recompute=None):
     """Issue 67's memory targets on a GPT: ampx O2's peak against ampx fp32's and against the
-    lowest peak of Python's autocast runs."""
+    lowest peak of Python's autocast runs; with each --recompute setting measured (recompute:
+    {setting: its fp32 and O2 compare.json}), the same for O2 with it, against the same two
+    peaks (fp32's without recompute), its step time and fp32's with the same setting named."""
     peak = {x["mode"]: x.get("peak_allocated_bytes") for x in c["modes"]}
-    o2, f32 = peak.get("O2"), peak.get("fp32")
+    f32 = peak.get("fp32")
     mib = lambda b: fmt(b / 2**20 if b else None)
-    out = [target_row(f"{w}, ampx O2 peak memory vs ampx fp32's", "<= 0.55x",
-                      o2 / f32 if o2 and f32 else None, 0.55, higher_is_better=False,
-                      note=f"{mib(o2)} vs {mib(f32)} MiB", group=GROUP)]
     theirs = [r for r in runs.values() if r["precision"] != "fp32" and r.get("peak_bytes")]
     low = min(theirs, key=lambda r: r["peak_bytes"]) if theirs else None
-    out.append(target_row(
-        f"{w}, ampx O2 peak memory vs Python autocast's lowest"
-        + (f" ({variant(low)})" if low else ""), "<= 0.8x",
-        o2 / low["peak_bytes"] if o2 and low else None, 0.8, higher_is_better=False,
-        note=(f"{mib(o2)} vs {mib(low['peak_bytes'])} MiB" if low
-              else "no Python autocast run recorded its peak"), group=GROUP))
+    mixed = best_python(runs, ("autocast-bf16",))
+    out = []
+    recompute = recompute or {}
+    for rc, compare in [(None, c)] + [(rc, recompute[rc]) for rc in RECOMPUTE if rc in recompute]:
+        at = {x["mode"]: x for x in compare["modes"]}
+        o2 = (at.get("O2") or {}).get("peak_allocated_bytes")
+        label = "ampx O2" + (f" --recompute {rc}" if rc else "")
+        note = ""
+        if rc:
+            ms, same = (at.get("O2") or {}).get("median_step_ms"), at.get("fp32") or {}
+            py = mixed["median_step_ms"] if mixed else None
+            plain = step_of(c, "O2")
+            same_peak = same.get("peak_allocated_bytes")
+            note = (f"; {fmt(ms)} ms a step, {fmt(plain / ms if plain and ms else None, 2)}x "
+                    f"O2's without it, {fmt(py / ms if py and ms else None, 2)}x Python's best "
+                    f"mixed; vs fp32 with --recompute {rc}: "
+                    f"{fmt(o2 / same_peak if o2 and same_peak else None, 2)}x")
+        out.append(target_row(f"{w}, {label} peak memory vs ampx fp32's", "<= 0.55x",
+                              o2 / f32 if o2 and f32 else None, 0.55, higher_is_better=False,
+                              note=f"{mib(o2)} vs {mib(f32)} MiB{note}", group=GROUP))
+        out.append(target_row(
+            f"{w}, {label} peak memory vs Python autocast's lowest"
+            + (f" ({variant(low)})" if low else ""), "<= 0.8x",
+            o2 / low["peak_bytes"] if o2 and low else None, 0.8, higher_is_better=False,
+            note=(f"{mib(o2)} vs {mib(low['peak_bytes'])} MiB" if low
+                  else "no Python autocast run recorded its peak"), group=GROUP))
     return out
 
 
@@ -256,7 +291,7 @@ def targets(data):
             f"{w} step time, ampx best mixed ({best_mode}) vs Python's best mixed "
             f"({name(mixed)})", 1.5, step_of(c, best_mode), mixed,
             f"Python's attention: {kernel(mixed)}{skipped}"))
-        out += memory_rows(w, c, runs)
+        out += memory_rows(w, c, runs, (wh.get("recompute_e2e") or {}).get(w))
     for w in ("mnist-cnn", "fashion-mlp"):
         c = wh["e2e"].get(w)
         if c is None:
@@ -305,6 +340,10 @@ def report(data):
       "`AdamW(fused=True)` (each row names the AdamW that ran; the targets take Python's fastest "
       "per precision)."
       + (f" {wh['adamw_skipped']}." if wh.get("adamw_skipped") else "")
+      + (" `ampx --recompute S`: the same build with activation checkpointing (`--recompute "
+         "mlp`: each block's GELU and output product run again in backward; `blocks`: whole "
+         "blocks), its peak and step beside the rows without it."
+         if wh.get("recompute_e2e") else "")
       + (" `ampx on 2.14`: ampx-train built against Debian's LibTorch 2.14 (forky chroot)."
          if wh.get("forky_e2e") else "")
       + f" MFU against the wheel build's own products: fp32 {fmt(peaks['fp32'])}, bf16 "
@@ -316,6 +355,9 @@ def report(data):
         if c is None:
             continue
         rows = e2e.ampx_rows(c)
+        settings = (wh.get("recompute_e2e") or {}).get(workload, {})
+        for rc in (rc for rc in RECOMPUTE if rc in settings):
+            rows += e2e.ampx_rows(settings[rc], prefix=f"ampx --recompute {rc}")
         if workload in wh.get("forky_e2e", {}):
             rows += e2e.ampx_rows(wh["forky_e2e"][workload], prefix="ampx on 2.14", mfu=False)
         for precision, compiled, adamw in PY_CONFIGS:
