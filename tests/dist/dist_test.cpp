@@ -64,6 +64,20 @@ TEST_P(DistWorldTest, RanksEndBitwiseIdenticalAndMatchSingleProcessTraining) {
   EXPECT_GT(std::abs(other->weight[0][0].item<float>() - rank0[0]), 1e-3f);
 }
 
+// Activation checkpointing under DDP: the checkpointed layers' gradients
+// arrive in the recompute's backward, inside the step's; DDP's hooks reduce
+// them as any others, and the ranks end with the plain run's weights, bit
+// for bit.
+TEST_F(DistTest, CheckpointedLayersTrainAsThePlainOnesBitForBit) {
+  const auto plain = run("train", 2), checkpointed = run("checkpointed", 2);
+  for (const auto* workers : {&plain, &checkpointed}) {
+    for (const auto& w : *workers) ASSERT_EQ(w.status, 0) << w.output;
+  }
+  const auto want = params(plain[0].out);
+  ASSERT_FALSE(want.empty());
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(params(checkpointed[r].out), want) << "rank " << r;
+}
+
 TEST_P(DistWorldTest, NoSyncAccumulationEqualsOneFullStep) {
   const int world = GetParam();
   auto workers = run("accumulate", world);

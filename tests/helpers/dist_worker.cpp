@@ -3,7 +3,7 @@
 // MASTER_PORT).
 //
 //   ampx_dist_worker <scenario> <out-file>
-//   scenarios: train | accumulate | compressed | overflow | kill | bf16-probe
+//   scenarios: train | checkpointed | accumulate | compressed | overflow | kill | bf16-probe
 //              zero | zero-o2 | zero-overflow | zero-unsynced | zero-groups
 //              unused-order | grads-fp32 | grads-fp16 | grads-bf16 | fp16-sum
 //              fp8 | fp8-local | plan-watch | plan-watch-alone
@@ -14,7 +14,9 @@
 //
 // The model is a small MLP; rank r starts from its own random weights
 // (DistributedDataParallel must broadcast rank 0's) and trains on its shard
-// of one global batch. Writes the final parameters (train, accumulate,
+// of one global batch; checkpointed trains as train with the last two
+// layers under ampx::checkpoint (their gradients come from a backward inside
+// backward). Writes the final parameters (train, checkpointed, accumulate,
 // compressed) or one "step scale stepped" line per step (overflow).
 // The ZeRO-1 scenarios (zero*): dist_worker_zero.cpp; plan-watch*:
 // dist_worker_plan.cpp; what they share: dist_worker.h.
@@ -223,6 +225,20 @@ void accumulate_step(torch::nn::Sequential& model, ampx::dist::DistributedDataPa
   ddp.synchronize();
 }
 
+/// The model's output on `x`; checkpointed: the layers after the first Tanh
+/// (model: Linear, Tanh, Linear, Tanh, Linear) under ampx::checkpoint.
+torch::Tensor forward(const std::string& scenario, torch::nn::Sequential& model,
+                      const torch::Tensor& x) {
+  if (scenario != "checkpointed") return model->forward(x);
+  const auto h = torch::tanh(model->at<torch::nn::LinearImpl>(0).forward(x));
+  return ampx::checkpoint(
+      [&model](const torch::Tensor& t) {
+        return model->at<torch::nn::LinearImpl>(4).forward(
+            torch::tanh(model->at<torch::nn::LinearImpl>(2).forward(t)));
+      },
+      h);
+}
+
 /// Prints how many non-finite values the guard saw and its first report.
 void print_nonfinite(const ampx::debug::NonFiniteGuard& guard) {
   std::cout << "nonfinite " << guard.count() << std::endl;
@@ -274,7 +290,7 @@ int run(std::string scenario, const std::string& out) {
       opt.step();
       continue;
     }
-    auto loss = torch::mse_loss(model->forward(xs), ys);
+    auto loss = torch::mse_loss(forward(scenario, model, xs), ys);
     if (scenario == "overflow" && rank == 1 && step == 3) loss = loss * INFINITY;
     // An op that makes the inf itself (the scalars are finite).
     if (scenario == "overflow-op" && rank == 1 && step == 3) loss = loss * 1e30 * 1e30;

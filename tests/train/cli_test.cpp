@@ -302,10 +302,14 @@ TEST_F(TrainCliTest, RejectsRecomputeWhereItCannotRun) {
   EXPECT_EQ(refused({"--workload", "mnist-cnn", "--recompute", "blocks"}),
             "ampx-train: --recompute blocks is for the gpt workloads (gpt, gpt-nn), not "
             "--workload mnist-cnn");
-  EXPECT_EQ(refused({"--recompute", "mlp", "--nproc", "2"}),
-            "ampx-train: --recompute mlp trains in one process: ampx::checkpoint's gradients "
-            "arrive in a backward inside backward, which data parallelism's gradient reduction "
-            "is not checked with; drop --nproc (or the launcher)");
+  for (const std::string shard : {"grad", "full"}) {
+    EXPECT_EQ(refused({"--recompute", "mlp", "--nproc", "2", "--shard", shard}),
+              "ampx-train: --recompute mlp with --shard " + shard +
+                  ": the sharded units gather their weights as their forward starts, and a "
+                  "forward run again in backward is not one they can follow yet; use --shard "
+                  "none or optimizer");
+  }
+  EXPECT_EQ(refused({"--recompute", "blocks", "--nproc", "2", "--shard", "optimizer"}), "");
   EXPECT_EQ(refused({"--recompute", "blocks", "--compare", "O2,fp8"}),
             "ampx-train: --recompute blocks with --precision fp8: running an FP8 layer again in "
             "backward would record its amax twice; recompute fp32, O0, O1, O2 or O3");

@@ -109,6 +109,25 @@ TEST_F(ShardTest, O2TrainsDdpsRunToTheRoundingOfTheAveragedGradients) {
   }
 }
 
+// --recompute under DDP and ZeRO-1: the checkpointed blocks' gradients
+// arrive in the recompute's backward, inside the step's, and the gradient
+// hooks reduce them as any others: the losses and each rank's weights of the
+// same run without it, bit for bit (O2: the recompute re-enters its region).
+TEST_F(ShardTest, RecomputeTrainsDdpsAndZeroOnesRunsBitForBit) {
+  for (const std::string shard : {"none", "optimizer"}) {
+    const ShardRun plain = run("gpt", shard, "O2");
+    ASSERT_EQ(plain.weights.size(), 2u) << plain.output;
+    const std::string recompute = shard == "none" ? "blocks" : "mlp";
+    const ShardRun recomputed =
+        run("gpt", shard, "O2",
+            {{"--recompute", recompute},
+             {"--out-dir", (tmp_.path() / ("gpt-" + shard + "-O2-" + recompute)).string()}});
+    ASSERT_EQ(losses(recomputed).size(), static_cast<size_t>(steps_));
+    EXPECT_EQ(losses(recomputed), losses(plain)) << shard << " " << recompute;
+    EXPECT_EQ(recomputed.weights, plain.weights) << shard << " " << recompute;
+  }
+}
+
 // fp16 with loss scaling, on a run that overflows on purpose (the first
 // scale 2^24, doubled again after every 3 clean steps): every sharding skips
 // the steps DDP skips. Each rank's backward is the same computation under

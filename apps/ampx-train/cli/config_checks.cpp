@@ -110,16 +110,19 @@ void check_plan_flags(TrainConfig& c) {
               "ampx-train: --plan-widen moves the layers the watch reports; --plan-watch is 0");
 }
 
-/// --recompute: the gpt workloads, in one process, without FP8 layers.
+/// --recompute: the gpt workloads, without FP8 layers, in one process or
+/// under DDP or ZeRO-1 (whose gradient hooks see the recompute's backward as
+/// any other); the wrapper's units (--shard grad, full) gather their weights
+/// in their forward, which a recompute in backward would run out of order.
 void check_recompute(const TrainConfig& c) {
   if (c.recompute == "none") return;
   TORCH_CHECK(is_gpt_workload(c.workload), "ampx-train: --recompute ", c.recompute,
               " is for the gpt workloads (gpt, gpt-nn), not --workload ", c.workload);
-  TORCH_CHECK(c.nproc == 1 && !ampx::dist::launched_as_rank(), "ampx-train: --recompute ",
-              c.recompute,
-              " trains in one process: ampx::checkpoint's gradients arrive in a backward "
-              "inside backward, which data parallelism's gradient reduction is not checked "
-              "with; drop --nproc (or the launcher)");
+  TORCH_CHECK(c.shard == "none" || c.shard == "optimizer", "ampx-train: --recompute ",
+              c.recompute, " with --shard ", c.shard,
+              ": the sharded units gather their weights as their forward starts, and a forward "
+              "run again in backward is not one they can follow yet; use --shard none or "
+              "optimizer");
   for (const auto& m : listed_modes(c)) {
     TORCH_CHECK(!is_fp8_mode(m), "ampx-train: --recompute ", c.recompute, " with --precision ", m,
                 ": running an FP8 layer again in backward would record its amax twice; "
