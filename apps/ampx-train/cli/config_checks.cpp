@@ -118,8 +118,8 @@ void check_recompute(const TrainConfig& c) {
   if (c.recompute == "none") return;
   TORCH_CHECK(is_gpt_workload(c.workload), "ampx-train: --recompute ", c.recompute,
               " is for the gpt workloads (gpt, gpt-nn), not --workload ", c.workload);
-  TORCH_CHECK(c.shard == "none" || c.shard == "optimizer", "ampx-train: --recompute ",
-              c.recompute, " with --shard ", c.shard,
+  TORCH_CHECK(c.shard == "none" || c.shard == "optimizer", "ampx-train: --recompute ", c.recompute,
+              " with --shard ", c.shard,
               ": the sharded units gather their weights as their forward starts, and a forward "
               "run again in backward is not one they can follow yet; use --shard none or "
               "optimizer");
