@@ -232,11 +232,12 @@ def memory_rows(w, c, runs, recompute=None):
     recompute = recompute or {}
     for rc, compare in [(None, c)] + [(rc, recompute[rc]) for rc in RECOMPUTE if rc in recompute]:
         at = {x["mode"]: x for x in compare["modes"]}
-        o2 = (at.get("O2") or {}).get("peak_allocated_bytes")
+        o2_run = at.get("O2") or {}
+        o2 = o2_run.get("peak_allocated_bytes")
         label = "ampx O2" + (f" --recompute {rc}" if rc else "")
         note = ""
         if rc:
-            ms, same = (at.get("O2") or {}).get("median_step_ms"), at.get("fp32") or {}
+            ms, same = o2_run.get("median_step_ms"), at.get("fp32") or {}
             py = mixed["median_step_ms"] if mixed else None
             plain = step_of(c, "O2")
             same_peak = same.get("peak_allocated_bytes")
