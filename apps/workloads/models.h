@@ -225,8 +225,10 @@ struct MnistCNNImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& images) {  // [B, 1, 28, 28] -> [B, 10]
     ampx::debug::ModuleScopeGuard scope(*this);
-    auto x = torch::max_pool2d(torch::relu(bn1(conv1(images))), 2);  // [B, 32, 14, 14]
-    x = torch::max_pool2d(torch::relu(bn2(conv2(x))), 2);            // [B, 64, 7, 7]
+    // ampx's pool: LibTorch's bit for bit, without its NCHW kernel's branch
+    // mispredictions (ampx/kernels/pooling.h).
+    auto x = ampx::max_pool2d(torch::relu(bn1(conv1(images))), 2);  // [B, 32, 14, 14]
+    x = ampx::max_pool2d(torch::relu(bn2(conv2(x))), 2);            // [B, 64, 7, 7]
     return fc2(torch::relu(fc1(x.flatten(1))));
   }
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};

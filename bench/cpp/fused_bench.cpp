@@ -22,6 +22,11 @@
 //   BM_Attention_bf16_ampx_avx512
 //                           (CPUs with AVX512-BF16) ampx's kernel on its plain
 //                           AVX-512 build: float32 products, no vdpbf16ps
+//   BM_MaxPool_{ampx,aten,aten_channels_last}
+//                           2 x 2 max pooling of float32 [128, 32, 28, 28] and
+//                           [128, 64, 14, 14] (mnist-cnn's two pools at its
+//                           batch), ampx::max_pool2d against LibTorch's on the
+//                           same NCHW input and on a channels-last copy
 // Each iteration runs forward and backward through autograd, as training
 // does. The closing table gives each family's times against ampx's.
 
@@ -156,11 +161,37 @@ void BM_Attention(benchmark::State& state, Attention which, torch::ScalarType dt
   ampx::bench::set_traffic(state, B * T * H * E * 2 * 12, B * H * T * T, at::get_num_threads());
 }
 
+enum class MaxPool { kAmpx, kAten, kAtenChannelsLast };
+
+void BM_MaxPool(benchmark::State& state, MaxPool which) {
+  at::set_num_threads(static_cast<int>(state.range(0)));
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> xs, dys;
+  for (const auto& sizes : {std::vector<int64_t>{128, 32, 28, 28}, {128, 64, 14, 14}}) {
+    auto x = torch::relu(torch::randn(sizes));
+    if (which == MaxPool::kAtenChannelsLast) x = x.contiguous(torch::MemoryFormat::ChannelsLast);
+    xs.push_back(x.requires_grad_(true));
+    dys.push_back(torch::randn({sizes[0], sizes[1], sizes[2] / 2, sizes[3] / 2}));
+  }
+  int64_t bytes = 0;
+  for (auto _ : state) {
+    for (size_t i = 0; i < xs.size(); ++i) {
+      (which == MaxPool::kAmpx ? ampx::max_pool2d(xs[i], 2) : torch::max_pool2d(xs[i], 2))
+          .backward(dys[i]);
+      clear_grads({xs[i]});
+    }
+  }
+  // Bytes: x (4 a float) and y (a quarter of x) forward, dy and dx back; the
+  // saved places or indices left out.
+  for (const auto& x : xs) bytes += x.numel() * 10;
+  ampx::bench::set_traffic(state, bytes, xs[0].numel() + xs[1].numel(), at::get_num_threads());
+}
+
 void print_ratios(const ampx::bench::Table& table) {
   std::printf("%-8s %-24s %10s %10s\n", "threads", "benchmark", "ms", "vs first");
   for (const auto& entry : table) {
-    for (const char* family :
-         {"BM_LayerNorm", "BM_BatchNorm", "BM_Gelu", "BM_Attention_bf16", "BM_Attention_fp32"}) {
+    for (const char* family : {"BM_LayerNorm", "BM_BatchNorm", "BM_Gelu", "BM_Attention_bf16",
+                               "BM_Attention_fp32", "BM_MaxPool"}) {
       const std::string first = std::string(family) + "_ampx";
       const auto* base = ampx::bench::find(entry.second, first);
       for (const auto& row : entry.second) {
@@ -207,6 +238,10 @@ int main(int argc, char** argv) {
                                        dtype));
 #endif
   }
+  timed(benchmark::RegisterBenchmark("BM_MaxPool_ampx", BM_MaxPool, MaxPool::kAmpx));
+  timed(benchmark::RegisterBenchmark("BM_MaxPool_aten", BM_MaxPool, MaxPool::kAten));
+  timed(benchmark::RegisterBenchmark("BM_MaxPool_aten_channels_last", BM_MaxPool,
+                                     MaxPool::kAtenChannelsLast));
   benchmark::AddCustomContext("libtorch", ampx::detail::compat::torch_version());
   ampx::bench::print_header(flags, "LibTorch %s, %lld bf16 activations per norm tensor\n",
                             ampx::detail::compat::torch_version(),

@@ -10,6 +10,8 @@
 ///   with float32 statistics (mixed_layer_norm, mixed_batch_norm).
 /// - ampx/kernels/gelu.h: GELU of 16-bit inputs in float32 (mixed_gelu).
 /// - ampx/kernels/attention.h: scaled_dot_product_attention, fused on the CPU.
+/// - ampx/kernels/pooling.h: max_pool2d over non-overlapping windows of an
+///   NCHW CPU tensor, LibTorch's bit for bit.
 /// - ampx/kernels/cpu_products.h: 16-bit CPU matrix products through the
 ///   float32 BLAS (CpuProducts, wide_linear, wide_bmm, wide_matmul).
 ///
@@ -23,3 +25,4 @@
 #include "ampx/kernels/gelu.h"
 #include "ampx/kernels/loss_scale.h"
 #include "ampx/kernels/mixed_norms.h"
+#include "ampx/kernels/pooling.h"
