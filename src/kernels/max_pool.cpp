@@ -280,10 +280,30 @@ struct MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
     const auto sizes = ctx->saved_data["sizes"].toIntVector();
     const auto kernel = ctx->saved_data["kernel"].toIntVector();
     const at::Tensor dy = grads[0].contiguous();
+    if (at::GradMode::is_enabled()) {
+      return {differentiable_backward(dy, code, sizes, kernel), at::Tensor(), at::Tensor()};
+    }
     at::Tensor dx = at::empty(sizes, dy.options());
     const PoolShape s = pool_shape(dx, kernel[0], kernel[1]);
     unpool(dy, code.data_ptr<uint8_t>(), dx, s);
     return {dx, at::Tensor(), at::Tensor()};
+  }
+
+  // Backward under create_graph (a gradient penalty differentiates it
+  // again): LibTorch's own backward op on the int64 indices the places
+  // stand for, so its derivative is LibTorch's too.
+  static at::Tensor differentiable_backward(const at::Tensor& dy, const at::Tensor& code,
+                                            const std::vector<int64_t>& sizes,
+                                            const std::vector<int64_t>& kernel) {
+    const int64_t kh = kernel[0], kw = kernel[1], w = sizes.back();
+    const auto longs = dy.options().dtype(at::kLong);
+    const at::Tensor place = code.to(at::kLong);
+    const at::Tensor row =
+        at::arange(code.size(-2), longs).unsqueeze(1) * kh + place.div(kw, "floor");
+    const at::Tensor col = at::arange(code.size(-1), longs) * kw + place.remainder(kw);
+    const at::Tensor indices = row * w + col;
+    return at::max_pool2d_with_indices_backward(dy, at::empty(sizes, dy.options()), {kh, kw},
+                                                {kh, kw}, {0, 0}, {1, 1}, false, indices);
   }
 };
 

@@ -182,3 +182,25 @@ TEST(MaxPool2dTest, KeepsOneByteAnOutputForBackward) {
   EXPECT_GE(aten, outputs * (4 + 8));
   EXPECT_TRUE(same_bytes(y, y_aten));
 }
+
+TEST(MaxPool2dTest, DifferentiatesItsGradientAsLibTorchDoes) {
+  // A gradient penalty: backward with create_graph, then the gradient's
+  // norm differentiated again, through the upstream gradient and the input.
+  for (const auto dtype : {torch::kFloat, torch::kDouble}) {
+    const auto x0 = input({2, 3, 6, 7}, dtype, false);
+    auto penalty = [&](auto pool) {
+      auto x = x0.clone().requires_grad_(true);
+      auto y = pool(x);
+      torch::manual_seed(3);
+      auto dy = torch::randn(y.sizes(), y.options()).requires_grad_(true);
+      auto dx =
+          torch::autograd::grad({y}, {x}, {dy}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+      EXPECT_TRUE(dx.requires_grad());
+      ((dx * dx).sum() + (y * y).sum()).backward();
+      return std::vector<torch::Tensor>{dx.detach(), dy.grad(), x.grad()};
+    };
+    const auto ours = penalty([](const torch::Tensor& t) { return ampx::max_pool2d(t, 2); });
+    const auto aten = penalty([](const torch::Tensor& t) { return torch::max_pool2d(t, 2); });
+    for (size_t i = 0; i < ours.size(); ++i) EXPECT_TRUE(same_bytes(ours[i], aten[i])) << i;
+  }
+}

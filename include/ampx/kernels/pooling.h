@@ -24,7 +24,9 @@ namespace ampx {
 /// output and gets the output's gradient. Where max_pool2d_is_fused is true
 /// it runs ampx's CPU kernel, which saves one byte an output for backward
 /// (the winner's place in its window) where LibTorch saves an int64 index;
-/// anything else runs at::max_pool2d.
+/// anything else runs at::max_pool2d. A backward with create_graph (a
+/// gradient penalty) runs LibTorch's backward op on the indices those places
+/// stand for, so the gradient differentiates as LibTorch's does.
 at::Tensor max_pool2d(const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride = {},
                       at::IntArrayRef padding = 0, at::IntArrayRef dilation = 1,
                       bool ceil_mode = false);
