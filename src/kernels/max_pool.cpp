@@ -62,6 +62,8 @@ bool pair_of(at::IntArrayRef v, at::IntArrayRef fallback, int64_t out[2]) {
 struct PoolShape {
   int64_t planes, h, w, oh, ow, kh, kw;
   int64_t rows() const { return planes * oh; }  // output rows
+  // Where output row r's windows start in the input (and its gradient).
+  int64_t input_offset(int64_t r) const { return (r / oh) * h * w + (r % oh) * kh * w; }
   int64_t grain() const { return std::max<int64_t>(1, kOutputsPerTask / ow); }
 };
 
@@ -127,7 +129,7 @@ void pool_rows_2x2(const scalar_t* x, scalar_t* y, uint8_t* code, const PoolShap
   constexpr bool kWide = std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>;
   std::vector<float> rows(kWide ? 0 : 3 * 2 * ow);
   for (int64_t r = r0; r < r1; ++r) {
-    const scalar_t* in = x + (r / s.oh) * s.h * w + (r % s.oh) * 2 * w;
+    const scalar_t* in = x + s.input_offset(r);
     uint8_t* place = kPlaces ? code + r * ow : nullptr;
     if constexpr (kWide) {
       pool_pair<scalar_t, kPlaces>(in, in + w, y + r * ow, place, ow);
@@ -151,7 +153,7 @@ void pool_rows_any(const scalar_t* x, scalar_t* y, uint8_t* code, const PoolShap
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t kh = s.kh, kw = s.kw, w = s.w, ow = s.ow;
   for (int64_t r = r0; r < r1; ++r) {
-    const scalar_t* in = x + (r / s.oh) * s.h * w + (r % s.oh) * kh * w;
+    const scalar_t* in = x + s.input_offset(r);
     for (int64_t j = 0; j < ow; ++j) {
       opmath_t best = -std::numeric_limits<opmath_t>::infinity();
       int where = 0;
@@ -186,7 +188,7 @@ void unpool_rows_2x2(const scalar_t* dy, const uint8_t* code, scalar_t* dx, cons
   const int64_t w = s.w, ow = s.ow;
   const auto zero = static_cast<scalar_t>(0);
   for (int64_t r = r0; r < r1; ++r) {
-    scalar_t* __restrict in0 = dx + (r / s.oh) * s.h * w + (r % s.oh) * 2 * w;
+    scalar_t* __restrict in0 = dx + s.input_offset(r);
     scalar_t* __restrict in1 = in0 + w;
     const scalar_t* __restrict g = dy + r * ow;
     const uint8_t* __restrict place = code + r * ow;
@@ -210,7 +212,7 @@ void unpool_rows_any(const scalar_t* dy, const uint8_t* code, scalar_t* dx, cons
                      int64_t r0, int64_t r1) {
   const int64_t kh = s.kh, kw = s.kw, w = s.w, ow = s.ow;
   for (int64_t r = r0; r < r1; ++r) {
-    scalar_t* in = dx + (r / s.oh) * s.h * w + (r % s.oh) * kh * w;
+    scalar_t* in = dx + s.input_offset(r);
     std::fill(in, in + kh * w, static_cast<scalar_t>(0));
     for (int64_t j = 0; j < ow; ++j) {
       const int64_t p = code[r * ow + j];
@@ -225,8 +227,7 @@ template <class scalar_t>
 void zero_uncovered_rows(scalar_t* dx, const PoolShape& s, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     if (r % s.oh != s.oh - 1) continue;
-    const int64_t plane = r / s.oh;
-    std::fill(dx + plane * s.h * s.w + s.oh * s.kh * s.w, dx + (plane + 1) * s.h * s.w,
+    std::fill(dx + s.input_offset(r) + s.kh * s.w, dx + (r / s.oh + 1) * s.h * s.w,
               static_cast<scalar_t>(0));
   }
 }
