@@ -63,8 +63,10 @@ FORKY_BUILD := build/forky
 CUDA_BUILD := build/cuda
 # AMPX_TEST_SHARDS: each GoogleTest binary runs as a few ctest shards, one
 # process each, rather than one process per test (cmake/AmpxGTest.cmake).
+# AMPX_PRECOMPILE_TORCH: <torch/torch.h> parsed once per build, not once per
+# file (cmake/AmpxPrecompileTorch.cmake).
 CMAKE_FLAGS := -DCMAKE_BUILD_TYPE=Release -DAMPX_WARNINGS_AS_ERRORS=ON -DCMAKE_UNITY_BUILD=ON \
-	-DAMPX_TEST_SHARDS=ON
+	-DAMPX_TEST_SHARDS=ON -DAMPX_PRECOMPILE_TORCH=ON
 # The forky leg builds no benchmarks (the wheel leg compiles them; `make
 # bench` builds its own): about 3 minutes of its build. Nor
 # ampx-train's end-to-end tests (tests/train: several trainer processes
