@@ -6,7 +6,8 @@
 #
 # GCC takes a precompiled header only where the file is compiled with the
 # flags it was made with (-fPIC against none, -fopenmp's _OPENMP), so there
-# are two, each made by a target of its own that compiles nothing else:
+# are two, each made (where some target needs it) by a target of its own
+# that compiles nothing else:
 #   - ampx_pch_pic: -fPIC and OpenMP, as the library and its object libraries
 #     (POSITION_INDEPENDENT_CODE) are built;
 #   - ampx_pch: neither, as the programs and ampx-train's static libraries.
@@ -26,40 +27,43 @@ function(ampx_precompile_torch)
   if(NOT AMPX_PRECOMPILE_TORCH)
     return()
   endif()
-  set(source ${CMAKE_CURRENT_BINARY_DIR}/ampx_pch.cpp)
-  # (written only when it changes: a new time stamp would recompile it)
-  file(CONFIGURE OUTPUT ${source} CONTENT
-       "// The targets that make the precompiled <torch/torch.h> (cmake/AmpxPrecompileTorch.cmake)\n")
-  foreach(host ampx_pch ampx_pch_pic)
-    add_library(${host} OBJECT ${source})
-    target_link_libraries(${host} PRIVATE ${TORCH_LIBRARIES})
-    target_precompile_headers(${host} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
-  endforeach()
-  target_link_libraries(ampx_pch_pic PRIVATE OpenMP::OpenMP_CXX)
-  set_target_properties(ampx_pch_pic PROPERTIES POSITION_INDEPENDENT_CODE ON)
-  ampx_reuse_torch_pch()
-endfunction()
-
-# Every target of the project reuses the header of its kind: ampx's own, not
-# the two hosts, nor a GoogleTest built from its sources
-# (AMPX_GTEST_SOURCE_DIR, outside the project). (ampx_all_targets: the top
-# CMakeLists.txt.)
-function(ampx_reuse_torch_pch)
-  ampx_all_targets(targets ${PROJECT_SOURCE_DIR})
+  ampx_all_targets(targets ${PROJECT_SOURCE_DIR})  # (the top CMakeLists.txt)
   foreach(t IN LISTS targets)
     get_target_property(type ${t} TYPE)
     get_target_property(disabled ${t} DISABLE_PRECOMPILE_HEADERS)
     get_target_property(source_dir ${t} SOURCE_DIR)
+    # ampx's own targets only, not a GoogleTest built from its sources
+    # (AMPX_GTEST_SOURCE_DIR, outside the project)
     string(FIND "${source_dir}/" "${PROJECT_SOURCE_DIR}/" at)
-    if(t MATCHES "^ampx_pch(_pic)?$" OR disabled OR NOT at EQUAL 0
+    if(disabled OR NOT at EQUAL 0
        OR NOT type MATCHES "^(EXECUTABLE|STATIC_LIBRARY|SHARED_LIBRARY|OBJECT_LIBRARY)$")
       continue()
     endif()
     get_target_property(pic ${t} POSITION_INDEPENDENT_CODE)
     if(pic)
-      target_precompile_headers(${t} REUSE_FROM ampx_pch_pic)
+      set(host ampx_pch_pic)
     else()
-      target_precompile_headers(${t} REUSE_FROM ampx_pch)
+      set(host ampx_pch)
     endif()
+    if(NOT TARGET ${host})
+      ampx_torch_pch_host(${host} "${pic}")
+    endif()
+    target_precompile_headers(${t} REUSE_FROM ${host})
   endforeach()
+endfunction()
+
+# The target that makes the precompiled header of one kind (PIC: with -fPIC
+# and OpenMP) and compiles nothing else.
+function(ampx_torch_pch_host name pic)
+  set(source ${CMAKE_CURRENT_BINARY_DIR}/ampx_pch.cpp)
+  # (written only when it changes: a new time stamp would recompile it)
+  file(CONFIGURE OUTPUT ${source} CONTENT
+       "// The targets that make the precompiled <torch/torch.h> (cmake/AmpxPrecompileTorch.cmake)\n")
+  add_library(${name} OBJECT ${source})
+  target_link_libraries(${name} PRIVATE ${TORCH_LIBRARIES})
+  target_precompile_headers(${name} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>)
+  if(pic)
+    target_link_libraries(${name} PRIVATE OpenMP::OpenMP_CXX)
+    set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+  endif()
 endfunction()
