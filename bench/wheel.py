@@ -342,7 +342,8 @@ def report(data):
       "per precision)."
       + (f" {wh['adamw_skipped']}." if wh.get("adamw_skipped") else "")
       + (" `ampx --recompute S`: the same build with activation checkpointing (`--recompute "
-         "mlp`: each block's GELU and output product run again in backward; `blocks`: whole "
+         "mlp`: each block's GELU runs again in backward, under O2 with wide products alone, "
+         "elsewhere with the output product; `blocks`: whole "
          "blocks), its peak and step beside the rows without it."
          if wh.get("recompute_e2e") else "")
       + (" `ampx on 2.14`: ampx-train built against Debian's LibTorch 2.14 (forky chroot)."

@@ -56,8 +56,17 @@ struct NNBlockImpl : torch::nn::Module {
                                              /*need_weights=*/false, mask));
     x = x + a.transpose(0, 1);
     if (!recompute_mlp) return x + mlp->forward(ln2(x));
-    // The Sequential's GELU and output layer run again in backward.
+    // The Sequential's GELU (and output layer, where products are not wide)
+    // run again in backward.
     const auto fc = mlp[0]->as<torch::nn::Linear>()->forward(ln2(x));
+    const auto* out = mlp[2]->as<torch::nn::Linear>();
+    if (mlp_tail_runs_wide(fc, out->weight, out->bias)) {
+      // As LibTorch's C++ Linear computes a 3-D input: the product, then
+      // the bias added in place (a second rounding).
+      auto y = ampx::wide_gelu_linear(fc, out->weight);
+      if (out->bias.defined()) y += out->bias;
+      return x + y;
+    }
     return x + ampx::checkpoint(
                    [this](const torch::Tensor& t) {
                      return mlp[2]->as<torch::nn::Linear>()->forward(

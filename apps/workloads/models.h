@@ -14,11 +14,13 @@
 // ops between the layers (gelu, softmax, the residual adds) in "blocks.2",
 // "blocks.2.attn", ... A scope only names: the numbers are the same.
 
+#include <ampx/autocast.h>
 #include <ampx/checkpoint.h>
 #include <ampx/debug/scope.h>
 #include <ampx/detail/compat.h>
 #include <ampx/fsdp.h>
 #include <ampx/kernels.h>
+#include <ampx/policy.h>
 
 #include <torch/torch.h>
 #include <torch/version.h>
@@ -38,6 +40,21 @@ inline torch::Tensor linear_2d(torch::nn::Linear& linear, const torch::Tensor& x
   auto y = linear(x.reshape({-1, sizes.back()}));
   sizes.back() = y.size(1);
   return y.view(sizes);
+}
+
+/// Whether a linear layer of `weight` and `bias` on gelu(h) runs here as
+/// ampx::wide_gelu_linear computes it:
+/// in O2's forward region on a CPU whose 16-bit products are wide, where
+/// GELU is ampx::mixed_gelu and the product wide. --recompute mlp then runs
+/// only GELU again in backward, not the product (the same numbers).
+inline bool mlp_tail_runs_wide(const torch::Tensor& h, const torch::Tensor& weight,
+                               const torch::Tensor& bias) {
+  const auto dtype = h.scalar_type();
+  return ampx::mixed_gelu_is_fused(h) && weight.scalar_type() == dtype &&
+         (!bias.defined() || bias.scalar_type() == dtype) &&
+         ampx::is_autocast_enabled(torch::kCPU) && ampx::cpu_products_are_wide(dtype) &&
+         ampx::get_cast_policy(torch::kCPU, "aten::gelu") ==
+             c10::optional<ampx::CastPolicy>(ampx::CastPolicy::kFp32OutputsAsInput);
 }
 
 /// How gpt's attention runs on the CPU.
@@ -64,7 +81,8 @@ enum class GptRecompute {
   /// Everything backward needs is kept (the default).
   kNone,
   /// The MLP's GELU and output product: GELU's output (4 d a token) is not
-  /// kept; its input is. One more [4 d -> d] product a block each step.
+  /// kept; its input is. One more GELU a block each step, and one more
+  /// [4 d -> d] product where the products are not wide (mlp_tail_runs_wide).
   kMlp,
   /// Whole blocks: only each block's input is kept. One more forward a step.
   kBlocks,
@@ -172,6 +190,8 @@ struct BlockImpl : torch::nn::Module {
     x = x + attn(ln1(x));
     const auto h = linear_2d(fc, ln2(x));
     if (!recompute_mlp) return x + linear_2d(out, torch::gelu(h));
+    if (mlp_tail_runs_wide(h, out->weight, out->bias))
+      return x + ampx::wide_gelu_linear(h, out->weight, out->bias);
     return x + ampx::checkpoint(
                    [this](const torch::Tensor& t) { return linear_2d(out, torch::gelu(t)); }, h);
   }

@@ -10,6 +10,7 @@
 #include "ampx/detail/kernels.h"
 
 #include "function_args.h"
+#include "gelu_passes.h"
 #include "isa/activation_kernels.h"
 
 #include <ATen/ATen.h>
@@ -26,14 +27,7 @@ struct MixedGeluFunction : public torch::autograd::Function<MixedGeluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t isa) {
     const at::Tensor xc = x.contiguous();
     at::Tensor y = at::empty_like(xc);
-    const auto gelu = detail::cpu::gelu_kernels_for(static_cast<detail::cpu::Isa>(isa)).forward;
-    const auto* xp = static_cast<const char*>(xc.data_ptr());
-    auto* yp = static_cast<char*>(y.data_ptr());
-    const auto dtype = xc.scalar_type();
-    const int64_t size = static_cast<int64_t>(xc.element_size());
-    at::parallel_for(0, xc.numel(), ampx::detail::kElementwiseGrain, [&](int64_t i0, int64_t i1) {
-      gelu(xp + i0 * size, dtype, yp + i0 * size, i1 - i0);
-    });
+    detail::cpu::gelu_pass(xc, y, static_cast<detail::cpu::Isa>(isa));
     ctx->save_for_backward({xc});
     ctx->saved_data["isa"] = isa;
     return y;
@@ -43,16 +37,8 @@ struct MixedGeluFunction : public torch::autograd::Function<MixedGeluFunction> {
     const at::Tensor x = ctx->get_saved_variables()[0];
     const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous();
     at::Tensor dx = at::empty_like(x);
-    const auto isa = static_cast<detail::cpu::Isa>(ctx->saved_data["isa"].toInt());
-    const auto gelu_backward = detail::cpu::gelu_kernels_for(isa).backward;
-    const auto* xp = static_cast<const char*>(x.data_ptr());
-    const auto* dyp = static_cast<const char*>(dy.data_ptr());
-    auto* dxp = static_cast<char*>(dx.data_ptr());
-    const auto dtype = x.scalar_type();
-    const int64_t size = static_cast<int64_t>(x.element_size());
-    at::parallel_for(0, x.numel(), ampx::detail::kElementwiseGrain, [&](int64_t i0, int64_t i1) {
-      gelu_backward(dyp + i0 * size, xp + i0 * size, dtype, dxp + i0 * size, i1 - i0);
-    });
+    detail::cpu::gelu_backward_pass(dy, x, dx,
+                                    static_cast<detail::cpu::Isa>(ctx->saved_data["isa"].toInt()));
     return {dx, at::Tensor()};
   }
 };
@@ -76,6 +62,29 @@ at::Tensor mixed_gelu(const at::Tensor& x) {
 
 namespace detail {
 namespace cpu {
+
+void gelu_pass(const at::Tensor& x, const at::Tensor& y, Isa isa) {
+  const auto gelu = gelu_kernels_for(isa).forward;
+  const auto* xp = static_cast<const char*>(x.data_ptr());
+  auto* yp = static_cast<char*>(y.data_ptr());
+  const auto dtype = x.scalar_type();
+  const int64_t size = static_cast<int64_t>(x.element_size());
+  at::parallel_for(0, x.numel(), kElementwiseGrain, [&](int64_t i0, int64_t i1) {
+    gelu(xp + i0 * size, dtype, yp + i0 * size, i1 - i0);
+  });
+}
+
+void gelu_backward_pass(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& dx, Isa isa) {
+  const auto gelu_backward = gelu_kernels_for(isa).backward;
+  const auto* xp = static_cast<const char*>(x.data_ptr());
+  const auto* dyp = static_cast<const char*>(dy.data_ptr());
+  auto* dxp = static_cast<char*>(dx.data_ptr());
+  const auto dtype = x.scalar_type();
+  const int64_t size = static_cast<int64_t>(x.element_size());
+  at::parallel_for(0, x.numel(), kElementwiseGrain, [&](int64_t i0, int64_t i1) {
+    gelu_backward(dyp + i0 * size, xp + i0 * size, dtype, dxp + i0 * size, i1 - i0);
+  });
+}
 
 at::Tensor mixed_gelu(const at::Tensor& x, Isa isa) {
   TORCH_CHECK(mixed_gelu_is_fused(x),

@@ -20,6 +20,7 @@
 #include "ampx/detail/compat.h"
 
 #include "../dispatch/observer_key.h"
+#include "gelu_passes.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -72,20 +73,36 @@ int64_t rows_per_block(int64_t k, int64_t n) {
   return std::max(kMinBlockRows, kBlockBytes / (static_cast<int64_t>(sizeof(float)) * (k + n)));
 }
 
-// y[..., N] = x[..., K] w[N, K]^T (+ b[N]), one rounding to x's dtype; and
-// its gradients (db when b is defined). Shared by the two Functions below:
-// LibTorch 1.13's custom Functions take no undefined tensor argument.
+// The GELU a wide linear may apply to its input first (wide_gelu_linear):
+// ampx::mixed_gelu's passes with the instruction set of the forward, kept for
+// backward's recompute (kNoGelu: none).
+constexpr int64_t kNoGelu = -1;
+
+// GELU of a block of x's rows into a new tensor: mixed_gelu's numbers.
+at::Tensor gelu_rows(const at::Tensor& x, int64_t isa) {
+  at::Tensor y = at::empty_like(x);
+  detail::cpu::gelu_pass(x, y, static_cast<detail::cpu::Isa>(isa));
+  return y;
+}
+
+// y[..., N] = a[..., K] w[N, K]^T (+ b[N]), one rounding to x's dtype, where
+// a is x, or GELU(x) block by block (gelu_isa); and its gradients (db when
+// b is defined). Shared by the two Functions below: LibTorch 1.13's custom
+// Functions take no undefined tensor argument. x itself is saved, so with
+// GELU its output is never whole: backward computes it again by blocks.
 at::Tensor linear_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                          const at::Tensor& b) {
+                          const at::Tensor& b, int64_t gelu_isa) {
   NoAutocast no_autocast;
   HiddenFromObservers hidden;
   const int64_t k = x.size(-1), n = w.size(0);
-  const at::Tensor x2 = x.reshape({-1, k});
+  const at::Tensor xc = gelu_isa == kNoGelu ? x : x.contiguous();
+  const at::Tensor x2 = xc.reshape({-1, k});
   const at::Tensor wt = widen(w).t();
   const at::Tensor b32 = b.defined() ? widen(b) : at::Tensor();
   auto sizes = x.sizes().vec();
   sizes.back() = n;
-  ctx->save_for_backward({x, w});
+  ctx->save_for_backward({xc, w});
+  ctx->saved_data["gelu_isa"] = gelu_isa;
   // Not a view of a rounded product: callers may modify the result in place
   // (LibTorch's C++ Linear adds the bias with += on 3-D inputs), which
   // autograd forbids on a view made inside a custom Function.
@@ -94,8 +111,9 @@ at::Tensor linear_forward(AutogradContext* ctx, const at::Tensor& x, const at::T
   const int64_t rows = x2.size(0), block = rows_per_block(k, n);
   for (int64_t r = 0; r < rows; r += block) {
     const int64_t len = std::min(block, rows - r);
-    const at::Tensor xb = widen(x2.narrow(0, r, len));
-    y2.narrow(0, r, len).copy_(b32.defined() ? at::addmm(b32, xb, wt) : at::mm(xb, wt));
+    const at::Tensor a = x2.narrow(0, r, len);
+    const at::Tensor ab = widen(gelu_isa == kNoGelu ? a : gelu_rows(a, gelu_isa));
+    y2.narrow(0, r, len).copy_(b32.defined() ? at::addmm(b32, ab, wt) : at::mm(ab, wt));
   }
   return y;
 }
@@ -105,6 +123,7 @@ variable_list linear_backward(AutogradContext* ctx, const at::Tensor& grad,
   NoAutocast no_autocast;
   const auto saved = ctx->get_saved_variables();
   const at::Tensor &x = saved[0], &w = saved[1];
+  const int64_t gelu_isa = ctx->saved_data["gelu_isa"].toInt();
   const int64_t k = x.size(-1), n = w.size(0);
   const at::Tensor g2 = grad.reshape({-1, n}), x2 = x.reshape({-1, k});
   const bool dx = ctx->needs_input_grad(0), dw = ctx->needs_input_grad(1),
@@ -117,12 +136,17 @@ variable_list linear_backward(AutogradContext* ctx, const at::Tensor& grad,
   const int64_t rows = g2.size(0), block = rows_per_block(k, n);
   for (int64_t r = 0; r < rows; r += block) {
     const int64_t len = std::min(block, rows - r);
-    const at::Tensor gb = widen(g2.narrow(0, r, len));
-    if (dx) gx2.narrow(0, r, len).copy_(at::mm(gb, w32));
-    if (dw) gw32.addmm_(gb.t(), widen(x2.narrow(0, r, len)));
+    const at::Tensor gb = widen(g2.narrow(0, r, len)), a = x2.narrow(0, r, len);
+    if (dx && gelu_isa == kNoGelu) gx2.narrow(0, r, len).copy_(at::mm(gb, w32));
+    if (dx && gelu_isa != kNoGelu) {  // GELU's output gradient, rounded as mixed_gelu gets it
+      const at::Tensor da = at::mm(gb, w32).to(x.scalar_type());
+      detail::cpu::gelu_backward_pass(da, a, gx2.narrow(0, r, len),
+                                      static_cast<detail::cpu::Isa>(gelu_isa));
+    }
+    if (dw) gw32.addmm_(gb.t(), widen(gelu_isa == kNoGelu ? a : gelu_rows(a, gelu_isa)));
     if (db) gb32.add_(gb.sum(0));
   }
-  variable_list out(bias_dtype ? 3 : 2);
+  variable_list out(bias_dtype ? 4 : 3);
   out[0] = gx;
   if (dw) out[1] = gw32.to(w.scalar_type());
   if (db) out[2] = gb32.to(*bias_dtype);
@@ -131,9 +155,9 @@ variable_list linear_backward(AutogradContext* ctx, const at::Tensor& grad,
 
 struct WideLinearFunction : public torch::autograd::Function<WideLinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
-                            const at::Tensor& b) {
+                            const at::Tensor& b, int64_t gelu_isa) {
     ctx->saved_data["bias_dtype"] = static_cast<int64_t>(b.scalar_type());
-    return linear_forward(ctx, x, w, b);
+    return linear_forward(ctx, x, w, b, gelu_isa);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return linear_backward(
@@ -142,16 +166,19 @@ struct WideLinearFunction : public torch::autograd::Function<WideLinearFunction>
 };
 
 struct WideLinearNoBiasFunction : public torch::autograd::Function<WideLinearNoBiasFunction> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
-    return linear_forward(ctx, x, w, at::Tensor());
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            int64_t gelu_isa) {
+    return linear_forward(ctx, x, w, at::Tensor(), gelu_isa);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return linear_backward(ctx, grads[0], c10::nullopt);
   }
 };
 
-at::Tensor apply_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b) {
-  return b.defined() ? WideLinearFunction::apply(x, w, b) : WideLinearNoBiasFunction::apply(x, w);
+at::Tensor apply_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                        int64_t gelu_isa = kNoGelu) {
+  return b.defined() ? WideLinearFunction::apply(x, w, b, gelu_isa)
+                     : WideLinearNoBiasFunction::apply(x, w, gelu_isa);
 }
 
 // y[B, M, N] = a[B, M, K] b[B, K, N], one rounding to a's dtype.
@@ -190,6 +217,17 @@ void check_operands(const char* who, std::initializer_list<const at::Tensor*> op
                       ": operands must share one dtype, got ", first.scalar_type(), " and ",
                       t->scalar_type());
   }
+}
+
+// wide_linear's and wide_gelu_linear's operands, errors naming `who`.
+void check_linear(const char* who, const at::Tensor& x, const at::Tensor& weight,
+                  const at::Tensor& bias) {
+  check_operands(who, {&x, &weight, &bias});
+  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), who,
+                    ": x [..., in] and weight [out, in] must agree, got x ", x.sizes(),
+                    " and weight ", weight.sizes());
+  TORCH_CHECK_VALUE(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), who,
+                    ": bias must be [out] = [", weight.size(0), "], got ", bias.sizes());
 }
 
 // AMPX_CPU_PRODUCTS, read once; set_cpu_products replaces it.
@@ -330,14 +368,13 @@ bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight, const a
 }
 
 at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  check_operands("ampx::wide_linear", {&x, &weight, &bias});
-  TORCH_CHECK_VALUE(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1),
-                    "ampx::wide_linear: x [..., in] and weight [out, in] must agree, got x ",
-                    x.sizes(), " and weight ", weight.sizes());
-  TORCH_CHECK_VALUE(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)),
-                    "ampx::wide_linear: bias must be [out] = [", weight.size(0), "], got ",
-                    bias.sizes());
+  check_linear("ampx::wide_linear", x, weight, bias);
   return apply_linear(x, weight, bias);
+}
+
+at::Tensor wide_gelu_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  check_linear("ampx::wide_gelu_linear", x, weight, bias);
+  return apply_linear(x, weight, bias, static_cast<int64_t>(detail::cpu::best_isa()));
 }
 
 at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b) {

@@ -6,6 +6,7 @@
 #include "ampx/amp.h"
 #include "ampx/autocast.h"
 #include "ampx/kernels.h"
+#include "ampx/memory.h"
 #include "ampx/optim.h"
 #include "ampx/policy.h"
 
@@ -15,6 +16,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -167,6 +169,39 @@ TEST_P(WideProductsTest, AttentionShapedMatmulAndBmmAreWithinOneRoundingBothWays
                              torch::bmm(a64.abs().transpose(1, 2), gy64.abs()), 7, "bmm db");
 }
 
+// wide_gelu_linear(x, w, b) against wide_linear(mixed_gelu(x), w, b) on the
+// same numbers: 600 rows of k 4000 and n 100 run as two blocks of 256 rows
+// and one of 88, so GELU runs by blocks both ways (and again in backward);
+// the output and the three gradients are the same bits, with and without a
+// bias.
+TEST_P(WideProductsTest, GeluLinearIsWideLinearOfMixedGeluBitForBit) {
+  torch::manual_seed(4);
+  const auto dtype = GetParam();
+  const auto x = (torch::randn({2, 300, 4000}) * 2).to(dtype);
+  const auto w = (torch::randn({100, 4000}) / 64).to(dtype), b = torch::randn({100}).to(dtype);
+  const auto g = torch::randn({2, 300, 100}).to(dtype);
+  for (const bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias ? "with a bias" : "without a bias");
+    std::vector<torch::Tensor> fused_leaves, plain_leaves;
+    for (auto* leaves : {&fused_leaves, &plain_leaves}) {
+      *leaves = {x.clone().requires_grad_(), w.clone().requires_grad_(),
+                 with_bias ? b.clone().requires_grad_() : torch::Tensor()};
+    }
+    const auto fused = ampx::wide_gelu_linear(fused_leaves[0], fused_leaves[1], fused_leaves[2]);
+    const auto plain =
+        ampx::wide_linear(ampx::mixed_gelu(plain_leaves[0]), plain_leaves[1], plain_leaves[2]);
+    ASSERT_EQ(fused.scalar_type(), dtype);
+    EXPECT_TRUE(torch::equal(fused, plain));
+    fused.backward(g);
+    plain.backward(g);
+    for (size_t i = 0; i < 3; ++i) {
+      if (!plain_leaves[i].defined()) continue;
+      ASSERT_TRUE(fused_leaves[i].grad().defined()) << "operand " << i;
+      EXPECT_TRUE(torch::equal(fused_leaves[i].grad(), plain_leaves[i].grad())) << "operand " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, WideProductsTest,
                          ::testing::Values(torch::kBFloat16, torch::kHalf),
                          [](const auto& info) {
@@ -194,6 +229,43 @@ TEST(WideProductsApiTest, RejectsOperandsThatAreNotOneSixteenBitCpuDtypeNamingTh
 // a Zen 3 without AVX-512 (no kernels: a scalar loop), an Intel Xeon with
 // AVX512-BF16 and no AMX (oneDNN's bf16 187 GFLOP/s, MKL's float32 351; its
 // AVX512-FP16 products 355), a Zen 4 with AVX512-BF16 (406 against 202).
+// What wide_gelu_linear is for: backward keeps its input, not GELU's output.
+// Its forward leaves its output alive and nothing else; the same layer after
+// mixed_gelu leaves GELU's output too.
+TEST(WideProductsApiTest, GeluLinearKeepsItsInputForBackwardNotGelusOutput) {
+  ampx::enable_cpu_memory_tracking();
+  const auto x = torch::randn({1024, 512}).to(torch::kBFloat16).requires_grad_();
+  const auto w = torch::randn({64, 512}).div(16).to(torch::kBFloat16).requires_grad_();
+  const auto b = torch::randn({64}).to(torch::kBFloat16).requires_grad_();
+  const int64_t y_bytes = 1024 * 64 * 2, gelu_bytes = 1024 * 512 * 2;
+  const int64_t start = ampx::cpu_memory_stats().allocated_bytes;
+  const auto fused = ampx::wide_gelu_linear(x, w, b);
+  const int64_t fused_bytes = ampx::cpu_memory_stats().allocated_bytes - start;
+  const auto plain = ampx::wide_linear(ampx::mixed_gelu(x), w, b);
+  const int64_t plain_bytes = ampx::cpu_memory_stats().allocated_bytes - start - fused_bytes;
+  EXPECT_GE(fused_bytes, y_bytes);
+  EXPECT_LT(fused_bytes, y_bytes + gelu_bytes / 8);
+  EXPECT_GE(plain_bytes, y_bytes + gelu_bytes);
+}
+
+TEST(WideProductsApiTest, GeluLinearRejectsWhatWideLinearRejectsNamingItself) {
+  const auto x = torch::randn({4, 8}).to(torch::kBFloat16), w = torch::randn({3, 8});
+  EXPECT_THROW(
+      {
+        try {
+          ampx::wide_gelu_linear(x, w);
+        } catch (const c10::ValueError& e) {
+          EXPECT_NE(std::string(e.what()).find("ampx::wide_gelu_linear: operands must be bfloat16 "
+                                               "or float16 CPU tensors, got Float"),
+                    std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      c10::ValueError);
+  EXPECT_THROW(ampx::wide_gelu_linear(x, w.to(torch::kBFloat16).t()), c10::ValueError);
+}
+
 TEST(WideProductsApiTest, AutoIsWideWhereSixteenBitProductsAreClearlySlowerThanFloat32) {
   EXPECT_TRUE(ampx::auto_products_are_wide(false, 0, 0));
   EXPECT_TRUE(ampx::auto_products_are_wide(false, 400, 200));  // no kernels: never timed

@@ -287,10 +287,13 @@ TEST_F(CompareTest, MemoryOriginsSumToEachModesPeak) {
 
 // --recompute runs blocks (or their MLP's tail) again in backward through
 // ampx::checkpoint: the same gradients, so the same weights bit for bit, in
-// each mode's forward region (O1's autocast, O2's fp32 norms and products).
+// each mode's forward region (O1's autocast, O2's fp32 norms and products,
+// O3's products). With wide products (as the tests run), O2's mlp runs only
+// GELU again (ampx::wide_gelu_linear); O1's and O3's, whose GELU is not
+// ampx::mixed_gelu, run GELU and the product again.
 TEST_F(CompareTest, RecomputeTrainsTheSameWeightsBitForBit) {
   for (const std::string workload : {"gpt", "gpt-nn"}) {
-    for (const std::string mode : {"O1", "O2"}) {
+    for (const std::string mode : {"O1", "O2", "O3"}) {
       if (workload == "gpt-nn" && mode == "O1") continue;
       std::vector<std::pair<std::string, torch::Tensor>> plain;
       std::vector<double> plain_losses;

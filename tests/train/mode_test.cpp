@@ -5,6 +5,7 @@
 // trained "O1" in fp32 and every other train test still passed.
 
 #include "cli/config.h"
+#include "models.h"
 #include "run/trainer.h"
 #include "run/workloads.h"
 #include "test_support.h"
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include <ampx/kernels.h>
 #include <ampx/version.h>
 
 #include <gtest/gtest.h>
@@ -96,6 +98,16 @@ TEST_P(ModeTest, SetsUpAndStepsTheModeAsItIsDefined) {
     EXPECT_EQ(setup.forward(batch.input).scalar_type(), torch::kFloat) << mode;
   }
   EXPECT_EQ(setup.amp->scaler().is_enabled(), scaled) << mode;
+  {
+    // --recompute mlp runs only GELU again (ampx::wide_gelu_linear) where the
+    // mode's region computes the MLP's tail as that does: O2's, whose GELU
+    // is ampx::mixed_gelu, with wide products (as the train tests run them).
+    ASSERT_TRUE(ampx::cpu_products_are_wide(low)) << "the train tests run with wide products";
+    auto guard = setup.amp->forward_guard();
+    const auto h = torch::randn({4, 8}).to(low), w = torch::randn({2, 8}).to(low);
+    EXPECT_EQ(mlp_tail_runs_wide(h, w, torch::randn({2}).to(low)), mode == "O2") << mode;
+    EXPECT_FALSE(mlp_tail_runs_wide(h, w, torch::randn({2}))) << mode << ": a float32 bias";
+  }
 
   const StepOutcome step = train_step(setup, *workload_, batch);
   EXPECT_TRUE(step.stepped) << mode;

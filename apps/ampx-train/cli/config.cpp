@@ -202,9 +202,10 @@ void add_gpt_options(CLI::App& app, TrainConfig& c) {
                  "comparison's model)")
       ->check(CLI::IsMember({"fused", "explicit"}));
   app.add_option("--recompute", c.recompute,
-                 "gpt, gpt-nn: activation checkpointing (ampx::checkpoint): none; mlp (GELU "
-                 "and the MLP's output product run again in backward, GELU's output is not "
-                 "kept); blocks (whole blocks run again, only their inputs are kept). The "
+                 "gpt, gpt-nn: activation checkpointing (ampx::checkpoint): none; mlp (GELU's "
+                 "output is not kept: GELU runs again in backward, and the MLP's output "
+                 "product too unless O2 multiplies wide); blocks (whole blocks run again, only "
+                 "their inputs are kept). The "
                  "same gradients, less memory, more compute")
       ->check(CLI::IsMember({"none", "mlp", "blocks"}));
 }
@@ -474,7 +475,10 @@ ampx::fp8::Recipe fp8_recipe_of(const TrainConfig& c, const std::string& mode) {
 }
 
 std::string recompute_description(const TrainConfig& c) {
-  if (c.recompute == "mlp") return "mlp: each block's GELU and output product again in backward";
+  if (c.recompute == "mlp") {
+    return "mlp: each block's GELU again in backward (O2 with wide products), or GELU and output "
+           "product";
+  }
   if (c.recompute == "blocks") return "blocks: each block's forward again in backward";
   return "none";
 }

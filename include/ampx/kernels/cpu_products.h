@@ -4,13 +4,15 @@
 /// 16-bit matrix products on the CPU: whether ampx's regions multiply
 /// bfloat16/float16 matrices in LibTorch's own kernels or "wide", in the
 /// float32 BLAS rounded once to 16 bits (CpuProducts), and the wide products
-/// themselves (wide_linear, wide_bmm, wide_matmul).
+/// themselves (wide_linear, wide_gelu_linear, wide_bmm, wide_matmul).
 ///
 /// ```
-///   ampx::get_cpu_products();                        // CpuProducts::kAuto (AMPX_CPU_PRODUCTS unset)
-///   ampx::cpu_products_are_wide(torch::kBFloat16);   // true where bf16 products are slow here
-///   ampx::cpu_products_probe(torch::kBFloat16);      // what auto measured: GFLOP/s of both
+///   ampx::get_cpu_products();                        // CpuProducts::kAuto (AMPX_CPU_PRODUCTS
+///   unset) ampx::cpu_products_are_wide(torch::kBFloat16);   // true where bf16 products are slow
+///   here ampx::cpu_products_probe(torch::kBFloat16);      // what auto measured: GFLOP/s of both
 ///   auto y = ampx::wide_linear(x, w, b);             // bf16 x, w, b: bf16 y, float32 sums
+///   auto z = ampx::wide_gelu_linear(h, w, b);        // wide_linear(mixed_gelu(h), w, b), keeping
+///   h
 /// ```
 
 #include <ATen/core/Tensor.h>
@@ -115,6 +117,17 @@ at::Tensor wide_linear(const at::Tensor& x, const at::Tensor& weight,
 /// [out] or undefined); dtypes are not looked at.
 bool wide_linear_supports(const at::Tensor& x, const at::Tensor& weight,
                           const at::Tensor& bias = at::Tensor());
+
+/// `wide_linear(mixed_gelu(x), weight, bias)` (ampx/kernels/gelu.h), the same
+/// numbers bit for bit forward and backward, keeping x for backward instead
+/// of GELU's output: the output exists only a block of rows at a time, in
+/// forward and again in backward, where GELU runs a second time (and its
+/// output's gradient is not kept whole either). A transformer's MLP tail
+/// without its largest saved activation, for one more GELU a step. ampx's op
+/// observers see neither the GELU nor the product. Operands and errors as
+/// wide_linear's.
+at::Tensor wide_gelu_linear(const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias = at::Tensor());
 
 /// `at::bmm(a, b)` the same way (a [B, M, K], b [B, K, N]).
 at::Tensor wide_bmm(const at::Tensor& a, const at::Tensor& b);
